@@ -1,0 +1,511 @@
+"""ServerArgs: the single configuration object of the engine, its CLI and its validation.
+
+Every component reads its settings from here. Construction never touches the model files
+(`ServerArgs(model_path="dummy")` works anywhere); model-dependent defaults are resolved later by the
+model runner. CUDA-graph settings are resolved into `cuda_graph_config` by
+`_handle_cuda_graph_config()` (DESIGN §6).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from sglang.srt import utils
+from sglang.srt.model_executor.cuda_graph_config import (
+    DECODE_BACKENDS,
+    PREFILL_BACKENDS,
+    Backend,
+    CudaGraphConfig,
+    Phase,
+    PhaseConfig,
+)
+from sglang.srt.utils import is_cpu, is_hip, is_mps, is_npu, is_xpu
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+ATTENTION_BACKENDS = ("triton", "torch_native")
+LORA_BACKENDS = ("csgmv", "triton", "torch_native")
+LORA_EVICTION_POLICIES = ("lru", "fifo")
+LORA_CHUNK_SIZES = (16, 32, 64, 128)
+LORA_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "all",
+)
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+@dataclass
+class LoRAPathSpec:
+    """One `--lora-paths` entry: `PATH`, `NAME=PATH`, or JSON {lora_name, lora_path, pinned}."""
+
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+    @classmethod
+    def parse(cls, item: Union[str, dict, "LoRAPathSpec"]) -> "LoRAPathSpec":
+        if isinstance(item, LoRAPathSpec):
+            return item
+        if isinstance(item, dict):
+            data = item
+        else:
+            text = str(item).strip()
+            if not text:
+                raise ValueError("--lora-paths: empty entry")
+            if text.startswith("{"):
+                try:
+                    data = json.loads(text)
+                except json.JSONDecodeError as e:
+                    raise ValueError(f"--lora-paths: invalid JSON entry {text!r}: {e}") from None
+            elif "=" in text:
+                name, path = text.split("=", 1)
+                data = {"lora_name": name.strip(), "lora_path": path.strip()}
+            else:
+                data = {"lora_name": text, "lora_path": text}
+        if not isinstance(data, dict) or "lora_path" not in data:
+            raise ValueError(
+                f"--lora-paths: entry {item!r} must be PATH, NAME=PATH or JSON with 'lora_path'"
+            )
+        name = str(data.get("lora_name") or data["lora_path"])
+        path = str(data["lora_path"])
+        if not name or not path:
+            raise ValueError(f"--lora-paths: entry {item!r} has an empty name or path")
+        unknown = set(data) - {"lora_name", "lora_path", "pinned"}
+        if unknown:
+            raise ValueError(
+                f"--lora-paths: unknown key(s) {sorted(unknown)} in {item!r}; "
+                "allowed: lora_name, lora_path, pinned"
+            )
+        return cls(lora_name=name, lora_path=path, pinned=bool(data.get("pinned", False)))
+
+
+@dataclass
+class ServerArgs:
+    # Model and tokenizer
+    model_path: str = "demo"
+    tokenizer_path: Optional[str] = None
+    load_format: str = "auto"
+    dtype: str = "auto"
+    context_length: Optional[int] = None
+    device: str = "auto"
+    random_seed: int = 42
+    served_model_name: Optional[str] = None
+    skip_tokenizer_init: bool = False
+    trust_remote_code: bool = False
+
+    # Memory and scheduling
+    mem_fraction_static: float = 0.85
+    max_total_tokens: Optional[int] = None
+    max_running_requests: Optional[int] = None
+    max_prefill_tokens: int = 16384
+    chunked_prefill_size: int = 8192
+    disable_radix_cache: bool = False
+    schedule_policy: str = "fcfs"
+    decode_log_interval: int = 40
+    enable_deterministic_inference: bool = False
+
+    # Kernels
+    attention_backend: Optional[str] = None
+
+    # LoRA
+    enable_lora: Optional[bool] = None
+    lora_paths: Optional[list[Any]] = None
+    max_loras_per_batch: int = 8
+    max_lora_rank: Optional[int] = None
+    lora_target_modules: Optional[list[str]] = None
+    max_loaded_loras: Optional[int] = None
+    lora_eviction_policy: str = "lru"
+    lora_backend: str = "csgmv"
+    max_lora_chunk_size: int = 16
+    # Bound, in scheduler turns, on how long a request whose adapter does not fit may wait before
+    # the scheduler stops admitting new adapters until it fits (anti-starvation).
+    lora_max_wait_turns: int = 64
+
+    # CUDA graphs (resolved into `cuda_graph_config` by _handle_cuda_graph_config)
+    cuda_graph_config: Optional[Any] = None
+    cuda_graph_backend_prefill: Optional[str] = None
+    cuda_graph_backend_decode: Optional[str] = None
+    cuda_graph_max_bs_prefill: Optional[int] = None
+    cuda_graph_max_bs_decode: Optional[int] = None
+    cuda_graph_bs_prefill: Optional[list[int]] = None
+    cuda_graph_bs_decode: Optional[list[int]] = None
+    disable_prefill_cuda_graph: bool = False
+    disable_decode_cuda_graph: bool = False
+    disable_cuda_graph: bool = False
+
+    # HTTP server
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    log_level: str = "info"
+    # Largest top_logprobs / logprobs a request may ask for.
+    max_top_logprobs: int = 20
+    # Test-only: enables the fault-injection hook (never set in production).
+    enable_test_hooks: bool = False
+
+    # Derived (not CLI flags)
+    _cuda_graph_config_input: Any = field(default=None, repr=False)
+    _cuda_graph_config_locked: set = field(default_factory=set, repr=False)
+
+    def __post_init__(self) -> None:
+        self._normalize_lora_args()
+        self._validate()
+        # Keep the raw JSON so the resolution can be re-run (e.g. after patching is_cuda in tests).
+        if not isinstance(self.cuda_graph_config, CudaGraphConfig):
+            self._cuda_graph_config_input = self.cuda_graph_config
+        self._handle_cuda_graph_config()
+
+    # ------------------------------------------------------------------ validation
+    def _normalize_lora_args(self) -> None:
+        if self.lora_paths:
+            if isinstance(self.lora_paths, (str, dict)):
+                self.lora_paths = [self.lora_paths]
+            if isinstance(self.lora_paths, dict):  # {name: path}
+                self.lora_paths = [{"lora_name": k, "lora_path": v} for k, v in self.lora_paths.items()]
+            self.lora_paths = [LoRAPathSpec.parse(p) for p in self.lora_paths]
+            names = [p.lora_name for p in self.lora_paths]
+            dup = sorted({n for n in names if names.count(n) > 1})
+            if dup:
+                raise ValueError(f"--lora-paths: duplicate adapter name(s) {dup}")
+            if self.enable_lora is None:
+                logger.info("--lora-paths given: enabling LoRA (--enable-lora).")
+                self.enable_lora = True
+            elif self.enable_lora is False:
+                logger.warning("--enable-lora is false; ignoring --lora-paths.")
+                self.lora_paths = None
+        self.enable_lora = bool(self.enable_lora)
+        if isinstance(self.lora_target_modules, str):
+            self.lora_target_modules = [self.lora_target_modules]
+
+    def _validate(self) -> None:
+        def choice(flag: str, value: Any, allowed: tuple) -> None:
+            if value not in allowed:
+                raise ValueError(f"{flag} must be one of {list(allowed)}, got {value!r}")
+
+        def positive(flag: str, value: Optional[int], allow_none: bool = True) -> None:
+            if value is None and allow_none:
+                return
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ValueError(f"{flag} must be a positive integer, got {value!r}")
+
+        if not self.model_path:
+            raise ValueError("--model-path must not be empty")
+        choice("--load-format", self.load_format, LOAD_FORMATS)
+        choice("--dtype", self.dtype, DTYPES)
+        choice("--device", self.device, DEVICES)
+        choice("--log-level", self.log_level, LOG_LEVELS)
+        if self.attention_backend is not None:
+            choice("--attention-backend", self.attention_backend, ATTENTION_BACKENDS)
+        choice("--lora-backend", self.lora_backend, LORA_BACKENDS)
+        choice("--lora-eviction-policy", self.lora_eviction_policy, LORA_EVICTION_POLICIES)
+        choice("--max-lora-chunk-size", self.max_lora_chunk_size, LORA_CHUNK_SIZES)
+        choice("--schedule-policy", self.schedule_policy, ("fcfs",))
+        if not (0.0 < self.mem_fraction_static < 1.0):
+            raise ValueError(
+                f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static!r}"
+            )
+        positive("--context-length", self.context_length)
+        positive("--max-total-tokens", self.max_total_tokens)
+        positive("--max-running-requests", self.max_running_requests)
+        positive("--max-prefill-tokens", self.max_prefill_tokens, allow_none=False)
+        positive("--decode-log-interval", self.decode_log_interval, allow_none=False)
+        positive("--max-top-logprobs", self.max_top_logprobs, allow_none=False)
+        if self.chunked_prefill_size != -1:
+            positive("--chunked-prefill-size (or -1 to turn chunking off)", self.chunked_prefill_size, False)
+        if not (0 < self.port < 65536):
+            raise ValueError(f"--port must be in 1..65535, got {self.port!r}")
+        if self.served_model_name is not None and ":" in self.served_model_name:
+            raise ValueError(
+                "--served-model-name must not contain ':' (requests use 'model=<base>:<adapter>'), "
+                f"got {self.served_model_name!r}"
+            )
+
+        # LoRA
+        positive("--max-loras-per-batch", self.max_loras_per_batch, allow_none=False)
+        positive("--max-lora-rank", self.max_lora_rank)
+        positive("--max-loaded-loras", self.max_loaded_loras)
+        positive("--lora-max-wait-turns", self.lora_max_wait_turns, allow_none=False)
+        if self.lora_target_modules is not None:
+            for m in self.lora_target_modules:
+                choice("--lora-target-modules", m, LORA_TARGET_MODULES)
+            if "all" in self.lora_target_modules and len(self.lora_target_modules) > 1:
+                raise ValueError("--lora-target-modules: 'all' must be given alone")
+        if self.enable_lora:
+            if self.max_loras_per_batch < 2 and self.lora_paths:
+                logger.warning(
+                    "--max-loras-per-batch 1 leaves no slot beside the base model: adapter and base "
+                    "requests will never share a batch."
+                )
+            if not self.lora_paths and (self.max_lora_rank is None or not self.lora_target_modules):
+                raise ValueError(
+                    "--enable-lora without --lora-paths requires both --max-lora-rank and "
+                    "--lora-target-modules (the pool is sized from them)"
+                )
+            if self.max_loaded_loras is not None:
+                if self.max_loaded_loras < self.max_loras_per_batch:
+                    raise ValueError(
+                        f"--max-loaded-loras ({self.max_loaded_loras}) must be >= "
+                        f"--max-loras-per-batch ({self.max_loras_per_batch})"
+                    )
+                if self.lora_paths and len(self.lora_paths) > self.max_loaded_loras:
+                    raise ValueError(
+                        f"--lora-paths has {len(self.lora_paths)} adapters, more than "
+                        f"--max-loaded-loras ({self.max_loaded_loras})"
+                    )
+            pinned = sum(1 for p in (self.lora_paths or []) if p.pinned)
+            if pinned > max(self.max_loras_per_batch - 1, 0):
+                raise ValueError(
+                    f"--lora-paths pins {pinned} adapters; at most --max-loras-per-batch - 1 "
+                    f"({self.max_loras_per_batch - 1}) may be pinned, so one slot stays free"
+                )
+
+        # CUDA graphs
+        for flag, value, allowed in (
+            ("--cuda-graph-backend-prefill", self.cuda_graph_backend_prefill, PREFILL_BACKENDS),
+            ("--cuda-graph-backend-decode", self.cuda_graph_backend_decode, DECODE_BACKENDS),
+        ):
+            if value is not None:
+                choice(flag, value, tuple(b.value for b in allowed))
+        positive("--cuda-graph-max-bs-prefill", self.cuda_graph_max_bs_prefill)
+        positive("--cuda-graph-max-bs-decode", self.cuda_graph_max_bs_decode)
+        for flag, values in (
+            ("--cuda-graph-bs-prefill", self.cuda_graph_bs_prefill),
+            ("--cuda-graph-bs-decode", self.cuda_graph_bs_decode),
+        ):
+            for v in values or []:
+                positive(flag, v, allow_none=False)
+
+    # ------------------------------------------------------------------ derived settings
+    def resolved_device(self) -> str:
+        if self.device != "auto":
+            return self.device
+        return "cuda" if utils.is_cuda() else "cpu"
+
+    def resolved_attention_backend(self) -> str:
+        if self.attention_backend is not None:
+            return self.attention_backend
+        return "triton" if self.resolved_device() == "cuda" else "torch_native"
+
+    def use_mla_backend(self) -> bool:
+        """MLA models are not supported by this engine; kept for the graph-config rules."""
+        return False
+
+    # ------------------------------------------------------------------ CUDA graph resolution
+    def _handle_cuda_graph_config(self) -> None:
+        """Resolve every CUDA-graph flag into `self.cuda_graph_config`.
+
+        Precedence, highest first: --cuda-graph-config JSON, per-phase flags
+        (--cuda-graph-backend-*, --cuda-graph-max-bs-*, --cuda-graph-bs-*), per-phase disable
+        switches, legacy --disable-cuda-graph, defaults. Keys set by anything but the defaults are
+        *locked*; the compatibility rules never override a locked prefill backend.
+        """
+        on_cuda = utils.is_cuda() and self.device in ("auto", "cuda")
+        cfg = CudaGraphConfig(
+            decode=PhaseConfig(backend=Backend.FULL if on_cuda else Backend.DISABLED),
+            prefill=PhaseConfig(backend=Backend.BREAKABLE if on_cuda else Backend.DISABLED),
+        )
+        locked: set[tuple[str, str]] = set()
+
+        def put(phase: Phase, key: str, value: Any) -> None:
+            setattr(cfg.phase(phase), key, Backend(value) if key == "backend" else value)
+            locked.add((phase.value, key))
+
+        if self.disable_cuda_graph:
+            put(Phase.DECODE, "backend", Backend.DISABLED)
+            put(Phase.PREFILL, "backend", Backend.DISABLED)
+        if self.disable_decode_cuda_graph:
+            put(Phase.DECODE, "backend", Backend.DISABLED)
+        if self.disable_prefill_cuda_graph:
+            put(Phase.PREFILL, "backend", Backend.DISABLED)
+        for phase, backend, max_bs, bs in (
+            (Phase.DECODE, self.cuda_graph_backend_decode, self.cuda_graph_max_bs_decode, self.cuda_graph_bs_decode),
+            (Phase.PREFILL, self.cuda_graph_backend_prefill, self.cuda_graph_max_bs_prefill, self.cuda_graph_bs_prefill),
+        ):
+            if backend is not None:
+                put(phase, "backend", backend)
+            if max_bs is not None:
+                put(phase, "max_bs", max_bs)
+            if bs:
+                put(phase, "bs", sorted(set(bs)))
+        if self._cuda_graph_config_input is not None:
+            for phase_name, phase_cfg in CudaGraphConfig.parse_json(self._cuda_graph_config_input).items():
+                for key, value in phase_cfg.items():
+                    put(Phase(phase_name), key, value)
+
+        allowed = {Phase.PREFILL: PREFILL_BACKENDS, Phase.DECODE: DECODE_BACKENDS}
+        for phase, backends in allowed.items():
+            if cfg.phase(phase).backend not in backends:
+                raise ValueError(
+                    f"cuda graph backend {cfg.phase(phase).backend.value!r} is not allowed for the "
+                    f"{phase.value} phase; allowed: {[b.value for b in backends]}"
+                )
+
+        self.cuda_graph_config = cfg
+        self._cuda_graph_config_locked = locked
+        if (Phase.PREFILL.value, "backend") not in locked:
+            # Breakable and full have no auto-disable rule here: both support LoRA (DESIGN §6);
+            # what the runtime cannot serve (e.g. the torch_native LoRA backend) it runs eagerly.
+            self._disable_tc_piecewise_cudagraph_if_incompatible()
+        if cfg.prefill.backend == Backend.FULL:
+            logger.warning(
+                "cuda_graph_config[prefill].backend='full' captures attention with a fixed number of "
+                "request slots; batches with more requests run eagerly."
+            )
+
+    def _disable_tc_piecewise_cudagraph_if_incompatible(self) -> None:
+        """tc_piecewise (torch.compile) cannot follow per-batch LoRA metadata, among other things."""
+        cfg = self.cuda_graph_config
+        if cfg.prefill.backend != Backend.TC_PIECEWISE:
+            return
+        rules = (
+            ("non-CUDA hardware", lambda: is_hip() or is_npu() or is_cpu() or is_mps() or is_xpu()),
+            # Dynamo guards on the LoRA batch info break on every batch; breakable/full support LoRA.
+            ("LoRA", lambda: bool(self.lora_paths) or bool(self.enable_lora)),
+            ("deterministic inference", lambda: self.enable_deterministic_inference),
+        )
+        for reason, matches in rules:
+            if matches():
+                logger.warning(
+                    "tc_piecewise CUDA graph is incompatible with %s; disabling prefill CUDA graph.",
+                    reason,
+                )
+                cfg.prefill.backend = Backend.DISABLED
+                return
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        d = ServerArgs.__dataclass_fields__
+
+        def default(name: str) -> Any:
+            f = d[name]
+            return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+        g = parser.add_argument_group("model")
+        g.add_argument("--model-path", "--model", default=default("model_path"),
+                       help="HF checkpoint folder; 'demo' (the default) serves a tiny built-in demo model.")
+        g.add_argument("--tokenizer-path", default=None, help="Defaults to --model-path.")
+        g.add_argument("--load-format", default=default("load_format"), choices=LOAD_FORMATS,
+                       help="'dummy' builds random weights from config.json alone.")
+        g.add_argument("--dtype", default=default("dtype"), choices=DTYPES)
+        g.add_argument("--context-length", type=int, default=None)
+        g.add_argument("--device", default=default("device"), choices=DEVICES)
+        g.add_argument("--random-seed", type=int, default=default("random_seed"))
+        g.add_argument("--served-model-name", default=None)
+        g.add_argument("--skip-tokenizer-init", action="store_true",
+                       help="Accept and return token ids only.")
+        g.add_argument("--trust-remote-code", action="store_true")
+
+        g = parser.add_argument_group("memory and scheduling")
+        g.add_argument("--mem-fraction-static", type=float, default=default("mem_fraction_static"),
+                       help="Fraction of GPU memory for weights + KV cache.")
+        g.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens.")
+        g.add_argument("--max-running-requests", type=int, default=None)
+        g.add_argument("--max-prefill-tokens", type=int, default=default("max_prefill_tokens"))
+        g.add_argument("--chunked-prefill-size", type=int, default=default("chunked_prefill_size"),
+                       help="Split prompts longer than this into chunks; -1 turns chunking off.")
+        g.add_argument("--disable-radix-cache", action="store_true",
+                       help="Accepted for compatibility; prefix caching is not implemented yet, so "
+                            "no prefix is ever reused.")
+        g.add_argument("--schedule-policy", default=default("schedule_policy"), choices=("fcfs",))
+        g.add_argument("--decode-log-interval", type=int, default=default("decode_log_interval"))
+        g.add_argument("--enable-deterministic-inference", action="store_true",
+                       help="Prefer reproducible kernels over speed.")
+        g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                       help="Default: triton on CUDA, torch_native on CPU.")
+
+        g = parser.add_argument_group("LoRA")
+        g.add_argument("--enable-lora", action="store_true", default=None,
+                       help="Serve LoRA adapters (implied by --lora-paths).")
+        g.add_argument("--lora-paths", nargs="*", default=None,
+                       help="Adapters to load at start: PATH, NAME=PATH, or JSON "
+                            '{"lora_name": ..., "lora_path": ..., "pinned": bool}.')
+        g.add_argument("--max-loras-per-batch", type=int, default=default("max_loras_per_batch"),
+                       help="GPU adapter slots; the base model counts as one.")
+        g.add_argument("--max-lora-rank", type=int, default=None,
+                       help="Pool rank; defaults to the largest rank of --lora-paths.")
+        g.add_argument("--lora-target-modules", nargs="*", default=None, choices=LORA_TARGET_MODULES,
+                       help="Modules the pool covers; defaults to the union of --lora-paths.")
+        g.add_argument("--max-loaded-loras", type=int, default=None,
+                       help="Adapters kept in host memory (default unlimited).")
+        g.add_argument("--lora-eviction-policy", default=default("lora_eviction_policy"),
+                       choices=LORA_EVICTION_POLICIES)
+        g.add_argument("--lora-backend", default=default("lora_backend"), choices=LORA_BACKENDS)
+        g.add_argument("--max-lora-chunk-size", type=int, default=default("max_lora_chunk_size"),
+                       choices=LORA_CHUNK_SIZES, help="csgmv only.")
+        g.add_argument("--lora-max-wait-turns", type=int, default=default("lora_max_wait_turns"),
+                       help="Scheduler turns a request may wait for an adapter slot before new "
+                            "adapters stop being admitted in its favour.")
+
+        g = parser.add_argument_group("CUDA graphs")
+        g.add_argument("--cuda-graph-config", default=None,
+                       help='JSON, e.g. {"prefill": {"backend": "breakable", "max_bs": 1024}}.')
+        g.add_argument("--cuda-graph-backend-prefill", default=None,
+                       choices=[b.value for b in PREFILL_BACKENDS])
+        g.add_argument("--cuda-graph-backend-decode", default=None,
+                       choices=[b.value for b in DECODE_BACKENDS])
+        g.add_argument("--cuda-graph-max-bs-prefill", type=int, default=None,
+                       help="Largest prefill capture bucket, in tokens.")
+        g.add_argument("--cuda-graph-max-bs-decode", type=int, default=None,
+                       help="Largest decode capture batch size.")
+        g.add_argument("--cuda-graph-bs-prefill", type=int, nargs="+", default=None,
+                       help="Explicit prefill buckets (tokens).")
+        g.add_argument("--cuda-graph-bs-decode", type=int, nargs="+", default=None,
+                       help="Explicit decode buckets (batch sizes).")
+        g.add_argument("--disable-prefill-cuda-graph", action="store_true")
+        g.add_argument("--disable-decode-cuda-graph", action="store_true")
+        g.add_argument("--disable-cuda-graph", action="store_true", help="Both phases.")
+
+        g = parser.add_argument_group("HTTP server")
+        g.add_argument("--host", default=default("host"))
+        g.add_argument("--port", type=int, default=default("port"))
+        g.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer <key>'.")
+        g.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS)
+        g.add_argument("--max-top-logprobs", type=int, default=default("max_top_logprobs"))
+        g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+    def lora_specs(self) -> list[LoRAPathSpec]:
+        return list(self.lora_paths or [])
+
+    def to_public_dict(self) -> dict[str, Any]:
+        out = {}
+        for f in dataclasses.fields(self):
+            if f.name.startswith("_") or f.name == "api_key":
+                continue
+            value = getattr(self, f.name)
+            if isinstance(value, CudaGraphConfig):
+                value = value.to_dict()
+            elif isinstance(value, list):
+                value = [dataclasses.asdict(v) if isinstance(v, LoRAPathSpec) else v for v in value]
+            out[f.name] = value
+        return out
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang.launch_server",
+        description="Serve a Hugging Face checkpoint with many LoRA adapters under CUDA graphs.",
+    )
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))

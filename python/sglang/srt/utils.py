@@ -1,0 +1,115 @@
+"""Small helpers shared across layers. Hardware probes are functions so tests can patch them."""
+
+from __future__ import annotations
+
+import logging
+import os
+import random
+import socket
+from typing import Optional
+
+logger = logging.getLogger(__name__)
+
+
+def is_cuda() -> bool:
+    """True when a CUDA device is usable (patchable in tests)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available() and torch.version.cuda is not None
+    except Exception:  # pragma: no cover - torch missing or broken
+        return False
+
+
+def is_hip() -> bool:
+    try:
+        import torch
+
+        return torch.version.hip is not None
+    except Exception:  # pragma: no cover
+        return False
+
+
+def is_npu() -> bool:
+    return False  # no Ascend support in this engine
+
+
+def is_xpu() -> bool:
+    try:
+        import torch
+
+        return hasattr(torch, "xpu") and torch.xpu.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+def is_mps() -> bool:
+    try:
+        import torch
+
+        return torch.backends.mps.is_available()
+    except Exception:  # pragma: no cover
+        return False
+
+
+def is_cpu() -> bool:
+    """True when no accelerator is present (the CPU is the device)."""
+    return not (is_cuda() or is_hip() or is_xpu() or is_mps() or is_npu())
+
+
+def configure_logger(log_level: str = "info", prefix: str = "") -> None:
+    fmt = f"[%(asctime)s{prefix}] %(message)s"
+    logging.basicConfig(
+        level=getattr(logging, log_level.upper(), logging.INFO),
+        format=fmt,
+        datefmt="%Y-%m-%d %H:%M:%S",
+        force=True,
+    )
+
+
+def set_random_seed(seed: int) -> None:
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+
+
+def get_free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def get_cache_dir() -> str:
+    """Where the demo checkpoint and adapters are materialised ($SGLANG_CACHE_DIR)."""
+    return os.environ.get("SGLANG_CACHE_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "sglang"
+    )
+
+
+def get_available_gpu_memory(device: int = 0) -> float:
+    """Free device memory in GiB (after emptying the caching allocator's cache)."""
+    import torch
+
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    return free / (1 << 30)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_power_of_2(n: int) -> int:
+    return 1 if n <= 1 else 1 << (n - 1).bit_length()
+
+
+def env_flag(name: str, default: bool = False) -> bool:
+    value: Optional[str] = os.environ.get(name)
+    if value is None:
+        return default
+    return value.strip().lower() in ("1", "true", "yes", "on")
