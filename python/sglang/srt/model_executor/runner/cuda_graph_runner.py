@@ -1,0 +1,139 @@
+"""Decode CUDA graphs: one graph per batch-size bucket (DESIGN §6).
+
+`full` (default) captures the whole body including attention, whose metadata lives in the attention
+backend's static buffers; `breakable` breaks the body at attention like the breakable prefill graph.
+With LoRA, the decode `LoRABatchInfo` is allocated once (`init_cuda_graph_batch_info`) and refreshed
+in place before each replay by `prepare_lora_batch(use_cuda_graph=True)`; capture uses
+`lora_ids=[None] * bs`, so every LoRA kernel is recorded and idle.
+
+A live batch of `bs` requests is padded to the smallest bucket >= bs. Padded rows point at the dummy
+request row, write their K/V to slot 0 and are dropped before the eager tail.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from typing import TYPE_CHECKING, Union
+
+import torch
+from tqdm import tqdm
+
+from sglang.srt.model_executor.cuda_graph_config import Backend, decode_bucket_ladder
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakableCUDAGraph
+from sglang.srt.model_executor.runner.graph_buffers import GraphInputBuffers, pick_bucket
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_DECODE_GRAPH_BS = 160
+
+
+def decode_graph_max_bs(model_runner: "ModelRunner") -> int:
+    cfg = model_runner.server_args.cuda_graph_config.decode
+    if cfg.bs:
+        return max(cfg.bs)
+    return min(cfg.max_bs or DEFAULT_MAX_DECODE_GRAPH_BS, model_runner.max_running_requests)
+
+
+class CudaGraphRunner:
+    def __init__(self, model_runner: "ModelRunner", backend: Backend) -> None:
+        assert backend in (Backend.FULL, Backend.BREAKABLE)
+        self.model_runner = model_runner
+        self.backend = backend
+        cfg = model_runner.server_args.cuda_graph_config.decode
+        self.max_bs = decode_graph_max_bs(model_runner)
+        self.buckets = sorted(set(cfg.bs)) if cfg.bs else decode_bucket_ladder(self.max_bs)
+        self.enable_lora = model_runner.lora_manager is not None
+        if self.enable_lora:
+            model_runner.lora_manager.init_cuda_graph_batch_info(self.max_bs, 1)
+        self.buffers: GraphInputBuffers = model_runner.graph_input_buffers
+        self.seq_len_fill = model_runner.attn_backend.get_cuda_graph_seq_len_fill_value()
+        self.hidden_out = torch.empty(
+            (self.max_bs, model_runner.model_config.hidden_size),
+            dtype=model_runner.dtype,
+            device=model_runner.device,
+        )
+        self.graphs: dict[int, Union[torch.cuda.CUDAGraph, BreakableCUDAGraph]] = {}
+        self.num_replays = 0
+        self._capture_all()
+
+    def can_run(self, fb: ForwardBatch) -> bool:
+        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
+
+    # ---------------------------------------------------------------------------- capture
+    def _capture_all(self) -> None:
+        mr = self.model_runner
+        bar = tqdm(sorted(self.buckets, reverse=True), desc="Capturing decode CUDA graphs", unit="bs")
+        for bs in bar:
+            free_gib = torch.cuda.mem_get_info(mr.device)[0] / (1 << 30)
+            bar.set_postfix_str(f"bs={bs} free={free_gib:.1f}GiB")
+            self.graphs[bs] = self._capture_one(bs, mr.graph_capture_stream)
+        torch.cuda.synchronize(mr.device)
+        logger.info(
+            "Captured %d decode CUDA graphs (%s, batch sizes %s..%s, LoRA %s).",
+            len(self.buckets), self.backend.value, self.buckets[0], self.max_bs,
+            "on" if self.enable_lora else "off",
+        )
+
+    def _run_body(self, fb: ForwardBatch, bs: int) -> None:
+        hidden = self.model_runner.model.model(fb.input_ids, fb.positions, fb)
+        self.hidden_out[:bs].copy_(hidden)
+
+    def _capture_one(self, bs: int, stream: torch.cuda.Stream):
+        mr = self.model_runner
+        fb = self.buffers.capture_decode_batch(bs, self.seq_len_fill, with_lora=self.enable_lora)
+        mr.attach_pools(fb)
+        if self.backend == Backend.FULL:
+            mr.attn_backend.init_forward_metadata_capture_cuda_graph(
+                bs, bs, fb.req_pool_indices, fb.seq_lens, fb.forward_mode, fb
+            )
+        else:
+            mr.attn_backend.init_forward_metadata(fb)
+        if self.enable_lora:
+            mr.lora_manager.prepare_lora_batch(fb, use_cuda_graph=True, use_prefill_cuda_graph=False)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._run_body(fb, bs)
+        stream.synchronize()
+        gc.collect()
+        if self.backend == Backend.BREAKABLE:
+            graph = BreakableCUDAGraph(pool=mr.graph_memory_pool)
+            fb.graph_breaker = graph
+            graph.capture(lambda: self._run_body(fb, bs), ctx=fb, stream=stream)
+            fb.graph_breaker = None
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mr.graph_memory_pool, stream=stream):
+                self._run_body(fb, bs)
+        torch.cuda.synchronize()
+        return graph
+
+    # ---------------------------------------------------------------------------- replay
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        mr = self.model_runner
+        bs = fb.batch_size
+        bucket = pick_bucket(self.buckets, bs)
+        self.buffers.load_tokens(fb, bucket)
+        graph = self.graphs[bucket]
+        if self.backend == Backend.FULL:
+            mr.attn_backend.init_forward_metadata_replay_cuda_graph(
+                bs, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu, fb.forward_mode, fb
+            )
+            graph.replay()
+        else:
+            static_fb = dataclasses.replace(
+                fb,
+                input_ids=self.buffers.input_ids[:bucket],
+                positions=self.buffers.positions[:bucket],
+                out_cache_loc=self.buffers.out_cache_loc[:bucket],
+            )
+            mr.attn_backend.init_forward_metadata(static_fb)
+            graph.replay(static_fb)
+        self.num_replays += 1
+        return self.hidden_out[:bs]

@@ -1,0 +1,127 @@
+"""Static input buffers shared by the graph runners, and the bucket arithmetic.
+
+A captured graph reads its inputs from fixed addresses. These buffers are allocated once, sized for
+the largest bucket; a capture batch's tensors are views of their prefixes, and before a replay the
+live batch is copied into them with the padded tail set to harmless values:
+
+    input_ids  [ live tokens ........ | 0 0 0 ]      pad tokens embed token 0,
+    positions  [ live positions ..... | 0 0 0 ]      sit at position 0,
+    out_cache_loc [ live KV slots ... | 0 0 0 ]      and write their K/V to the dummy slot 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+
+def pick_bucket(buckets: list[int], n: int) -> Optional[int]:
+    """Smallest bucket >= n (buckets sorted ascending), or None if n exceeds them all."""
+    i = bisect.bisect_left(buckets, n)
+    return buckets[i] if i < len(buckets) else None
+
+
+@dataclass
+class GraphInputBuffers:
+    input_ids: torch.Tensor  # int64 [max_tokens]
+    positions: torch.Tensor  # int64 [max_tokens]
+    out_cache_loc: torch.Tensor  # int64 [max_tokens]
+    # Per-request tensors of capture batches (views of these are handed to the capture batch).
+    req_pool_indices: torch.Tensor  # int64 [max_reqs]
+    seq_lens: torch.Tensor  # int64 [max_reqs]
+    extend_seq_lens: torch.Tensor  # int64 [max_reqs]
+    extend_prefix_lens: torch.Tensor  # int64 [max_reqs]
+    extend_start_loc: torch.Tensor  # int64 [max_reqs]
+    dummy_req_row: int
+
+    @classmethod
+    def allocate(
+        cls, max_tokens: int, max_reqs: int, device: torch.device, dummy_req_row: int
+    ) -> "GraphInputBuffers":
+        def zeros(n: int) -> torch.Tensor:
+            return torch.zeros(n, dtype=torch.int64, device=device)
+
+        bufs = cls(
+            input_ids=zeros(max_tokens),
+            positions=zeros(max_tokens),
+            out_cache_loc=zeros(max_tokens),
+            req_pool_indices=zeros(max_reqs),
+            seq_lens=zeros(max_reqs),
+            extend_seq_lens=zeros(max_reqs),
+            extend_prefix_lens=zeros(max_reqs),
+            extend_start_loc=zeros(max_reqs),
+            dummy_req_row=dummy_req_row,
+        )
+        bufs.req_pool_indices.fill_(dummy_req_row)
+        return bufs
+
+    def load_tokens(self, fb: ForwardBatch, padded: int) -> None:
+        """Copy the live batch's token-wise inputs into the prefixes and neutralise the padding."""
+        n = fb.num_tokens
+        self.input_ids[:n].copy_(fb.input_ids, non_blocking=True)
+        self.positions[:n].copy_(fb.positions, non_blocking=True)
+        self.out_cache_loc[:n].copy_(fb.out_cache_loc, non_blocking=True)
+        if padded > n:
+            self.input_ids[n:padded].zero_()
+            self.positions[n:padded].zero_()
+            self.out_cache_loc[n:padded].zero_()
+
+    def capture_extend_batch(self, num_tokens: int, num_reqs: int, with_lora: bool) -> ForwardBatch:
+        """An EXTEND batch for capture: request 0 holds every token, the others are empty.
+
+        Every request points at the dummy row, whose req_to_token entries are all slot 0. The caller
+        attaches the pools and the attention backend.
+        """
+        self.seq_lens[:num_reqs].zero_()
+        self.extend_seq_lens[:num_reqs].zero_()
+        self.extend_prefix_lens[:num_reqs].zero_()
+        self.extend_start_loc[:num_reqs].fill_(num_tokens)
+        self.seq_lens[0] = num_tokens
+        self.extend_seq_lens[0] = num_tokens
+        self.extend_start_loc[0] = 0
+        self.req_pool_indices[:num_reqs].fill_(self.dummy_req_row)
+        self.input_ids[:num_tokens].zero_()
+        self.positions[:num_tokens].copy_(torch.arange(num_tokens, device=self.positions.device))
+        self.out_cache_loc[:num_tokens].zero_()
+        seq_lens_cpu = [num_tokens] + [0] * (num_reqs - 1)
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND,
+            batch_size=num_reqs,
+            input_ids=self.input_ids[:num_tokens],
+            positions=self.positions[:num_tokens],
+            out_cache_loc=self.out_cache_loc[:num_tokens],
+            req_pool_indices=self.req_pool_indices[:num_reqs],
+            seq_lens=self.seq_lens[:num_reqs],
+            seq_lens_cpu=torch.tensor(seq_lens_cpu, dtype=torch.int64),
+            extend_seq_lens=self.extend_seq_lens[:num_reqs],
+            extend_prefix_lens=self.extend_prefix_lens[:num_reqs],
+            extend_start_loc=self.extend_start_loc[:num_reqs],
+            extend_seq_lens_cpu=list(seq_lens_cpu),
+            extend_prefix_lens_cpu=[0] * num_reqs,
+            extend_num_tokens=num_tokens,
+            # Capture with the base model everywhere: LoRA kernels are recorded but idle (rank 0).
+            lora_ids=[None] * num_reqs if with_lora else None,
+        )
+
+    def capture_decode_batch(self, bs: int, seq_len_fill: int, with_lora: bool) -> ForwardBatch:
+        self.req_pool_indices[:bs].fill_(self.dummy_req_row)
+        self.seq_lens[:bs].fill_(seq_len_fill)
+        self.input_ids[:bs].zero_()
+        self.positions[:bs].zero_()
+        self.out_cache_loc[:bs].zero_()
+        return ForwardBatch(
+            forward_mode=ForwardMode.DECODE,
+            batch_size=bs,
+            input_ids=self.input_ids[:bs],
+            positions=self.positions[:bs],
+            out_cache_loc=self.out_cache_loc[:bs],
+            req_pool_indices=self.req_pool_indices[:bs],
+            seq_lens=self.seq_lens[:bs],
+            seq_lens_cpu=torch.full((bs,), seq_len_fill, dtype=torch.int64),
+            lora_ids=[None] * bs if with_lora else None,
+        )

@@ -1,0 +1,196 @@
+"""Prefill CUDA graphs: the model body captured per token-count bucket (DESIGN §6).
+
+Two backends:
+  breakable  the body is a chain of segments broken at every attention call; attention runs eagerly
+             with the live batch's metadata, so one graph captured with one request serves any batch
+             whose tokens fit the bucket.
+  full       the whole body, attention included, with a fixed number of request slots
+             (`_capture_req_slots`); the attention metadata lives in static buffers too.
+
+Only the body (`model.model`) is captured. The lm_head, logprobs and sampling run in the eager tail
+on the live, unpadded batch. LoRA: the static prefill `LoRABatchInfo` is initialised before capture,
+capture runs with `lora_ids=[None] * bs` (every LoRA kernel recorded, all idle at rank 0), and a
+LoRA batch replays only when `LoRAManager.can_use_prefill_cuda_graph` holds — the same predicate
+that made `prepare_lora_batch` refresh the static info in place (ModelRunner decides once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import logging
+from typing import TYPE_CHECKING
+
+import torch
+from tqdm import tqdm
+
+from sglang.srt.model_executor.cuda_graph_config import Backend, prefill_bucket_ladder
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakableCUDAGraph
+from sglang.srt.model_executor.runner.graph_buffers import GraphInputBuffers, pick_bucket
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+logger = logging.getLogger(__name__)
+
+# A replay may pad the tokens up to this factor; beyond it the wasted work outweighs the launches saved.
+MAX_PADDING_FACTOR = 2
+# Default largest bucket: above ~2k tokens a prefill is compute-bound and graphs no longer pay.
+DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
+# Full backend: request slots captured per bucket, unless the config says otherwise.
+DEFAULT_FULL_PREFILL_REQ_SLOTS = 16
+
+
+class PrefillCudaGraphRunner:
+    def __init__(self, model_runner: "ModelRunner", backend: Backend) -> None:
+        assert backend in (Backend.BREAKABLE, Backend.FULL)
+        self.model_runner = model_runner
+        self.backend = backend
+        server_args = model_runner.server_args
+        cfg = server_args.cuda_graph_config.prefill
+
+        cap = cfg.max_bs
+        if cap is None:
+            chunk = server_args.chunked_prefill_size
+            cap = DEFAULT_MAX_PREFILL_GRAPH_TOKENS if chunk == -1 else min(chunk, DEFAULT_MAX_PREFILL_GRAPH_TOKENS)
+        self.buckets = sorted(set(cfg.bs)) if cfg.bs else prefill_bucket_ladder(cap)
+        self.max_num_tokens = self.buckets[-1]
+
+        lora_manager = model_runner.lora_manager
+        self.enable_lora = lora_manager is not None
+        # This runner records LoRA kernels only if the LoRA backend can serve them from static metadata.
+        self._capture_lora = self.enable_lora and lora_manager.supports_prefill_cuda_graph
+
+        if backend == Backend.FULL:
+            slots = cfg.full_prefill_max_req or DEFAULT_FULL_PREFILL_REQ_SLOTS
+            slots = min(slots, model_runner.req_to_token_pool.size)
+            if self._capture_lora:
+                # Every batch the graph may serve must also fit the static LoRA metadata.
+                lora_manager.init_prefill_cuda_graph_batch_info(self.max_num_tokens)
+                slots = min(slots, lora_manager.prefill_cuda_graph_max_bs)
+            self._capture_req_slots = slots
+        else:
+            self._capture_req_slots = 1
+            if self._capture_lora:
+                lora_manager.init_prefill_cuda_graph_batch_info(self.max_num_tokens)
+
+        self.buffers: GraphInputBuffers = model_runner.graph_input_buffers
+        self.hidden_out = torch.empty(
+            (self.max_num_tokens, model_runner.model_config.hidden_size),
+            dtype=model_runner.dtype,
+            device=model_runner.device,
+        )
+        self.graphs: dict[int, object] = {}
+        self.num_replays = 0
+        self._capture_all()
+
+    # ---------------------------------------------------------------------------- eligibility
+    def can_run_graph(self, fb: ForwardBatch) -> bool:
+        if not fb.forward_mode.is_extend() or fb.extend_num_tokens is None:
+            return False
+        n = fb.extend_num_tokens
+        bucket = pick_bucket(self.buckets, n)
+        if bucket is None or bucket > MAX_PADDING_FACTOR * n:
+            return False
+        if self.backend == Backend.FULL and fb.batch_size > self._capture_req_slots:
+            return False
+        if fb.lora_ids is not None:
+            # LoRA server: replay only if the graph holds LoRA kernels and this batch's metadata
+            # can live in (and therefore will be written into) the static buffers they read.
+            lora_manager = self.model_runner.lora_manager
+            if not (self._capture_lora and lora_manager.can_use_prefill_cuda_graph(fb)):
+                return False
+        return True
+
+    # ---------------------------------------------------------------------------- capture
+    def _capture_all(self) -> None:
+        mr = self.model_runner
+        stream = mr.graph_capture_stream
+        bar = tqdm(
+            sorted(self.buckets, reverse=True),  # largest first: smaller buckets reuse its memory
+            desc=f"Capturing prefill CUDA graphs ({self.backend.value})",
+            unit="bucket",
+        )
+        for n in bar:
+            free_gib = torch.cuda.mem_get_info(mr.device)[0] / (1 << 30)
+            bar.set_postfix_str(f"tokens={n} free={free_gib:.1f}GiB")
+            self.graphs[n] = self._capture_one(n, stream)
+        torch.cuda.synchronize(mr.device)
+        logger.info(
+            "Captured %d prefill CUDA graphs (%s, buckets %d..%d tokens, request slots %d, LoRA %s).",
+            len(self.buckets),
+            self.backend.value,
+            self.buckets[0],
+            self.max_num_tokens,
+            self._capture_req_slots,
+            "captured" if self._capture_lora else ("not captured" if self.enable_lora else "off"),
+        )
+
+    def _capture_batch(self, n: int) -> ForwardBatch:
+        mr = self.model_runner
+        fb = self.buffers.capture_extend_batch(n, self._capture_req_slots, with_lora=self.enable_lora)
+        mr.attach_pools(fb)
+        if self.backend == Backend.FULL:
+            mr.attn_backend.init_forward_metadata_capture_cuda_graph(
+                fb.batch_size, n, fb.req_pool_indices, fb.seq_lens, fb.forward_mode, fb
+            )
+        else:
+            mr.attn_backend.init_forward_metadata(fb)
+        if self._capture_lora:
+            # The capture batch takes the in-place path: ranks are all 0, kernels are recorded idle.
+            assert mr.lora_manager.can_use_prefill_cuda_graph(fb)
+            mr.lora_manager.prepare_lora_batch(fb, use_cuda_graph=False, use_prefill_cuda_graph=True)
+        return fb
+
+    def _run_body(self, fb: ForwardBatch, n: int) -> None:
+        hidden = self.model_runner.model.model(fb.input_ids, fb.positions, fb)
+        self.hidden_out[:n].copy_(hidden)
+
+    def _capture_one(self, n: int, stream: torch.cuda.Stream) -> object:
+        fb = self._capture_batch(n)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm-up: Triton compilation and autotuning stay out of the graph
+                self._run_body(fb, n)
+        stream.synchronize()
+        gc.collect()
+        mr = self.model_runner
+        if self.backend == Backend.BREAKABLE:
+            graph = BreakableCUDAGraph(pool=mr.graph_memory_pool)
+            fb.graph_breaker = graph
+            graph.capture(lambda: self._run_body(fb, n), ctx=fb, stream=stream)
+            fb.graph_breaker = None
+        else:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=mr.graph_memory_pool, stream=stream):
+                self._run_body(fb, n)
+        torch.cuda.synchronize()
+        return graph
+
+    # ---------------------------------------------------------------------------- replay
+    def replay(self, fb: ForwardBatch) -> torch.Tensor:
+        """Run the body of the live batch `fb` through its bucket's graph; returns hidden [T, H]."""
+        mr = self.model_runner
+        n = fb.extend_num_tokens
+        bucket = pick_bucket(self.buckets, n)
+        self.buffers.load_tokens(fb, bucket)
+        # The body sees bucket-sized token tensors but the live per-request metadata.
+        static_fb = dataclasses.replace(
+            fb,
+            input_ids=self.buffers.input_ids[:bucket],
+            positions=self.buffers.positions[:bucket],
+            out_cache_loc=self.buffers.out_cache_loc[:bucket],
+        )
+        graph = self.graphs[bucket]
+        if self.backend == Backend.BREAKABLE:
+            mr.attn_backend.init_forward_metadata(static_fb)
+            graph.replay(static_fb)
+        else:
+            mr.attn_backend.init_forward_metadata_replay_cuda_graph(
+                fb.batch_size, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu, fb.forward_mode, static_fb
+            )
+            graph.replay()
+        self.num_replays += 1
+        return self.hidden_out[:n]
+

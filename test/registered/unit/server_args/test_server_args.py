@@ -1,0 +1,251 @@
+"""ServerArgs: CLI parsing, validation errors, and the CUDA-graph resolution rules (DESIGN §6)."""
+
+import json
+import unittest
+from types import SimpleNamespace
+from unittest import mock
+
+import pytest
+
+from sglang.srt.model_executor.cuda_graph_config import (
+    Backend,
+    CudaGraphConfig,
+    PhaseConfig,
+    decode_bucket_ladder,
+    prefill_bucket_ladder,
+)
+from sglang.srt.server_args import LoRAPathSpec, ServerArgs, prepare_server_args
+
+
+def _model_config_stub():
+    return SimpleNamespace(
+        hf_config=SimpleNamespace(architectures=["LlamaForCausalLM"]),
+        is_piecewise_cuda_graph_disabled_model=False,
+        is_multimodal=False,
+        is_multimodal_piecewise_cuda_graph_supported=False,
+    )
+
+
+def _handled_args(**overrides) -> ServerArgs:
+    """ServerArgs resolved as if on a CUDA machine."""
+    args = ServerArgs(model_path="dummy", **overrides)
+    args.model_config = _model_config_stub()
+    with mock.patch("sglang.srt.utils.is_cuda", return_value=True), mock.patch.object(
+        ServerArgs, "use_mla_backend", return_value=False
+    ):
+        args._handle_cuda_graph_config()
+    return args
+
+
+class TestPrefillCudaGraphLoRACompatibility(unittest.TestCase):
+    """LoRA no longer turns the breakable prefill graph off; it still turns tc_piecewise off.
+
+    Guards the GPU end-to-end test against a rule that silently re-disables the graph (which would
+    make every graph-vs-eager comparison pass vacuously).
+    """
+
+    def test_enable_lora_keeps_breakable_prefill_graph(self):
+        args = _handled_args(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"])
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.BREAKABLE)
+        self.assertEqual(args.cuda_graph_config.decode.backend, Backend.FULL)
+
+    def test_lora_paths_keep_breakable_prefill_graph(self):
+        args = _handled_args(lora_paths=["dummy/lora-adapter"])
+        self.assertTrue(args.enable_lora)
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.BREAKABLE)
+
+    def test_lora_still_disables_tc_piecewise_prefill_graph(self):
+        args = ServerArgs(model_path="dummy", enable_lora=True, max_lora_rank=8, lora_target_modules=["all"])
+        args.model_config = _model_config_stub()
+        args.cuda_graph_config = CudaGraphConfig(prefill=PhaseConfig(backend=Backend.TC_PIECEWISE))
+        patches = [
+            mock.patch(f"sglang.srt.server_args.{name}", return_value=False)
+            for name in ("is_hip", "is_npu", "is_cpu", "is_mps", "is_xpu")
+        ]
+        for p in patches:
+            p.start()
+        try:
+            args._disable_tc_piecewise_cudagraph_if_incompatible()
+        finally:
+            for p in patches:
+                p.stop()
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.DISABLED)
+
+    def test_tc_piecewise_without_lora_survives_the_rule(self):
+        args = ServerArgs(model_path="dummy")
+        args.cuda_graph_config = CudaGraphConfig(prefill=PhaseConfig(backend=Backend.TC_PIECEWISE))
+        with mock.patch("sglang.srt.server_args.is_cpu", return_value=False):
+            args._disable_tc_piecewise_cudagraph_if_incompatible()
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.TC_PIECEWISE)
+
+    def test_explicit_prefill_backend_skips_auto_disabling(self):
+        args = _handled_args(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"],
+                             cuda_graph_backend_prefill="tc_piecewise")
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.TC_PIECEWISE)
+        self.assertIn(("prefill", "backend"), args._cuda_graph_config_locked)
+
+    def test_full_prefill_backend_with_lora_is_kept(self):
+        args = _handled_args(lora_paths=["a=/x"], cuda_graph_backend_prefill="full")
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.FULL)
+
+
+class TestCudaGraphResolution(unittest.TestCase):
+    def test_defaults_without_cuda_are_disabled(self):
+        with mock.patch("sglang.srt.utils.is_cuda", return_value=False):
+            args = ServerArgs(model_path="dummy")
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.DISABLED)
+        self.assertEqual(args.cuda_graph_config.decode.backend, Backend.DISABLED)
+
+    def test_device_cpu_disables_graphs_on_a_cuda_machine(self):
+        with mock.patch("sglang.srt.utils.is_cuda", return_value=True):
+            args = ServerArgs(model_path="dummy", device="cpu")
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.DISABLED)
+
+    def test_precedence_json_over_flags_over_disable_switches(self):
+        args = _handled_args(
+            disable_cuda_graph=True,
+            cuda_graph_backend_decode="breakable",
+            cuda_graph_max_bs_prefill=512,
+            cuda_graph_config=json.dumps({"prefill": {"backend": "full", "max_bs": 256}}),
+        )
+        cfg = args.cuda_graph_config
+        self.assertEqual(cfg.decode.backend, Backend.BREAKABLE)  # flag beats legacy switch
+        self.assertEqual(cfg.prefill.backend, Backend.FULL)  # JSON beats legacy switch
+        self.assertEqual(cfg.prefill.max_bs, 256)  # JSON beats flag
+
+    def test_per_phase_disable(self):
+        args = _handled_args(disable_prefill_cuda_graph=True)
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.DISABLED)
+        self.assertEqual(args.cuda_graph_config.decode.backend, Backend.FULL)
+        args = _handled_args(disable_decode_cuda_graph=True)
+        self.assertEqual(args.cuda_graph_config.decode.backend, Backend.DISABLED)
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.BREAKABLE)
+
+    def test_explicit_buckets(self):
+        args = _handled_args(cuda_graph_bs_prefill=[64, 16, 16], cuda_graph_bs_decode=[4, 1])
+        self.assertEqual(args.cuda_graph_config.prefill.bs, [16, 64])
+        self.assertEqual(args.cuda_graph_config.decode.bs, [1, 4])
+
+    def test_bad_json(self):
+        for bad, needle in (
+            ("{not json", "not valid JSON"),
+            ('{"middle": {}}', "unknown phase"),
+            ('{"prefill": {"backend": "breakable", "speed": 1}}', "unknown key"),
+            ('{"decode": {"backend": "tc_piecewise"}}', "not allowed for the decode phase"),
+            ('{"prefill": {"backend": "warp"}}', "warp"),
+        ):
+            with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, needle):
+                ServerArgs(model_path="dummy", cuda_graph_config=bad)
+
+    def test_bucket_ladders(self):
+        ladder = prefill_bucket_ladder(1024)
+        self.assertEqual(ladder[-1], 1024)
+        self.assertEqual(ladder, sorted(set(ladder)))
+        self.assertEqual(prefill_bucket_ladder(100)[-1], 100)
+        self.assertEqual(decode_bucket_ladder(32)[:5], [1, 2, 4, 8, 12])
+        self.assertEqual(decode_bucket_ladder(33)[-1], 33)
+
+
+class TestValidation(unittest.TestCase):
+    def test_constructs_without_touching_files(self):
+        args = ServerArgs(model_path="dummy")
+        self.assertEqual(args.model_path, "dummy")
+        self.assertFalse(args.enable_lora)
+
+    def test_every_validation_error_names_the_flag(self):
+        cases = [
+            (dict(load_format="pt"), "--load-format"),
+            (dict(dtype="int8"), "--dtype"),
+            (dict(device="tpu"), "--device"),
+            (dict(log_level="loud"), "--log-level"),
+            (dict(attention_backend="flashinfer"), "--attention-backend"),
+            (dict(lora_backend="ascend"), "--lora-backend"),
+            (dict(lora_eviction_policy="random"), "--lora-eviction-policy"),
+            (dict(max_lora_chunk_size=48), "--max-lora-chunk-size"),
+            (dict(mem_fraction_static=1.5), "--mem-fraction-static"),
+            (dict(context_length=0), "--context-length"),
+            (dict(max_total_tokens=-5), "--max-total-tokens"),
+            (dict(max_running_requests=0), "--max-running-requests"),
+            (dict(max_prefill_tokens=0), "--max-prefill-tokens"),
+            (dict(chunked_prefill_size=0), "--chunked-prefill-size"),
+            (dict(port=70000), "--port"),
+            (dict(served_model_name="a:b"), "--served-model-name"),
+            (dict(max_loras_per_batch=0), "--max-loras-per-batch"),
+            (dict(enable_lora=True, max_lora_rank=0, lora_target_modules=["all"]), "--max-lora-rank"),
+            (dict(enable_lora=True), "--max-lora-rank and --lora-target-modules"),
+            (dict(enable_lora=True, max_lora_rank=8), "--lora-target-modules"),
+            (dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "all"]), "'all' must be given alone"),
+            (dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["lm_head"]), "--lora-target-modules"),
+            (dict(lora_paths=["a=/x"], max_loaded_loras=2), "--max-loaded-loras"),
+            (dict(lora_paths=["a=/x", "b=/y", "c=/z"], max_loaded_loras=8, max_loras_per_batch=8), None),
+            (dict(lora_paths=["a=/x", "a=/y"]), "duplicate adapter name"),
+            (dict(lora_paths=['{"lora_name": "a"}']), "lora_path"),
+            (dict(lora_paths=['{"lora_path": "/a", "rank": 3}']), "unknown key"),
+            (dict(lora_paths=['{"lora_name": "a", "lora_path": "/a", "pinned": true}'], max_loras_per_batch=1), "pinned"),
+            (dict(cuda_graph_backend_prefill="fast"), "--cuda-graph-backend-prefill"),
+            (dict(cuda_graph_backend_decode="tc_piecewise"), "--cuda-graph-backend-decode"),
+            (dict(cuda_graph_max_bs_prefill=0), "--cuda-graph-max-bs-prefill"),
+            (dict(cuda_graph_bs_decode=[0]), "--cuda-graph-bs-decode"),
+        ]
+        for kwargs, needle in cases:
+            with self.subTest(kwargs=kwargs):
+                if needle is None:
+                    ServerArgs(model_path="dummy", **kwargs)  # valid
+                    continue
+                with self.assertRaises(ValueError) as ctx:
+                    ServerArgs(model_path="dummy", **kwargs)
+                self.assertIn(needle, str(ctx.exception))
+
+    def test_choice_errors_list_the_allowed_values(self):
+        with self.assertRaises(ValueError) as ctx:
+            ServerArgs(model_path="dummy", lora_backend="ascend")
+        for allowed in ("csgmv", "triton", "torch_native"):
+            self.assertIn(allowed, str(ctx.exception))
+
+
+class TestCli(unittest.TestCase):
+    def test_lora_paths_forms(self):
+        args = prepare_server_args([
+            "--model-path", "dummy",
+            "--lora-paths", "/adapters/plain", "sql=/adapters/sql",
+            '{"lora_name": "chat", "lora_path": "/adapters/chat", "pinned": true}',
+            "--max-loras-per-batch", "4",
+        ])
+        self.assertTrue(args.enable_lora)
+        self.assertEqual(
+            args.lora_paths,
+            [
+                LoRAPathSpec("/adapters/plain", "/adapters/plain", False),
+                LoRAPathSpec("sql", "/adapters/sql", False),
+                LoRAPathSpec("chat", "/adapters/chat", True),
+            ],
+        )
+
+    def test_defaults_match_the_design(self):
+        args = prepare_server_args([])
+        self.assertEqual(args.model_path, "demo")
+        self.assertEqual(args.max_loras_per_batch, 8)
+        self.assertEqual(args.lora_backend, "csgmv")
+        self.assertEqual(args.lora_eviction_policy, "lru")
+        self.assertEqual(args.max_lora_chunk_size, 16)
+        self.assertIsNone(args.enable_lora or None)
+
+    def test_graph_flags_parse(self):
+        args = prepare_server_args([
+            "--cuda-graph-backend-prefill", "full", "--cuda-graph-max-bs-prefill", "1024",
+            "--cuda-graph-bs-decode", "1", "2", "8", "--disable-radix-cache",
+        ])
+        self.assertEqual(args.cuda_graph_config.prefill.backend, Backend.FULL)
+        self.assertEqual(args.cuda_graph_config.prefill.max_bs, 1024)
+        self.assertEqual(args.cuda_graph_config.decode.bs, [1, 2, 8])
+
+    def test_bad_cli_choice_exits(self):
+        with pytest.raises(SystemExit):
+            prepare_server_args(["--lora-backend", "nope"])
+
+    def test_help_mentions_prefix_caching_is_not_implemented(self):
+        import argparse
+
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        self.assertIn("prefix caching is not implemented", " ".join(parser.format_help().split()))
