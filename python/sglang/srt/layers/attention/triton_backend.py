@@ -1,0 +1,321 @@
+"""The `triton` attention backend: our own extend and split-KV decode kernels, capturable in graphs.
+
+Metadata is a handful of device tensors per batch (request rows, lengths, start offsets) plus, in
+eager extend, the longest extend length taken from the host-side list (no device sync).
+
+CUDA graphs (see base_attn_backend.py). Both graph families keep their per-request metadata in
+static buffers owned here, sized once for every request row the pool has, so they never move:
+  - decode graph: grid `(captured bs, KVH, num_kv_splits)`; at replay padded rows get the runner's
+    padding request row (row 0 if it has none) and `get_cuda_graph_seq_len_fill_value()`, so they
+    compute a harmless one-token attention whose output the runner drops;
+  - full prefill graph: grid `(request slots, H, cdiv(token bucket, BLOCK_M))`; at replay unused
+    slots become zero-length sentinels (seq_len 0, extend_len 0), which the kernel skips.
+Scratch tensors (decode partial outputs) are allocated inside the forward: under capture they land in
+the graph's private pool and stay valid for its replays, like any other intermediate.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.triton_ops.decode_attention import (
+    decode_attention_fwd,
+    default_num_kv_splits,
+)
+from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+
+@dataclass
+class TritonAttnMetadata:
+    req_pool_indices: torch.Tensor  # [B] (graph: the captured request axis)
+    seq_lens: torch.Tensor  # [B]
+    extend_seq_lens: Optional[torch.Tensor] = None  # EXTEND only
+    extend_start_loc: Optional[torch.Tensor] = None  # EXTEND only
+    # Bound on the extend lengths, sizing the grid's token axis. None: span q's rows (a graph,
+    # where q holds the whole token bucket and no host value of the live batch may be baked in).
+    max_extend_len: Optional[int] = None
+
+
+@dataclass
+class _StaticBuffers:
+    """Fixed-address per-request metadata read by captured kernels (int64, like ForwardBatch)."""
+
+    req_pool_indices: torch.Tensor
+    seq_lens: torch.Tensor
+    extend_seq_lens: torch.Tensor
+    extend_start_loc: torch.Tensor
+
+    @classmethod
+    def allocate(cls, capacity: int, device: torch.device) -> "_StaticBuffers":
+        def z() -> torch.Tensor:
+            return torch.zeros(capacity, dtype=torch.int64, device=device)
+
+        return cls(z(), z(), z(), z())
+
+    @property
+    def capacity(self) -> int:
+        return int(self.seq_lens.numel())
+
+
+def _exclusive_cumsum(lens: torch.Tensor) -> torch.Tensor:
+    return torch.cumsum(lens, dim=0) - lens
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(
+        self,
+        model_runner,
+        num_kv_splits: Optional[int] = None,
+        extend_kv_from_input: bool = True,
+    ) -> None:
+        """`num_kv_splits` (power of two) fixes the decode grid's split axis for the backend's
+        life; `extend_kv_from_input` lets extend read the new tokens' K/V from this pass's k/v
+        tensors (same values as the pool, without the slot indirection)."""
+        self.device = torch.device(model_runner.device)
+        self.req_to_token_pool = model_runner.req_to_token_pool
+        self.token_to_kv_pool = model_runner.token_to_kv_pool
+        # Request row given to padded decode rows of a replay: the runner's padding row when it
+        # reserves one (every position -> dummy slot 0), else row 0, which always exists.
+        self.padding_req_row = int(getattr(model_runner, "padding_req_pool_index", 0) or 0)
+        self.num_kv_splits = num_kv_splits or default_num_kv_splits(
+            self.device, self.token_to_kv_pool.head_num
+        )
+        if self.num_kv_splits & (self.num_kv_splits - 1):
+            raise ValueError(f"num_kv_splits must be a power of two, got {self.num_kv_splits}")
+        self.extend_kv_from_input = extend_kv_from_input
+        self.forward_metadata: Optional[TritonAttnMetadata] = None
+        self._decode_bufs: Optional[_StaticBuffers] = None
+        self._extend_bufs: Optional[_StaticBuffers] = None
+        # Fewest request slots any full prefill graph was captured with: a replay may not exceed it.
+        self._extend_slots: Optional[int] = None
+        self._captured = False
+
+    # ------------------------------------------------------------------ eager metadata
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        fb = forward_batch
+        mode = fb.forward_mode
+        if mode.is_decode():
+            self.forward_metadata = TritonAttnMetadata(fb.req_pool_indices, fb.seq_lens)
+        elif mode.is_extend():
+            if fb.extend_seq_lens is None:
+                raise ValueError("an EXTEND batch needs extend_seq_lens")
+            start_loc = fb.extend_start_loc
+            if start_loc is None:
+                start_loc = _exclusive_cumsum(fb.extend_seq_lens)
+            if fb.extend_seq_lens_cpu is not None:
+                max_len = max(fb.extend_seq_lens_cpu, default=0)
+            else:
+                max_len = fb.extend_num_tokens  # may be None: then q's rows bound it
+            self.forward_metadata = TritonAttnMetadata(
+                fb.req_pool_indices, fb.seq_lens, fb.extend_seq_lens, start_loc, max_len
+            )
+        else:
+            self.forward_metadata = None  # IDLE: no tokens
+
+    # ------------------------------------------------------------------ forward
+    def _shapes(self, layer: "RadixAttention") -> tuple[int, int, int]:
+        if layer.qk_head_dim != layer.v_head_dim:
+            raise ValueError("the triton backend needs equal q/k and v head dims")
+        return layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+
+    def forward_extend(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: "RadixAttention",
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        num_heads, num_kv_heads, head_dim = self._shapes(layer)
+        num_tokens = q.shape[0]
+        o = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        meta = self.forward_metadata
+        if num_tokens == 0 or meta is None:
+            return o.view(num_tokens, num_heads * head_dim)
+        k_buffer = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        v_buffer = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
+        k_ext = v_ext = None
+        if (
+            self.extend_kv_from_input
+            and k is not None
+            and v is not None
+            and k.dtype == k_buffer.dtype
+            and v.dtype == v_buffer.dtype
+            and k.shape[0] == num_tokens
+            and v.shape[0] == num_tokens
+        ):
+            k_ext = k.reshape(num_tokens, num_kv_heads, head_dim)
+            v_ext = v.reshape(num_tokens, num_kv_heads, head_dim)
+        max_len = meta.max_extend_len if meta.max_extend_len is not None else num_tokens
+        extend_attention_fwd(
+            q.reshape(num_tokens, num_heads, head_dim),
+            o,
+            k_buffer,
+            v_buffer,
+            self.req_to_token_pool.req_to_token,
+            meta.req_pool_indices,
+            meta.seq_lens,
+            meta.extend_seq_lens,
+            meta.extend_start_loc,
+            max_extend_len=min(max_len, num_tokens),
+            sm_scale=layer.scaling,
+            k_extend=k_ext,
+            v_extend=v_ext,
+        )
+        return o.view(num_tokens, num_heads * head_dim)
+
+    def forward_decode(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: "RadixAttention",
+        forward_batch: ForwardBatch,
+    ) -> torch.Tensor:
+        num_heads, _, head_dim = self._shapes(layer)
+        bs = q.shape[0]
+        o = torch.empty((bs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        meta = self.forward_metadata
+        if bs == 0 or meta is None:
+            return o.view(bs, num_heads * head_dim)
+        assert meta.seq_lens.numel() >= bs, "decode metadata shorter than the batch"
+        decode_attention_fwd(
+            q.reshape(bs, num_heads, head_dim),
+            o,
+            self.token_to_kv_pool.get_key_buffer(layer.layer_id),
+            self.token_to_kv_pool.get_value_buffer(layer.layer_id),
+            self.req_to_token_pool.req_to_token,
+            meta.req_pool_indices,
+            meta.seq_lens,
+            sm_scale=layer.scaling,
+            num_kv_splits=self.num_kv_splits,
+        )
+        return o.view(bs, num_heads * head_dim)
+
+    # ------------------------------------------------------------------ CUDA graph hooks
+    def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
+        # Called by the decode and the prefill runner alike: size for every request row the pool
+        # has (no live batch can exceed it) so a second call never has to move a buffer.
+        capacity = max(max_bs, self.req_to_token_pool.size)
+        if self._decode_bufs is not None and self._decode_bufs.capacity >= capacity:
+            return
+        if self._captured:
+            raise ValueError(
+                f"init_cuda_graph_state(max_bs={max_bs}) after a capture would move static "
+                f"buffers sized {self._decode_bufs.capacity}"
+            )
+        self._decode_bufs = _StaticBuffers.allocate(capacity, self.device)
+        self._extend_bufs = _StaticBuffers.allocate(capacity, self.device)
+
+    def _require_bufs(self, bs: int) -> None:
+        if self._decode_bufs is None:
+            raise RuntimeError("init_cuda_graph_state must run before capturing a graph")
+        if bs > self._decode_bufs.capacity:
+            raise ValueError(
+                f"batch of {bs} requests exceeds the graph buffers ({self._decode_bufs.capacity})"
+            )
+
+    def init_forward_metadata_capture_cuda_graph(
+        self,
+        bs: int,
+        num_tokens: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        forward_mode: ForwardMode,
+        forward_batch: ForwardBatch,
+    ) -> None:
+        self._require_bufs(bs)
+        self._captured = True
+        if forward_mode.is_extend():
+            self._extend_slots = bs if self._extend_slots is None else min(self._extend_slots, bs)
+            self._fill_extend(self._extend_bufs, req_pool_indices, seq_lens, forward_batch)
+            self.forward_metadata = self._extend_metadata(bs)
+        else:
+            self._fill_decode(self._decode_bufs, req_pool_indices, seq_lens)
+            self.forward_metadata = TritonAttnMetadata(
+                self._decode_bufs.req_pool_indices[:bs], self._decode_bufs.seq_lens[:bs]
+            )
+
+    def init_forward_metadata_replay_cuda_graph(
+        self,
+        bs: int,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        seq_lens_cpu: Optional[torch.Tensor],
+        forward_mode: ForwardMode,
+        forward_batch: ForwardBatch,
+    ) -> None:
+        # Whether the caller passes the live rows only or rows already padded to the bucket, the
+        # whole tail past them is reset, so any captured bucket reads consistent values.
+        n = int(req_pool_indices.numel())
+        self._require_bufs(max(bs, n))
+        if forward_mode.is_extend():
+            if self._extend_slots is None:
+                raise RuntimeError("no full prefill graph was captured")
+            if n > self._extend_slots:
+                raise ValueError(
+                    f"{n} requests do not fit the full prefill graph's {self._extend_slots} "
+                    "request slots; run this batch eagerly"
+                )
+            self._fill_extend(self._extend_bufs, req_pool_indices, seq_lens, forward_batch)
+            self.forward_metadata = self._extend_metadata(self._extend_slots)
+        else:
+            self._fill_decode(self._decode_bufs, req_pool_indices, seq_lens)
+            rows = max(bs, n)
+            self.forward_metadata = TritonAttnMetadata(
+                self._decode_bufs.req_pool_indices[:rows], self._decode_bufs.seq_lens[:rows]
+            )
+
+    # ------------------------------------------------------------------ static buffer fills
+    def _fill_decode(
+        self, bufs: _StaticBuffers, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
+    ) -> None:
+        n = int(req_pool_indices.numel())
+        bufs.req_pool_indices[:n].copy_(req_pool_indices, non_blocking=True)
+        bufs.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        # Padded rows: a valid request row, and a short fill length keeps them cheap.
+        bufs.req_pool_indices[n:].fill_(self.padding_req_row)
+        bufs.seq_lens[n:].fill_(self.get_cuda_graph_seq_len_fill_value())
+
+    def _fill_extend(
+        self,
+        bufs: _StaticBuffers,
+        req_pool_indices: torch.Tensor,
+        seq_lens: torch.Tensor,
+        forward_batch: ForwardBatch,
+    ) -> None:
+        if forward_batch.extend_seq_lens is None:
+            raise ValueError("an EXTEND graph batch needs extend_seq_lens")
+        n = int(req_pool_indices.numel())
+        ext = forward_batch.extend_seq_lens
+        start = forward_batch.extend_start_loc
+        if start is None:
+            start = _exclusive_cumsum(ext)
+        bufs.req_pool_indices[:n].copy_(req_pool_indices, non_blocking=True)
+        bufs.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        bufs.extend_seq_lens[:n].copy_(ext[:n], non_blocking=True)
+        bufs.extend_start_loc[:n].copy_(start[:n], non_blocking=True)
+        # Zero-length sentinels: extend_len 0 makes every program of the slot return at once.
+        for t in (bufs.req_pool_indices, bufs.seq_lens, bufs.extend_seq_lens, bufs.extend_start_loc):
+            t[n:].zero_()
+
+    def _extend_metadata(self, slots: int) -> TritonAttnMetadata:
+        b = self._extend_bufs
+        return TritonAttnMetadata(
+            b.req_pool_indices[:slots],
+            b.seq_lens[:slots],
+            b.extend_seq_lens[:slots],
+            b.extend_start_loc[:slots],
+            max_extend_len=None,
+        )
+
+
+__all__ = ["TritonAttnBackend", "TritonAttnMetadata"]

@@ -1,0 +1,36 @@
+"""RMSNorm, with the residual add fused into the same call (pre-norm transformer blocks)."""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import torch
+from torch import nn
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """Normalise `x`; with `residual`, first add it and also return the sum (the new residual).
+
+        The statistics are taken in float32 and the result is cast back before the weight is
+        applied, the same rounding order as the Hugging Face reference, so bf16 runs track it.
+        """
+        if residual is not None:
+            x = x + residual
+            residual = x
+        orig_dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        out = self.weight * xf.to(orig_dtype)
+        return out if residual is None else (out, residual)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}"

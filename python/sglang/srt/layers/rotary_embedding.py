@@ -1,0 +1,111 @@
+"""Rotary position embedding (RoPE), the "rotate half" layout of Llama/Qwen checkpoints.
+
+cos/sin are computed once, in float32, for every position up to `max_position` and kept on the
+device; a forward only gathers rows with `index_select`, so it has no host syncs and no
+data-dependent shapes and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import nn
+
+
+def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    # On the host whatever the default device, so every device gets bit-identical frequencies.
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / rotary_dim
+    return 1.0 / (base**exponents)
+
+
+def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
+    """Llama 3.1 frequency scaling: long wavelengths are divided by `factor`, short ones kept, and
+    the band in between is interpolated smoothly between the two."""
+    factor = float(scaling["factor"])
+    low_freq_factor = float(scaling.get("low_freq_factor", 1.0))
+    high_freq_factor = float(scaling.get("high_freq_factor", 4.0))
+    old_context = float(scaling.get("original_max_position_embeddings", 8192))
+    low_freq_wavelen = old_context / low_freq_factor
+    high_freq_wavelen = old_context / high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_freq_wavelen) & (wavelen <= low_freq_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+def compute_inv_freq(rotary_dim: int, base: float, rope_scaling: Optional[dict]) -> torch.Tensor:
+    inv_freq = _base_inv_freq(rotary_dim, base)
+    if rope_scaling is None:
+        return inv_freq
+    rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
+    if rope_type == "linear":
+        return inv_freq / float(rope_scaling["factor"])
+    if rope_type == "llama3":
+        return _llama3_inv_freq(inv_freq, rope_scaling)
+    if rope_type == "default":
+        return inv_freq
+    raise ValueError(f"unsupported rope scaling type {rope_type!r}")
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(
+        self,
+        head_size: int,
+        max_position: int,
+        base: float = 10000.0,
+        rope_scaling: Optional[dict] = None,
+        rotary_dim: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        self.head_size = head_size
+        self.rotary_dim = rotary_dim or head_size
+        self.max_position = max_position
+        if self.rotary_dim % 2 != 0 or self.rotary_dim > head_size:
+            raise ValueError(f"invalid rotary_dim {self.rotary_dim} for head size {head_size}")
+        inv_freq = compute_inv_freq(self.rotary_dim, base, rope_scaling)
+        # Built on the current default device (the loader builds models under the target device).
+        positions = torch.arange(max_position, dtype=torch.float32)
+        freqs = torch.outer(positions, inv_freq.to(positions.device))
+        cos, sin = freqs.cos(), freqs.sin()
+        # [max_position, 2 * rotary_dim], float32 whatever the model dtype: [cos | cos] then
+        # [-sin | sin], so that x * cos + swap_halves(x) * sin is the rotation in four kernels.
+        self.register_buffer(
+            "cos_sin_cache", torch.cat((cos, cos, -sin, sin), dim=-1), persistent=False
+        )
+
+    def forward(
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """query [T, heads * head_size], key [T, kv_heads * head_size] -> rotated, same shapes."""
+        cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
+        cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim] each
+        return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
+
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # The HF reference computes x * cos + cat(-x2, x1) * sin; with the sign folded into the
+        # cached sin this is bit-identical (negation is exact), in fewer kernels.
+        shape = x.shape
+        x = x.view(shape[0], -1, self.head_size)
+        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        x1, x2 = rot.chunk(2, dim=-1)
+        out = rot * cos + torch.cat((x2, x1), dim=-1) * sin
+        if passthrough.shape[-1]:
+            out = torch.cat((out, passthrough), dim=-1)
+        return out.reshape(shape)
+
+    def extra_repr(self) -> str:
+        return f"head_size={self.head_size}, rotary_dim={self.rotary_dim}, max_position={self.max_position}"
+
+
+def get_rope(
+    head_size: int,
+    max_position: int,
+    base: float,
+    rope_scaling: Optional[dict] = None,
+    rotary_dim: Optional[int] = None,
+) -> RotaryEmbedding:
+    return RotaryEmbedding(head_size, max_position, base, rope_scaling, rotary_dim)

@@ -1,0 +1,106 @@
+"""Sampler: next-token choice from float32 logits, plus the logprobs of the choice.
+
+Greedy rows (temperature 0) take the argmax. Other rows: temperature, then top-k, top-p and min-p
+filtering of the probabilities, then one draw by the exponential race
+(argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i). A seeded request draws its
+noise from a generator keyed by (seed, step), over the full vocabulary in vocabulary order, so its
+draw at step k is the same whatever batch it is in. Reported logprobs are those of the
+*untempered* distribution (log_softmax of the raw logits), as OpenAI-style APIs report them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from torch import nn
+
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+_MASK64 = (1 << 64) - 1
+
+
+def _seed_for_step(seed: int, step: int) -> int:
+    """Mix (seed, step) into a 63-bit generator seed (splitmix64 finaliser)."""
+    z = (seed * 0x9E3779B97F4A7C15 + step + 1) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) & ((1 << 63) - 1)
+
+
+@dataclass
+class SamplerOutput:
+    next_token_ids: torch.Tensor  # int64 [B], on the device
+    logprobs: Optional[torch.Tensor] = None  # float32 [B]: logprob of each chosen token
+    top_logprobs_val: Optional[torch.Tensor] = None  # float32 [B, K], K = max of top_logprobs_nums
+    top_logprobs_idx: Optional[torch.Tensor] = None  # int64 [B, K]
+
+
+class Sampler(nn.Module):
+    def forward(
+        self,
+        logits: torch.Tensor,
+        sampling_info: Optional[SamplingBatchInfo],
+        return_logprob: bool = False,
+        top_logprobs_nums: Optional[list[int]] = None,
+    ) -> SamplerOutput:
+        """`logits` float32 [B, V]. `sampling_info` None means greedy for every row."""
+        logits = logits.float()
+        if sampling_info is None or sampling_info.is_all_greedy:
+            ids = torch.argmax(logits, dim=-1)
+        else:
+            ids = self._sample(logits, sampling_info)
+        out = SamplerOutput(next_token_ids=ids)
+        if return_logprob:
+            logprobs = torch.log_softmax(logits, dim=-1)
+            out.logprobs = logprobs.gather(1, ids.unsqueeze(1)).squeeze(1)
+            k = max(top_logprobs_nums or [0])
+            if k > 0:
+                out.top_logprobs_val, out.top_logprobs_idx = logprobs.topk(k, dim=-1)
+        return out
+
+    def _sample(self, logits: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        greedy = info.temperatures.view(-1) <= 0
+        temps = torch.where(info.temperatures > 0, info.temperatures, torch.ones_like(info.temperatures))
+        probs = torch.softmax(logits / temps, dim=-1)
+        probs = filter_probs(probs, info)
+        noise = self._exponential_noise(probs, info)
+        sampled = torch.argmax(probs / noise, dim=-1)
+        return torch.where(greedy, torch.argmax(logits, dim=-1), sampled)
+
+    @staticmethod
+    def _exponential_noise(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+        noise = torch.empty_like(probs).exponential_()
+        if info.seeds is not None:
+            steps = info.steps or [0] * len(info.seeds)
+            for row, seed in enumerate(info.seeds):
+                if seed is None:
+                    continue
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed(_seed_for_step(int(seed), int(steps[row])))
+                noise[row].exponential_(generator=gen)
+        # Exp(1) can round to 0; a zero would turn a filtered-out (p = 0) token into NaN.
+        return noise.clamp_min_(1e-20)
+
+
+def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
+    """Zero the probabilities that top-k, top-p or min-p exclude (rows are not renormalised: the
+    exponential race does not need it). The most likely token always survives."""
+    if info.need_top_k_sampling or info.need_top_p_sampling:
+        sorted_probs, order = probs.sort(dim=-1, descending=True)
+        vocab = probs.shape[-1]
+        if info.need_top_k_sampling:
+            top_ks = torch.where((info.top_ks > 0) & (info.top_ks < vocab), info.top_ks, vocab)
+            rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
+            sorted_probs = sorted_probs.masked_fill(rank >= top_ks.unsqueeze(1), 0.0)
+        if info.need_top_p_sampling:
+            # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
+            # strictly before it already exceeds top_p.
+            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+            sorted_probs = sorted_probs.masked_fill(before > info.top_ps.unsqueeze(1), 0.0)
+        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+    if info.need_min_p_sampling:
+        threshold = probs.max(dim=-1, keepdim=True).values * info.min_ps.unsqueeze(1)
+        probs = probs.masked_fill(probs < threshold, 0.0)
+    return probs

@@ -1,0 +1,232 @@
+"""ModelRunner: owns the model, the KV pools, the attention backend and the sampler, and runs one
+forward pass of a ForwardBatch.
+
+`forward()` decides once which path serves the batch (eager now; the CUDA-graph runners plug in
+through `choose_forward_path` and `run_body`), hands the same decision to the LoRA manager, runs
+the body, then the eager tail (logits, logprobs, sampling), which always runs outside graphs.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+from sglang.srt.layers.sampler import Sampler, SamplerOutput
+from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.runner_output import ModelRunnerOutput
+from sglang.srt.model_loader.loader import get_model
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils import get_available_gpu_memory, set_random_seed
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+MAX_RUNNING_REQUESTS_CAP = 4096
+# GPU memory kept out of the KV cache for activations, graphs and the allocator's slack, on top of
+# the (1 - mem_fraction_static) share of the device that is never used for weights or KV.
+ACTIVATION_RESERVE_GIB = 1.0
+# req_to_token rows are context_len + this wide, so a row never needs a bounds check at its end.
+REQ_TO_TOKEN_PAD = 8
+
+# Forward paths (choose_forward_path). Only EAGER is served so far; the graph runners add theirs.
+EAGER = "eager"
+DECODE_GRAPH = "decode_graph"
+PREFILL_GRAPH = "prefill_graph"
+
+
+class ModelRunner:
+    def __init__(self, server_args: ServerArgs, gpu_id: int = 0) -> None:
+        self.server_args = server_args
+        self.gpu_id = gpu_id
+        device = server_args.resolved_device()
+        self.device = torch.device(f"cuda:{gpu_id}" if device == "cuda" else device)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        set_random_seed(server_args.random_seed)
+
+        self.model_config = ModelConfig.from_pretrained(server_args.model_path, server_args)
+        self.dtype = self.model_config.dtype
+        self.context_len = self.model_config.context_len
+        free_before = get_available_gpu_memory(gpu_id) if self.device.type == "cuda" else None
+        self.model = get_model(
+            self.model_config,
+            load_format=server_args.load_format,
+            device=self.device,
+            dtype=self.dtype,
+            seed=server_args.random_seed,
+        )
+        if free_before is not None:
+            logger.info("Weights use %.2f GiB", free_before - get_available_gpu_memory(gpu_id))
+        self.sampler = Sampler()
+        self.lora_manager = None
+        if server_args.enable_lora:
+            # After the weights (it wraps the loaded layers), before memory sizing (its pool
+            # takes device memory). Startup ids match the main process's registry.
+            from sglang.srt.lora.lora_manager import LoRAManager
+            from sglang.srt.lora.lora_registry import make_lora_ref
+
+            refs = [make_lora_ref(spec) for spec in server_args.lora_paths or []]
+            self.lora_manager = LoRAManager.from_model_runner(self, refs)
+        self.init_memory_pool()
+        self.attn_backend = self._create_attn_backend()
+
+    # ------------------------------------------------------------------ setup
+    def _kv_bytes_per_token(self) -> int:
+        c = self.model_config
+        return MHATokenToKVPool.bytes_per_token(self.dtype, c.num_key_value_heads, c.head_dim, c.num_hidden_layers)
+
+    def profile_max_num_tokens(self) -> int:
+        """KV capacity on CUDA: `mem_fraction_static` of the device for weights + KV (the weights
+        are already loaded), less a reserve for activations and graphs."""
+        total = torch.cuda.mem_get_info(self.device)[1] / (1 << 30)
+        free = get_available_gpu_memory(self.gpu_id)
+        kv_gib = free - total * (1.0 - self.server_args.mem_fraction_static) - ACTIVATION_RESERVE_GIB
+        tokens = int(kv_gib * (1 << 30) // self._kv_bytes_per_token())
+        if tokens <= 0:
+            raise ValueError(
+                f"no GPU memory left for the KV cache ({free:.1f} GiB free of {total:.1f} GiB after "
+                f"loading the weights); raise --mem-fraction-static or use a smaller model/dtype"
+            )
+        return tokens
+
+    def _default_max_running_requests(self, tokens: int) -> int:
+        return self.server_args.max_running_requests or max(1, min(MAX_RUNNING_REQUESTS_CAP, tokens // 2))
+
+    def init_memory_pool(self) -> None:
+        args = self.server_args
+        if self.device.type == "cuda":
+            budget = self.profile_max_num_tokens()
+            # The request table comes out of the same budget as the KV cache.
+            rows = self._default_max_running_requests(args.max_total_tokens or budget) + 1
+            table_bytes = rows * (self.context_len + REQ_TO_TOKEN_PAD) * 4
+            budget -= -(-table_bytes // self._kv_bytes_per_token())
+            if budget <= 0:
+                raise ValueError("no GPU memory left for the KV cache; lower --max-running-requests")
+            if args.max_total_tokens is not None and args.max_total_tokens > budget:
+                logger.warning(
+                    "--max-total-tokens %d exceeds the %d tokens that fit; using %d.",
+                    args.max_total_tokens, budget, budget,
+                )
+            tokens = min(args.max_total_tokens or budget, budget)
+        else:
+            tokens = args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+        self.max_total_num_tokens = int(tokens)
+        self.max_running_requests = self._default_max_running_requests(self.max_total_num_tokens)
+        c = self.model_config
+        # One extra row, reserved below as the padding row of graph replays: it maps every
+        # position to the dummy KV slot 0, so padded requests read and write nothing real.
+        self.req_to_token_pool = ReqToTokenPool(
+            self.max_running_requests + 1, self.context_len + REQ_TO_TOKEN_PAD, self.device
+        )
+        (self.padding_req_pool_index,) = self.req_to_token_pool.alloc(1)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            self.max_total_num_tokens,
+            self.dtype,
+            c.num_key_value_heads,
+            c.head_dim,
+            c.num_hidden_layers,
+            self.device,
+        )
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens)
+        kv_gib = self.max_total_num_tokens * self._kv_bytes_per_token() / (1 << 30)
+        logger.info(
+            "KV cache: %d tokens (%.2f GiB, %s), max running requests %d, context length %d",
+            self.max_total_num_tokens, kv_gib, str(self.dtype).replace("torch.", ""),
+            self.max_running_requests, self.context_len,
+        )
+
+    def _create_attn_backend(self):
+        name = self.server_args.resolved_attention_backend()
+        if name == "torch_native":
+            from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+            return TorchNativeAttnBackend(self)
+        if name == "triton":
+            from sglang.srt.layers.attention.triton_backend import TritonAttnBackend
+
+            return TritonAttnBackend(self)
+        raise ValueError(f"unknown attention backend {name!r}")
+
+    # ------------------------------------------------------------------ forward
+    def attach_pools(self, fb: ForwardBatch) -> None:
+        fb.req_to_token_pool = self.req_to_token_pool
+        fb.token_to_kv_pool = self.token_to_kv_pool
+        fb.attn_backend = self.attn_backend
+
+    def choose_forward_path(self, fb: ForwardBatch) -> str:
+        """Which path serves this batch. The single decision point: LoRA preparation and the body
+        both follow it (a graph path is only taken if its LoRA metadata is refreshed in place)."""
+        return EAGER
+
+    def run_body(self, fb: ForwardBatch, path: str) -> torch.Tensor:
+        """The model body on the chosen path -> hidden [T', H] (T' >= live tokens when padded)."""
+        assert path == EAGER, f"no runner for forward path {path!r}"
+        self.attn_backend.init_forward_metadata(fb)
+        return self.model.model(fb.input_ids, fb.positions, fb)
+
+    def prepare(self, fb: ForwardBatch) -> str:
+        """Attach the pools, decide the path once, and prepare LoRA for that same path."""
+        self.attach_pools(fb)
+        path = self.choose_forward_path(fb)
+        if self.lora_manager is not None:
+            self.lora_manager.prepare_lora_batch(
+                fb,
+                use_cuda_graph=(path == DECODE_GRAPH),
+                use_prefill_cuda_graph=(path == PREFILL_GRAPH),
+            )
+        return path
+
+    @torch.no_grad()
+    def forward(self, fb: ForwardBatch) -> ModelRunnerOutput:
+        path = self.prepare(fb)
+        hidden = self.run_body(fb, path)
+        return self.run_eager_tail(fb, hidden, used_cuda_graph=(path != EAGER))
+
+    @staticmethod
+    def _live_tokens(fb: ForwardBatch) -> int:
+        return fb.extend_num_tokens if fb.forward_mode.is_extend() else fb.batch_size
+
+    def compute_logits(self, fb: ForwardBatch, hidden: torch.Tensor) -> LogitsProcessorOutput:
+        # Rows past the live tokens (padding of a graph replay) are dropped here.
+        hidden = hidden[: self._live_tokens(fb)]
+        return self.model.logits_processor(fb.input_ids, hidden, self.model.lm_head, fb)
+
+    def run_eager_tail(self, fb: ForwardBatch, hidden: torch.Tensor, used_cuda_graph: bool) -> ModelRunnerOutput:
+        logits_out = self.compute_logits(fb, hidden)
+        sample = self.sampler(
+            logits_out.next_token_logits,
+            fb.sampling_info,
+            return_logprob=fb.return_logprob,
+            top_logprobs_nums=fb.top_logprobs_nums,
+        )
+        return self._to_host(fb, logits_out, sample, used_cuda_graph)
+
+    @staticmethod
+    def _to_host(
+        fb: ForwardBatch, logits_out: LogitsProcessorOutput, sample: SamplerOutput, used_cuda_graph: bool
+    ) -> ModelRunnerOutput:
+        # The one device->host sync of a forward; the list conversions after it find data ready.
+        out = ModelRunnerOutput(next_token_ids=sample.next_token_ids.cpu(), used_cuda_graph=used_cuda_graph)
+        if not fb.return_logprob:
+            return out
+        out.next_token_logprobs = sample.logprobs.tolist()
+        nums = fb.top_logprobs_nums or [0] * fb.batch_size
+        if sample.top_logprobs_val is not None:
+            vals, idx = sample.top_logprobs_val.tolist(), sample.top_logprobs_idx.tolist()
+            out.next_token_top_logprobs = [
+                (vals[i][:k], idx[i][:k]) if k > 0 else None for i, k in enumerate(nums)
+            ]
+        else:
+            out.next_token_top_logprobs = [None] * fb.batch_size
+        out.input_token_logprobs, out.input_top_logprobs = logits_out.input_logprobs_lists()
+        return out
+
+    @torch.no_grad()
+    def forward_logits(self, fb: ForwardBatch) -> LogitsProcessorOutput:
+        """Body + logits, no sampling: for tests and tools."""
+        path = self.prepare(fb)
+        return self.compute_logits(fb, self.run_body(fb, path))

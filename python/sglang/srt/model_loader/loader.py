@@ -1,0 +1,82 @@
+"""get_model: build the model class of a checkpoint on the target device and fill its weights."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Iterator, Optional
+
+import torch
+from torch import nn
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_loader.weight_utils import (
+    find_safetensors_files,
+    init_dummy_weights,
+    safetensors_weights_iterator,
+)
+from sglang.srt.models.registry import get_model_class
+
+logger = logging.getLogger(__name__)
+
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+@contextlib.contextmanager
+def _default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
+    """Parameters are created directly in their final dtype on the target device (no float32 copy
+    on the host first, which would double peak memory for large models)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def get_model(
+    model_config: ModelConfig,
+    load_format: str = "auto",
+    device: torch.device | str = "cpu",
+    dtype: Optional[torch.dtype] = None,
+    seed: int = 0,
+    progress: bool = True,
+) -> nn.Module:
+    """Build `model_config`'s architecture and load its weights (`auto`/`safetensors`: stream the
+    checkpoint's safetensors files; `dummy`: random weights from the config alone)."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"--load-format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
+    model_cls = get_model_class(model_config.architectures)
+    dtype = dtype or model_config.dtype
+    device = torch.device(device)
+    # Resolve the files before allocating anything: a wrong path fails fast.
+    files = None if load_format == "dummy" else find_safetensors_files(model_config.model_path)
+
+    start = time.perf_counter()
+    with _default_dtype_and_device(dtype, device):
+        model = model_cls(model_config)
+    with torch.no_grad():
+        if files is None:
+            init_dummy_weights(model, seed=seed)
+        else:
+            loaded = model.load_weights(safetensors_weights_iterator(files, progress=progress))
+            missing = sorted(set(dict(model.named_parameters())) - loaded)
+            if missing:
+                raise ValueError(
+                    f"checkpoint {model_config.model_path!r} lacks {len(missing)} weight(s) of "
+                    f"{model_config.architecture}: {', '.join(missing[:8])}{' ...' if len(missing) > 8 else ''}"
+                )
+    model.eval()
+    n_params = sum(p.numel() for p in model.parameters())
+    logger.info(
+        "Loaded %s (%s weights, %.2f B params, %s) on %s in %.1f s",
+        model_config.architecture,
+        "dummy" if files is None else f"{len(files)} safetensors file(s)",
+        n_params / 1e9,
+        str(dtype).replace("torch.", ""),
+        device,
+        time.perf_counter() - start,
+    )
+    return model

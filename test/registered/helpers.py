@@ -1,0 +1,199 @@
+"""Shared test helpers: tiny checkpoints, a CPU ModelRunner, and a small driver that runs
+prefill/decode passes for fixed requests (allocation, batch building, token bookkeeping).
+
+Generic on purpose: other suites (LoRA, CUDA graphs, scheduler) may import it.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import tempfile
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.model_executor.batch_builder import (
+    DecodeRequest,
+    ExtendRequest,
+    build_decode_batch,
+    build_extend_batch,
+    prompt_logprob_targets,
+)
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.runner_output import ModelRunnerOutput
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.tools.make_checkpoint import make_checkpoint
+
+ARCHS = ("llama", "mistral", "qwen2", "qwen3")
+
+_CKPT_ROOT: Optional[str] = None
+_CKPT_CACHE: dict[tuple, str] = {}
+
+
+def tiny_checkpoint(arch: str = "qwen3", **kwargs: Any) -> str:
+    """A tiny random checkpoint, written once per test session for each distinct argument set."""
+    global _CKPT_ROOT
+    key = (arch, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
+    if key not in _CKPT_CACHE:
+        if _CKPT_ROOT is None:
+            _CKPT_ROOT = tempfile.mkdtemp(prefix="sglang-test-ckpt-")
+        path = os.path.join(_CKPT_ROOT, f"{arch}-{len(_CKPT_CACHE)}")
+        _CKPT_CACHE[key] = make_checkpoint(path, arch=arch, preset="tiny", **kwargs)
+    return _CKPT_CACHE[key]
+
+
+def make_runner(model_path: str, **overrides: Any) -> ModelRunner:
+    """A ModelRunner on the CPU in float32 with small pools (override any ServerArgs field)."""
+    args = dict(
+        model_path=model_path,
+        device="cpu",
+        dtype="float32",
+        attention_backend="torch_native",
+        max_total_tokens=2048,
+        max_running_requests=16,
+        disable_cuda_graph=True,
+        random_seed=0,
+    )
+    args.update(overrides)
+    return ModelRunner(ServerArgs(**args))
+
+
+def hf_model(model_path: str, dtype: torch.dtype = torch.float32):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    return model.eval()
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
+    """logprob of prompt token t given tokens < t, for t = 1..len-1 (float32, [len-1])."""
+    logits = model(input_ids=torch.tensor([ids])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1)
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
+    """HF `generate` without sampling and without stopping at EOS (the engine driver never stops)."""
+    gen_config = copy.deepcopy(model.generation_config)
+    gen_config.update(eos_token_id=None, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
+    out = model.generate(
+        torch.tensor([ids]),
+        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+        generation_config=gen_config,
+    )
+    return out[0, len(ids) :].tolist()
+
+
+@dataclass
+class Seq:
+    """One request's state in the driver: its tokens and how many have KV in the cache."""
+
+    row: int
+    tokens: list[int]
+    kv_len: int = 0
+    slots: list[torch.Tensor] = field(default_factory=list)
+    lora_id: Optional[str] = None
+
+
+class EngineDriver:
+    """Runs EXTEND/DECODE passes of fixed requests through a ModelRunner (a tiny scheduler)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+
+    def add(self, prompt: list[int], lora_id: Optional[str] = None) -> Seq:
+        rows = self.runner.req_to_token_pool.alloc(1)
+        assert rows is not None, "out of request rows"
+        return Seq(row=rows[0], tokens=list(prompt), lora_id=lora_id)
+
+    def release(self, seq: Seq) -> None:
+        for s in seq.slots:
+            self.runner.token_to_kv_pool_allocator.free(s)
+        seq.slots.clear()
+        self.runner.req_to_token_pool.free(seq.row)
+
+    def _alloc(self, seq: Seq, n: int) -> torch.Tensor:
+        slots = self.runner.token_to_kv_pool_allocator.alloc(n)
+        assert slots is not None, "out of KV slots"
+        seq.slots.append(slots)
+        return slots
+
+    def extend(
+        self,
+        seqs: list[Seq],
+        num_tokens: Optional[list[int]] = None,
+        logprob_start: Optional[int] = None,
+        top_logprobs_num: int = 0,
+        sampling_info: Optional[SamplingBatchInfo] = None,
+    ) -> ModelRunnerOutput:
+        """Feed each seq's next `num_tokens[i]` uncached tokens (default: all of them).
+
+        With `logprob_start` (absolute prompt position), prompt logprobs from that position on
+        are requested; each seq's tokens are its prompt here.
+        """
+        reqs = []
+        for i, seq in enumerate(seqs):
+            n = (num_tokens[i] if num_tokens else len(seq.tokens) - seq.kv_len)
+            ids = seq.tokens[seq.kv_len : seq.kv_len + n]
+            req = ExtendRequest(seq.row, ids, seq.kv_len, self._alloc(seq, n), lora_id=seq.lora_id)
+            if logprob_start is not None:
+                req.return_logprob = True
+                req.top_logprobs_num = top_logprobs_num
+                req.logprob_start_len, req.logprob_target_ids = prompt_logprob_targets(
+                    seq.tokens, seq.kv_len, n, logprob_start
+                )
+            reqs.append(req)
+        fb = build_extend_batch(
+            reqs, self.runner.req_to_token_pool, self.runner.device, sampling_info,
+            enable_lora=self.runner.lora_manager is not None,
+        )
+        out = self.runner.forward(fb)
+        for seq, req in zip(seqs, reqs):
+            seq.kv_len += len(req.input_ids)
+        return out
+
+    def decode(
+        self,
+        seqs: list[Seq],
+        return_logprob: bool = False,
+        top_logprobs_num: int = 0,
+        sampling_info: Optional[SamplingBatchInfo] = None,
+    ) -> ModelRunnerOutput:
+        """Feed each seq's last token (which must be its only uncached one)."""
+        reqs = []
+        for seq in seqs:
+            assert seq.kv_len == len(seq.tokens) - 1, "decode feeds exactly one new token"
+            slot = int(self._alloc(seq, 1)[0])
+            reqs.append(
+                DecodeRequest(seq.row, seq.tokens[-1], len(seq.tokens), slot, return_logprob,
+                              top_logprobs_num, seq.lora_id)
+            )
+        fb = build_decode_batch(
+            reqs, self.runner.req_to_token_pool, self.runner.device, sampling_info,
+            enable_lora=self.runner.lora_manager is not None,
+        )
+        out = self.runner.forward(fb)
+        for seq in seqs:
+            seq.kv_len += 1
+        return out
+
+    def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        """Prefill all prompts in one batch, then decode them together; returns new tokens."""
+        seqs = [self.add(p) for p in prompts]
+        try:
+            out = self.extend(seqs)
+            for _ in range(max_new_tokens - 1):
+                for seq, t in zip(seqs, out.next_token_ids.tolist()):
+                    seq.tokens.append(t)
+                out = self.decode(seqs)
+            for seq, t in zip(seqs, out.next_token_ids.tolist()):
+                seq.tokens.append(t)
+            return [seq.tokens[len(p):] for seq, p in zip(seqs, prompts)]
+        finally:
+            for seq in seqs:
+                self.release(seq)
