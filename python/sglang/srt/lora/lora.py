@@ -1,0 +1,236 @@
+"""`LoRAAdapter`: one PEFT adapter's weights on the host, normalised to the engine's fused modules.
+
+PEFT stores per projection `...layers.{i}.self_attn.q_proj.lora_A.weight` ([r, in]) and
+`...lora_B.weight` ([out, r]). The engine's layers are fused, so per layer we build:
+  qkv_proj      A [3r, in] = [A_q; A_k; A_v]     B [q + 2kv, r] = [B_q; B_k; B_v]
+  gate_up_proj  A [2r, in] = [A_gate; A_up]      B [2I, r]      = [B_gate; B_up]
+  o_proj, down_proj as they are.
+A projection the adapter lacks inside a fused module is zero (its slice then adds nothing), which
+is exactly PEFT's behaviour for an untargeted projection. Every tensor is checked against the base
+model's shapes here, on the host, so a bad adapter fails at load with a message and never reaches
+the GPU pool.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+
+from sglang.srt.lora.lora_config import FUSED_MODULES, PROJ_TO_FUSED, LoRAConfig
+
+# `...layers.<i>.<...>.<proj>.lora_<A|B>[.<adapter>].weight`
+_TENSOR_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?([^.]+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
+
+
+@dataclass(frozen=True)
+class LoRAModuleShape:
+    """A fused linear module as LoRA sees it: input width and the output width of each slice."""
+
+    in_dim: int
+    out_sizes: tuple[int, ...]  # in output order, e.g. (q, kv, kv) for qkv_proj
+
+    @property
+    def out_dim(self) -> int:
+        return sum(self.out_sizes)
+
+    @property
+    def num_slices(self) -> int:
+        return len(self.out_sizes)
+
+
+@dataclass
+class LoRAModelShapes:
+    """The base model's shapes for every module LoRA may target (tp_size = 1)."""
+
+    num_layers: int
+    modules: dict[str, LoRAModuleShape]
+
+    @classmethod
+    def from_hf_config(cls, cfg: Any) -> "LoRAModelShapes":
+        hidden = int(cfg.hidden_size)
+        heads = int(cfg.num_attention_heads)
+        kv_heads = int(getattr(cfg, "num_key_value_heads", None) or heads)
+        head_dim = int(getattr(cfg, "head_dim", None) or hidden // heads)
+        inter = int(cfg.intermediate_size)
+        q, kv = heads * head_dim, kv_heads * head_dim
+        return cls(
+            num_layers=int(cfg.num_hidden_layers),
+            modules={
+                "qkv_proj": LoRAModuleShape(hidden, (q, kv, kv)),
+                "o_proj": LoRAModuleShape(q, (hidden,)),
+                "gate_up_proj": LoRAModuleShape(hidden, (inter, inter)),
+                "down_proj": LoRAModuleShape(inter, (hidden,)),
+            },
+        )
+
+
+def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of `<path>/adapter_model.safetensors` (else `.bin`), on the CPU."""
+    st_file = os.path.join(path, "adapter_model.safetensors")
+    bin_file = os.path.join(path, "adapter_model.bin")
+    if os.path.isfile(st_file):
+        from safetensors.torch import load_file
+
+        try:
+            return load_file(st_file, device="cpu")
+        except Exception as e:  # safetensors raises its own error type for truncated headers/data
+            raise ValueError(
+                f"Cannot read LoRA weights {st_file!r} (truncated or corrupt file?): {e}"
+            ) from None
+    if os.path.isfile(bin_file):
+        try:
+            data = torch.load(bin_file, map_location="cpu", weights_only=True)
+        except Exception as e:
+            raise ValueError(
+                f"Cannot read LoRA weights {bin_file!r} (truncated or corrupt file?): {e}"
+            ) from None
+        if not isinstance(data, dict) or not all(isinstance(v, torch.Tensor) for v in data.values()):
+            raise ValueError(f"LoRA weights {bin_file!r} are not a dict of tensors")
+        return data
+    raise ValueError(f"LoRA adapter at {path!r} has no adapter_model.safetensors or adapter_model.bin")
+
+
+class LoRAAdapter:
+    """Host copy of one adapter. `layers[i][module] = (A, B)` for the fused modules it has."""
+
+    def __init__(self, uid: str, config: LoRAConfig, shapes: LoRAModelShapes) -> None:
+        self.uid = uid
+        self.config = config
+        self.shapes = shapes
+        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
+            {} for _ in range(shapes.num_layers)
+        ]
+
+    @property
+    def rank(self) -> int:
+        return self.config.r
+
+    @property
+    def scaling(self) -> float:
+        return self.config.scaling
+
+    @property
+    def modules(self) -> set[str]:
+        """Fused modules for which at least one layer has weights."""
+        return {m for layer in self.layers for m in layer}
+
+    @classmethod
+    def load(cls, uid: str, config: LoRAConfig, shapes: LoRAModelShapes) -> "LoRAAdapter":
+        adapter = cls(uid, config, shapes)
+        adapter.initialize_weights()
+        return adapter
+
+    # ------------------------------------------------------------------ loading
+    def initialize_weights(self) -> None:
+        path = self.config.path
+        tensors = read_adapter_tensors(path)
+        if not tensors:
+            raise ValueError(f"LoRA weights of adapter at {path!r} are empty")
+        targets = self.config.target_projections()
+        # (layer, projection) -> {"A": (name, tensor), "B": (name, tensor)}
+        parts: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
+        for name, tensor in tensors.items():
+            m = _TENSOR_NAME.search(name)
+            if m is None:
+                raise ValueError(
+                    f"LoRA adapter at {path!r} holds tensor {name!r}, which is not a per-layer "
+                    "lora_A/lora_B weight of a supported module; this engine cannot serve it"
+                )
+            layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
+            fused = PROJ_TO_FUSED.get(proj)
+            if fused is None:
+                raise ValueError(
+                    f"LoRA adapter at {path!r}: tensor {name!r} adapts unsupported module {proj!r}"
+                )
+            if proj not in targets:
+                raise ValueError(
+                    f"LoRA adapter at {path!r}: tensor {name!r} adapts {proj!r}, which adapter_config.json "
+                    "does not list in target_modules"
+                )
+            if layer >= self.shapes.num_layers:
+                raise ValueError(
+                    f"LoRA adapter at {path!r}: tensor {name!r} is for layer {layer}, but the base model "
+                    f"has {self.shapes.num_layers} layers"
+                )
+            if tensor.dim() != 2:
+                raise ValueError(
+                    f"LoRA adapter at {path!r}: tensor {name!r} has shape {tuple(tensor.shape)}, expected a matrix"
+                )
+            slot = parts.setdefault((layer, proj), {})
+            if ab in slot:
+                raise ValueError(f"LoRA adapter at {path!r}: tensors {slot[ab][0]!r} and {name!r} collide")
+            slot[ab] = (name, tensor)
+
+        for (layer, proj), ab in parts.items():
+            missing = {"A", "B"} - set(ab)
+            if missing:
+                present = next(iter(ab.values()))[0]
+                raise ValueError(
+                    f"LoRA adapter at {path!r}: {present!r} has no matching lora_{missing.pop()} tensor"
+                )
+
+        pin = torch.cuda.is_available()
+        for layer in range(self.shapes.num_layers):
+            for fused, projs in FUSED_MODULES.items():
+                built = self._build_fused(layer, fused, projs, parts)
+                if built is not None:
+                    a, b = built
+                    if pin:  # faster, asynchronous host->device copies into the pool
+                        a, b = a.pin_memory(), b.pin_memory()
+                    self.layers[layer][fused] = (a, b)
+
+    def _check(self, name: str, t: torch.Tensor, expected: tuple[int, int], what: str) -> torch.Tensor:
+        if tuple(t.shape) != expected:
+            raise ValueError(
+                f"LoRA adapter at {self.config.path!r}: tensor {name!r} has shape {tuple(t.shape)}, "
+                f"but the base model needs {expected} ({what}, rank r={self.config.r}); "
+                "was the adapter trained for a different base model?"
+            )
+        return t
+
+    def _build_fused(
+        self,
+        layer: int,
+        fused: str,
+        projs: tuple[str, ...],
+        parts: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]],
+    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+        r = self.config.r
+        shape = self.shapes.modules.get(fused)
+        has_split = any((layer, p) in parts for p in projs)
+        has_stacked = len(projs) > 1 and (layer, fused) in parts
+        if not (has_split or has_stacked):
+            return None
+        if shape is None:
+            raise ValueError(
+                f"LoRA adapter at {self.config.path!r} adapts {fused} in layer {layer}, "
+                "which the base model does not have"
+            )
+        if has_split and has_stacked:
+            raise ValueError(
+                f"LoRA adapter at {self.config.path!r} has both {fused} and its parts {projs} in layer {layer}"
+            )
+        if has_stacked:
+            # One A shared by all slices (trained on a fused checkpoint): copy it per slice so the
+            # kernels see the same [slice0; slice1; ...] layout as a split adapter.
+            (a_name, a), (b_name, b) = parts[(layer, fused)]["A"], parts[(layer, fused)]["B"]
+            self._check(a_name, a, (r, shape.in_dim), f"lora_A of {fused}: [r, in]")
+            self._check(b_name, b, (shape.out_dim, r), f"lora_B of {fused}: [out, r]")
+            return a.repeat(len(projs), 1).contiguous(), b.contiguous()
+
+        a_parts, b_parts = [], []
+        dtype = next(t for p in projs if (layer, p) in parts for _, t in parts[(layer, p)].values()).dtype
+        for proj, out_k in zip(projs, shape.out_sizes):
+            got = parts.get((layer, proj))
+            if got is None:
+                a_parts.append(torch.zeros(r, shape.in_dim, dtype=dtype))
+                b_parts.append(torch.zeros(out_k, r, dtype=dtype))
+                continue
+            (a_name, a), (b_name, b) = got["A"], got["B"]
+            a_parts.append(self._check(a_name, a, (r, shape.in_dim), f"lora_A of {proj}: [r, in]").to(dtype))
+            b_parts.append(self._check(b_name, b, (out_k, r), f"lora_B of {proj}: [out, r]").to(dtype))
+        return torch.cat(a_parts, 0).contiguous(), torch.cat(b_parts, 0).contiguous()

@@ -1,0 +1,36 @@
+"""Chunked-SGMV expand (`csgmv` backend): rows gathered and scattered through the permutation."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from sglang.srt.lora.triton_ops.sgemm_lora_b import segmented_expand
+from sglang.srt.lora.utils import LoRABatchInfo
+
+
+def chunked_sgmv_lora_expand_forward(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    batch_info: LoRABatchInfo,
+    base_output: Optional[torch.Tensor],
+    num_slices: int = 1,
+    slice_offsets: Optional[torch.Tensor] = None,
+    max_slice_size: Optional[int] = None,
+) -> torch.Tensor:
+    """base_output[t, slice k] += scaling * x[t, k*r:(k+1)*r] @ B[slot, slice k, :r].T, in place.
+
+    `slice_offsets` (int device tensor [num_slices + 1], with `max_slice_size`) gives unequal
+    slices (qkv under GQA); None means `num_slices` equal slices of B's output dimension.
+    """
+    return segmented_expand(
+        x,
+        weights,
+        batch_info,
+        base_output,
+        num_slices=num_slices,
+        permuted=True,
+        slice_offsets=slice_offsets,
+        max_slice_width=max_slice_size,
+    )

@@ -1,0 +1,222 @@
+"""Segmented LoRA expand: base_output[t, slice] += scaling * x[t, k*r:(k+1)*r] @ B[slot, slice, :r].T
+
+One kernel serves every expand: plain (1 slice), gate_up (2 equal slices), qkv (3 slices at
+`output_offset`, q and kv widths may differ) and the csgmv variants (rows gathered through
+`batch_info.permutation`). Grid: (token lanes x column tiles, slices, segments).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block, token_block, token_lanes
+from sglang.srt.lora.utils import LoRABatchInfo
+
+
+@triton.jit
+def _segment_expand_kernel(
+    x_ptr,
+    w_ptr,
+    out_ptr,
+    x_stride_t,
+    x_stride_r,
+    w_stride_s,
+    w_stride_n,
+    w_stride_r,
+    out_stride_t,
+    out_stride_n,
+    seg_indptr_ptr,
+    weight_indices_ptr,
+    lora_ranks_ptr,
+    scalings_ptr,
+    perm_ptr,
+    slice_offsets_ptr,
+    slice_width,
+    n_tiles,
+    lanes,
+    PERMUTED: tl.constexpr,
+    HAS_OFFSETS: tl.constexpr,
+    OFFSET_ALIGN: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_R: tl.constexpr,
+    R_ITERS: tl.constexpr,
+    LANE_ITERS: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    # Slot and rank first: base requests, padding and unused graph segments leave here.
+    seg = tl.program_id(2)
+    slot = tl.load(weight_indices_ptr + seg)
+    rank = tl.load(lora_ranks_ptr + slot)
+    if rank == 0:
+        return
+    seg_start = tl.load(seg_indptr_ptr + seg)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    pid = tl.program_id(0)
+    tile_n = pid % n_tiles
+    lane = pid // n_tiles
+    first_row = seg_start + lane * BLOCK_S
+    if first_row >= seg_end:  # also covers empty segments
+        return
+    slice_id = tl.program_id(1)
+    if HAS_OFFSETS:
+        # Loaded offsets carry no alignment facts; the host-derived hint restores vectorised
+        # access to base_output's columns.
+        col_lo = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id), OFFSET_ALIGN)
+        col_hi = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id + 1), OFFSET_ALIGN)
+    else:
+        col_lo = slice_id * slice_width
+        col_hi = col_lo + slice_width
+    col0 = col_lo + tile_n * BLOCK_N
+    if col0 >= col_hi:  # the narrower slices (kv under GQA) have fewer column tiles
+        return
+
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    col_mask = offs_n < col_hi
+    offs_r = tl.arange(0, BLOCK_R)
+    w_base = w_ptr + slot.to(tl.int64) * w_stride_s + offs_n[None, :].to(tl.int64) * w_stride_n
+    scaling = tl.load(scalings_ptr + slot)
+
+    # This lane's token tiles: first_row + i * lanes * BLOCK_S, skipped past the segment end.
+    for it in range(LANE_ITERS):
+        row0 = first_row + it * lanes * BLOCK_S
+        if row0 < seg_end:
+            offs_s = row0 + tl.arange(0, BLOCK_S)
+            row_mask = offs_s < seg_end
+            if PERMUTED:
+                rows = tl.load(perm_ptr + offs_s, mask=row_mask, other=0).to(tl.int64)
+            else:
+                rows = offs_s.to(tl.int64)
+            # Slice k of the shrink output holds columns [k*rank, (k+1)*rank) (compact prefix).
+            x_ptrs = x_ptr + rows[:, None] * x_stride_t + (slice_id * rank + offs_r)[None, :] * x_stride_r
+            w_ptrs = w_base + offs_r[:, None] * w_stride_r
+            acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+            for ri in range(R_ITERS):
+                # K is clipped to the slot's rank: columns past it may hold stale or
+                # uninitialised data.
+                r_mask = offs_r < rank - ri * BLOCK_R
+                a = tl.load(x_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
+                # Compute in the weights' dtype: an fp32 (split-K) shrink output is rounded like
+                # a bf16 one would have been, and bf16 x bf16 keeps the tensor-core path.
+                acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PREC)
+                x_ptrs += BLOCK_R * x_stride_r
+                w_ptrs += BLOCK_R * w_stride_r
+
+            out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :] * out_stride_n
+            mask = row_mask[:, None] & col_mask[None, :]
+            base = tl.load(out_ptrs, mask=mask, other=0.0)
+            result = base.to(tl.float32) + acc * scaling
+            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def segmented_expand(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    batch_info: LoRABatchInfo,
+    base_output: Optional[torch.Tensor],
+    num_slices: int,
+    permuted: bool,
+    slice_offsets: Optional[torch.Tensor] = None,
+    max_slice_width: Optional[int] = None,
+) -> torch.Tensor:
+    """Launch the expand over `batch_info`'s grid, accumulating into `base_output` in place.
+
+    Slices are either given by `slice_offsets` (int device tensor [num_slices + 1]; then
+    `max_slice_width` bounds the column grid) or, when None, equal: out_dim / num_slices each.
+    """
+    assert x.dim() == 2 and weights.dim() == 3, (x.shape, weights.shape)
+    num_tokens = x.shape[0]
+    _, out_dim, max_rank = weights.shape
+    assert x.shape[1] >= num_slices * max_rank, (x.shape, num_slices, max_rank)
+    if base_output is None:
+        base_output = torch.zeros((num_tokens, out_dim), dtype=weights.dtype, device=x.device)
+    assert base_output.shape == (num_tokens, out_dim), (base_output.shape, num_tokens, out_dim)
+    if slice_offsets is None:
+        assert out_dim % num_slices == 0, (out_dim, num_slices)
+        slice_width = out_dim // num_slices
+        max_slice_width = slice_width
+        offset_align = 1  # unused: equal slices are computed from an int the compiler sees
+    else:
+        assert slice_offsets.numel() == num_slices + 1, slice_offsets.shape
+        assert max_slice_width is not None, "slice_offsets needs max_slice_width for the grid"
+        slice_width = 0
+        offset_align = qkv_offset_alignment(out_dim, max_slice_width) if num_slices == 3 else 1
+    if permuted:
+        assert batch_info.permutation is not None, "csgmv expand needs batch_info.permutation"
+
+    block_s = token_block(batch_info.max_len)
+    # 128-wide column tiles measured best on an H200 for decode and prefill alike.
+    block_n = min(128, max(16, triton.next_power_of_2(max_slice_width)))
+    block_r = rank_block(max_rank)
+    n_tiles = triton.cdiv(max_slice_width, block_n)
+    lanes, lane_iters = token_lanes(batch_info.max_len, block_s, n_tiles * num_slices)
+    grid = (lanes * n_tiles, num_slices, batch_info.bs)
+    if num_tokens == 0 or grid[0] == 0 or grid[2] == 0:
+        return base_output  # eager only: graph-mode infos always have a non-empty grid
+    perm = batch_info.permutation if permuted else batch_info.seg_indptr  # unused when not permuted
+    offsets = slice_offsets if slice_offsets is not None else batch_info.seg_indptr  # unused then
+    _segment_expand_kernel[grid](
+        x,
+        weights,
+        base_output,
+        x.stride(0),
+        x.stride(1),
+        weights.stride(0),
+        weights.stride(1),
+        weights.stride(2),
+        base_output.stride(0),
+        base_output.stride(1),
+        batch_info.seg_indptr,
+        batch_info.weight_indices,
+        batch_info.lora_ranks,
+        batch_info.scalings,
+        perm,
+        offsets,
+        slice_width,
+        n_tiles,
+        lanes,
+        PERMUTED=permuted,
+        HAS_OFFSETS=slice_offsets is not None,
+        OFFSET_ALIGN=offset_align,
+        BLOCK_S=block_s,
+        BLOCK_N=block_n,
+        BLOCK_R=block_r,
+        R_ITERS=triton.cdiv(max_rank, block_r),
+        LANE_ITERS=lane_iters,
+        DOT_PREC=dot_precision(weights),
+        num_warps=4,
+    )
+    return base_output
+
+
+def qkv_offset_alignment(out_dim: int, max_slice_width: int) -> int:
+    """A power of two (<= 16) dividing every offset of a qkv layout [0, q, q+kv, q+2kv].
+
+    q and kv follow from the host-side shapes (out_dim = q + 2kv, max_slice_width = max(q, kv)):
+    both readings (q the wider, as in GQA, or kv the wider) are folded in, so the hint holds for
+    either. Without it the kernel cannot vectorise base_output's columns at loaded offsets.
+    """
+    candidates = [out_dim, max_slice_width]
+    rest = out_dim - max_slice_width
+    if rest > 0 and rest % 2 == 0:
+        candidates.append(rest // 2)  # kv when q is the wider slice
+    if out_dim - 2 * max_slice_width > 0:
+        candidates.append(out_dim - 2 * max_slice_width)  # q when kv is the wider slice
+    g = math.gcd(*candidates)
+    return next(a for a in (16, 8, 4, 2, 1) if g % a == 0)
+
+
+def sgemm_lora_b_fwd(
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    batch_info: LoRABatchInfo,
+    base_output: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Expand one slice for the `triton` backend: base_output [T, out] += s * x[:, :r] @ B[:, :r].T."""
+    return segmented_expand(x, weights, batch_info, base_output, num_slices=1, permuted=False)

@@ -1,0 +1,280 @@
+"""LoRAManager on a real ModelRunner: start-up inference, load/unload validation, batch admission,
+the graph-path contract (flags passed through, the prefill-graph predicate) and the wrappers."""
+
+import json
+import os
+
+import pytest
+import torch
+from helpers import EngineDriver, hf_model, make_runner, tiny_checkpoint
+from lora_testlib import write_peft_adapter
+
+from sglang.srt.lora.layers import (
+    MergedColumnParallelLinearWithLoRA,
+    QKVParallelLinearWithLoRA,
+    RowParallelLinearWithLoRA,
+)
+from sglang.srt.lora.lora_registry import make_dynamic_lora_ref
+from sglang.srt.model_executor.batch_builder import (
+    DecodeRequest,
+    ExtendRequest,
+    build_decode_batch,
+    build_extend_batch,
+)
+from sglang.srt.model_executor.model_runner import EAGER
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora-manager")
+    ckpt = tiny_checkpoint("llama", hidden_size=64, intermediate_size=128)
+    base = hf_model(ckpt)
+    paths = {
+        "a": write_peft_adapter(
+            str(root / "a"), r=4, target_modules=["q_proj", "v_proj"], base_model=hf_model(ckpt)
+        ),
+        "b": write_peft_adapter(
+            str(root / "b"), r=8, target_modules=["q_proj", "v_proj", "o_proj"], base_model=hf_model(ckpt)
+        ),
+        "mlp": write_peft_adapter(
+            str(root / "mlp"), r=4, target_modules=["down_proj"], base_model=hf_model(ckpt)
+        ),
+        "r32": write_peft_adapter(
+            str(root / "r32"), r=32, target_modules=["q_proj"], base_model=hf_model(ckpt)
+        ),
+        "dora": write_peft_adapter(
+            str(root / "dora"), r=4, target_modules=["q_proj"], use_dora=True, base_model=hf_model(ckpt)
+        ),
+        "c": write_peft_adapter(str(root / "c"), r=4, target_modules=["q_proj"], seed=3, base_model=base),
+    }
+    return ckpt, paths
+
+
+def runner_for(setup, names=("a", "b"), **kw):
+    ckpt, paths = setup
+    kw.setdefault("max_running_requests", 128)  # the batch-building tests do not free their rows
+    return make_runner(ckpt, lora_paths=[f"{n}={paths[n]}" for n in names], **kw)
+
+
+def ref(setup, name, new_name=None, pinned=False):
+    return make_dynamic_lora_ref(new_name or name, setup[1][name], pinned)
+
+
+# ---------------------------------------------------------------------- start-up
+def test_startup_infers_rank_and_targets_and_wraps_modules(setup):
+    runner = runner_for(setup, lora_backend="triton")
+    mgr = runner.lora_manager
+    assert mgr.loaded_adapters() == {"a": setup[1]["a"], "b": setup[1]["b"]}
+    assert mgr.pool.max_lora_rank == 8 and mgr.pool.target_modules == ["o_proj", "qkv_proj"]
+    layer = runner.model.model.layers[1]
+    assert isinstance(layer.self_attn.qkv_proj, QKVParallelLinearWithLoRA)
+    assert isinstance(layer.self_attn.o_proj, RowParallelLinearWithLoRA)
+    assert not hasattr(layer.mlp.gate_up_proj, "lora_backend")  # not a pool target: left alone
+    qkv = layer.self_attn.qkv_proj
+    assert qkv.output_offset.dtype == torch.int32 and qkv.output_offset.tolist() == [0, 64, 96, 128]
+    assert qkv.A_buffer.data_ptr() == mgr.pool.A_buffer["qkv_proj"][1].data_ptr()
+
+    runner = runner_for(setup, lora_backend="triton", max_lora_rank=32, lora_target_modules=["all"])
+    mgr = runner.lora_manager
+    assert mgr.pool.max_lora_rank == 32
+    assert mgr.pool.target_modules == ["down_proj", "gate_up_proj", "o_proj", "qkv_proj"]
+    assert isinstance(runner.model.model.layers[0].mlp.gate_up_proj, MergedColumnParallelLinearWithLoRA)
+
+
+def test_startup_failure_names_the_adapter(setup):
+    with pytest.raises(ValueError, match="'dora'.*DoRA"):
+        runner_for(setup, names=("a", "dora"))
+    with pytest.raises(ValueError, match="'mlp'.*--lora-target-modules"):
+        runner_for(setup, names=("a", "mlp"), lora_target_modules=["q_proj", "v_proj"])
+    with pytest.raises(ValueError, match="'b'.*--max-lora-rank"):
+        runner_for(setup, names=("a", "b"), max_lora_rank=4)
+
+
+# ---------------------------------------------------------------------- dynamic load / unload
+def test_load_validation_leaves_no_trace(setup):
+    mgr = runner_for(setup, lora_backend="torch_native").lora_manager
+    before = mgr.loaded_adapters()
+    cases = [
+        (ref(setup, "c", new_name="a"), ["'a'", "already loaded"]),
+        (ref(setup, "r32"), ["rank 32", "--max-lora-rank 32"]),
+        (ref(setup, "mlp"), ["down_proj", "--lora-target-modules"]),
+        (ref(setup, "dora"), ["DoRA"]),
+        (make_dynamic_lora_ref("ghost", "/nonexistent/adapter"), ["'ghost'", "/nonexistent/adapter"]),
+    ]
+    for lora_ref, needles in cases:
+        out = mgr.load_lora_adapter(lora_ref)
+        assert not out.success, lora_ref
+        for n in needles:
+            assert n in out.error_message, out.error_message
+        assert out.loaded_adapters == before and mgr.loaded_adapters() == before
+        assert set(mgr.adapters) == set(mgr.refs) and len(mgr.adapters) == 2
+        assert mgr.integrity_report().ok
+
+
+def test_load_use_unload_reload(setup):
+    runner = runner_for(setup, lora_backend="torch_native")
+    mgr = runner.lora_manager
+    driver = EngineDriver(runner)
+    prompt = [5, 17, 42, 99, 7, 3]
+
+    def logprobs(lora_id):
+        s = driver.add(prompt, lora_id=lora_id)
+        out = driver.extend([s], logprob_start=0)
+        driver.release(s)
+        return torch.tensor(out.input_token_logprobs[0])
+
+    c = ref(setup, "c")
+    out = mgr.load_lora_adapter(c)
+    assert out.success and out.error_message == "" and out.loaded_adapters["c"] == setup[1]["c"]
+    with_c = logprobs(c.lora_id)
+    assert (with_c - logprobs(None)).abs().max() > 1e-2
+    assert mgr.pool.is_resident(c.lora_id)
+
+    out = mgr.unload_lora_adapter(c)
+    assert out.success and "c" not in out.loaded_adapters
+    assert not mgr.pool.is_resident(c.lora_id) and mgr.integrity_report().ok
+    assert not mgr.unload_lora_adapter(c).success  # already gone
+    with pytest.raises(ValueError, match="not loaded"):
+        logprobs(c.lora_id)
+
+    c2 = ref(setup, "c")  # same name, new id
+    assert mgr.load_lora_adapter(c2).success
+    torch.testing.assert_close(logprobs(c2.lora_id), with_c, rtol=0, atol=1e-6)
+
+
+def test_pinning_limits_and_admission(setup):
+    mgr = runner_for(setup, lora_backend="torch_native", max_loras_per_batch=3).lora_manager
+    a, b = (next(i for i, r in mgr.refs.items() if r.lora_name == n) for n in ("a", "b"))
+    assert mgr.validate_lora_batch({None, a, b}) and not mgr.validate_lora_batch({None, a, b, "x"})
+    p1, p2 = ref(setup, "c", "p1", pinned=True), ref(setup, "c", "p2", pinned=True)
+    assert mgr.load_lora_adapter(p1).success and mgr.load_lora_adapter(p2).success
+    out = mgr.load_lora_adapter(ref(setup, "c", "p3", pinned=True))
+    assert not out.success and "pinned" in out.error_message and "--max-loras-per-batch" in out.error_message
+    # Pinned adapters hold their slots: only one slot is left for everything else.
+    assert mgr.validate_lora_batch({None}) and mgr.validate_lora_batch({p1.lora_id, a})
+    assert not mgr.validate_lora_batch({None, a})
+    mgr.fetch_new_loras({p1.lora_id, p2.lora_id, None})
+    for other in (a, b, None, a):
+        mgr.fetch_new_loras({other})
+        assert mgr.pool.is_resident(p1.lora_id) and mgr.pool.is_resident(p2.lora_id)
+    assert mgr.integrity_report().ok
+
+
+def test_max_loaded_loras(setup):
+    mgr = runner_for(
+        setup, lora_backend="torch_native", max_loras_per_batch=2, max_loaded_loras=3
+    ).lora_manager
+    assert mgr.load_lora_adapter(ref(setup, "c")).success
+    out = mgr.load_lora_adapter(ref(setup, "c", "c2"))
+    assert not out.success and "--max-loaded-loras" in out.error_message
+
+
+# ---------------------------------------------------------------------- graph-path contract
+def _extend_batch(runner, lens, lora_ids):
+    reqs = []
+    for n, lid in zip(lens, lora_ids):
+        row = runner.req_to_token_pool.alloc(1)[0]
+        reqs.append(
+            ExtendRequest(
+                row, list(range(3, 3 + n)), 0, runner.token_to_kv_pool_allocator.alloc(n), lora_id=lid
+            )
+        )
+    return build_extend_batch(reqs, runner.req_to_token_pool, runner.device, enable_lora=True)
+
+
+def test_supports_prefill_cuda_graph_by_backend(setup):
+    for backend, expected in (("torch_native", False), ("triton", True), ("csgmv", True)):
+        mgr = runner_for(setup, lora_backend=backend).lora_manager
+        assert mgr.supports_prefill_cuda_graph is expected
+        assert mgr.enable_dp_attention is False
+
+
+def test_can_use_prefill_cuda_graph_predicate(setup):
+    runner = runner_for(setup, lora_backend="triton")
+    mgr = runner.lora_manager
+    a = next(iter(mgr.refs))
+    fb = _extend_batch(runner, [5, 7], [a, None])
+    assert not mgr.can_use_prefill_cuda_graph(fb)  # not initialised
+    assert mgr.prefill_cuda_graph_max_bs is None
+    mgr.init_prefill_cuda_graph_batch_info(16)
+    assert mgr.prefill_cuda_graph_max_bs == 32
+    assert mgr.can_use_prefill_cuda_graph(fb)
+    assert not mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [9, 8], [a, a]))  # 17 > 16 tokens
+    assert mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [1] * 16, [None] * 16))
+    mgr.init_prefill_cuda_graph_batch_info(64)
+    assert mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [1] * 32, [None] * 32))
+    # More requests than the 32 segment slots: eager, although the tokens fit.
+    assert not mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [1] * 33, [None] * 33))
+    fb.extend_num_tokens = None
+    assert not mgr.can_use_prefill_cuda_graph(fb)
+    row = runner.req_to_token_pool.alloc(1)[0]
+    dec = build_decode_batch(
+        [DecodeRequest(row, 5, 3, int(runner.token_to_kv_pool_allocator.alloc(1)[0]), lora_id=a)],
+        runner.req_to_token_pool,
+        runner.device,
+        enable_lora=True,
+    )
+    assert not mgr.can_use_prefill_cuda_graph(dec)
+
+
+@pytest.mark.parametrize("backend", ["triton", "csgmv"])
+def test_flags_pick_the_metadata_and_static_prefill_info_matches_eager(setup, backend):
+    """The manager passes the caller's path through; the static prefill info, refreshed in place,
+    drives the kernels to the same result as the eager info (run eagerly here, on the CPU)."""
+    runner = runner_for(setup, lora_backend=backend)
+    mgr = runner.lora_manager
+    backend_obj = mgr.lora_backend
+    a, b = (next(i for i, r in mgr.refs.items() if r.lora_name == n) for n in ("a", "b"))
+    mgr.init_prefill_cuda_graph_batch_info(32)
+    mgr.init_cuda_graph_batch_info(8)
+    static = backend_obj.prefill_cuda_graph_batch_info
+    addresses = (static.weight_indices.data_ptr(), static.seg_indptr.data_ptr(), static.lora_ranks.data_ptr())
+
+    def body(lora_ids, lens, prefill_graph):
+        fb = _extend_batch(runner, lens, lora_ids)
+        runner.attach_pools(fb)
+        mgr.prepare_lora_batch(fb, use_cuda_graph=False, use_prefill_cuda_graph=prefill_graph)
+        assert (backend_obj.batch_info is static) is prefill_graph
+        return runner.run_body(fb, EAGER)
+
+    for lora_ids, lens in (([a, None, b, a], [5, 3, 6, 4]), ([None, None], [4, 4]), ([b], [9])):
+        eager = body(lora_ids, lens, False)
+        graph_meta = body(lora_ids, lens, True)
+        torch.testing.assert_close(graph_meta, eager, rtol=0, atol=1e-5)
+    assert addresses == (
+        static.weight_indices.data_ptr(),
+        static.seg_indptr.data_ptr(),
+        static.lora_ranks.data_ptr(),
+    )
+
+    row = runner.req_to_token_pool.alloc(1)[0]
+    dec = build_decode_batch(
+        [DecodeRequest(row, 5, 1, int(runner.token_to_kv_pool_allocator.alloc(1)[0]), lora_id=a)],
+        runner.req_to_token_pool,
+        runner.device,
+        enable_lora=True,
+    )
+    mgr.prepare_lora_batch(dec, use_cuda_graph=True)
+    assert backend_obj.batch_info is backend_obj.cuda_graph_batch_info
+
+
+def test_all_base_batch_still_runs_lora_kernels(setup):
+    """Capture batches are all-base: the wrappers must still take the LoRA path (rank-0 no-op)."""
+    runner = runner_for(setup, lora_backend="triton")
+    fb = _extend_batch(runner, [4, 2], [None, None])
+    runner.attach_pools(fb)
+    runner.lora_manager.prepare_lora_batch(fb)
+    qkv = runner.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.lora_active
+    x = torch.randn(6, 64)
+    torch.testing.assert_close(qkv(x), qkv.base_layer(x), rtol=0, atol=0)
+
+
+def test_integrity_report_detects_corruption(setup):
+    mgr = runner_for(setup, lora_backend="torch_native").lora_manager
+    mgr.fetch_new_loras({None, *mgr.refs})
+    report = mgr.integrity_report()
+    assert report.ok and set(report.resident.values()) == {None, *mgr.refs}
+    mgr.pool.slot_ranks[mgr.pool.get_slot(None)] = 3
+    report = mgr.integrity_report()
+    assert not report.ok and any("base-model slot" in p for p in report.problems)
