@@ -1,0 +1,341 @@
+"""Online load generator for a running server: `python -m sglang.bench_serving [options]`.
+
+Sends streaming `/generate` requests (`ignore_eos`, so every request produces exactly its output
+length) with random prompts of the given lengths (token ids or text) or from a JSONL file, at a
+Poisson `--request-rate` and/or under a `--max-concurrency` cap, and reports TTFT, inter-token
+latency and end-to-end latency (mean, median, p99) plus input/output token throughput. The last
+line printed is the result as JSON.
+
+Uses aiohttp when it is installed, else a thread pool with `requests`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any, Iterator, Optional
+
+WORDS = ("the engine reads a prompt splits it into tokens and runs the model one step at a time each "
+         "step looks at every token that came before it and writes a little more of the answer").split()
+
+
+@dataclass
+class RequestSpec:
+    body: dict[str, Any]
+    output_len: int
+
+
+@dataclass
+class RequestResult:
+    ok: bool = False
+    ttft: float = 0.0
+    itls: list[float] = field(default_factory=list)
+    latency: float = 0.0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------- workload
+def build_requests(args: argparse.Namespace, vocab_size: int) -> list[RequestSpec]:
+    rng = random.Random(args.seed)
+    specs: list[RequestSpec] = []
+    if args.dataset_path:
+        with open(args.dataset_path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        for row in rows[: args.num_prompts]:
+            out_len = int(row.get("output_len") or row.get("max_new_tokens") or args.random_output_len)
+            body: dict[str, Any] = {"input_ids": row["input_ids"]} if "input_ids" in row else {
+                "text": row.get("prompt") or row.get("text")}
+            specs.append(RequestSpec(body, out_len))
+    else:
+        for _ in range(args.num_prompts):
+            lo = max(1, int(args.random_input_len * args.random_range_ratio))
+            in_len = rng.randint(lo, args.random_input_len)
+            lo = max(1, int(args.random_output_len * args.random_range_ratio))
+            out_len = rng.randint(lo, args.random_output_len)
+            if args.prompt_format == "ids":
+                body = {"input_ids": [rng.randrange(10, vocab_size) for _ in range(in_len)]}
+            else:
+                body = {"text": " ".join(rng.choice(WORDS) for _ in range(in_len))}
+            specs.append(RequestSpec(body, out_len))
+    for spec in specs:
+        spec.body["sampling_params"] = {"max_new_tokens": spec.output_len, "ignore_eos": True,
+                                        "temperature": args.temperature}
+        spec.body["stream"] = True
+        if args.lora_name:
+            spec.body["lora_path"] = rng.choice(args.lora_name)
+    return specs
+
+
+def arrival_times(n: int, rate: float, seed: int) -> list[float]:
+    """Seconds after the start at which each request is sent (Poisson process; all at 0 if inf)."""
+    if rate == float("inf"):
+        return [0.0] * n
+    rng = random.Random(seed + 1)
+    t, out = 0.0, []
+    for _ in range(n):
+        out.append(t)
+        t += rng.expovariate(rate)
+    return out
+
+
+def _consume_events(lines: Iterator[str], start: float, result: RequestResult) -> None:
+    """Turn the SSE `data:` lines of one streamed /generate into timings."""
+    last = None
+    for line in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        data = json.loads(line[6:])
+        if "error" in data:
+            result.error = data["error"].get("message", "error")
+            return
+        now = time.perf_counter()
+        if last is None:
+            result.ttft = now - start
+        else:
+            result.itls.append(now - last)
+        last = now
+        meta = data["meta_info"]
+        result.prompt_tokens = meta["prompt_tokens"]
+        result.completion_tokens = meta["completion_tokens"]
+    result.latency = time.perf_counter() - start
+    result.ok = last is not None
+
+
+# ---------------------------------------------------------------------------- senders
+async def _run_aiohttp(url: str, specs: list[RequestSpec], times: list[float], headers: dict,
+                       max_concurrency: Optional[int], bar: Any) -> tuple[list[RequestResult], float]:
+    import aiohttp
+
+    sem = asyncio.Semaphore(max_concurrency or len(specs))
+    timeout = aiohttp.ClientTimeout(total=None, sock_read=600)
+
+    async def one(session: Any, spec: RequestSpec, at: float, t0: float) -> RequestResult:
+        await asyncio.sleep(max(0.0, t0 + at - time.perf_counter()))
+        async with sem:
+            result = RequestResult()
+            start = time.perf_counter()
+            try:
+                async with session.post(f"{url}/generate", json=spec.body, headers=headers) as resp:
+                    if resp.status != 200:
+                        result.error = f"HTTP {resp.status}: {(await resp.text())[:200]}"
+                    else:
+                        lines = []
+                        async for raw in resp.content:
+                            line = raw.decode().strip()
+                            if line:
+                                lines.append((line, time.perf_counter()))
+                        # Re-time from the arrival stamps recorded while streaming.
+                        _consume_timed(lines, start, result)
+            except Exception as e:  # noqa: BLE001 - a failed request is a result, not a crash
+                result.error = f"{type(e).__name__}: {e}"
+            bar.update(1)
+            return result
+
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        t0 = time.perf_counter()
+        results = await asyncio.gather(*(one(session, s, at, t0) for s, at in zip(specs, times)))
+        return list(results), time.perf_counter() - t0
+
+
+def _consume_timed(lines: list[tuple[str, float]], start: float, result: RequestResult) -> None:
+    last = None
+    for line, stamp in lines:
+        if not line.startswith("data: ") or line == "data: [DONE]":
+            continue
+        data = json.loads(line[6:])
+        if "error" in data:
+            result.error = data["error"].get("message", "error")
+            return
+        if last is None:
+            result.ttft = stamp - start
+        else:
+            result.itls.append(stamp - last)
+        last = stamp
+        result.prompt_tokens = data["meta_info"]["prompt_tokens"]
+        result.completion_tokens = data["meta_info"]["completion_tokens"]
+    result.latency = (last or time.perf_counter()) - start
+    result.ok = last is not None
+
+
+def _run_threads(url: str, specs: list[RequestSpec], times: list[float], headers: dict,
+                 max_concurrency: Optional[int], bar: Any) -> tuple[list[RequestResult], float]:
+    import requests
+
+    lock = threading.Lock()
+
+    def one(spec: RequestSpec) -> RequestResult:
+        result = RequestResult()
+        start = time.perf_counter()
+        try:
+            with requests.post(f"{url}/generate", json=spec.body, headers=headers, stream=True, timeout=600) as resp:
+                if resp.status_code != 200:
+                    result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
+                else:
+                    _consume_events(resp.iter_lines(decode_unicode=True), start, result)
+        except Exception as e:  # noqa: BLE001
+            result.error = f"{type(e).__name__}: {e}"
+        with lock:
+            bar.update(1)
+        return result
+
+    workers = max_concurrency or len(specs)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        futures = []
+        for spec, at in zip(specs, times):
+            delay = t0 + at - time.perf_counter()
+            if delay > 0:
+                time.sleep(delay)
+            futures.append(pool.submit(one, spec))
+        results = [f.result() for f in futures]
+    return results, time.perf_counter() - t0
+
+
+# ---------------------------------------------------------------------------- report
+def _stats(values: list[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": 0.0, "median": 0.0, "p99": 0.0}
+    ordered = sorted(values)
+    p99 = ordered[min(len(ordered) - 1, int(round(0.99 * (len(ordered) - 1))))]
+    return {"mean": statistics.fmean(values) * 1000, "median": statistics.median(values) * 1000, "p99": p99 * 1000}
+
+
+def summarize(results: list[RequestResult], duration: float, args: argparse.Namespace, backend: str) -> dict:
+    ok = [r for r in results if r.ok]
+    inp = sum(r.prompt_tokens for r in ok)
+    out = sum(r.completion_tokens for r in ok)
+    return {
+        "backend": backend,
+        "num_prompts": len(results),
+        "completed": len(ok),
+        "failed": len(results) - len(ok),
+        "errors": sorted({r.error for r in results if not r.ok})[:5],
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "duration_s": duration,
+        "total_input_tokens": inp,
+        "total_output_tokens": out,
+        "request_throughput": len(ok) / duration if duration else 0.0,
+        "input_throughput": inp / duration if duration else 0.0,
+        "output_throughput": out / duration if duration else 0.0,
+        "ttft_ms": _stats([r.ttft for r in ok]),
+        "itl_ms": _stats([x for r in ok for x in r.itls]),
+        "e2e_latency_ms": _stats([r.latency for r in ok]),
+    }
+
+
+def print_report(res: dict) -> None:
+    line = "=" * 60
+    print(line)
+    print(f"{'Serving benchmark result':^60}")
+    print(line)
+    rows = [
+        ("Backend", res["backend"]),
+        ("Successful requests", res["completed"]),
+        ("Failed requests", res["failed"]),
+        ("Benchmark duration (s)", f"{res['duration_s']:.2f}"),
+        ("Total input tokens", res["total_input_tokens"]),
+        ("Total output tokens", res["total_output_tokens"]),
+        ("Request throughput (req/s)", f"{res['request_throughput']:.2f}"),
+        ("Input token throughput (tok/s)", f"{res['input_throughput']:.2f}"),
+        ("Output token throughput (tok/s)", f"{res['output_throughput']:.2f}"),
+    ]
+    for name, value in rows:
+        print(f"{name:<40}{value:>20}")
+    for key, title in (("ttft_ms", "Time to first token"), ("itl_ms", "Inter-token latency"),
+                       ("e2e_latency_ms", "End-to-end latency")):
+        print(f"{'-' * 18}{title:^24}{'-' * 18}")
+        for stat in ("mean", "median", "p99"):
+            print(f"{stat.capitalize() + ' (ms)':<40}{res[key][stat]:>20.2f}")
+    for err in res["errors"]:
+        print(f"error: {err}")
+    print(line)
+
+
+# ---------------------------------------------------------------------------- CLI
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m sglang.bench_serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--base-url", default=None, help="Default: http://HOST:PORT.")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--api-key", default=None)
+    p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--dataset-path", default=None,
+                   help="JSONL: one object per line with 'prompt'/'text' or 'input_ids', and optional 'output_len'.")
+    p.add_argument("--random-input-len", type=int, default=256)
+    p.add_argument("--random-output-len", type=int, default=128)
+    p.add_argument("--random-range-ratio", type=float, default=1.0,
+                   help="Lengths are drawn uniformly from [ratio * len, len].")
+    p.add_argument("--prompt-format", choices=("ids", "text"), default="ids")
+    p.add_argument("--request-rate", type=float, default=float("inf"), help="Requests per second (Poisson).")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--lora-name", nargs="*", default=None, help="Adapters to pick from at random per request.")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--backend", choices=("auto", "aiohttp", "threads"), default="auto")
+    p.add_argument("--output-file", default=None, help="Append the JSON result to this file.")
+    args = p.parse_args(argv)
+    if args.num_prompts < 1:
+        p.error("--num-prompts must be >= 1")
+    if args.request_rate <= 0:
+        p.error("--request-rate must be > 0 (inf sends everything at once)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        p.error("--max-concurrency must be >= 1")
+    if not 0.0 < args.random_range_ratio <= 1.0:
+        p.error("--random-range-ratio must be in (0, 1]")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    import requests
+    from tqdm import tqdm
+
+    args = parse_args(argv)
+    url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    info = requests.get(f"{url}/get_model_info", headers=headers, timeout=30)
+    info.raise_for_status()
+    vocab_size = int(info.json().get("vocab_size") or 32000)
+    specs = build_requests(args, vocab_size)
+    backend = args.backend
+    if backend == "auto":
+        try:
+            import aiohttp  # noqa: F401
+
+            backend = "aiohttp"
+        except ImportError:
+            backend = "threads"
+
+    for spec in specs[: args.warmup_requests]:
+        warm = dict(spec.body, sampling_params=dict(spec.body["sampling_params"], max_new_tokens=4))
+        requests.post(f"{url}/generate", json=dict(warm, stream=False), headers=headers, timeout=600)
+
+    times = arrival_times(len(specs), args.request_rate, args.seed)
+    with tqdm(total=len(specs), disable=args.disable_tqdm, file=sys.stderr, desc="requests") as bar:
+        if backend == "aiohttp":
+            results, duration = asyncio.run(_run_aiohttp(url, specs, times, headers, args.max_concurrency, bar))
+        else:
+            results, duration = _run_threads(url, specs, times, headers, args.max_concurrency, bar)
+    res = summarize(results, duration, args, backend)
+    print_report(res)
+    print(json.dumps(res))
+    if args.output_file:
+        with open(args.output_file, "a") as f:
+            f.write(json.dumps(res) + "\n")
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,36 @@
+"""`python -m sglang.launch_server [--model-path PATH] [flags]`: serve a model over HTTP.
+
+With no `--model-path` (or `--model-path demo`) a tiny built-in demo model with random weights is
+materialised into $SGLANG_CACHE_DIR and served, so the first run needs no download.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from sglang.srt.server_args import prepare_server_args
+from sglang.srt.utils import configure_logger
+
+
+def main(argv: list[str] | None = None) -> None:
+    try:
+        server_args = prepare_server_args(sys.argv[1:] if argv is None else argv)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    configure_logger(server_args.log_level)
+    if server_args.model_path == "demo":
+        from sglang.srt.tools.demo import print_demo_banner
+
+        print_demo_banner()
+    from sglang.srt.entrypoints.http_server import launch_server
+
+    try:
+        launch_server(server_args)
+    except ValueError as e:  # a configuration the user can fix: no traceback needed
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

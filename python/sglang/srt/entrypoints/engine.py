@@ -1,0 +1,167 @@
+"""`Engine`: offline generation in-process, through the same scheduler child process as the server.
+
+    from sglang import Engine
+    with Engine(model_path="demo", device="cpu") as engine:
+        out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+
+The tokenizer manager runs on a private event loop in a background thread; the blocking methods
+submit coroutines to it, so an `Engine` works from plain scripts and from inside other event loops.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import logging
+import os
+import queue
+import threading
+from typing import Any, Iterator, Optional, Union
+
+from sglang.srt.managers.generate_request import GenerateReqInput
+from sglang.srt.managers.scheduler_client import SchedulerClient
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model(server_args: ServerArgs) -> ServerArgs:
+    """Materialise the built-in demo model when `--model-path` is `demo` (a copy is returned)."""
+    if server_args.model_path != "demo":
+        if not os.path.isdir(server_args.model_path):
+            raise ValueError(
+                f"--model-path {server_args.model_path!r} is not a directory. Pass a Hugging Face "
+                "checkpoint folder, or leave --model-path out to serve the built-in demo model."
+            )
+        return server_args
+    from sglang.srt.tools.demo import ensure_demo_model
+
+    args = copy.copy(server_args)
+    demo = ensure_demo_model()
+    args.model_path = demo.model_path
+    if args.served_model_name is None:
+        args.served_model_name = "demo"
+    return args
+
+
+def launch_runtime(server_args: ServerArgs) -> TokenizerManager:
+    """Start the scheduler process and build the tokenizer manager in front of it."""
+    server_args = resolve_model(server_args)
+    client = SchedulerClient(server_args)
+    info = client.start()
+    try:
+        return TokenizerManager(server_args, client, info)
+    except BaseException:
+        client.shutdown()
+        raise
+
+
+class Engine:
+    def __init__(self, server_args: Optional[ServerArgs] = None, **kwargs: Any) -> None:
+        if server_args is None:
+            server_args = ServerArgs(**kwargs)
+        elif kwargs:
+            raise ValueError("pass either server_args or keyword arguments, not both")
+        self._closed = False
+        self.tokenizer_manager = launch_runtime(server_args)
+        self.server_args = self.tokenizer_manager.server_args
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, name="sglang-engine-loop", daemon=True)
+        self._thread.start()
+        started = threading.Event()
+
+        def start() -> None:
+            self.tokenizer_manager.start(self.loop)
+            started.set()
+
+        self.loop.call_soon_threadsafe(start)
+        started.wait()
+
+    # ------------------------------------------------------------------ generation
+    def generate(
+        self,
+        prompt: Optional[Union[str, list[str]]] = None,
+        sampling_params: Optional[Union[dict, list[dict]]] = None,
+        input_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        return_logprob: Union[bool, list[bool]] = False,
+        logprob_start_len: Optional[Union[int, list[int]]] = None,
+        top_logprobs_num: Optional[Union[int, list[int]]] = None,
+        lora_path: Optional[Union[str, list[Optional[str]]]] = None,
+        stream: bool = False,
+        return_text_in_logprobs: bool = False,
+        rid: Optional[Union[str, list[str]]] = None,
+    ) -> Union[dict, list[dict], Iterator[dict]]:
+        """Same replies as `POST /generate`: a dict, a list for a batch, or (stream=True) a
+        generator of cumulative dicts."""
+        self._check_open()
+        obj = GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params,
+            return_logprob=return_logprob,
+            logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+            top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs, lora_path=lora_path, stream=stream, rid=rid,
+        )
+        if stream:
+            return self._stream(obj)
+        return self._run(self.tokenizer_manager.generate_one(obj))
+
+    def _stream(self, obj: GenerateReqInput) -> Iterator[dict]:
+        items: "queue.Queue[tuple[str, Any]]" = queue.Queue()
+
+        async def pump() -> None:
+            try:
+                async for out in self.tokenizer_manager.generate(obj):
+                    items.put(("item", out))
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                items.put(("error", e))
+            finally:
+                items.put(("end", None))
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        try:
+            while True:
+                kind, value = items.get()
+                if kind == "item":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            if not fut.done():
+                fut.cancel()  # the caller stopped early: the request is aborted, its KV freed
+
+    def get_server_info(self) -> dict[str, Any]:
+        self._check_open()
+        info = self._run(self.tokenizer_manager.get_scheduler_info())
+        return {**self.server_args.to_public_dict(), **info}
+
+    def _run(self, coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("this Engine has been shut down")
+
+    # ------------------------------------------------------------------ lifetime
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self.tokenizer_manager.client.shutdown()
+        if self.loop.is_running():
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(timeout=5.0)
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:
+            pass

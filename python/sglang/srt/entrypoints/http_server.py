@@ -1,0 +1,237 @@
+"""The HTTP server: native endpoints (`/generate`, health, info) and the OpenAI-compatible API.
+
+uvicorn runs the FastAPI app on the main thread's event loop; the scheduler runs in a child
+process. SIGINT/SIGTERM make uvicorn stop accepting requests, and then the scheduler is shut down
+and reaped before the process exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+import signal
+import time
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+
+from sglang.srt.entrypoints.openai.errors import (
+    describe_validation_errors,
+    error_response,
+    install_error_handlers,
+    sse_error,
+)
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from sglang.srt.entrypoints.openai.serving_base import SSE_DONE, prime
+from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError, RequestFailedError
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# Routes reachable without the API key (load-balancer probes).
+PUBLIC_PATHS = ("/health",)
+HEALTH_GENERATE_TIMEOUT_S = 30.0
+
+
+async def _json_body(request: Request) -> Any:
+    body = await request.body()
+    try:
+        return json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InvalidRequestError(f"The request body is not valid JSON: {e}") from None
+
+
+class APIKeyMiddleware:
+    """Require `Authorization: Bearer <key>` on every route but the public ones (plain ASGI, so
+    streaming responses and disconnect detection pass through untouched)."""
+
+    def __init__(self, app: Any, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and scope["method"] != "OPTIONS":
+            given = dict(scope.get("headers") or ()).get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                response = error_response(
+                    "Invalid or missing API key. Send it as 'Authorization: Bearer <key>'.",
+                    401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def _validate(model: type[BaseModel], data: Any) -> Any:
+    if not isinstance(data, dict):
+        raise InvalidRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        message, param = describe_validation_errors(e.errors(include_url=False))
+        raise InvalidRequestError(message, param=param) from None
+
+
+def _abort_error(result: Any) -> Optional[JSONResponse]:
+    """An error reply when the server failed any request of the result (a request aborted on
+    purpose, through /abort_request, is a normal reply with finish_reason type "abort")."""
+    for out in result if isinstance(result, list) else [result]:
+        reason = out["meta_info"]["finish_reason"] or {}
+        if reason.get("type") == "abort" and reason.get("status_code"):
+            return error_response(reason.get("message") or "the request failed", int(reason["status_code"]))
+    return None
+
+
+def create_app(tm: TokenizerManager) -> FastAPI:
+    server_args = tm.server_args
+    completions = OpenAIServingCompletion(tm)
+    chat = OpenAIServingChat(tm)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        tm.start(asyncio.get_running_loop())
+        logger.info("The server is ready: http://%s:%d (model %s)", server_args.host, server_args.port,
+                    tm.served_model_name)
+        yield
+
+    app = FastAPI(title="sglang", lifespan=lifespan)
+    install_error_handlers(app)
+
+    if server_args.api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=server_args.api_key)
+
+    # ------------------------------------------------------------------ health and info
+    @app.get("/health")
+    async def health() -> Response:
+        if tm.is_healthy():
+            return Response(status_code=200)
+        return error_response(tm.dead_reason or "the scheduler is not running", 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if not tm.is_healthy():
+            return error_response(tm.dead_reason or "the scheduler is not running", 503)
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        try:
+            result = await asyncio.wait_for(tm.generate_one(obj), HEALTH_GENERATE_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            return error_response("generation did not finish in time", 503)
+        err = _abort_error(result)
+        return err if err is not None else Response(status_code=200)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> dict:
+        return tm.model_info()
+
+    @app.get("/get_server_info")
+    async def get_server_info() -> dict:
+        live = await tm.get_scheduler_info()
+        return {**server_args.to_public_dict(), **tm.scheduler_info, **live, "version": _version()}
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        cards = [ModelCard(id=tm.served_model_name, root=server_args.model_path, max_model_len=tm.context_len)]
+        if tm.lora_registry is not None:
+            for name, ref in sorted(tm.lora_registry.get_all().items()):
+                cards.append(ModelCard(id=name, root=ref.lora_path, parent=tm.served_model_name))
+        return ModelList(data=cards).model_dump()
+
+    # ------------------------------------------------------------------ generation
+    @app.post("/generate")
+    async def generate(request: Request) -> Response:
+        obj = GenerateReqInput.from_json(await _json_body(request))
+        if obj.stream:
+            _, outs = await prime(tm.generate(obj, request))
+
+            async def events() -> AsyncIterator[str]:
+                try:
+                    async for out in outs:
+                        yield f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
+                except (InvalidRequestError, RequestFailedError) as e:
+                    yield sse_error(e.message, e.status_code)
+                except RuntimeError as e:
+                    yield sse_error(str(e), 500)
+                yield SSE_DONE
+
+            return StreamingResponse(events(), media_type="text/event-stream")
+        result = await tm.generate_one(obj, request)
+        return _abort_error(result) or JSONResponse(result)
+
+    # The OpenAI routes parse the body themselves: any Content-Type is accepted (curl -d sends a
+    # form type), and malformed JSON and wrong types get the same readable 400.
+    @app.post("/v1/completions")
+    async def v1_completions(request: Request) -> Response:
+        return await completions.handle(_validate(CompletionRequest, await _json_body(request)), request)
+
+    @app.post("/v1/chat/completions")
+    async def v1_chat(request: Request) -> Response:
+        return await chat.handle(_validate(ChatCompletionRequest, await _json_body(request)), request)
+
+    @app.post("/abort_request")
+    async def abort_request(request: Request) -> Response:
+        data = await _json_body(request)
+        rid = data.get("rid") if isinstance(data, dict) else None
+        if not isinstance(rid, str) or not rid:
+            raise InvalidRequestError("'rid' (a string) is required", param="rid")
+        tm.abort(rid)
+        return Response(status_code=200)
+
+    if server_args.enable_test_hooks:
+        @app.post("/debug/inject_fault")
+        async def inject_fault(request: Request) -> Response:
+            data = await _json_body(request)
+            tm.inject_fault(str(data["rid_substring"]), str(data.get("where", "forward")))
+            return Response(status_code=200)
+
+    return app
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:
+        return "0.1.0"
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    """Start the scheduler, then serve HTTP until SIGINT/SIGTERM; always reaps the scheduler."""
+    import uvicorn
+
+    from sglang.srt.entrypoints.engine import launch_runtime
+
+    t0 = time.time()
+    tm = launch_runtime(server_args)
+    try:
+        app = create_app(tm)
+        config = uvicorn.Config(
+            app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
+            timeout_keep_alive=5, timeout_graceful_shutdown=3, lifespan="on",
+        )
+        server = uvicorn.Server(config)
+
+        def on_scheduler_exit() -> None:
+            server.should_exit = True  # nothing can be served any more; let a supervisor restart us
+
+        tm.on_fatal = on_scheduler_exit
+        # uvicorn handles SIGINT/SIGTERM while it runs and, once shut down, re-raises the signal
+        # under the handlers that were installed before it: make those no-ops, so the re-raised
+        # signal does not kill this process before the scheduler is reaped below.
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: None)
+        logger.info("Start-up took %.1f s; starting the HTTP server.", time.time() - t0)
+        server.run()
+    finally:
+        tm.client.shutdown()
+        logger.info("The scheduler has exited; bye.")
+    if tm.dead_reason is not None:
+        raise SystemExit(f"The server stopped because {tm.dead_reason}.")

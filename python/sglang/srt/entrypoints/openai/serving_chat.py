@@ -1,0 +1,163 @@
+"""`POST /v1/chat/completions`: the tokenizer's chat template, `n`, `logprobs`/`top_logprobs`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi.responses import JSONResponse, Response
+
+from sglang.srt.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatLogprobItem,
+    ChatLogprobs,
+    ChatLogprobTop,
+    ChatResponseMessage,
+    ChatStreamChoice,
+    DeltaMessage,
+    UsageInfo,
+)
+from sglang.srt.entrypoints.openai.serving_base import (
+    finish_reason,
+    prime,
+    reject_unsupported,
+    sse,
+    streaming_response,
+)
+from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+
+def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+    out = []
+    for i, msg in enumerate(req.messages):
+        content = msg.content
+        if isinstance(content, list):
+            texts = []
+            for part in content:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                    raise InvalidRequestError(
+                        f"messages[{i}].content: only text parts are supported, got {kind!r}",
+                        param=f"messages[{i}].content",
+                    )
+                texts.append(part["text"])
+            content = "".join(texts)
+        item: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
+        if msg.name:
+            item["name"] = msg.name
+        out.append(item)
+    return out
+
+
+class OpenAIServingChat:
+    def __init__(self, tokenizer_manager: TokenizerManager) -> None:
+        self.tm = tokenizer_manager
+
+    def _build(self, req: ChatCompletionRequest) -> GenerateReqInput:
+        reject_unsupported(req)
+        if req.tools:
+            raise InvalidRequestError("tools / function calling is not supported", param="tools")
+        if req.response_format and req.response_format.get("type", "text") != "text":
+            raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
+        if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
+            raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        if req.top_logprobs is not None and req.top_logprobs > self.tm.server_args.max_top_logprobs:
+            raise InvalidRequestError(
+                f"top_logprobs must be at most {self.tm.server_args.max_top_logprobs}", param="top_logprobs"
+            )
+        if isinstance(req.lora_path, list):
+            raise InvalidRequestError("lora_path must be a string for a chat request", param="lora_path")
+        adapter = self.tm.adapter_from_model(req.model, req.lora_path)
+        kwargs = dict(req.chat_template_kwargs or {})
+        if req.continue_final_message:
+            kwargs["continue_final_message"] = True
+        prompt = self.tm.apply_chat_template(
+            _message_dicts(req), add_generation_prompt=not req.continue_final_message, **kwargs
+        )
+        # The template already holds any BOS token; do not add another.
+        input_ids = self.tm.encode(prompt, add_special_tokens=False)
+        max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        return GenerateReqInput(
+            input_ids=input_ids,
+            sampling_params=req.sampling_params(max_tokens),
+            return_logprob=req.logprobs,
+            top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
+            lora_path=adapter,
+            stream=req.stream,
+            rid=req.rid if req.n == 1 else None,
+        )
+
+    def _logprobs(self, req: ChatCompletionRequest, out: dict, start: int = 0) -> Optional[ChatLogprobs]:
+        if not req.logprobs:
+            return None
+        meta = out["meta_info"]
+        tops = meta.get("output_top_logprobs") or []
+        items = []
+        for k, (lp, tid, _) in enumerate(meta.get("output_token_logprobs", [])[start:], start=start):
+            token = self.tm.token_text(tid)
+            top_items = [
+                ChatLogprobTop(token=self.tm.token_text(t), logprob=l, bytes=list(self.tm.token_text(t).encode()))
+                for l, t, _ in (tops[k] if k < len(tops) and req.top_logprobs else [])
+            ]
+            items.append(ChatLogprobItem(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top_items))
+        return ChatLogprobs(content=items)
+
+    async def handle(self, req: ChatCompletionRequest, raw_request: Any) -> Response:
+        obj = self._build(req)
+        if req.stream:
+            _, outs = await prime(self.tm.generate(obj, raw_request))
+            return streaming_response(self._stream(req, outs))
+        result = await self.tm.generate_one(obj, raw_request)
+        results = result if isinstance(result, list) else [result]
+        choices = []
+        for i, out in enumerate(results):
+            reason, matched = finish_reason(out)
+            choices.append(ChatChoice(
+                index=i, message=ChatResponseMessage(content=out["text"]), logprobs=self._logprobs(req, out),
+                finish_reason=reason, matched_stop=matched,
+            ))
+        prompt = results[0]["meta_info"]["prompt_tokens"]
+        completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+        usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        return JSONResponse(ChatCompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
+
+    async def _stream(self, req: ChatCompletionRequest, outs: AsyncIterator[dict]) -> AsyncIterator[str]:
+        rid = f"chatcmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+
+        def chunk(choice: ChatStreamChoice) -> str:
+            return sse(ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[choice]))
+
+        sent_text: dict[int, int] = {}
+        sent_lp: dict[int, int] = {}
+        prompt_tokens = 0
+        completion: dict[int, int] = {}
+        async for out in outs:
+            index = out.get("index", 0)
+            reason, matched = finish_reason(out)
+            if index not in sent_text:
+                sent_text[index] = 0
+                yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
+            text = out["text"]
+            delta = text[sent_text[index]:]
+            logprobs = self._logprobs(req, out, start=sent_lp.get(index, 0))
+            sent_text[index] = len(text)
+            sent_lp[index] = len(out["meta_info"].get("output_token_logprobs", []))
+            prompt_tokens = out["meta_info"]["prompt_tokens"]
+            completion[index] = out["meta_info"]["completion_tokens"]
+            if not delta and reason is None and not (logprobs and logprobs.content):
+                continue
+            yield chunk(ChatStreamChoice(
+                index=index, delta=DeltaMessage(content=delta or None),
+                logprobs=logprobs, finish_reason=reason, matched_stop=matched,
+            ))
+        if req.stream_options is not None and req.stream_options.include_usage:
+            total = sum(completion.values())
+            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=total,
+                              total_tokens=prompt_tokens + total)
+            yield sse(ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[], usage=usage))

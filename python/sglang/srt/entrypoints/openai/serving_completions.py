@@ -1,0 +1,173 @@
+"""`POST /v1/completions`: prompts (text or token ids, single or batch), `n`, `echo`, `logprobs`."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, AsyncIterator, Optional
+
+from fastapi.responses import JSONResponse, Response
+
+from sglang.srt.entrypoints.openai.protocol import (
+    CompletionChoice,
+    CompletionChunk,
+    CompletionLogprobs,
+    CompletionRequest,
+    CompletionResponse,
+    UsageInfo,
+)
+from sglang.srt.entrypoints.openai.serving_base import (
+    finish_reason,
+    prime,
+    reject_unsupported,
+    sse,
+    streaming_response,
+)
+from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+
+class OpenAIServingCompletion:
+    def __init__(self, tokenizer_manager: TokenizerManager) -> None:
+        self.tm = tokenizer_manager
+
+    # ------------------------------------------------------------------ request
+    def _build(self, req: CompletionRequest) -> tuple[GenerateReqInput, list[str], int]:
+        reject_unsupported(req)
+        if req.suffix:
+            raise InvalidRequestError("suffix is not supported", param="suffix")
+        if req.best_of is not None and req.best_of != req.n:
+            raise InvalidRequestError("best_of is not supported (it must equal n)", param="best_of")
+        if req.logprobs is not None and req.logprobs > self.tm.server_args.max_top_logprobs:
+            raise InvalidRequestError(
+                f"logprobs must be at most {self.tm.server_args.max_top_logprobs}, got {req.logprobs}",
+                param="logprobs",
+            )
+        adapter = self.tm.adapter_from_model(req.model, req.lora_path)
+        prompt = req.prompt
+        text: Optional[list[str]] = None
+        ids: Optional[list[list[int]]] = None
+        if isinstance(prompt, str):
+            text = [prompt]
+        elif all(isinstance(p, str) for p in prompt):
+            text = list(prompt)
+        elif all(isinstance(p, int) for p in prompt):
+            ids = [list(prompt)]
+        else:
+            ids = [list(p) for p in prompt]
+        num_prompts = len(text if text is not None else ids)
+        if isinstance(adapter, list) and len(adapter) != num_prompts:
+            raise InvalidRequestError(
+                f"lora_path has {len(adapter)} entries but there are {num_prompts} prompts", param="lora_path"
+            )
+        want_lp = req.logprobs is not None
+        obj = GenerateReqInput(
+            text=text,
+            input_ids=ids,
+            sampling_params=req.sampling_params(req.max_tokens),
+            return_logprob=want_lp,
+            logprob_start_len=0 if (want_lp and req.echo) else -1,
+            top_logprobs_num=req.logprobs or 0,
+            lora_path=adapter,
+            stream=req.stream,
+            rid=req.rid if (req.rid and num_prompts == 1 and req.n == 1) else None,
+        )
+        if text is not None:
+            prompt_texts = text
+        else:
+            prompt_texts = [self.tm.tokenizer.decode(p) if self.tm.tokenizer is not None else "" for p in ids]
+        return obj, prompt_texts, num_prompts
+
+    # ------------------------------------------------------------------ logprobs
+    def _logprobs(self, entries: list, tops: Optional[list], text_start: int) -> CompletionLogprobs:
+        out = CompletionLogprobs()
+        offset = text_start
+        for k, (lp, tid, _) in enumerate(entries):
+            token = self.tm.token_text(tid)
+            out.tokens.append(token)
+            out.token_logprobs.append(lp)
+            out.text_offset.append(offset)
+            offset += len(token)
+            top = tops[k] if tops is not None and k < len(tops) else None
+            out.top_logprobs.append(None if top is None else {self.tm.token_text(t): l for l, t, _ in top})
+        return out
+
+    def _choice_logprobs(self, req: CompletionRequest, out: dict, prompt_text: str, echo_part: bool,
+                         out_start: int = 0, text_start: int = 0) -> Optional[CompletionLogprobs]:
+        if req.logprobs is None:
+            return None
+        meta = out["meta_info"]
+        want_top = req.logprobs > 0
+        entries: list = []
+        tops: list = []
+        if echo_part:
+            entries += meta.get("input_token_logprobs", [])
+            tops += meta.get("input_top_logprobs", []) if want_top else []
+        entries += meta.get("output_token_logprobs", [])[out_start:]
+        tops += meta.get("output_top_logprobs", [])[out_start:] if want_top else []
+        return self._logprobs(entries, tops if want_top else None, text_start)
+
+    # ------------------------------------------------------------------ handlers
+    async def handle(self, req: CompletionRequest, raw_request: Any) -> Response:
+        obj, prompt_texts, num_prompts = self._build(req)
+        if req.stream:
+            _, outs = await prime(self.tm.generate(obj, raw_request))
+            return streaming_response(self._stream(req, outs, prompt_texts))
+        result = await self.tm.generate_one(obj, raw_request)
+        results = result if isinstance(result, list) else [result]
+        choices = []
+        for i, out in enumerate(results):
+            reason, matched = finish_reason(out)
+            prompt_text = prompt_texts[i // req.n]
+            text = (prompt_text + out["text"]) if req.echo else out["text"]
+            choices.append(CompletionChoice(
+                index=i, text=text, finish_reason=reason, matched_stop=matched,
+                # Offsets count from the start of the prompt, as OpenAI's do.
+                logprobs=self._choice_logprobs(req, out, prompt_text, req.echo,
+                                               text_start=0 if req.echo else len(prompt_text)),
+            ))
+        usage = _usage(results, req.n)
+        return JSONResponse(CompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
+
+    async def _stream(self, req: CompletionRequest, outs: AsyncIterator[dict],
+                      prompt_texts: list[str]) -> AsyncIterator[str]:
+        rid = f"cmpl-{uuid.uuid4().hex}"
+        created = int(time.time())
+        sent_text: dict[int, int] = {}
+        sent_lp: dict[int, int] = {}
+        finals: dict[int, dict] = {}
+        async for out in outs:
+            index = out.get("index", 0)
+            reason, matched = finish_reason(out)
+            first = index not in sent_text
+            text = out["text"]
+            delta = text[sent_text.get(index, 0):]
+            n_lp = len(out["meta_info"].get("output_token_logprobs", []))
+            logprobs = None
+            if req.logprobs is not None:
+                prompt_text = prompt_texts[index // req.n]
+                start = 0 if req.echo and first else len(prompt_text) + sent_text.get(index, 0)
+                logprobs = self._choice_logprobs(req, out, prompt_text, req.echo and first,
+                                                 out_start=sent_lp.get(index, 0), text_start=start)
+            if first and req.echo:
+                delta = prompt_texts[index // req.n] + delta
+            sent_text[index] = len(text)
+            sent_lp[index] = n_lp
+            if not delta and reason is None and not (logprobs and logprobs.tokens):
+                continue
+            choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=reason,
+                                      matched_stop=matched)
+            yield sse(CompletionChunk(id=rid, created=created, model=req.model, choices=[choice]))
+            if reason is not None:
+                finals[index] = out
+        if req.stream_options is not None and req.stream_options.include_usage:
+            results = [finals[i] for i in sorted(finals)]
+            yield sse(CompletionChunk(id=rid, created=created, model=req.model, choices=[],
+                                      usage=_usage(results, req.n)))
+
+
+def _usage(results: list[dict], n: int) -> UsageInfo:
+    # A prompt sampled n times is counted once, as OpenAI does.
+    prompt = sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
+    completion = sum(r["meta_info"]["completion_tokens"] for r in results)
+    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)

@@ -1,0 +1,104 @@
+"""Incremental detokenisation and stop-string trimming, shared by streaming and non-streaming.
+
+Two rules keep what a client sees consistent:
+
+* Text only grows by whole characters. A byte-level tokenizer splits one UTF-8 character over
+  several tokens; decoding a prefix of them yields U+FFFD. We decode a small window of tokens and
+  hold back the new text while it ends in U+FFFD (flushed as is when the request finishes).
+* Every chunk streamed is a prefix of the final text. With stop strings, the final text ends
+  before the first stop string, so while streaming we hold back any tail that could still become
+  a stop string. Hence the concatenation of the streamed deltas equals the non-streamed text.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Sequence
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing token list into append-only text.
+
+    `prefix_offset..read_offset` is the window already turned into text; decoding it again
+    alongside the new tokens and subtracting its own decoding gives exactly the new characters,
+    also for tokenizers that treat the start of a sequence specially (SentencePiece spaces).
+    """
+
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True,
+                 spaces_between_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.ids: list[int] = []
+        self.text = ""
+        self.prefix_offset = 0
+        self.read_offset = 0
+
+    def _decode(self, ids: Sequence[int]) -> str:
+        if not ids:
+            return ""
+        return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
+
+    def add(self, new_ids: Sequence[int], final: bool = False) -> str:
+        """Append tokens; return the characters that became final (possibly "")."""
+        self.ids.extend(int(t) for t in new_ids)
+        if self.read_offset == len(self.ids):
+            return ""
+        prefix_text = self._decode(self.ids[self.prefix_offset : self.read_offset])
+        full_text = self._decode(self.ids[self.prefix_offset :])
+        if len(full_text) <= len(prefix_text):
+            return ""  # e.g. a skipped special token: nothing visible yet
+        if not final and full_text.endswith(REPLACEMENT_CHAR):
+            return ""  # an incomplete character: wait for its remaining bytes
+        delta = full_text[len(prefix_text) :]
+        self.text += delta
+        # The tokens just decoded become the context window of the next decode.
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.ids)
+        return delta
+
+    def flush(self) -> str:
+        """At the end of the request: emit whatever is pending, even an incomplete character."""
+        if self.read_offset == len(self.ids):
+            return ""
+        return self.add([], final=True)
+
+
+def longest_partial_stop(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of `text` that is a proper prefix of some stop string."""
+    best = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), best, -1):
+            if text.endswith(stop[:k]):
+                best = k
+                break
+    return best
+
+
+def visible_text(text: str, stops: Sequence[str], finished: bool, trim_stop: bool = True) -> str:
+    """The part of `text` a client may see: cut at the first stop string, and while running,
+    without a tail that might still grow into one."""
+    if not stops or not trim_stop:
+        return text
+    cut = -1
+    for stop in stops:
+        pos = text.find(stop)
+        if pos != -1 and (cut == -1 or pos < cut):
+            cut = pos
+    if cut != -1:
+        return text[:cut]
+    if finished:
+        return text
+    hold = longest_partial_stop(text, stops)
+    return text[: len(text) - hold] if hold else text
+
+
+def find_stop_string(tail_text: str, stops: Sequence[str]) -> Optional[str]:
+    """The stop string contained in `tail_text` that occurs first, if any (scheduler side)."""
+    best: Optional[tuple[int, str]] = None
+    for stop in stops:
+        pos = tail_text.find(stop)
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best[1] if best else None

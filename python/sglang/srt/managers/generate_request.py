@@ -1,0 +1,192 @@
+"""The user-facing generate request (native `/generate` and `Engine.generate`) and its errors.
+
+`GenerateReqInput` is what a caller sends: one prompt or a batch, text or token ids, per-prompt
+options either shared or given as lists. `normalize()` validates the shapes and expands it into a
+flat list of `SingleGenerateReq` (one per prompt and per sample when `n > 1`), so the tokenizer
+manager only ever handles single requests.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+
+class InvalidRequestError(ValueError):
+    """A user error with the HTTP status, the offending parameter and an OpenAI error code."""
+
+    status_code = 400
+
+    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None,
+                 status_code: Optional[int] = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+        if status_code is not None:
+            self.status_code = status_code
+
+
+class ModelNotFoundError(InvalidRequestError):
+    status_code = 404
+
+    def __init__(self, model: str, hint: str = "") -> None:
+        message = f"The model `{model}` does not exist." + (f" {hint}" if hint else "")
+        super().__init__(message, param="model", code="model_not_found")
+
+
+class RequestFailedError(RuntimeError):
+    """The server accepted the request but could not complete it (e.g. a failed forward)."""
+
+    def __init__(self, message: str, status_code: int = 500) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+
+
+def new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class SingleGenerateReq:
+    """One prompt, one sample: what the tokenizer manager turns into a scheduler message."""
+
+    rid: str
+    text: Optional[str]
+    input_ids: Optional[list[int]]
+    sampling_params: dict[str, Any]
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    return_text_in_logprobs: bool = False
+    lora_name: Optional[str] = None
+    stream: bool = False
+
+
+def _is_int_list(x: Any) -> bool:
+    return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
+
+@dataclass
+class GenerateReqInput:
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict[str, Any], list[dict[str, Any]]]] = None
+    return_logprob: Union[bool, list[bool]] = False
+    logprob_start_len: Union[int, list[int], None] = -1
+    top_logprobs_num: Union[int, list[int], None] = 0
+    return_text_in_logprobs: bool = False
+    lora_path: Optional[Union[str, list[Optional[str]]]] = None
+    stream: bool = False
+    rid: Optional[Union[str, list[str]]] = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, data: Any) -> "GenerateReqInput":
+        if not isinstance(data, dict):
+            raise InvalidRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+        known = {f for f in cls.__dataclass_fields__ if f != "extra"}
+        # Accepted for compatibility with SGLang clients; they change nothing here.
+        ignored = {"image_data", "modalities", "custom_logit_processor", "bootstrap_host", "log_metrics"}
+        unknown = sorted(set(data) - known - ignored)
+        if unknown:
+            raise InvalidRequestError(f"unknown field(s) {unknown} in the request", param=unknown[0])
+        return cls(**{k: v for k, v in data.items() if k in known})
+
+    # ------------------------------------------------------------------ normalisation
+    def normalize(self) -> tuple[list[SingleGenerateReq], bool]:
+        """Flatten into single requests; returns (requests, is_batch)."""
+        if (self.text is None) == (self.input_ids is None):
+            raise InvalidRequestError("exactly one of 'text' and 'input_ids' must be given", param="text")
+        if self.text is not None:
+            if isinstance(self.text, str):
+                prompts: list[tuple[Optional[str], Optional[list[int]]]] = [(self.text, None)]
+                is_batch = False
+            elif isinstance(self.text, list) and all(isinstance(t, str) for t in self.text):
+                prompts = [(t, None) for t in self.text]
+                is_batch = True
+            else:
+                raise InvalidRequestError("'text' must be a string or a list of strings", param="text")
+        else:
+            if _is_int_list(self.input_ids) and self.input_ids and not isinstance(self.input_ids[0], list):
+                prompts = [(None, list(self.input_ids))]
+                is_batch = False
+            elif isinstance(self.input_ids, list) and self.input_ids and all(_is_int_list(p) for p in self.input_ids):
+                prompts = [(None, list(p)) for p in self.input_ids]
+                is_batch = True
+            else:
+                raise InvalidRequestError(
+                    "'input_ids' must be a non-empty list of integers or a list of such lists",
+                    param="input_ids",
+                )
+        num = len(prompts)
+        if num == 0:
+            raise InvalidRequestError("the batch is empty", param="text")
+        if not isinstance(self.stream, bool):
+            raise InvalidRequestError("'stream' must be a boolean", param="stream")
+        if not isinstance(self.return_text_in_logprobs, bool):
+            raise InvalidRequestError("'return_text_in_logprobs' must be a boolean", param="return_text_in_logprobs")
+
+        def per_prompt(name: str, value: Any, ok: Any, default: Any) -> list[Any]:
+            if value is None:
+                value = default
+            if isinstance(value, list) and not (name == "sampling_params" and isinstance(value, dict)):
+                if len(value) != num:
+                    raise InvalidRequestError(
+                        f"'{name}' has {len(value)} entries but the batch has {num} prompts", param=name
+                    )
+                items = list(value)
+            else:
+                items = [value] * num
+            for item in items:
+                if not ok(item):
+                    raise InvalidRequestError(f"'{name}' has an invalid value {item!r}", param=name)
+            return items
+
+        is_int = lambda x: isinstance(x, int) and not isinstance(x, bool)  # noqa: E731
+        params = per_prompt("sampling_params", self.sampling_params, lambda x: isinstance(x, dict), {})
+        ret_lp = per_prompt("return_logprob", self.return_logprob, lambda x: isinstance(x, bool), False)
+        start = per_prompt("logprob_start_len", self.logprob_start_len, lambda x: is_int(x) and x >= -1, -1)
+        top = per_prompt("top_logprobs_num", self.top_logprobs_num, lambda x: is_int(x) and x >= 0, 0)
+        loras = per_prompt("lora_path", self.lora_path, lambda x: x is None or isinstance(x, str), None)
+        if self.rid is None:
+            rids = [new_rid() for _ in range(num)]
+        else:
+            rids = per_prompt("rid", self.rid, lambda x: isinstance(x, str) and x != "", None)
+            if not is_batch and isinstance(self.rid, list):
+                raise InvalidRequestError("'rid' must be a string for a single prompt", param="rid")
+            if len(set(rids)) != len(rids):
+                raise InvalidRequestError("'rid' values must be unique", param="rid")
+
+        out: list[SingleGenerateReq] = []
+        for i, (text, ids) in enumerate(prompts):
+            sp = dict(params[i])
+            n = sp.pop("n", 1)
+            if n is None:
+                n = 1
+            if not is_int(n) or n < 1:
+                raise InvalidRequestError(f"sampling_params.n must be a positive integer, got {n!r}", param="n")
+            if n > 1:
+                is_batch = True
+            for j in range(n):
+                sp_j = dict(sp)
+                if j > 0 and isinstance(sp.get("seed"), int):
+                    # Distinct yet reproducible samples for n > 1 with a seed.
+                    sp_j["seed"] = sp["seed"] + j
+                out.append(
+                    SingleGenerateReq(
+                        rid=rids[i] if n == 1 else f"{rids[i]}-{j}",
+                        text=text,
+                        input_ids=ids,
+                        sampling_params=sp_j,
+                        return_logprob=ret_lp[i],
+                        logprob_start_len=start[i],
+                        top_logprobs_num=top[i],
+                        return_text_in_logprobs=self.return_text_in_logprobs,
+                        lora_name=loras[i],
+                        stream=self.stream,
+                    )
+                )
+        return out, is_batch

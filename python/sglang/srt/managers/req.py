@@ -1,0 +1,100 @@
+"""`Req`: one request's life inside the scheduler.
+
+KV bookkeeping in three numbers, with the invariant `kv_len <= len(fill_ids)`:
+  * `fill_ids` = prompt + generated tokens: what the KV cache must eventually hold;
+  * `kv_len`: tokens whose KV slots are allocated and written (row `req_pool_idx` of
+    ReqToTokenPool, positions `0..kv_len-1`);
+  * the last generated token has no KV yet: it is the input of the next decode step.
+A retracted request gives back its row and slots (`kv_len = 0`) and is prefilled again later over
+`fill_ids`, so it resumes exactly where it stopped.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Optional
+
+from sglang.srt.managers.io_struct import LogprobEntry, TokenizedGenerateReqInput, TopLogprobList
+from sglang.srt.model_executor.batch_builder import prompt_logprob_targets
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+
+class Req:
+    def __init__(self, msg: TokenizedGenerateReqInput, arrival: int) -> None:
+        self.rid = msg.rid
+        self.origin_input_ids: list[int] = list(msg.input_ids)
+        self.sampling_params: SamplingParams = msg.sampling_params
+        self.return_logprob = msg.return_logprob
+        self.top_logprobs_num = msg.top_logprobs_num if msg.return_logprob else 0
+        start = msg.logprob_start_len if msg.return_logprob else -1
+        # Clamp into the prompt; -1 stays "no prompt logprobs".
+        self.logprob_start_len = -1 if start < 0 else min(start, len(self.origin_input_ids))
+        self.lora_id: Optional[str] = msg.lora_id
+        self.stream = msg.stream
+        self.arrival = arrival  # FCFS order; also decides who is retracted first (the newest)
+        self.created = time.monotonic()
+
+        self.output_ids: list[int] = []
+        self.req_pool_idx: Optional[int] = None
+        self.kv_len = 0
+        self.extend_len = 0  # tokens of the pass being built (prefill chunk size)
+        self.finished_reason: Optional[dict[str, Any]] = None
+        self.retractions = 0
+        self.lora_wait_turns = 0  # turns spent waiting because its adapter did not fit a batch
+
+        # Logprobs: prompt ones are gathered across chunks and sent once complete.
+        self.prompt_logprobs_done = self.logprob_start_len < 0
+        self.input_token_logprobs: list[LogprobEntry] = []
+        self.input_top_logprobs: list[Optional[TopLogprobList]] = []
+        self.output_token_logprobs: list[LogprobEntry] = []
+        self.output_top_logprobs: list[TopLogprobList] = []
+        if self.logprob_start_len == 0:
+            # The first prompt token has nothing before it.
+            self.input_token_logprobs.append((None, self.origin_input_ids[0]))
+            self.input_top_logprobs.append(None)
+
+        # What has been sent to the tokenizer manager.
+        self.sent_output_len = 0
+        self.sent_output_logprob_len = 0
+        self.sent_input_logprobs = False
+
+    # ------------------------------------------------------------------ lengths
+    @property
+    def fill_ids(self) -> list[int]:
+        return self.origin_input_ids + self.output_ids
+
+    @property
+    def fill_len(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def remaining_prefill(self) -> int:
+        """Tokens still to prefill before the request can decode."""
+        return self.fill_len - self.kv_len
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens
+
+    @property
+    def remaining_new_tokens(self) -> int:
+        return max(self.max_new_tokens - len(self.output_ids), 0)
+
+    @property
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    # ------------------------------------------------------------------ prompt logprob targets
+    def prompt_logprob_targets(self, start: int, length: int) -> tuple[int, list[int]]:
+        """ForwardBatch's prompt-logprob options for a prefill pass over fill positions
+        [start, start + length): the first wanted position relative to the pass, and the prompt
+        tokens that follow the wanted positions. Nothing once the prompt logprobs are complete
+        (a retracted request prefilling again)."""
+        if self.prompt_logprobs_done:
+            return length, []
+        # The logprob of prompt token p is read at position p - 1 (token 0 has none).
+        return prompt_logprob_targets(self.origin_input_ids, start, length, max(self.logprob_start_len, 1) - 1)
+
+    def __repr__(self) -> str:
+        return (f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
+                f"kv={self.kv_len}, row={self.req_pool_idx})")

@@ -1,0 +1,138 @@
+"""`ScheduleBatch`: the requests of one forward pass, their KV allocation, and their ForwardBatch.
+
+The scheduler decides *which* requests run (schedule_policy.py); this file turns that decision
+into memory (request rows, KV slots) and tensors, through the engine core's `batch_builder`, and
+gives memory back when a request finishes, is aborted or is retracted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+import torch
+
+from sglang.srt.managers.req import Req
+from sglang.srt.model_executor.batch_builder import (
+    DecodeRequest,
+    ExtendRequest,
+    build_decode_batch,
+    build_extend_batch,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+__all__ = ["Req", "ScheduleBatch", "release_kv"]
+
+
+def release_kv(req: Req, model_runner: "ModelRunner") -> None:
+    """Give back a request's KV slots and its request row (idempotent)."""
+    if req.req_pool_idx is None:
+        req.kv_len = 0
+        return
+    pool = model_runner.req_to_token_pool
+    if req.kv_len > 0:
+        slots = pool.req_to_token[req.req_pool_idx, : req.kv_len].to("cpu", torch.int64)
+        model_runner.token_to_kv_pool_allocator.free(slots)
+    pool.free(req.req_pool_idx)
+    req.req_pool_idx = None
+    req.kv_len = 0
+
+
+def sampling_info_for(reqs: list[Req], device: torch.device | str) -> SamplingBatchInfo:
+    params = [r.sampling_params for r in reqs]
+    return SamplingBatchInfo.from_params(
+        temperatures=[0.0 if p.is_greedy else float(p.temperature) for p in params],
+        top_ps=[float(p.top_p) for p in params],
+        top_ks=[int(p.top_k) for p in params],
+        min_ps=[float(p.min_p) for p in params],
+        seeds=[p.seed for p in params],
+        steps=[len(r.output_ids) for r in reqs],
+        device=device,
+    )
+
+
+@dataclass
+class ScheduleBatch:
+    mode: ForwardMode
+    reqs: list[Req]
+    forward_batch: ForwardBatch
+    # Prefill only: the pass's prompt-logprob targets per request (to pair values with token ids).
+    logprob_targets: Optional[list[list[int]]] = None
+    prefix_lens: Optional[list[int]] = None
+
+    @property
+    def is_extend(self) -> bool:
+        return self.mode.is_extend()
+
+    @classmethod
+    def prepare_extend(cls, reqs: list[Req], model_runner: "ModelRunner") -> "ScheduleBatch":
+        """Allocate rows and KV for each request's `extend_len` tokens and build the batch.
+
+        Admission already checked that the memory is free; running out here is a bug.
+        """
+        pool = model_runner.req_to_token_pool
+        allocator = model_runner.token_to_kv_pool_allocator
+        items: list[ExtendRequest] = []
+        targets: list[list[int]] = []
+        prefix_lens: list[int] = []
+        for req in reqs:
+            if req.req_pool_idx is None:
+                rows = pool.alloc(1)
+                assert rows is not None, "admission let in more requests than there are rows"
+                req.req_pool_idx = rows[0]
+            n = req.extend_len
+            locs = allocator.alloc(n)
+            assert locs is not None, "admission let in more tokens than there are free KV slots"
+            start = req.kv_len
+            rel, tgt = req.prompt_logprob_targets(start, n) if req.return_logprob else (n, [])
+            items.append(ExtendRequest(
+                req_pool_index=req.req_pool_idx,
+                input_ids=req.fill_ids[start : start + n],
+                prefix_len=start,
+                out_cache_loc=locs,
+                return_logprob=req.return_logprob,
+                logprob_start_len=rel,
+                logprob_target_ids=tgt,
+                top_logprobs_num=req.top_logprobs_num,
+                lora_id=req.lora_id,
+            ))
+            targets.append(tgt)
+            prefix_lens.append(start)
+            # From here on the slots belong to the request (freed with it even if the pass fails).
+            req.kv_len = start + n
+        fb = build_extend_batch(
+            items, pool, model_runner.device,
+            sampling_info=sampling_info_for(reqs, model_runner.device),
+            enable_lora=model_runner.lora_manager is not None,
+        )
+        return cls(ForwardMode.EXTEND, list(reqs), fb, logprob_targets=targets, prefix_lens=prefix_lens)
+
+    @classmethod
+    def prepare_decode(cls, reqs: list[Req], model_runner: "ModelRunner") -> "ScheduleBatch":
+        """One new KV slot per request (the caller made sure there are enough)."""
+        allocator = model_runner.token_to_kv_pool_allocator
+        locs = allocator.alloc(len(reqs))
+        assert locs is not None, "decode started without a free KV slot per request"
+        items = []
+        for req, loc in zip(reqs, locs.tolist()):
+            # The last sampled token is fed now; its KV goes at position kv_len.
+            items.append(DecodeRequest(
+                req_pool_index=req.req_pool_idx,
+                input_id=req.output_ids[-1],
+                seq_len=req.kv_len + 1,
+                out_cache_loc=loc,
+                return_logprob=req.return_logprob,
+                top_logprobs_num=req.top_logprobs_num,
+                lora_id=req.lora_id,
+            ))
+            req.kv_len += 1
+        fb = build_decode_batch(
+            items, model_runner.req_to_token_pool, model_runner.device,
+            sampling_info=sampling_info_for(reqs, model_runner.device),
+            enable_lora=model_runner.lora_manager is not None,
+        )
+        return cls(ForwardMode.DECODE, list(reqs), fb)

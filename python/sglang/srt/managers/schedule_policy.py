@@ -1,0 +1,169 @@
+"""Admission: which waiting requests join the next prefill batch (DESIGN §3 step 3).
+
+FCFS with these limits, all checked before a request is admitted, never by failing it:
+  * request slots: `--max-running-requests` and free ReqToTokenPool rows;
+  * tokens: `--max-prefill-tokens` per batch, prompts longer than `--chunked-prefill-size` are
+    split into chunks (the partly prefilled request is the "chunked" one and goes first next turn);
+  * KV: the batch's new tokens plus a *reservation* for the tokens running requests will still
+    decode (`new_token_ratio` x their remaining budget; the ratio rises after a retraction and
+    decays while decoding goes well);
+  * LoRA: the distinct adapters of everything running, chunked and admitted (base included) must
+    fit `validate_lora_batch`, with a bounded wait for a request whose adapter does not fit.
+A request blocked by KV stops admission (later requests must not overtake it); a request blocked
+only by its adapter is skipped, so other requests keep flowing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Iterable, Optional
+
+from sglang.srt.managers.req import Req
+
+# A single request's reservation is capped: huge `max_new_tokens` budgets rarely run out.
+RESERVE_CLIP_TOKENS = 4096
+
+
+def reserved_tokens(req: Req, ratio: float) -> int:
+    return math.ceil(min(req.remaining_new_tokens, RESERVE_CLIP_TOKENS) * ratio)
+
+
+class LoRAAdmission:
+    """Do the distinct adapters of a batch fit the LoRA memory pool?
+
+    `validate` is `lora_manager.validate_lora_batch(set_of_ids) -> bool`, or None when LoRA is off
+    (every request fits). Anti-starvation: once a waiting request has been turned away for
+    `max_wait_turns` turns, only requests whose adapter is already active (running or chunked) or
+    is that request's adapter are admitted, so new adapters stop taking the slots it needs.
+    """
+
+    def __init__(self, validate: Optional[Callable[[set], bool]], max_wait_turns: int) -> None:
+        self.validate = validate
+        self.max_wait_turns = max_wait_turns
+        self.active: set[Optional[str]] = set()
+        self.allowed: Optional[set[Optional[str]]] = None
+
+    @property
+    def enabled(self) -> bool:
+        return self.validate is not None
+
+    def begin(self, active: Iterable[Optional[str]], waiting: Iterable[Req]) -> None:
+        self.active = set(active)
+        self.allowed = None
+        if not self.enabled:
+            return
+        starving = [r for r in waiting if r.lora_wait_turns >= self.max_wait_turns]
+        if starving:
+            oldest = min(starving, key=lambda r: r.arrival)
+            self.allowed = self.active | {oldest.lora_id}
+
+    def fits(self, lora_id: Optional[str]) -> bool:
+        if not self.enabled:
+            return True
+        if self.allowed is not None and lora_id not in self.allowed:
+            return False
+        if lora_id in self.active:
+            return True
+        return bool(self.validate(self.active | {lora_id}))
+
+    def add(self, lora_id: Optional[str]) -> None:
+        self.active.add(lora_id)
+
+
+@dataclass
+class PrefillBudget:
+    kv_free: int  # free KV slots
+    rows_free: int  # free ReqToTokenPool rows
+    max_new_reqs: int  # requests that may still start (max running minus running and chunked)
+    max_prefill_tokens: int
+    chunk_size: Optional[int]  # None: chunking off
+    new_token_ratio: float
+
+
+@dataclass
+class PrefillPlan:
+    reqs: list[Req] = field(default_factory=list)  # each with `extend_len` set for this pass
+    chunked: Optional[Req] = None  # the request whose prefill continues next turn
+    lora_blocked: list[Req] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(r.extend_len for r in self.reqs)
+
+
+def plan_prefill(
+    waiting: list[Req],
+    chunked: Optional[Req],
+    running: list[Req],
+    budget: PrefillBudget,
+    lora: LoRAAdmission,
+) -> PrefillPlan:
+    """Pick the next prefill batch. `waiting` must be in FCFS order; nothing is mutated except the
+    chosen requests' `extend_len` and the skipped ones' `lora_wait_turns`."""
+    plan = PrefillPlan()
+    ratio = budget.new_token_ratio
+    kv_free = budget.kv_free
+    reserve = sum(reserved_tokens(r, ratio) for r in running)
+    tokens_left = budget.max_prefill_tokens
+    chunk_left = budget.chunk_size if budget.chunk_size is not None else math.inf
+    nothing_running = not running
+
+    def next_piece(req: Req, room: float) -> int:
+        return int(min(req.remaining_prefill, chunk_left, room))
+
+    if chunked is not None:
+        # Already holds a row and KV: it continues first, as far as the budgets allow.
+        reserve += reserved_tokens(chunked, ratio)
+        room = kv_free - (0 if nothing_running else reserve - reserved_tokens(chunked, ratio))
+        piece = next_piece(chunked, min(room, tokens_left))
+        if piece <= 0:
+            return plan
+        chunked.extend_len = piece
+        plan.reqs.append(chunked)
+        kv_free -= piece
+        tokens_left -= piece
+        chunk_left -= piece
+        if piece < chunked.remaining_prefill:
+            plan.chunked = chunked
+            return plan
+        nothing_running = False
+
+    rows_left = min(budget.rows_free, budget.max_new_reqs)
+    for req in waiting:
+        if rows_left <= 0 or tokens_left <= 0 or chunk_left <= 0:
+            break
+        if not lora.fits(req.lora_id):
+            req.lora_wait_turns += 1
+            plan.lora_blocked.append(req)
+            continue
+        need = req.remaining_prefill
+        own_reserve = reserved_tokens(req, ratio)
+        alone = nothing_running and not plan.reqs
+        if alone:
+            # Nothing else can free KV for it: admit whenever its prompt fits (the tokenizer
+            # manager guarantees prompt + max_new_tokens fits the pool).
+            room = kv_free
+        else:
+            room = kv_free - reserve - own_reserve
+        if need > chunk_left:
+            # Chunk it: this request ends the batch and continues next turn.
+            piece = int(min(chunk_left, tokens_left, room))
+            if piece <= 0:
+                break
+            req.extend_len = piece
+            plan.reqs.append(req)
+            plan.chunked = req
+            lora.add(req.lora_id)
+            break
+        if need > room or (need > tokens_left and plan.reqs):
+            break  # FCFS: nobody overtakes a request that waits for KV or for the next batch
+        req.extend_len = need
+        plan.reqs.append(req)
+        lora.add(req.lora_id)
+        kv_free -= need
+        reserve += own_reserve
+        tokens_left -= need
+        chunk_left -= need
+        rows_left -= 1
+    return plan

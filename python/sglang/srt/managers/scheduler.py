@@ -1,0 +1,418 @@
+"""The scheduler: a loop in the child process that owns the ModelRunner (DESIGN §3 steps 2-5).
+
+Each turn: take every pending message, then run one batch, prefill first (FCFS, chunked, within
+the KV / row / token / LoRA budgets of schedule_policy.py), else one decode step of every running
+request. When decode finds no free KV slot it *retracts* the newest running requests back to the
+queue (they give their KV back and are prefilled again later, resuming where they stopped).
+A forward that raises fails only the requests of its batch; the loop keeps serving.
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import os
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    FaultInjectionReq,
+    GetServerInfoOut,
+    GetServerInfoReq,
+    LoadLoRAAdapterReq,
+    LoRAUpdateOutput,
+    SchedulerFailed,
+    SchedulerReady,
+    ShutdownReq,
+    TokenizedGenerateReqInput,
+    UnloadLoRAAdapterReq,
+)
+from sglang.srt.managers.req import Req
+from sglang.srt.managers.schedule_batch import ScheduleBatch, release_kv
+from sglang.srt.managers.schedule_policy import LoRAAdmission, PrefillBudget, plan_prefill
+from sglang.srt.managers.scheduler_output import (
+    StopChecker,
+    build_output,
+    record_output_token,
+    record_prompt_logprobs,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# new_token_ratio: the share of a running request's remaining budget that admission reserves.
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO = 0.1
+NEW_TOKEN_RATIO_DECAY = 0.0015  # per decode step
+IDLE_POLL_S = 1.0
+
+
+class Scheduler:
+    def __init__(self, server_args: ServerArgs, recv_conn: Any, send_conn: Any) -> None:
+        from sglang.srt.model_executor.model_runner import ModelRunner
+
+        self.server_args = server_args
+        self.recv_conn = recv_conn
+        self.send_conn = send_conn
+        self.model_runner = ModelRunner(server_args)
+        mr = self.model_runner
+        self.allocator = mr.token_to_kv_pool_allocator
+        self.req_to_token_pool = mr.req_to_token_pool
+        self.max_total_num_tokens = mr.max_total_num_tokens
+        self.max_running_requests = min(server_args.max_running_requests or mr.max_running_requests,
+                                        mr.max_running_requests)
+        # Rows the pool can give to requests (the model runner may keep one as a padding row).
+        self.total_rows = self.req_to_token_pool.available_size()
+        tokenizer = None
+        if not server_args.skip_tokenizer_init:
+            from sglang.srt.managers.tokenizer_manager import load_tokenizer
+
+            tokenizer = load_tokenizer(server_args)
+        eos = set(mr.model_config.eos_token_ids)
+        if tokenizer is not None and tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        self.stop_checker = StopChecker(eos, tokenizer, mr.context_len)
+        validate = mr.lora_manager.validate_lora_batch if mr.lora_manager is not None else None
+        self.lora_admission = LoRAAdmission(validate, server_args.lora_max_wait_turns)
+
+        self.waiting: list[Req] = []  # FCFS by arrival
+        self.running: list[Req] = []
+        self.chunked_req: Optional[Req] = None
+        self.rid_to_req: dict[str, Req] = {}
+        self.arrivals = 0
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+        self.faults: list[FaultInjectionReq] = []
+        self.stats = {"num_retractions": 0, "num_forward_failures": 0, "num_finished": 0}
+        self.decode_steps = 0
+        self.decode_tokens_since_log = 0
+        self.last_decode_log = time.monotonic()
+        self.last_gen_throughput = 0.0
+        self.last_integrity_check: dict[str, Any] = {}
+        self.was_idle = True
+        self.check_integrity()
+
+    # ------------------------------------------------------------------ info
+    def ready_info(self) -> dict[str, Any]:
+        mc = self.model_runner.model_config
+        return {
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "max_running_requests": self.max_running_requests,
+            "context_len": self.model_runner.context_len,
+            "vocab_size": mc.vocab_size,
+            "eos_token_ids": sorted(self.stop_checker.eos_ids),
+            "architectures": list(mc.architectures),
+            "dtype": str(self.model_runner.dtype).replace("torch.", ""),
+            "device": str(self.model_runner.device),
+        }
+
+    def live_info(self) -> dict[str, Any]:
+        return {
+            "kv_free_tokens": self.allocator.available_size(),
+            "kv_used_tokens": self._kv_used(),
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "num_running_reqs": len(self.running) + (self.chunked_req is not None),
+            "num_waiting_reqs": len(self.waiting),
+            "new_token_ratio": round(self.new_token_ratio, 4),
+            "last_gen_throughput": round(self.last_gen_throughput, 2),
+            "last_integrity_check": dict(self.last_integrity_check),
+            **self.stats,
+        }
+
+    def _holders(self) -> list[Req]:
+        return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
+
+    def _kv_used(self) -> int:
+        return sum(r.kv_len for r in self._holders())
+
+    def check_integrity(self) -> dict[str, Any]:
+        """KV free + used = total, request rows free + used = total (run while idle)."""
+        holders = self._holders()
+        kv_free, kv_used = self.allocator.available_size(), self._kv_used()
+        rows_free, rows_used = self.req_to_token_pool.available_size(), sum(r.req_pool_idx is not None for r in holders)
+        ok = kv_free + kv_used == self.max_total_num_tokens and rows_free + rows_used == self.total_rows
+        result: dict[str, Any] = {
+            "ok": ok, "time": time.time(), "kv_free": kv_free, "kv_used": kv_used,
+            "kv_total": self.max_total_num_tokens, "rows_free": rows_free, "rows_used": rows_used,
+            "rows_total": self.total_rows,
+        }
+        lora = self.model_runner.lora_manager
+        if lora is not None and hasattr(lora, "integrity_report"):
+            report = lora.integrity_report()
+            result["lora_ok"] = bool(report)
+            result["ok"] = ok and bool(report)
+        if not result["ok"]:
+            logger.error("Integrity check failed: %s", result)
+        self.last_integrity_check = result
+        return result
+
+    # ------------------------------------------------------------------ messages
+    def send(self, msg: Any) -> None:
+        self.send_conn.send(msg)
+
+    def process_messages(self, block: bool) -> bool:
+        """Handle every pending message; False once asked to shut down."""
+        timeout = IDLE_POLL_S if block else 0.0
+        while self.recv_conn.poll(timeout):
+            timeout = 0.0
+            msg = self.recv_conn.recv()
+            if isinstance(msg, TokenizedGenerateReqInput):
+                self.add_request(msg)
+            elif isinstance(msg, AbortReq):
+                self.abort_request(msg.rid)
+            elif isinstance(msg, GetServerInfoReq):
+                self.send(GetServerInfoOut(info=self.live_info()))
+            elif isinstance(msg, FaultInjectionReq):
+                if self.server_args.enable_test_hooks:
+                    self.faults.append(msg)
+            elif isinstance(msg, (LoadLoRAAdapterReq, UnloadLoRAAdapterReq)):
+                self.send(self.update_lora(msg))
+            elif isinstance(msg, ShutdownReq):
+                return False
+            else:
+                logger.warning("unknown message %r", type(msg).__name__)
+        return True
+
+    def add_request(self, msg: TokenizedGenerateReqInput) -> None:
+        if msg.rid in self.rid_to_req:
+            logger.warning("duplicate request id %r ignored", msg.rid)
+            return
+        req = Req(msg, self.arrivals)
+        self.arrivals += 1
+        self.rid_to_req[req.rid] = req
+        self.waiting.append(req)
+
+    def abort_request(self, rid: str) -> None:
+        req = self.rid_to_req.get(rid)
+        if req is None:
+            return  # already finished
+        if req in self.waiting:
+            self.waiting.remove(req)
+        # Tell the tokenizer manager: after /abort_request a caller may still be waiting (after a
+        # disconnect nobody is, and the news is dropped there).
+        self.finish(req, {"type": "abort", "message": "the request was aborted"})
+
+    def update_lora(self, msg: Any) -> LoRAUpdateOutput:
+        lora = self.model_runner.lora_manager
+        if lora is None:
+            return LoRAUpdateOutput(success=False, error_message="LoRA is not enabled on this server")
+        if isinstance(msg, LoadLoRAAdapterReq):
+            return lora.load_lora_adapter(msg.lora_ref)
+        return lora.unload_lora_adapter(msg.lora_ref)
+
+    # ------------------------------------------------------------------ request lifecycle
+    def finish(self, req: Req, reason: dict[str, Any], notify: bool = True) -> None:
+        req.finished_reason = reason
+        if req in self.running:
+            self.running.remove(req)
+        if req is self.chunked_req:
+            self.chunked_req = None
+        release_kv(req, self.model_runner)
+        self.rid_to_req.pop(req.rid, None)
+        self.stats["num_finished"] += 1
+        if notify:
+            out = build_output([req])
+            if out is not None:
+                self.send(out)
+
+    def retract_for_decode(self) -> None:
+        """Retract the newest running requests until every remaining one gets a KV slot."""
+        retracted = []
+        while self.running and self.allocator.available_size() < len(self.running):
+            newest = max(self.running, key=lambda r: r.arrival)
+            self.running.remove(newest)
+            release_kv(newest, self.model_runner)
+            newest.retractions += 1
+            bisect.insort(self.waiting, newest, key=lambda r: r.arrival)
+            retracted.append(newest)
+        if retracted:
+            old = self.new_token_ratio
+            # Reserve more for the requests still running, so admission stops over-committing.
+            self.new_token_ratio = 1.0
+            self.stats["num_retractions"] += len(retracted)
+            logger.warning(
+                "KV cache pool is full. Retract requests. #retracted-req: %d, #running-req: %d, "
+                "#new-token-ratio: %.4f -> %.4f", len(retracted), len(self.running), old, self.new_token_ratio,
+            )
+
+    # ------------------------------------------------------------------ batches
+    def get_next_batch(self) -> Optional[tuple[ForwardMode, list[Req]]]:
+        """Prefill first; else decode every running request (retracting if KV ran out)."""
+        active = {r.lora_id for r in self._holders()}
+        self.lora_admission.begin(active, self.waiting)
+        holding = len(self.running) + (self.chunked_req is not None)
+        chunk = self.server_args.chunked_prefill_size
+        budget = PrefillBudget(
+            kv_free=self.allocator.available_size(),
+            rows_free=self.req_to_token_pool.available_size(),
+            max_new_reqs=self.max_running_requests - holding,
+            max_prefill_tokens=self.server_args.max_prefill_tokens,
+            chunk_size=None if chunk == -1 else min(chunk, self.server_args.max_prefill_tokens),
+            new_token_ratio=self.new_token_ratio,
+        )
+        plan = plan_prefill(self.waiting, self.chunked_req, self.running, budget, self.lora_admission)
+        if plan.reqs:
+            admitted = {id(r) for r in plan.reqs}
+            self.waiting = [r for r in self.waiting if id(r) not in admitted]
+            self.chunked_req = plan.chunked
+            return ForwardMode.EXTEND, plan.reqs
+        if not self.running:
+            return None
+        self.retract_for_decode()
+        if not self.running:
+            return None
+        return ForwardMode.DECODE, list(self.running)
+
+    def run_batch(self, mode: ForwardMode, reqs: list[Req]) -> None:
+        try:
+            if mode.is_extend():
+                batch = ScheduleBatch.prepare_extend(reqs, self.model_runner)
+            else:
+                batch = ScheduleBatch.prepare_decode(reqs, self.model_runner)
+            self._maybe_inject_fault(batch)
+            out = self.model_runner.forward(batch.forward_batch)
+            if batch.is_extend:
+                self.process_extend(batch, out)
+            else:
+                self.process_decode(batch, out)
+        except Exception as e:  # a failed forward fails its batch, never the server
+            self.stats["num_forward_failures"] += 1
+            logger.error("Forward failed for %d request(s): %s\n%s", len(reqs), e, traceback.format_exc())
+            message = f"internal error while running the model: {type(e).__name__}: {e}"
+            for req in reqs:
+                if not req.finished:
+                    self.finish(req, {"type": "abort", "message": message, "status_code": 500})
+            return
+        news = build_output(reqs)
+        if news is not None:
+            self.send(news)
+
+    def _maybe_inject_fault(self, batch: ScheduleBatch) -> None:
+        for fault in self.faults:
+            if fault.where == "forward" and any(fault.rid_substring in r.rid for r in batch.reqs):
+                self.faults.remove(fault)
+                raise RuntimeError(f"injected fault for requests matching {fault.rid_substring!r}")
+
+    def process_extend(self, batch: ScheduleBatch, out: Any) -> None:
+        next_ids = out.next_token_ids.tolist()
+        for i, req in enumerate(batch.reqs):
+            if req.return_logprob:
+                record_prompt_logprobs(
+                    req, batch.logprob_targets[i],
+                    out.input_token_logprobs[i] if out.input_token_logprobs else None,
+                    out.input_top_logprobs[i] if out.input_top_logprobs else None,
+                )
+            if req.kv_len < req.fill_len:
+                continue  # a chunk of a longer prompt: its sampled token means nothing
+            req.prompt_logprobs_done = True
+            if req.max_new_tokens == 0:
+                self.finish(req, {"type": "length", "length": 0}, notify=False)
+                continue
+            record_output_token(
+                req, next_ids[i],
+                out.next_token_logprobs[i] if out.next_token_logprobs else None,
+                out.next_token_top_logprobs[i] if out.next_token_top_logprobs else None,
+            )
+            reason = self.stop_checker.check(req)
+            if reason is not None:
+                self.finish(req, reason, notify=False)
+            elif req not in self.running:
+                self.running.append(req)
+        self._log_prefill(batch, out.used_cuda_graph)
+
+    def process_decode(self, batch: ScheduleBatch, out: Any) -> None:
+        next_ids = out.next_token_ids.tolist()
+        for i, req in enumerate(batch.reqs):
+            record_output_token(
+                req, next_ids[i],
+                out.next_token_logprobs[i] if out.next_token_logprobs else None,
+                out.next_token_top_logprobs[i] if out.next_token_top_logprobs else None,
+            )
+            reason = self.stop_checker.check(req)
+            if reason is not None:
+                self.finish(req, reason, notify=False)
+        self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
+        self.decode_steps += 1
+        self.decode_tokens_since_log += len(batch.reqs)
+        if self.decode_steps % self.server_args.decode_log_interval == 0:
+            self._log_decode(len(batch.reqs), out.used_cuda_graph)
+
+    # ------------------------------------------------------------------ logs
+    def _usage(self) -> float:
+        return (self.max_total_num_tokens - self.allocator.available_size()) / self.max_total_num_tokens
+
+    def _log_prefill(self, batch: ScheduleBatch, used_cuda_graph: bool) -> None:
+        logger.info(
+            "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d, cuda graph: %s",
+            len(batch.reqs), batch.forward_batch.extend_num_tokens, sum(batch.prefix_lens or []),
+            self._usage(), len(self.running), len(self.waiting), bool(used_cuda_graph),
+        )
+
+    def _log_decode(self, batch_size: int, used_cuda_graph: bool) -> None:
+        now = time.monotonic()
+        self.last_gen_throughput = self.decode_tokens_since_log / max(now - self.last_decode_log, 1e-9)
+        self.decode_tokens_since_log = 0
+        self.last_decode_log = now
+        logger.info(
+            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, cuda graph: %s, "
+            "gen throughput (token/s): %.2f, #queue-req: %d",
+            batch_size, self._kv_used(), self._usage(), bool(used_cuda_graph), self.last_gen_throughput,
+            len(self.waiting),
+        )
+
+    # ------------------------------------------------------------------ loop
+    def event_loop(self) -> None:
+        stalled = False
+        while True:
+            idle = not (self.waiting or self.running or self.chunked_req)
+            if idle and not self.was_idle:
+                self.check_integrity()
+                self.last_decode_log = time.monotonic()
+                self.decode_tokens_since_log = 0
+            self.was_idle = idle
+            if not self.process_messages(block=idle or stalled):
+                return
+            batch = self.get_next_batch()
+            # Nothing runnable (e.g. every waiting request waits for an adapter slot): only a
+            # message can change that, so wait for one instead of spinning.
+            stalled = batch is None
+            if batch is not None:
+                self.run_batch(*batch)
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the parent process is gone, so the child never outlives it (even after a
+    SIGKILL of the parent, when nothing else would tell us)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def run_scheduler_process(server_args: ServerArgs, recv_conn: Any, send_conn: Any, parent_pid: int) -> None:
+    import signal
+
+    from sglang.srt.utils import configure_logger
+
+    # Ctrl-C reaches the whole process group; the parent decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logger(server_args.log_level, prefix=" Scheduler")
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+    try:
+        scheduler = Scheduler(server_args, recv_conn, send_conn)
+    except Exception:
+        logger.error("Scheduler start-up failed:\n%s", traceback.format_exc())
+        send_conn.send(SchedulerFailed(error=traceback.format_exc()))
+        return
+    send_conn.send(SchedulerReady(info=scheduler.ready_info()))
+    try:
+        scheduler.event_loop()
+    except (EOFError, OSError, BrokenPipeError):
+        pass  # the parent closed the pipes: it is gone or shutting down
+    except Exception:
+        logger.error("Scheduler crashed:\n%s", traceback.format_exc())
+        raise

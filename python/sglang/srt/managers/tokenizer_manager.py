@@ -1,0 +1,335 @@
+"""TokenizerManager: the main process's side of a request (DESIGN §3 step 1 and 5).
+
+It validates and tokenises requests (chat templates come from the tokenizer), resolves adapter
+names to ids, sends `TokenizedGenerateReqInput` to the scheduler, and turns the scheduler's
+`BatchTokenIDOut` news into replies, detokenising incrementally. It lives on one asyncio loop; the
+scheduler client's reader thread enters it only through `loop.call_soon_threadsafe`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Callable, Optional, Union
+
+from sglang.srt.managers.detokenizer import IncrementalDetokenizer
+from sglang.srt.managers.generate_request import (
+    GenerateReqInput,
+    InvalidRequestError,
+    ModelNotFoundError,
+    SingleGenerateReq,
+)
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FaultInjectionReq,
+    GetServerInfoOut,
+    GetServerInfoReq,
+    LoRAUpdateOutput,
+    TokenizedGenerateReqInput,
+)
+from sglang.srt.managers.req_state import ReqState, iterate_states
+from sglang.srt.managers.scheduler_client import SchedulerClient
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+BASE_MODEL_ALIASES = ("default",)
+
+
+def load_tokenizer(server_args: ServerArgs) -> Any:
+    from transformers import AutoTokenizer
+
+    path = server_args.tokenizer_path or server_args.model_path
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=server_args.trust_remote_code)
+    except Exception as e:  # a missing or broken tokenizer: say where we looked
+        raise RuntimeError(
+            f"could not load a tokenizer from {path!r} ({e}). Pass --tokenizer-path, or "
+            "--skip-tokenizer-init to serve token ids only."
+        ) from e
+
+
+class TokenizerManager:
+    def __init__(self, server_args: ServerArgs, client: SchedulerClient, scheduler_info: dict[str, Any]) -> None:
+        self.server_args = server_args
+        self.client = client
+        self.scheduler_info = scheduler_info
+        self.context_len: int = scheduler_info["context_len"]
+        self.max_total_num_tokens: int = scheduler_info["max_total_num_tokens"]
+        self.vocab_size: int = scheduler_info["vocab_size"]
+        self.served_model_name = server_args.served_model_name or server_args.model_path
+        self.base_model_names = {self.served_model_name, server_args.model_path, *BASE_MODEL_ALIASES}
+        self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args)
+        self.lora_registry = None
+        if server_args.enable_lora:
+            from sglang.srt.lora.lora_registry import LoRARegistry
+
+            self.lora_registry = LoRARegistry(server_args.lora_specs())
+        self.rid_to_state: dict[str, ReqState] = {}
+        self.loop: Optional[asyncio.AbstractEventLoop] = None
+        self.dead_reason: Optional[str] = None
+        self._info_waiters: list[asyncio.Future] = []
+        self._lora_waiters: list[asyncio.Future] = []
+        self._token_text_cache: dict[int, str] = {}
+        # Called (on the loop) when the scheduler dies; the HTTP server uses it to shut down.
+        self.on_fatal: Optional[Callable[[], None]] = None
+
+    # ------------------------------------------------------------------ wiring
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Attach to the event loop that serves requests and start receiving scheduler news."""
+        self.loop = loop
+
+        def on_message(msg: Any) -> None:
+            loop.call_soon_threadsafe(self._handle_message, msg)
+
+        def on_exit(reason: str) -> None:
+            loop.call_soon_threadsafe(self._handle_scheduler_exit, reason)
+
+        self.client.start_reader(on_message, on_exit)
+
+    def is_healthy(self) -> bool:
+        return self.dead_reason is None and self.client.is_alive()
+
+    def _handle_message(self, msg: Any) -> None:
+        if isinstance(msg, BatchTokenIDOut):
+            for i, rid in enumerate(msg.rids):
+                state = self.rid_to_state.get(rid)
+                if state is not None:
+                    state.apply(msg, i)
+        elif isinstance(msg, GetServerInfoOut):
+            self._resolve_first(self._info_waiters, msg.info)
+        elif isinstance(msg, LoRAUpdateOutput):
+            self._resolve_first(self._lora_waiters, msg)
+        else:
+            logger.warning("unexpected message from the scheduler: %r", type(msg).__name__)
+
+    @staticmethod
+    def _resolve_first(waiters: list[asyncio.Future], value: Any) -> None:
+        while waiters:
+            fut = waiters.pop(0)
+            if not fut.done():
+                fut.set_result(value)
+                return
+
+    def _handle_scheduler_exit(self, reason: str) -> None:
+        self.dead_reason = reason
+        for state in list(self.rid_to_state.values()):
+            if not state.finished:
+                state.fail(reason, 500)
+        for fut in self._info_waiters + self._lora_waiters:
+            if not fut.done():
+                fut.set_exception(RuntimeError(reason))
+        if self.on_fatal is not None:
+            self.on_fatal()
+
+    # ------------------------------------------------------------------ adapters
+    def adapter_from_model(self, model: Optional[str], lora_path: Any = None) -> Any:
+        """The adapter an OpenAI request asks for: `model="<base>:<adapter>"` (split on the first
+        colon; it wins over `lora_path`), `model="<adapter>"`, or `lora_path` with the base model."""
+        if model is None or model == "":
+            return lora_path
+        if not isinstance(model, str):
+            raise InvalidRequestError("'model' must be a string", param="model")
+        if ":" in model:
+            base, adapter = (part.strip() for part in model.split(":", 1))
+            if base not in self.base_model_names:
+                raise ModelNotFoundError(base, f"This server serves `{self.served_model_name}`.")
+            return adapter or lora_path
+        if model in self.base_model_names:
+            return lora_path
+        if self.lora_registry is not None and self.lora_registry.get(model) is not None:
+            return model
+        hint = f"This server serves `{self.served_model_name}`"
+        if self.lora_registry is None:
+            hint += " (LoRA is not enabled, so no adapters are served)."
+        else:
+            hint += f" and the adapters {sorted(self.lora_registry.get_all())}."
+        raise ModelNotFoundError(model, hint)
+
+    async def acquire_adapters(self, names: list[Optional[str]]) -> list[Optional[str]]:
+        """The one place where adapter names become adapter ids.
+
+        Takes an in-flight reference per adapter request (released by `release_adapters` when the
+        request ends), so an unload waits for requests already using the adapter.
+        """
+        requested = sorted({n for n in names if n is not None})
+        if not requested:
+            return [None] * len(names)
+        if self.lora_registry is None:
+            raise InvalidRequestError(
+                f"LoRA adapter '{requested[0]}' was requested, but LoRA is not enabled on this server. "
+                "Start it with --lora-paths (or --enable-lora) to serve adapters.",
+                param="lora_path",
+            )
+        try:
+            return list(await self.lora_registry.acquire(list(names)))
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="lora_path") from None
+
+    async def release_adapters(self, ids: list[Optional[str]]) -> None:
+        if self.lora_registry is not None and any(i is not None for i in ids):
+            await self.lora_registry.release(ids)
+
+    # ------------------------------------------------------------------ tokenisation
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **template_kwargs: Any) -> str:
+        if self.tokenizer is None:
+            raise InvalidRequestError("chat requests need a tokenizer; the server runs with --skip-tokenizer-init")
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise InvalidRequestError(
+                "this model's tokenizer has no chat template; use /v1/completions with a plain prompt",
+                param="messages",
+            )
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **template_kwargs
+            )
+        except Exception as e:  # template errors (e.g. a role order the template rejects)
+            raise InvalidRequestError(f"could not apply the chat template: {e}", param="messages") from None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if self.tokenizer is None:
+            raise InvalidRequestError(
+                "this server runs with --skip-tokenizer-init: send 'input_ids' instead of text", param="text"
+            )
+        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_text_cache.get(token_id)
+        if text is None:
+            text = self.tokenizer.decode([token_id]) if self.tokenizer is not None else ""
+            self._token_text_cache[token_id] = text
+        return text
+
+    def _prepare(self, req: SingleGenerateReq) -> tuple[list[int], SamplingParams]:
+        """Validate one request and tokenise it. Raises InvalidRequestError (400)."""
+        raw = req.sampling_params
+        try:
+            params = SamplingParams.from_dict(raw)
+            params.verify(self.vocab_size)
+        except ValueError as e:
+            message = str(e)
+            field = message.split(" ", 1)[0].split(".")[-1].strip(":")
+            raise InvalidRequestError(message, param=field if field in SamplingParams.__dataclass_fields__ else None) from None
+        if self.tokenizer is None and params.stop:
+            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
+        input_ids = req.input_ids if req.input_ids is not None else self.encode(req.text or "")
+        n = len(input_ids)
+        if n == 0:
+            raise InvalidRequestError("the prompt is empty (it tokenises to no tokens)", param="prompt")
+        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequestError(
+                f"input_ids contain token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
+                param="input_ids",
+            )
+        if n >= self.context_len:
+            raise InvalidRequestError(
+                f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).",
+                param="prompt", code="context_length_exceeded",
+            )
+        limit, what = self.context_len, "the model's maximum context length"
+        if self.max_total_num_tokens < limit:
+            limit, what = self.max_total_num_tokens, "the KV cache capacity"
+        if n >= limit:
+            raise InvalidRequestError(
+                f"The input ({n} tokens) does not fit in {what} ({limit} tokens).",
+                param="prompt", code="context_length_exceeded",
+            )
+        if n + params.max_new_tokens > limit:
+            if raw.get("max_new_tokens") is not None:
+                raise InvalidRequestError(
+                    f"Requested token count exceeds {what} of {limit} tokens. You requested a total of "
+                    f"{n + params.max_new_tokens} tokens: {n} tokens from the input and "
+                    f"{params.max_new_tokens} tokens for the completion. Please reduce the number of "
+                    "tokens in the input or the completion.",
+                    param="max_tokens", code="context_length_exceeded",
+                )
+            params.max_new_tokens = limit - n  # the default budget shrinks to what fits
+        if req.top_logprobs_num > self.server_args.max_top_logprobs:
+            raise InvalidRequestError(
+                f"top_logprobs_num must be at most {self.server_args.max_top_logprobs}, got {req.top_logprobs_num}",
+                param="top_logprobs",
+            )
+        return input_ids, params
+
+    # ------------------------------------------------------------------ generation
+    async def generate(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Union[dict, list]]:
+        """Run a request. Streaming yields one dict per update (with `index` for a batch);
+        otherwise yields once: a dict, or a list for a batch. `request` (a Starlette request) lets a
+        waiting request notice that its client disconnected."""
+        if self.dead_reason is not None:
+            raise RuntimeError(self.dead_reason)
+        reqs, is_batch = obj.normalize()
+        prepared = [self._prepare(r) for r in reqs]  # every prompt is valid before any is queued
+        for r in reqs:
+            if r.rid in self.rid_to_state:
+                raise InvalidRequestError(f"a request with rid {r.rid!r} is already running", param="rid")
+        lora_ids = await self.acquire_adapters([r.lora_name for r in reqs])
+        event = asyncio.Event()
+        states: list[ReqState] = []
+        try:
+            for req, (input_ids, params), lora_id in zip(reqs, prepared, lora_ids):
+                detok = None
+                if self.tokenizer is not None:
+                    detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
+                state = ReqState(req=req, input_ids=input_ids, params=params, lora_id=lora_id,
+                                 detok=detok, event=event, prompt_tokens=len(input_ids))
+                self.rid_to_state[req.rid] = state
+                states.append(state)
+                self.client.send(TokenizedGenerateReqInput(
+                    rid=req.rid, input_text=req.text, input_ids=input_ids, sampling_params=params,
+                    return_logprob=req.return_logprob,
+                    logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
+                    top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
+                    lora_id=lora_id, stream=req.stream,
+                ))
+            async for out in iterate_states(states, is_batch, obj.stream, request, self.token_text):
+                yield out
+        finally:
+            for state in states:
+                self.rid_to_state.pop(state.req.rid, None)
+                if not state.finished:
+                    # The caller went away (disconnect, cancellation): free its KV at once.
+                    self.client.send(AbortReq(rid=state.req.rid))
+            await self.release_adapters(lora_ids)
+
+    async def generate_one(self, obj: GenerateReqInput, request: Any = None) -> Union[dict, list]:
+        """The non-streaming reply of `obj`."""
+        obj.stream = False
+        result: Union[dict, list, None] = None
+        async for out in self.generate(obj, request):
+            result = out
+        if result is None:
+            raise asyncio.CancelledError("the client disconnected")
+        return result
+
+    # ------------------------------------------------------------------ control
+    async def get_scheduler_info(self, timeout: float = 30.0) -> dict[str, Any]:
+        if not self.is_healthy():
+            raise RuntimeError(self.dead_reason or "the scheduler is not running")
+        fut = asyncio.get_running_loop().create_future()
+        self._info_waiters.append(fut)
+        self.client.send(GetServerInfoReq())
+        return await asyncio.wait_for(fut, timeout)
+
+    def inject_fault(self, rid_substring: str, where: str = "forward") -> None:
+        if not self.server_args.enable_test_hooks:
+            raise InvalidRequestError("fault injection needs --enable-test-hooks")
+        self.client.send(FaultInjectionReq(rid_substring=rid_substring, where=where))
+
+    def abort(self, rid: str) -> None:
+        self.client.send(AbortReq(rid=rid))
+
+    def model_info(self) -> dict[str, Any]:
+        return {
+            "model_path": self.server_args.model_path,
+            "tokenizer_path": self.server_args.tokenizer_path or self.server_args.model_path,
+            "served_model_name": self.served_model_name,
+            "is_generation": True,
+            "context_length": self.context_len,
+            "vocab_size": self.vocab_size,
+            "architectures": self.scheduler_info.get("architectures"),
+        }

@@ -1,0 +1,142 @@
+"""`sglang.Engine` (offline, same scheduler child process) and process lifetimes: no orphan
+scheduler after shutdown, an exception, a killed parent, or SIGINT to the server."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from server_helpers import PYTHON_DIR, cache_dir_for_tests, kill_server, popen_launch_server, read_log, server_env
+from sglang.srt.managers.generate_request import InvalidRequestError
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[-1].split()[0] != "Z"  # a zombie has exited
+    except FileNotFoundError:
+        return False
+
+
+def wait_gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not pid_alive(pid):
+            return True
+        time.sleep(0.1)
+    return False
+
+
+def children(pid: int) -> list[int]:
+    out = []
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        with open(f"/proc/{pid}/task/{tid}/children") as f:
+            out += [int(x) for x in f.read().split()]
+    return out
+
+
+@pytest.fixture(scope="module")
+def engine():
+    from sglang import Engine
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("SGLANG_CACHE_DIR", cache_dir_for_tests())
+        eng = Engine(model_path="demo", device="cpu")
+    yield eng
+    pid = eng.tokenizer_manager.client.proc.pid
+    eng.shutdown()
+    assert wait_gone(pid)
+
+
+def test_import_sglang_is_light() -> None:
+    code = "import sys, sglang; assert 'torch' not in sys.modules and 'fastapi' not in sys.modules; print(sglang.Engine.__name__)"
+    out = subprocess.run([sys.executable, "-c", code], env={**os.environ, "PYTHONPATH": PYTHON_DIR},
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "Engine", out.stderr
+
+
+def test_engine_generate(engine) -> None:
+    params = {"max_new_tokens": 8, "temperature": 0}
+    one = engine.generate("The boats were", params)
+    assert isinstance(one, dict) and one["meta_info"]["completion_tokens"] == len(one["output_ids"]) <= 8
+    batch = engine.generate(["The boats were", "Numbers:"], params)
+    assert isinstance(batch, list) and batch[0]["output_ids"] == one["output_ids"]
+    chunks = list(engine.generate("The boats were", params, stream=True))
+    assert chunks[-1]["text"] == one["text"] and chunks[-1]["output_ids"] == one["output_ids"]
+    assert all(chunks[-1]["text"].startswith(c["text"]) for c in chunks)
+    ids = engine.generate(input_ids=one["output_ids"][:3], sampling_params=params, return_logprob=True,
+                          logprob_start_len=0, top_logprobs_num=2)
+    assert len(ids["meta_info"]["input_token_logprobs"]) == 3
+    with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
+        engine.generate("x", params, lora_path="demo-qv-r8")
+
+
+def test_engine_stream_stopped_early_frees_kv(engine) -> None:
+    before = engine.get_server_info()["kv_free_tokens"]
+    stream = engine.generate("Tell a long story", {"max_new_tokens": 1000, "ignore_eos": True}, stream=True)
+    for i, _ in enumerate(stream):
+        if i == 3:
+            break
+    stream.close()
+    deadline = time.monotonic() + 10
+    while engine.get_server_info()["kv_free_tokens"] != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert engine.get_server_info()["kv_free_tokens"] == before
+
+
+def test_engine_exception_inside_with_block_reaps_the_scheduler(monkeypatch) -> None:
+    monkeypatch.setenv("SGLANG_CACHE_DIR", cache_dir_for_tests())
+    from sglang import Engine
+
+    pid = None
+    with pytest.raises(RuntimeError, match="boom"):
+        with Engine(model_path="demo", device="cpu", max_total_tokens=512) as eng:
+            pid = eng.tokenizer_manager.client.proc.pid
+            raise RuntimeError("boom")
+    assert pid is not None and wait_gone(pid, 5)
+
+
+def test_scheduler_exits_when_its_parent_is_killed(tmp_path) -> None:
+    script = tmp_path / "victim.py"
+    # No __main__ guard on purpose: the engine must not re-run this script in its child.
+    script.write_text(textwrap.dedent("""
+        import os, signal, sys
+        from sglang import Engine
+        eng = Engine(model_path="demo", device="cpu", max_total_tokens=512)
+        print(eng.tokenizer_manager.client.proc.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """))
+    env = {**os.environ, "PYTHONPATH": PYTHON_DIR, **server_env()}
+    out = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=180)
+    assert out.returncode == -signal.SIGKILL, out.stderr[-3000:]
+    child = int(out.stdout.split()[0])
+    assert wait_gone(child, 10), "the scheduler outlived its killed parent"
+
+
+def test_sigint_shuts_the_server_down_cleanly() -> None:
+    proc, _ = popen_launch_server("demo", ["--device", "cpu", "--max-total-tokens", "512"], env=server_env())
+    scheduler = children(proc.pid)
+    assert scheduler, "the server should have a scheduler child"
+    proc.send_signal(signal.SIGINT)
+    assert proc.wait(30) == 0
+    assert all(wait_gone(pid, 5) for pid in scheduler)
+    assert "The scheduler has exited" in read_log(proc)
+    kill_server(proc)
+
+
+def test_server_exits_with_an_error_when_the_scheduler_dies() -> None:
+    proc, url = popen_launch_server("demo", ["--device", "cpu", "--max-total-tokens", "512"], env=server_env())
+    try:
+        scheduler = [pid for pid in children(proc.pid) if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]
+        assert len(scheduler) == 1
+        os.kill(scheduler[0], signal.SIGKILL)
+        assert proc.wait(30) == 1  # a supervisor sees the failure and can restart the server
+        assert "the scheduler process exited unexpectedly" in read_log(proc)
+    finally:
+        kill_server(proc)

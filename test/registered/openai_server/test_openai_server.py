@@ -1,0 +1,312 @@
+"""End to end against `python -m sglang.launch_server` serving the built-in demo model (CPU):
+the official `openai` client, native `/generate`, errors in the OpenAI envelope, the API key,
+client disconnects, and a failing forward."""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+
+import openai
+import pytest
+import requests
+
+from server_helpers import kill_server, popen_launch_server, read_log, server_env
+
+API_KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = popen_launch_server(
+        "demo", ["--device", "cpu", "--enable-test-hooks", "--decode-log-interval", "5"],
+        api_key=API_KEY, env=server_env(),
+    )
+    yield proc, url
+    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server[1]
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+def post(url: str, path: str, body, **kw) -> requests.Response:
+    data = body if isinstance(body, (str, bytes)) else json.dumps(body)
+    kw.setdefault("timeout", 60)
+    return requests.post(f"{url}{path}", data=data, headers={**AUTH, **kw.pop("headers", {})}, **kw)
+
+
+def server_info(url: str) -> dict:
+    r = requests.get(f"{url}/get_server_info", headers=AUTH, timeout=30)
+    assert r.status_code == 200
+    return r.json()
+
+
+# ---------------------------------------------------------------------------- OpenAI client
+def test_completion_streamed_equals_non_streamed(client) -> None:
+    kw = dict(model="demo", prompt="The boats were painted", max_tokens=12, temperature=0)
+    full = client.completions.create(**kw)
+    assert full.choices[0].finish_reason in ("length", "stop")
+    assert full.usage.prompt_tokens > 0 and full.usage.total_tokens == full.usage.prompt_tokens + full.usage.completion_tokens
+    chunks = list(client.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == full.choices[0].text
+    assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == full.usage.completion_tokens
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
+
+
+def test_chat_streamed_equals_non_streamed(client) -> None:
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about Mira."}]
+    full = client.chat.completions.create(model="demo", messages=messages, max_completion_tokens=10, temperature=0)
+    msg = full.choices[0].message
+    assert msg.role == "assistant" and full.usage.completion_tokens <= 10
+    stream = list(client.chat.completions.create(model="demo", messages=messages, max_tokens=10, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    assert stream[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == msg.content
+    assert stream[-1].usage.prompt_tokens == full.usage.prompt_tokens
+
+
+def test_n_and_seed_are_reproducible(client) -> None:
+    kw = dict(model="demo", prompt="Numbers: one, two", max_tokens=8, temperature=1.0, n=3, seed=11)
+    a = client.completions.create(**kw)
+    b = client.completions.create(**kw)
+    assert [c.index for c in a.choices] == [0, 1, 2]
+    assert [c.text for c in a.choices] == [c.text for c in b.choices]
+    assert len({c.text for c in a.choices}) > 1  # distinct samples for n > 1
+    one = client.completions.create(**{**kw, "n": 1})
+    assert a.usage.prompt_tokens == one.usage.prompt_tokens  # a prompt is counted once for n samples
+    assert a.usage.completion_tokens <= 24
+
+
+def test_stop_string_is_removed_in_both_modes(client) -> None:
+    kw = dict(model="demo", prompt="Here is a short story. On a cold morning", max_tokens=24, temperature=0)
+    base = client.completions.create(**kw).choices[0].text
+    words = re.findall(r"[A-Za-z]{2,}", base)
+    assert words, f"the greedy output should contain a word: {base!r}"
+    stop = words[len(words) // 2]
+    full = client.completions.create(stop=[stop], **kw).choices[0]
+    assert full.finish_reason == "stop" and stop not in full.text
+    assert base.startswith(full.text) and base[len(full.text):].startswith(stop)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=stop, stream=True, **kw))
+    assert streamed == full.text
+
+
+def test_echo_with_prompt_logprobs(client) -> None:
+    prompt = "Good software is tested."
+    r = client.completions.create(model="demo", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+    choice = r.choices[0]
+    assert choice.text.startswith(prompt)
+    lp = choice.logprobs
+    assert len(lp.tokens) == r.usage.prompt_tokens + r.usage.completion_tokens
+    assert lp.token_logprobs[0] is None and all(x is not None for x in lp.token_logprobs[1:])
+    assert lp.top_logprobs[0] is None and all(len(t) <= 2 for t in lp.top_logprobs[1:])
+    # max_tokens=0 with echo returns the prompt and its logprobs only (lm-eval style scoring).
+    r0 = client.completions.create(model="demo", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
+    assert r0.choices[0].text == prompt and r0.usage.completion_tokens == 0
+    assert r0.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1: r0.usage.prompt_tokens], abs=1e-4)
+
+
+def test_chat_logprobs(client) -> None:
+    r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
+                                       temperature=0, logprobs=True, top_logprobs=3)
+    content = r.choices[0].logprobs.content
+    assert len(content) == r.usage.completion_tokens
+    for item in content:
+        assert len(item.top_logprobs) == 3 and item.logprob <= 0
+        assert item.top_logprobs[0].logprob >= item.logprob - 1e-6  # greedy picks the top token
+
+
+def test_models_and_info(url, client) -> None:
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["demo"]
+    info = requests.get(f"{url}/get_model_info", headers=AUTH, timeout=10).json()
+    assert info["served_model_name"] == "demo" and info["context_length"] > 0
+    assert requests.get(f"{url}/health", timeout=10).status_code == 200  # no key needed
+    assert requests.get(f"{url}/health_generate", headers=AUTH, timeout=30).status_code == 200
+    s = server_info(url)
+    assert s["max_total_num_tokens"] > 0 and "api_key" not in s
+
+
+# ---------------------------------------------------------------------------- native /generate
+def test_generate_batch_and_stream(url) -> None:
+    body = {"text": ["The engine reads", "Adapters are"], "sampling_params": {"max_new_tokens": 6, "temperature": 0},
+            "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2, "return_text_in_logprobs": True}
+    r = post(url, "/generate", body)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert len(outs) == 2
+    for out in outs:
+        meta = out["meta_info"]
+        assert len(meta["output_token_logprobs"]) == meta["completion_tokens"] == len(out["output_ids"])
+        assert len(meta["input_token_logprobs"]) == meta["prompt_tokens"] - 1
+        assert all(isinstance(e[2], str) for e in meta["input_token_logprobs"])
+        assert all(len(t) == 2 for t in meta["output_top_logprobs"])
+    single = {"text": "The engine reads", "sampling_params": {"max_new_tokens": 6, "temperature": 0}, "stream": True}
+    r = post(url, "/generate", single, stream=True)
+    events = [line[6:] for line in r.iter_lines(decode_unicode=True) if line.startswith("data: ")]
+    assert events[-1] == "[DONE]"
+    last = json.loads(events[-2])
+    assert last["text"] == outs[0]["text"] and last["output_ids"] == outs[0]["output_ids"]
+
+
+# ---------------------------------------------------------------------------- errors
+ERROR_CASES = [
+    ("/v1/completions", '{"model": "demo", "prompt": "hi"', 400, "not valid JSON"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi " * 3000}, 400, "context length"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 100000}, 400, "maximum context length"),
+    ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "does not exist"),
+    ("/v1/completions", {"model": "demo:sql", "prompt": "hi"}, 400, "LoRA is not enabled"),
+    ("/v1/completions", {"prompt": "hi"} | {"model": "demo", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "logprobs"),
+    ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
+    ("/generate", {"text": "hi", "lora_path": "sql"}, 400, "LoRA is not enabled"),
+    ("/generate", {"input_ids": [1, 99999]}, 400, "vocabulary"),
+    ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2.5}}, 400, "max_new_tokens"),
+    ("/generate", [1, 2], 400, "JSON object"),
+    ("/generate", {"text": "hi", "stream": True, "sampling_params": {"top_p": 0}}, 400, "top_p"),
+    ("/v1/chat/completions", {"model": "demo", "stream": True, "messages": [{"role": "user", "content": "hi"}],
+                              "temperature": -1}, 400, "temperature"),
+]
+
+
+@pytest.mark.parametrize("path, body, status, needle", ERROR_CASES)
+def test_bad_requests_get_the_error_envelope(url, path, body, status, needle) -> None:
+    r = post(url, path, body)
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert needle.lower() in err["message"].lower(), err
+
+
+def test_openai_client_raises_typed_errors(client) -> None:
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="demo", prompt="hi", max_tokens=-3)
+    assert "max_tokens" in str(e.value)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="missing", messages=[{"role": "user", "content": "x"}])
+
+
+def test_api_key_is_enforced(url) -> None:
+    for headers in ({}, {"Authorization": "Bearer wrong"}):
+        r = requests.post(f"{url}/v1/completions", json={"model": "demo", "prompt": "hi"}, headers=headers, timeout=10)
+        assert r.status_code == 401 and "API key" in r.json()["error"]["message"]
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+
+
+def test_server_keeps_serving_after_errors(client) -> None:
+    r = client.completions.create(model="demo", prompt="still alive?", max_tokens=2, temperature=0)
+    assert r.usage.completion_tokens == 2
+
+
+# ---------------------------------------------------------------------------- robustness
+def wait_for_free_kv(url: str, expected: int, timeout: float = 20.0) -> dict:
+    deadline = time.monotonic() + timeout
+    info = server_info(url)
+    while time.monotonic() < deadline and (info["kv_free_tokens"] != expected or info["num_running_reqs"]):
+        time.sleep(0.2)
+        info = server_info(url)
+    return info
+
+
+def test_client_disconnect_frees_kv(url) -> None:
+    initial = server_info(url)["kv_free_tokens"]
+    body = {"text": "A long story:", "stream": True,
+            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
+    r = post(url, "/generate", body, stream=True)
+    lines = r.iter_lines()
+    got = 0
+    for line in lines:
+        if line.startswith(b"data: "):
+            got += 1
+            if got == 5:
+                break
+    assert server_info(url)["kv_free_tokens"] < initial  # the request holds KV while it runs
+    r.close()  # the client goes away mid-stream
+    info = wait_for_free_kv(url, initial)
+    assert info["kv_free_tokens"] == initial and info["num_running_reqs"] == 0
+    assert info["last_integrity_check"]["ok"]
+
+
+def test_non_streaming_disconnect_frees_kv(url) -> None:
+    initial = server_info(url)["kv_free_tokens"]
+    body = {"text": "Another long story:", "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}
+    with pytest.raises(requests.exceptions.ReadTimeout):
+        post(url, "/generate", body, timeout=1.5)
+    info = wait_for_free_kv(url, initial)
+    assert info["kv_free_tokens"] == initial and info["num_running_reqs"] == 0
+
+
+def test_failed_forward_fails_only_that_request(url, server) -> None:
+    r = post(url, "/debug/inject_fault", {"rid_substring": "boom"})
+    assert r.status_code == 200
+    r = post(url, "/generate", {"text": "hi", "rid": "boom-1", "sampling_params": {"max_new_tokens": 4}})
+    assert r.status_code == 500 and "injected fault" in r.json()["error"]["message"]
+    r = post(url, "/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == 4
+    log = read_log(server[0])
+    assert "Forward failed" in log and "Traceback" in log
+
+
+def test_log_lines(server) -> None:
+    log = read_log(server[0])
+    assert re.search(r"Prefill batch, #new-seq: \d+, #new-token: \d+, #cached-token: \d+, token usage: [\d.]+, "
+                     r"#running-req: \d+, #queue-req: \d+, cuda graph: (True|False)", log)
+    assert re.search(r"Decode batch, .*gen throughput \(token/s\): [\d.]+", log)
+    assert "DEMO MODE" in log
+
+
+# ---------------------------------------------------------------------------- load generator
+@pytest.mark.parametrize("fmt", ["ids", "text"])
+def test_bench_serving(url, fmt) -> None:
+    import os
+    import subprocess
+    import sys
+
+    from server_helpers import PYTHON_DIR
+
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--base-url", url, "--api-key", API_KEY,
+           "--num-prompts", "6", "--random-input-len", "12", "--random-output-len", "5", "--prompt-format", fmt,
+           "--max-concurrency", "3", "--request-rate", "50", "--backend", "threads"]
+    env = {**os.environ, "PYTHONPATH": PYTHON_DIR}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    assert res["completed"] == 6 and res["failed"] == 0
+    assert res["total_output_tokens"] == 30  # ignore_eos: every request produces its full length
+    assert res["ttft_ms"]["mean"] > 0 and res["itl_ms"]["p99"] >= res["itl_ms"]["median"] > 0
+    assert "Time to first token" in out.stdout and "requests" in out.stderr  # the progress bar
+
+
+def test_abort_request_ends_a_running_request(url) -> None:
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"text": "Go on and on", "rid": "to-abort", "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(post, url, "/generate", body)
+        deadline = time.monotonic() + 10
+        while server_info(url)["num_running_reqs"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert post(url, "/abort_request", {"rid": "to-abort"}).status_code == 200
+        r = fut.result(timeout=30)
+    assert r.status_code == 200
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 1900

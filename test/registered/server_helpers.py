@@ -1,0 +1,136 @@
+"""Start `python -m sglang.launch_server` as a subprocess for end-to-end tests.
+
+    proc, base_url = popen_launch_server("demo", other_args=["--device", "cpu"])
+    ...
+    kill_server(proc)
+
+stdout and stderr go to files (`proc.stdout_path`, `proc.stderr_path`), so a test can grep the
+log (`read_log(proc)`); the server runs on a free port and the helper waits for `/health`.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Optional, Sequence
+
+import requests
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+PYTHON_DIR = os.path.join(ROOT, "python")
+DEFAULT_TIMEOUT_S = 180.0
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def popen_launch_server(
+    model: str = "demo",
+    other_args: Sequence[str] = (),
+    timeout: float = DEFAULT_TIMEOUT_S,
+    env: Optional[dict[str, str]] = None,
+    api_key: Optional[str] = None,
+    log_dir: Optional[str] = None,
+) -> tuple[subprocess.Popen, str]:
+    """Launch a server on a free port and wait until `/health` answers 200.
+
+    Returns (process, base_url). The process has `stdout_path` / `stderr_path` attributes. Raises
+    RuntimeError with the log tail if the server dies or does not become healthy in time.
+    """
+    port = free_port()
+    base_url = f"http://127.0.0.1:{port}"
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", model, "--host", "127.0.0.1",
+           "--port", str(port), *other_args]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    run_env = dict(os.environ)
+    run_env["PYTHONPATH"] = PYTHON_DIR + os.pathsep + run_env.get("PYTHONPATH", "")
+    run_env.setdefault("TRITON_INTERPRET", "1")
+    run_env.update(env or {})
+    log_dir = log_dir or tempfile.mkdtemp(prefix="sglang-server-")
+    out_path = os.path.join(log_dir, "stdout.log")
+    err_path = os.path.join(log_dir, "stderr.log")
+    with open(out_path, "wb") as out, open(err_path, "wb") as err:
+        # A new session: teardown can signal the server and its scheduler child as one group.
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=run_env, start_new_session=True)
+    proc.stdout_path, proc.stderr_path = out_path, err_path  # type: ignore[attr-defined]
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode}:\n{read_log(proc)[-4000:]}")
+        try:
+            if requests.get(f"{base_url}/health", headers=headers, timeout=2).status_code == 200:
+                return proc, base_url
+        except requests.RequestException:
+            pass
+        time.sleep(0.3)
+    kill_server(proc)
+    raise RuntimeError(f"the server did not become healthy in {timeout:.0f} s:\n{read_log(proc)[-4000:]}")
+
+
+def read_log(proc: subprocess.Popen) -> str:
+    text = ""
+    for path in (getattr(proc, "stdout_path", None), getattr(proc, "stderr_path", None)):
+        if path and os.path.exists(path):
+            with open(path, encoding="utf-8", errors="replace") as f:
+                text += f.read()
+    return text
+
+
+def kill_server(proc: subprocess.Popen, timeout: float = 20.0) -> int:
+    """SIGTERM (a clean shutdown that reaps the scheduler), then SIGKILL the whole group if needed.
+    Returns the exit code."""
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            pass
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group (normally nothing)
+    except (ProcessLookupError, PermissionError):
+        pass
+    return proc.wait(10)
+
+
+def group_alive(proc: subprocess.Popen) -> bool:
+    """Whether any process of the server's process group is still running."""
+    try:
+        os.killpg(proc.pid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+# ---------------------------------------------------------------------------- checkpoints
+def cache_dir_for_tests() -> str:
+    """Where tests keep the demo model and tiny checkpoints between runs (contents are
+    deterministic, so reusing them is safe)."""
+    path = os.environ.get("SGLANG_TEST_CACHE_DIR") or os.path.join(tempfile.gettempdir(), "sglang-test-cache")
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def tiny_checkpoint(arch: str = "qwen3", seed: int = 0) -> str:
+    """A tiny random checkpoint (with tokenizer and chat template) made by make_checkpoint, built
+    once per machine."""
+    from sglang.srt.tools.demo import materialize_once
+    from sglang.srt.tools.make_checkpoint import make_checkpoint
+
+    path = os.path.join(cache_dir_for_tests(), f"tiny-{arch}-seed{seed}")
+    materialize_once(path, lambda tmp: make_checkpoint(tmp, arch=arch, preset="tiny", seed=seed, with_weights=True))
+    return path
+
+
+def server_env() -> dict[str, str]:
+    """Environment for test servers: the demo model goes to the shared test cache."""
+    return {"SGLANG_CACHE_DIR": cache_dir_for_tests()}

@@ -1,0 +1,204 @@
+"""The scheduler in-process, turn by turn, on a tiny Qwen3 checkpoint (real ModelRunner, real pipes).
+
+Covers what is hard to see from outside: chunked prefill keeps prompt logprobs exact, retraction
+resumes requests with identical greedy outputs, aborts and failed forwards give every KV slot back,
+and the stop conditions.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import re
+from typing import Any, Optional
+
+import pytest
+
+from server_helpers import tiny_checkpoint
+from sglang.srt.managers.io_struct import AbortReq, BatchTokenIDOut, FaultInjectionReq, TokenizedGenerateReqInput
+from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.server_args import ServerArgs
+
+
+@pytest.fixture(scope="module")
+def ckpt() -> str:
+    return tiny_checkpoint("qwen3", seed=0)
+
+
+class Harness:
+    """Drives a Scheduler through real pipes and gathers its BatchTokenIDOut news per request."""
+
+    def __init__(self, model_path: str, **kwargs: Any) -> None:
+        args = ServerArgs(model_path=model_path, device="cpu", **kwargs)
+        self.to_r, self.to_w = mp.Pipe(duplex=False)
+        self.from_r, self.from_w = mp.Pipe(duplex=False)
+        self.sched = Scheduler(args, self.to_r, self.from_w)
+        self.out: dict[str, dict[str, Any]] = {}
+        self.max_running_seen = 0
+
+    def submit(self, rid: str, input_ids: list[int], max_new_tokens: int = 8, return_logprob: bool = False,
+               logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = True, **params: Any) -> None:
+        sp = SamplingParams.from_dict({"max_new_tokens": max_new_tokens, "temperature": 0.0, **params})
+        self.to_w.send(TokenizedGenerateReqInput(
+            rid=rid, input_text=None, input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream,
+        ))
+        self.out[rid] = {"ids": [], "finish": None, "in_lp": None, "out_lp": []}
+
+    def step(self) -> bool:
+        """One scheduler turn; False when there was nothing to run."""
+        self.sched.process_messages(block=False)
+        batch = self.sched.get_next_batch()
+        if batch is not None:
+            self.sched.run_batch(*batch)
+        self.max_running_seen = max(self.max_running_seen, len(self.sched.running))
+        self._drain()
+        return batch is not None
+
+    def _drain(self) -> None:
+        while self.from_r.poll(0):
+            msg = self.from_r.recv()
+            if not isinstance(msg, BatchTokenIDOut):
+                continue
+            for i, rid in enumerate(msg.rids):
+                rec = self.out[rid]
+                rec["ids"] += msg.output_ids[i]
+                rec["finish"] = msg.finished_reasons[i]
+                if msg.input_token_logprobs and msg.input_token_logprobs[i] is not None:
+                    rec["in_lp"] = msg.input_token_logprobs[i]
+                if msg.output_token_logprobs and msg.output_token_logprobs[i] is not None:
+                    rec["out_lp"] += msg.output_token_logprobs[i]
+
+    def run(self, max_steps: int = 2000) -> None:
+        for _ in range(max_steps):
+            if not self.step() and not self.sched.waiting:
+                return
+        raise AssertionError("the scheduler did not finish in time")
+
+    def kv_free(self) -> int:
+        return self.sched.allocator.available_size()
+
+    def finish_of(self, rid: str) -> Optional[dict]:
+        return self.out[rid]["finish"]
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [(seed * 37 + i * 11) % 400 + 5 for i in range(n)]
+
+
+def test_chunked_prefill_matches_unchunked(ckpt: str) -> None:
+    ids = prompt(45, 1)
+    results = []
+    for chunk in (-1, 16):
+        h = Harness(ckpt, chunked_prefill_size=chunk)
+        h.submit("a", ids, max_new_tokens=6, return_logprob=True, logprob_start_len=3)
+        h.run()
+        results.append(h.out["a"])
+        if chunk == 16:
+            assert h.sched.check_integrity()["ok"]
+    full, chunked = results
+    assert chunked["ids"] == full["ids"]
+    assert [t for _, t in chunked["in_lp"]] == ids[3:]
+    assert len(full["in_lp"]) == len(ids) - 3
+    for (a, ta), (b, tb) in zip(full["in_lp"], chunked["in_lp"]):
+        assert ta == tb and abs(a - b) < 1e-4
+    for (a, _), (b, _) in zip(full["out_lp"], chunked["out_lp"]):
+        assert abs(a - b) < 1e-4
+
+
+def test_retraction_resumes_with_identical_outputs(ckpt: str) -> None:
+    prompts = {f"r{i}": prompt(10 + i, i) for i in range(6)}
+    alone = {}
+    ref = Harness(ckpt)
+    for rid, ids in prompts.items():
+        ref.submit(rid, ids, max_new_tokens=14)
+        ref.run()
+        alone[rid] = ref.out[rid]["ids"]
+
+    h = Harness(ckpt, max_total_tokens=80)  # far less than the ~150 tokens all six need at once
+    for rid, ids in prompts.items():
+        h.submit(rid, ids, max_new_tokens=14)
+    h.run()
+    assert h.sched.stats["num_retractions"] > 0
+    for rid in prompts:
+        assert h.out[rid]["ids"] == alone[rid], rid
+        assert h.finish_of(rid)["type"] == "length"
+    assert h.kv_free() == 80
+    assert h.sched.check_integrity()["ok"]
+
+
+def test_abort_frees_kv_at_once(ckpt: str) -> None:
+    h = Harness(ckpt)
+    total = h.kv_free()
+    h.submit("keep", prompt(12, 2), max_new_tokens=30)
+    h.submit("gone", prompt(20, 3), max_new_tokens=30)
+    for _ in range(4):
+        h.step()
+    assert h.kv_free() < total
+    h.to_w.send(AbortReq(rid="gone"))
+    h.step()
+    assert "gone" not in h.sched.rid_to_req
+    used_by_keep = h.sched.rid_to_req["keep"].kv_len
+    assert h.kv_free() == total - used_by_keep
+    h.run()
+    assert h.kv_free() == total and h.sched.check_integrity()["ok"]
+
+
+def test_failed_forward_fails_only_its_batch(ckpt: str) -> None:
+    h = Harness(ckpt, enable_test_hooks=True)
+    h.submit("steady", prompt(12, 4), max_new_tokens=10)
+    h.step()  # prefill of "steady"
+    h.to_w.send(FaultInjectionReq(rid_substring="boom"))
+    h.submit("boom-1", prompt(9, 5), max_new_tokens=10)
+    h.step()  # prefill of "boom-1" raises
+    fin = h.finish_of("boom-1")
+    assert fin["type"] == "abort" and fin["status_code"] == 500 and "injected fault" in fin["message"]
+    h.run()
+    assert h.finish_of("steady")["type"] == "length" and len(h.out["steady"]["ids"]) == 10
+    assert h.sched.stats["num_forward_failures"] == 1
+    assert h.kv_free() == h.sched.max_total_num_tokens and h.sched.check_integrity()["ok"]
+
+
+def test_max_new_tokens_zero_returns_prompt_logprobs_only(ckpt: str) -> None:
+    h = Harness(ckpt)
+    ids = prompt(15, 6)
+    h.submit("z", ids, max_new_tokens=0, return_logprob=True, logprob_start_len=0)
+    h.run()
+    rec = h.out["z"]
+    assert rec["ids"] == [] and rec["finish"]["type"] == "length"
+    assert rec["in_lp"][0] == (None, ids[0]) and [t for _, t in rec["in_lp"]] == ids
+
+
+def test_stop_conditions(ckpt: str) -> None:
+    h = Harness(ckpt)
+    ids = prompt(14, 7)
+    h.submit("base", ids, max_new_tokens=12, ignore_eos=True)
+    h.run()
+    base = h.out["base"]["ids"]
+    assert len(base) == 12
+    stop_tok = base[4]
+    h.submit("tok", ids, max_new_tokens=12, ignore_eos=True, stop_token_ids=[stop_tok])
+    h.run()
+    first = base.index(stop_tok)
+    assert h.out["tok"]["ids"] == base[: first + 1]
+    assert h.finish_of("tok") == {"type": "stop", "matched": stop_tok}
+
+    tokenizer = h.sched.stop_checker.tokenizer
+    match = re.search(r"[A-Za-z]{3,}", tokenizer.decode(base))
+    assert match, "the reference output should contain a word to use as a stop string"
+    stop = match.group(0)
+    h.submit("str", ids, max_new_tokens=12, ignore_eos=True, stop=[stop])
+    h.run()
+    got = h.out["str"]["ids"]
+    assert h.finish_of("str") == {"type": "stop", "matched": stop}
+    assert got == base[: len(got)]
+    assert stop in tokenizer.decode(got) and stop not in tokenizer.decode(got[:-1])
+
+
+def test_max_running_requests_is_respected(ckpt: str) -> None:
+    h = Harness(ckpt, max_running_requests=2)
+    for i in range(5):
+        h.submit(f"m{i}", prompt(8, 10 + i), max_new_tokens=5)
+    h.run()
+    assert h.max_running_seen == 2
+    assert all(len(h.out[f"m{i}"]["ids"]) == 5 for i in range(5))
