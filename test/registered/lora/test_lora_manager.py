@@ -201,6 +201,13 @@ def test_can_use_prefill_cuda_graph_predicate(setup):
     assert mgr.can_use_prefill_cuda_graph(fb)
     assert not mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [9, 8], [a, a]))  # 17 > 16 tokens
     assert mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [1] * 16, [None] * 16))
+    # The static metadata never grows once made (captured graphs hold its addresses).
+    with pytest.raises(ValueError, match="cannot grow"):
+        mgr.init_prefill_cuda_graph_batch_info(64)
+    mgr.init_prefill_cuda_graph_batch_info(8)  # smaller: the existing buffers serve it
+    assert mgr.lora_backend.prefill_cuda_graph_max_tokens == 16
+    runner = runner_for(setup, lora_backend="triton")
+    mgr = runner.lora_manager
     mgr.init_prefill_cuda_graph_batch_info(64)
     assert mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [1] * 32, [None] * 32))
     # More requests than the 32 segment slots: eager, although the tokens fit.

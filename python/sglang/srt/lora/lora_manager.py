@@ -318,10 +318,29 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ CUDA graphs
     def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1) -> None:
-        self.lora_backend.init_cuda_graph_batch_info(max_bs_in_cuda_graph, num_tokens_per_bs)
+        backend = self.lora_backend
+        if backend.cuda_graph_batch_info is not None:
+            # Graphs already captured hold the addresses of the existing buffers: never move them.
+            if backend.max_bs_in_cuda_graph < max_bs_in_cuda_graph:
+                raise ValueError(
+                    f"decode LoRA graph metadata exists for {backend.max_bs_in_cuda_graph} requests; "
+                    f"cannot grow it to {max_bs_in_cuda_graph}"
+                )
+            return
+        backend.init_cuda_graph_batch_info(max_bs_in_cuda_graph, num_tokens_per_bs)
 
     def init_prefill_cuda_graph_batch_info(self, max_num_tokens: int) -> None:
-        self.lora_backend.init_prefill_cuda_graph_batch_info(max_num_tokens)
+        backend = self.lora_backend
+        if backend.prefill_cuda_graph_batch_info is not None:
+            # Shared by every prefill graph of this process (e.g. breakable and full side by side
+            # in a benchmark); reallocating would strand the graphs captured earlier.
+            if backend.prefill_cuda_graph_max_tokens < max_num_tokens:
+                raise ValueError(
+                    f"prefill LoRA graph metadata exists for {backend.prefill_cuda_graph_max_tokens} "
+                    f"tokens; cannot grow it to {max_num_tokens}"
+                )
+            return
+        backend.init_prefill_cuda_graph_batch_info(max_num_tokens)
 
     @property
     def supports_prefill_cuda_graph(self) -> bool:

@@ -89,7 +89,8 @@ class CudaGraphConfig:
 def prefill_bucket_ladder(max_tokens: int) -> list[int]:
     """Token-count capture buckets up to `max_tokens`: fine steps for short prompts, coarser above."""
     steps = [(4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256)]
-    ladder: list[int] = []
+    # 1 and 2 so that one- and two-token prefills (chunk tails) stay within the padding limit.
+    ladder: list[int] = [1, 2]
     for start, stop, step in steps:
         ladder.extend(range(start, stop + 1, step))
     ladder.extend(range(4608, max(max_tokens, 4608) + 1, 512))

@@ -1,9 +1,10 @@
-"""ModelRunner: owns the model, the KV pools, the attention backend and the sampler, and runs one
-forward pass of a ForwardBatch.
+"""ModelRunner: owns the model, the KV pools, the attention backend, the LoRA manager, the graph
+runners and the sampler, and runs one forward pass of a ForwardBatch.
 
-`forward()` decides once which path serves the batch (eager now; the CUDA-graph runners plug in
-through `choose_forward_path` and `run_body`), hands the same decision to the LoRA manager, runs
-the body, then the eager tail (logits, logprobs, sampling), which always runs outside graphs.
+`forward()` decides once which path serves the batch (decode graph, prefill graph or eager), hands
+that same decision to the LoRA manager (so static LoRA metadata is refreshed in place exactly when
+a graph will read it), runs the body on that path, then the eager tail (logits, logprobs,
+sampling), which always runs outside graphs.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import logging
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
@@ -32,7 +34,7 @@ ACTIVATION_RESERVE_GIB = 1.0
 # req_to_token rows are context_len + this wide, so a row never needs a bounds check at its end.
 REQ_TO_TOKEN_PAD = 8
 
-# Forward paths (choose_forward_path). Only EAGER is served so far; the graph runners add theirs.
+# Forward paths (choose_forward_path).
 EAGER = "eager"
 DECODE_GRAPH = "decode_graph"
 PREFILL_GRAPH = "prefill_graph"
@@ -73,6 +75,11 @@ class ModelRunner:
             self.lora_manager = LoRAManager.from_model_runner(self, refs)
         self.init_memory_pool()
         self.attn_backend = self._create_attn_backend()
+        self.prefill_graph_runner = None
+        self.decode_graph_runner = None
+        self.num_eager_prefills = 0
+        self.num_eager_decodes = 0
+        self.init_cuda_graphs()
 
     # ------------------------------------------------------------------ setup
     def _kv_bytes_per_token(self) -> int:
@@ -151,6 +158,71 @@ class ModelRunner:
             return TritonAttnBackend(self)
         raise ValueError(f"unknown attention backend {name!r}")
 
+    def _graph_backends(self) -> tuple[Backend, Backend]:
+        """The (prefill, decode) graph backends this runner can actually serve, with the reason
+        logged for each one it turns off."""
+        cfg = self.server_args.cuda_graph_config
+        prefill, decode = cfg.prefill.backend, cfg.decode.backend
+        if self.device.type != "cuda":
+            if prefill != Backend.DISABLED or decode != Backend.DISABLED:
+                logger.info("CUDA graphs need a CUDA device; running eagerly on %s.", self.device)
+            return Backend.DISABLED, Backend.DISABLED
+        if prefill == Backend.TC_PIECEWISE:
+            logger.warning(
+                "cuda_graph_config[prefill].backend='tc_piecewise' is not available in this engine; "
+                "prefill runs eagerly (use 'breakable' or 'full')."
+            )
+            prefill = Backend.DISABLED
+        lora = self.lora_manager
+        if lora is not None and prefill != Backend.DISABLED and not lora.supports_prefill_cuda_graph:
+            logger.warning(
+                "Disable prefill CUDA graph because the current LoRA configuration does not support it "
+                "(LoRA backend %r keeps its metadata on the host).", self.server_args.lora_backend,
+            )
+            prefill = Backend.DISABLED
+        if lora is not None and decode != Backend.DISABLED and not lora.supports_prefill_cuda_graph:
+            logger.warning(
+                "Disable decode CUDA graph: LoRA backend %r cannot serve static metadata.",
+                self.server_args.lora_backend,
+            )
+            decode = Backend.DISABLED
+        if self.server_args.resolved_attention_backend() == "torch_native":
+            # The reference backend has no static-metadata hooks; the breakable graph runs
+            # attention eagerly and needs none.
+            if prefill == Backend.FULL or decode == Backend.FULL:
+                logger.warning("torch_native attention cannot be captured whole; using breakable graphs.")
+            prefill = Backend.BREAKABLE if prefill == Backend.FULL else prefill
+            decode = Backend.BREAKABLE if decode == Backend.FULL else decode
+        return prefill, decode
+
+    def init_cuda_graphs(self) -> None:
+        """Capture the prefill graphs first, then the decode graphs (both read LoRA metadata that
+        must exist before capture)."""
+        prefill, decode = self._graph_backends()
+        if prefill == Backend.DISABLED and decode == Backend.DISABLED:
+            return
+        from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
+        from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+        self.graph_memory_pool = torch.cuda.graph_pool_handle()
+        self.graph_capture_stream = torch.cuda.Stream(self.device)
+        free_before = get_available_gpu_memory(self.gpu_id)
+        with torch.no_grad():
+            if prefill != Backend.DISABLED:
+                self.prefill_graph_runner = PrefillCudaGraphRunner(self, prefill)
+            if decode != Backend.DISABLED:
+                self.decode_graph_runner = CudaGraphRunner(self, decode)
+        logger.info("CUDA graphs use %.2f GiB", free_before - get_available_gpu_memory(self.gpu_id))
+
+    def graph_stats(self) -> dict[str, int]:
+        """Replay and eager-fallback counters (reported by /get_server_info)."""
+        return {
+            "prefill_graph_replays": self.prefill_graph_runner.num_replays if self.prefill_graph_runner else 0,
+            "decode_graph_replays": self.decode_graph_runner.num_replays if self.decode_graph_runner else 0,
+            "eager_prefills": self.num_eager_prefills,
+            "eager_decodes": self.num_eager_decodes,
+        }
+
     # ------------------------------------------------------------------ forward
     def attach_pools(self, fb: ForwardBatch) -> None:
         fb.req_to_token_pool = self.req_to_token_pool
@@ -160,10 +232,23 @@ class ModelRunner:
     def choose_forward_path(self, fb: ForwardBatch) -> str:
         """Which path serves this batch. The single decision point: LoRA preparation and the body
         both follow it (a graph path is only taken if its LoRA metadata is refreshed in place)."""
+        mode = fb.forward_mode
+        if mode.is_decode():
+            if self.decode_graph_runner is not None and self.decode_graph_runner.can_run(fb):
+                return DECODE_GRAPH
+            self.num_eager_decodes += 1
+        elif mode.is_extend():
+            if self.prefill_graph_runner is not None and self.prefill_graph_runner.can_run_graph(fb):
+                return PREFILL_GRAPH
+            self.num_eager_prefills += 1
         return EAGER
 
     def run_body(self, fb: ForwardBatch, path: str) -> torch.Tensor:
         """The model body on the chosen path -> hidden [T', H] (T' >= live tokens when padded)."""
+        if path == DECODE_GRAPH:
+            return self.decode_graph_runner.replay(fb)
+        if path == PREFILL_GRAPH:
+            return self.prefill_graph_runner.replay(fb)
         assert path == EAGER, f"no runner for forward path {path!r}"
         self.attn_backend.init_forward_metadata(fb)
         return self.model.model(fb.input_ids, fb.positions, fb)

@@ -51,7 +51,11 @@ class CudaGraphRunner:
         self.enable_lora = model_runner.lora_manager is not None
         if self.enable_lora:
             model_runner.lora_manager.init_cuda_graph_batch_info(self.max_bs, 1)
-        self.buffers: GraphInputBuffers = model_runner.graph_input_buffers
+        self.buffers = GraphInputBuffers.allocate(
+            self.max_bs, self.max_bs, model_runner.device, model_runner.padding_req_pool_index
+        )
+        if backend == Backend.FULL:
+            model_runner.attn_backend.init_cuda_graph_state(self.max_bs, self.max_bs)
         self.seq_len_fill = model_runner.attn_backend.get_cuda_graph_seq_len_fill_value()
         self.hidden_out = torch.empty(
             (self.max_bs, model_runner.model_config.hidden_size),

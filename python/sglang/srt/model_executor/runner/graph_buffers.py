@@ -20,10 +20,26 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 
+# A prefill replay may pad its tokens up to this factor; beyond it the wasted work outweighs the
+# launches saved.
+MAX_PADDING_FACTOR = 2
+
+
 def pick_bucket(buckets: list[int], n: int) -> Optional[int]:
     """Smallest bucket >= n (buckets sorted ascending), or None if n exceeds them all."""
     i = bisect.bisect_left(buckets, n)
     return buckets[i] if i < len(buckets) else None
+
+
+def prefill_replay_bucket(buckets: list[int], num_tokens: int) -> Optional[int]:
+    """The bucket a prefill of `num_tokens` replays in, or None when it must run eagerly: more
+    tokens than the largest bucket, or padding that would more than double the work."""
+    if num_tokens <= 0:
+        return None
+    bucket = pick_bucket(buckets, num_tokens)
+    if bucket is None or bucket > MAX_PADDING_FACTOR * num_tokens:
+        return None
+    return bucket
 
 
 @dataclass

@@ -27,15 +27,13 @@ from tqdm import tqdm
 from sglang.srt.model_executor.cuda_graph_config import Backend, prefill_bucket_ladder
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakableCUDAGraph
-from sglang.srt.model_executor.runner.graph_buffers import GraphInputBuffers, pick_bucket
+from sglang.srt.model_executor.runner.graph_buffers import GraphInputBuffers, prefill_replay_bucket
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
-# A replay may pad the tokens up to this factor; beyond it the wasted work outweighs the launches saved.
-MAX_PADDING_FACTOR = 2
 # Default largest bucket: above ~2k tokens a prefill is compute-bound and graphs no longer pay.
 DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
 # Full backend: request slots captured per bucket, unless the config says otherwise.
@@ -75,7 +73,11 @@ class PrefillCudaGraphRunner:
             if self._capture_lora:
                 lora_manager.init_prefill_cuda_graph_batch_info(self.max_num_tokens)
 
-        self.buffers: GraphInputBuffers = model_runner.graph_input_buffers
+        self.buffers = GraphInputBuffers.allocate(
+            self.max_num_tokens, self._capture_req_slots, model_runner.device, model_runner.padding_req_pool_index
+        )
+        if backend == Backend.FULL:
+            model_runner.attn_backend.init_cuda_graph_state(self._capture_req_slots, self.max_num_tokens)
         self.hidden_out = torch.empty(
             (self.max_num_tokens, model_runner.model_config.hidden_size),
             dtype=model_runner.dtype,
@@ -89,9 +91,7 @@ class PrefillCudaGraphRunner:
     def can_run_graph(self, fb: ForwardBatch) -> bool:
         if not fb.forward_mode.is_extend() or fb.extend_num_tokens is None:
             return False
-        n = fb.extend_num_tokens
-        bucket = pick_bucket(self.buckets, n)
-        if bucket is None or bucket > MAX_PADDING_FACTOR * n:
+        if prefill_replay_bucket(self.buckets, fb.extend_num_tokens) is None:
             return False
         if self.backend == Backend.FULL and fb.batch_size > self._capture_req_slots:
             return False
@@ -173,7 +173,7 @@ class PrefillCudaGraphRunner:
         """Run the body of the live batch `fb` through its bucket's graph; returns hidden [T, H]."""
         mr = self.model_runner
         n = fb.extend_num_tokens
-        bucket = pick_bucket(self.buckets, n)
+        bucket = prefill_replay_bucket(self.buckets, n)
         self.buffers.load_tokens(fb, bucket)
         # The body sees bucket-sized token tensors but the live per-request metadata.
         static_fb = dataclasses.replace(

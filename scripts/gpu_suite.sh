@@ -1,0 +1,90 @@
+#!/usr/bin/env bash
+# The one command that runs every GPU test and the benchmarks on a CUDA machine.
+#
+#   GPU_SUITE_OUT=/some/dir bash scripts/gpu_suite.sh
+#
+# Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
+# GPU_SUITE_PARTS picks sections (default: "tests bench serving"); GPU_SUITE_PYTEST_ARGS adds pytest
+# arguments (e.g. "-k bcg"). Wheels fetched by ../shared/device/wheels.sh into ./.whl are installed
+# into ./.site first when the machine lacks them (it has no network).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${GPU_SUITE_OUT:-$ROOT/gpu-results}
+PARTS=${GPU_SUITE_PARTS:-"tests bench serving"}
+mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH=$ROOT/.site:$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
+export TOKENIZERS_PARALLELISM=false
+export SGLANG_CACHE_DIR=${SGLANG_CACHE_DIR:-/tmp/sglang-cache}
+PY=${PYTHON:-python3}
+SUMMARY=$OUT/summary.txt
+: >"$SUMMARY"
+say() { echo "$*" | tee -a "$SUMMARY"; }
+
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target .site .whl/*.whl \
+    >"$OUT/pip.log" 2>&1 || echo "wheel install failed (see pip.log)"
+fi
+
+say "== gpu_suite $(date -u +%Y-%m-%dT%H:%MZ)"
+$PY - <<'EOF' 2>&1 | tee -a "$SUMMARY"
+import torch, triton, transformers
+print(f"torch {torch.__version__} cuda {torch.version.cuda} triton {triton.__version__} "
+      f"transformers {transformers.__version__}")
+print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "NO CUDA")
+EOF
+
+status=0
+if [[ " $PARTS " == *" tests "* ]]; then
+  say "== GPU tests (pytest -m gpu)"
+  start=$(date +%s)
+  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE ${GPU_SUITE_PYTEST_ARGS:-} test/registered \
+    >"$OUT/gpu_tests.log" 2>&1
+  rc=$?
+  [ $rc -ne 0 ] && status=1
+  say "$(tail -n 1 "$OUT/gpu_tests.log") (rc=$rc, $(( $(date +%s) - start ))s)"
+  grep -E "^(FAILED|ERROR)" "$OUT/gpu_tests.log" | head -20 | tee -a "$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" bench "* ]]; then
+  say "== benchmarks"
+  BENCH=$OUT/bench.log
+  : >"$BENCH"
+  for shape in qwen3-4b llama-3.1-8b; do
+    ckpt=/tmp/sglang-ckpt-$shape
+    $PY -m sglang.srt.tools.make_checkpoint --arch "${shape%%-*}" --preset "$shape" --no-weights --out "$ckpt" >>"$BENCH" 2>&1
+    for cfg in "1 128 1" "1 2048 1" "1 128 16" "32 128 16"; do
+      set -- $cfg
+      line=$($PY -m sglang.bench_one_batch --model-path "$ckpt" --load-format dummy --disable-cuda-graph \
+        --batch-size "$1" --input-len "$2" --output-len "$3" --warmup 2 --repeats 5 2>>"$BENCH" | tail -n 1)
+      echo "bench_one_batch $shape eager bs=$1 in=$2 out=$3: $line" | tee -a "$BENCH" >>"$SUMMARY"
+    done
+  done
+  if [ -f benchmark/lora/bench_prefill_graph.py ]; then
+    $PY benchmark/lora/bench_prefill_graph.py --out "$OUT/prefill_graph.md" >>"$BENCH" 2>&1 || status=1
+    [ -f "$OUT/prefill_graph.md" ] && tail -n 40 "$OUT/prefill_graph.md" >>"$SUMMARY"
+  fi
+fi
+
+if [[ " $PARTS " == *" serving "* ]]; then
+  say "== bench_serving (Qwen3-4B shape, dummy weights, triton attention)"
+  ckpt=/tmp/sglang-ckpt-qwen3-4b
+  [ -f "$ckpt/config.json" ] || $PY -m sglang.srt.tools.make_checkpoint --arch qwen3 --preset qwen3-4b --no-weights --out "$ckpt" >/dev/null 2>&1
+  SERVE_LOG=$OUT/serving.log
+  $PY -m sglang.launch_server --model-path "$ckpt" --load-format dummy --port 31000 \
+    --attention-backend triton >"$SERVE_LOG" 2>&1 &
+  spid=$!
+  for _ in $(seq 1 180); do
+    curl -sf localhost:31000/health >/dev/null 2>&1 && break
+    kill -0 $spid 2>/dev/null || break
+    sleep 1
+  done
+  $PY -m sglang.bench_serving --base-url http://127.0.0.1:31000 --num-prompts 256 \
+    --random-input-len 512 --random-output-len 128 --max-concurrency 64 >>"$SERVE_LOG" 2>&1 || status=1
+  grep -E "TTFT|ITL|E2E|throughput|^\{" "$SERVE_LOG" | tail -n 12 | tee -a "$SUMMARY"
+  kill $spid 2>/dev/null; wait $spid 2>/dev/null
+fi
+
+say "== done (status=$status)"
+exit $status

@@ -1,0 +1,79 @@
+"""CPU checks of the prefill-graph rules: bucket ladder, bucket choice, padding refusal, and the
+static input buffers (what a replay writes into them, and what the padded tail holds)."""
+
+import torch
+
+from sglang.srt.model_executor.cuda_graph_config import prefill_bucket_ladder
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.runner.graph_buffers import (
+    MAX_PADDING_FACTOR,
+    GraphInputBuffers,
+    pick_bucket,
+    prefill_replay_bucket,
+)
+
+
+def test_ladder_is_sorted_unique_and_capped():
+    for cap in (1, 7, 100, 1024, 2048, 8192):
+        ladder = prefill_bucket_ladder(cap)
+        assert ladder == sorted(set(ladder))
+        assert ladder[0] == 1 and ladder[-1] == cap
+    assert prefill_bucket_ladder(1024)[:4] == [1, 2, 4, 8]
+
+
+def test_pick_bucket_is_the_smallest_that_fits():
+    buckets = [4, 8, 16, 64]
+    assert [pick_bucket(buckets, n) for n in (1, 4, 5, 16, 17, 64, 65)] == [4, 4, 8, 16, 64, 64, None]
+
+
+def test_prefill_replay_bucket_refuses_overflow_and_excess_padding():
+    buckets = [4, 8, 16, 64]
+    assert prefill_replay_bucket(buckets, 3) == 4
+    assert prefill_replay_bucket(buckets, 2) == 4  # exactly 2x padding is allowed
+    assert prefill_replay_bucket(buckets, 1) is None  # 4 > 2 * 1
+    assert prefill_replay_bucket(buckets, 32) == 64
+    assert prefill_replay_bucket(buckets, 31) is None  # 64 > 62: eager
+    assert prefill_replay_bucket(buckets, 65) is None  # above the largest bucket
+    assert prefill_replay_bucket(buckets, 0) is None
+    ladder = prefill_bucket_ladder(2048)
+    for n in range(1, 2049):
+        b = prefill_replay_bucket(ladder, n)
+        assert b is not None and n <= b <= MAX_PADDING_FACTOR * n, n  # the default ladder never refuses
+
+
+def _live_batch(n_tokens: int) -> ForwardBatch:
+    return ForwardBatch(
+        forward_mode=ForwardMode.EXTEND,
+        batch_size=1,
+        input_ids=torch.arange(100, 100 + n_tokens),
+        positions=torch.arange(5, 5 + n_tokens),
+        out_cache_loc=torch.arange(40, 40 + n_tokens),
+        req_pool_indices=torch.tensor([3]),
+        seq_lens=torch.tensor([5 + n_tokens]),
+        seq_lens_cpu=torch.tensor([5 + n_tokens]),
+        extend_num_tokens=n_tokens,
+    )
+
+
+def test_load_tokens_pads_with_the_dummy_slot():
+    bufs = GraphInputBuffers.allocate(16, 4, torch.device("cpu"), dummy_req_row=0)
+    bufs.load_tokens(_live_batch(12), 16)  # a larger batch leaves values behind...
+    bufs.load_tokens(_live_batch(5), 8)  # ...the smaller one must neutralise its own padding
+    assert bufs.input_ids[:5].tolist() == list(range(100, 105))
+    assert bufs.out_cache_loc[:5].tolist() == list(range(40, 45))
+    assert bufs.positions[:5].tolist() == list(range(5, 10))
+    for t in (bufs.input_ids, bufs.positions, bufs.out_cache_loc):
+        assert t[5:8].tolist() == [0, 0, 0]  # pad tokens: token 0, position 0, KV slot 0
+
+
+def test_capture_batches_point_at_the_dummy_row():
+    bufs = GraphInputBuffers.allocate(32, 4, torch.device("cpu"), dummy_req_row=0)
+    fb = bufs.capture_extend_batch(24, 4, with_lora=True)
+    assert fb.extend_seq_lens_cpu == [24, 0, 0, 0] and fb.extend_num_tokens == 24
+    assert fb.extend_start_loc.tolist() == [0, 24, 24, 24]
+    assert fb.req_pool_indices.tolist() == [0, 0, 0, 0]
+    assert fb.lora_ids == [None] * 4  # capture with the base model: LoRA kernels recorded, idle
+    assert fb.out_cache_loc.tolist() == [0] * 24
+    assert fb.input_ids.data_ptr() == bufs.input_ids.data_ptr()  # views of the static buffers
+    dec = bufs.capture_decode_batch(4, seq_len_fill=1, with_lora=False)
+    assert dec.lora_ids is None and dec.seq_lens.tolist() == [1] * 4
