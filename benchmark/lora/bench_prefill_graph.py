@@ -1,0 +1,232 @@
+"""Prefill and decode latency with and without LoRA, eager vs breakable vs full CUDA graphs.
+
+One process, configurations side by side on the same dummy weights (GPU only):
+
+    python benchmark/lora/bench_prefill_graph.py --out results.md [--models qwen3-4b,llama-3.1-8b,qwen2.5-0.5b]
+
+For each model shape, three ModelRunners are built in turn (no LoRA; LoRA with the triton backend;
+LoRA with csgmv). Each captures breakable prefill graphs and decode graphs for the measured sizes,
+and a full prefill graph runner is captured beside them on the same weights; the benchmark swaps the
+runner's prefill path between eager, breakable and full and checks `used_cuda_graph` on every
+measured forward, so a number is never silently an eager one. LoRA cases use one rank-16 adapter
+on all seven modules (and four distinct adapters for the 8 x 128 case). Times are medians of
+whole forwards (body + logits + sampling, i.e. what a request's TTFT pays), with the device
+synchronised around each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Optional
+
+import torch
+
+from sglang.srt.model_executor.batch_builder import (
+    DecodeRequest,
+    ExtendRequest,
+    build_decode_batch,
+    build_extend_batch,
+)
+from sglang.srt.model_executor.cuda_graph_config import Backend
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.tools.demo import DemoAdapterSpec, write_peft_adapter
+from sglang.srt.tools.make_checkpoint import make_checkpoint
+
+SHAPES = {"qwen3-4b": "qwen3", "llama-3.1-8b": "llama", "qwen2.5-0.5b": "qwen2"}
+PREFILL_TOKENS = [16, 128, 512, 2048, 4096]
+MULTI = (8, 128, 4)  # requests x tokens, distinct adapters
+DECODE_BS = [1, 8, 32]
+DECODE_CONTEXT = 256
+ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+LORA_MODES = ("none", "triton", "csgmv")
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def write_assets(root: str, shape: str) -> tuple[str, dict[str, str]]:
+    ckpt = os.path.join(root, shape)
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        make_checkpoint(ckpt, arch=SHAPES[shape], preset=shape, with_weights=False)
+    with open(os.path.join(ckpt, "config.json")) as f:
+        config = json.load(f)
+    adapters = {}
+    for i in range(MULTI[2]):
+        out = os.path.join(root, f"{shape}-lora{i}")
+        if not os.path.exists(os.path.join(out, "adapter_config.json")):
+            os.makedirs(out, exist_ok=True)
+            write_peft_adapter(out, config, DemoAdapterSpec(f"lora{i}", 16, 32, ALL_MODULES, 100 + i))
+        adapters[f"lora{i}"] = out
+    return ckpt, adapters
+
+
+def build_runner(ckpt: str, lora_mode: str, adapters: dict[str, str]) -> tuple[ModelRunner, dict]:
+    kwargs = dict(
+        model_path=ckpt, load_format="dummy", dtype="bfloat16", attention_backend="triton",
+        max_total_tokens=65536, max_running_requests=64, chunked_prefill_size=8192,
+        cuda_graph_backend_prefill="breakable", cuda_graph_backend_decode="full",
+        cuda_graph_bs_prefill=sorted(set(PREFILL_TOKENS + [MULTI[0] * MULTI[1]])),
+        cuda_graph_bs_decode=DECODE_BS,
+    )
+    if lora_mode != "none":
+        kwargs.update(lora_paths=[f"{n}={p}" for n, p in adapters.items()], lora_backend=lora_mode,
+                      max_loras_per_batch=MULTI[2] + 1, max_lora_rank=16)
+    runner = ModelRunner(ServerArgs(**kwargs))
+    graphs = {"eager": None, "breakable": runner.prefill_graph_runner,
+              "full": PrefillCudaGraphRunner(runner, Backend.FULL)}
+    return runner, graphs
+
+
+def lora_id(runner: ModelRunner, name: Optional[str]) -> Optional[str]:
+    if name is None or runner.lora_manager is None:
+        return None
+    return next(i for i, ref in runner.lora_manager.refs.items() if ref.lora_name == name)
+
+
+def time_forward(runner: ModelRunner, fb, expect_graph: bool, warmup: int, repeats: int) -> float:
+    times = []
+    for i in range(warmup + repeats):
+        _sync()
+        t0 = time.perf_counter()
+        out = runner.forward(fb)
+        _sync()
+        if out.used_cuda_graph != expect_graph:
+            raise RuntimeError(f"used_cuda_graph={out.used_cuda_graph}, expected {expect_graph}")
+        if i >= warmup:
+            times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
+def prefill_batch(runner: ModelRunner, lengths: list[int], names: list[Optional[str]]):
+    rows = runner.req_to_token_pool.alloc(len(lengths))
+    gen = torch.Generator().manual_seed(0)
+    reqs = []
+    for row, n, name in zip(rows, lengths, names):
+        slots = runner.token_to_kv_pool_allocator.alloc(n)
+        ids = torch.randint(10, min(1000, runner.model_config.vocab_size), (n,), generator=gen).tolist()
+        reqs.append(ExtendRequest(row, ids, 0, slots, lora_id=lora_id(runner, name)))
+    fb = build_extend_batch(reqs, runner.req_to_token_pool, runner.device,
+                            enable_lora=runner.lora_manager is not None)
+    return fb, rows, [r.out_cache_loc for r in reqs]
+
+
+def decode_batch(runner: ModelRunner, bs: int, name: Optional[str]):
+    rows = runner.req_to_token_pool.alloc(bs)
+    slots = runner.token_to_kv_pool_allocator.alloc(bs * DECODE_CONTEXT)
+    for i, row in enumerate(rows):  # a context of DECODE_CONTEXT tokens (their KV is whatever is there)
+        runner.req_to_token_pool.write(row, 0, slots[i * DECODE_CONTEXT:(i + 1) * DECODE_CONTEXT])
+    reqs = [DecodeRequest(row, 7, DECODE_CONTEXT, int(slots[(i + 1) * DECODE_CONTEXT - 1]),
+                          lora_id=lora_id(runner, name)) for i, row in enumerate(rows)]
+    fb = build_decode_batch(reqs, runner.req_to_token_pool, runner.device,
+                            enable_lora=runner.lora_manager is not None)
+    return fb, rows, [slots]
+
+
+def release(runner: ModelRunner, rows, slot_lists) -> None:
+    for s in slot_lists:
+        runner.token_to_kv_pool_allocator.free(torch.as_tensor(s))
+    runner.req_to_token_pool.free(rows)
+
+
+def bench_model(shape: str, root: str, warmup: int, repeats: int) -> list[dict]:
+    ckpt, adapters = write_assets(root, shape)
+    rows_out = []
+    for mode in LORA_MODES:
+        runner, graphs = build_runner(ckpt, mode, adapters)
+        decode_graph = runner.decode_graph_runner
+        name = None if mode == "none" else "lora0"
+        cases = [(f"prefill {n}", [n], [name]) for n in PREFILL_TOKENS]
+        multi_names = [None if mode == "none" else f"lora{i % MULTI[2]}" for i in range(MULTI[0])]
+        cases.append((f"prefill {MULTI[0]}x{MULTI[1]}", [MULTI[1]] * MULTI[0], multi_names))
+        for label, lengths, names in cases:
+            fb, req_rows, slots = prefill_batch(runner, lengths, names)
+            for path, graph in graphs.items():
+                runner.prefill_graph_runner = graph
+                expect = graph is not None and graph.can_run_graph(fb)
+                ms = time_forward(runner, fb, expect, warmup, repeats)
+                rows_out.append(dict(model=shape, lora=mode, case=label, path=path if expect or path == "eager"
+                                     else f"{path}(eager fallback)", ms=round(ms, 3)))
+                print(json.dumps(rows_out[-1]), flush=True)
+            release(runner, req_rows, slots)
+        runner.prefill_graph_runner = graphs["breakable"]
+        for bs in DECODE_BS:
+            fb, req_rows, slots = decode_batch(runner, bs, name)
+            for path, graph in (("eager", None), ("graph", decode_graph)):
+                runner.decode_graph_runner = graph
+                ms = time_forward(runner, fb, graph is not None, warmup, repeats)
+                rows_out.append(dict(model=shape, lora=mode, case=f"decode bs{bs}", path=path, ms=round(ms, 3)))
+                print(json.dumps(rows_out[-1]), flush=True)
+            release(runner, req_rows, slots)
+        runner.decode_graph_runner = decode_graph
+        del runner, graphs, decode_graph
+        gc.collect()
+        torch.cuda.empty_cache()
+    return rows_out
+
+
+def to_markdown(rows: list[dict]) -> str:
+    """One table per model: a row per case, a column per (LoRA mode, path); then the key ratios."""
+    out = []
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mrows = [r for r in rows if r["model"] == model]
+        table = {(r["case"], r["lora"], r["path"].split("(")[0]): r for r in mrows}
+        for group in ("prefill", "decode"):
+            grows = [r for r in mrows if r["case"].startswith(group)]
+            cols = list(dict.fromkeys((r["lora"], r["path"].split("(")[0]) for r in grows))
+            cases = list(dict.fromkeys(r["case"] for r in grows))
+            out.append(f"\n### {model}, {group} (ms, median)\n")
+            out.append("| case | " + " | ".join(f"{lo}/{p}" for lo, p in cols) + " |")
+            out.append("|---" * (len(cols) + 1) + "|")
+            for case in cases:
+                cells = []
+                for lo, p in cols:
+                    r = table.get((case, lo, p))
+                    cells.append("" if r is None else f"{r['ms']:.2f}" + ("*" if "fallback" in r["path"] else ""))
+                out.append(f"| {case} | " + " | ".join(cells) + " |")
+        out.append("\n`*` = the graph refused the batch and it ran eagerly.\n")
+        for lo in ("triton", "csgmv"):
+            def ms(case, lora, path):
+                r = table.get((case, lora, path))
+                return r["ms"] if r else float("nan")
+            for n in PREFILL_TOKENS:
+                c = f"prefill {n}"
+                out.append(
+                    f"- {lo} {c}: LoRA breakable/eager = {ms(c, lo, 'breakable') / ms(c, lo, 'eager'):.2f}, "
+                    f"LoRA breakable/base breakable = {ms(c, lo, 'breakable') / ms(c, 'none', 'breakable'):.2f}, "
+                    f"LoRA full/eager = {ms(c, lo, 'full') / ms(c, lo, 'eager'):.2f}"
+                )
+    return "\n".join(out) + "\n"
+
+
+def main(argv: Optional[list[str]] = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--models", default=",".join(SHAPES))
+    p.add_argument("--out", default=None, help="markdown file for the tables")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "sglang-bench-prefill-graph"))
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        sys.exit("this benchmark needs a CUDA device")
+    rows = []
+    for shape in args.models.split(","):
+        rows += bench_model(shape.strip(), args.root, args.warmup, args.repeats)
+    md = f"Device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}\n" + to_markdown(rows)
+    print(md)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(md)
+
+
+if __name__ == "__main__":
+    main()
