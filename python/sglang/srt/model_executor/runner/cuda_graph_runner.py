@@ -12,17 +12,15 @@ request row, write their K/V to slot 0 and are dropped before the eager tail.
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import logging
-from typing import TYPE_CHECKING, Union
+from typing import TYPE_CHECKING
 
 import torch
 from tqdm import tqdm
 
 from sglang.srt.model_executor.cuda_graph_config import Backend, decode_bucket_ladder
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakableCUDAGraph
+from sglang.srt.model_executor.runner.graph_capture import AnyGraph, capture_graph
 from sglang.srt.model_executor.runner.graph_buffers import GraphInputBuffers, pick_bucket
 
 if TYPE_CHECKING:
@@ -62,7 +60,7 @@ class CudaGraphRunner:
             dtype=model_runner.dtype,
             device=model_runner.device,
         )
-        self.graphs: dict[int, Union[torch.cuda.CUDAGraph, BreakableCUDAGraph]] = {}
+        self.graphs: dict[int, AnyGraph] = {}
         self.num_replays = 0
         self._capture_all()
 
@@ -88,7 +86,7 @@ class CudaGraphRunner:
         hidden = self.model_runner.model.model(fb.input_ids, fb.positions, fb)
         self.hidden_out[:bs].copy_(hidden)
 
-    def _capture_one(self, bs: int, stream: torch.cuda.Stream):
+    def _capture_one(self, bs: int, stream: torch.cuda.Stream) -> AnyGraph:
         mr = self.model_runner
         fb = self.buffers.capture_decode_batch(bs, self.seq_len_fill, with_lora=self.enable_lora)
         mr.attach_pools(fb)
@@ -100,23 +98,9 @@ class CudaGraphRunner:
             mr.attn_backend.init_forward_metadata(fb)
         if self.enable_lora:
             mr.lora_manager.prepare_lora_batch(fb, use_cuda_graph=True, use_prefill_cuda_graph=False)
-        torch.cuda.synchronize()
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._run_body(fb, bs)
-        stream.synchronize()
-        gc.collect()
-        if self.backend == Backend.BREAKABLE:
-            graph = BreakableCUDAGraph(pool=mr.graph_memory_pool)
-            fb.graph_breaker = graph
-            graph.capture(lambda: self._run_body(fb, bs), ctx=fb, stream=stream)
-            fb.graph_breaker = None
-        else:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mr.graph_memory_pool, stream=stream):
-                self._run_body(fb, bs)
-        torch.cuda.synchronize()
-        return graph
+        return capture_graph(
+            self.backend == Backend.BREAKABLE, lambda: self._run_body(fb, bs), fb, mr.graph_memory_pool, stream
+        )
 
     # ---------------------------------------------------------------------------- replay
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
@@ -131,12 +115,7 @@ class CudaGraphRunner:
             )
             graph.replay()
         else:
-            static_fb = dataclasses.replace(
-                fb,
-                input_ids=self.buffers.input_ids[:bucket],
-                positions=self.buffers.positions[:bucket],
-                out_cache_loc=self.buffers.out_cache_loc[:bucket],
-            )
+            static_fb = self.buffers.padded_view(fb, bucket)
             mr.attn_backend.init_forward_metadata(static_fb)
             graph.replay(static_fb)
         self.num_replays += 1

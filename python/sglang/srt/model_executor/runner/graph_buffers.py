@@ -12,6 +12,7 @@ live batch is copied into them with the padded tail set to harmless values:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 from dataclasses import dataclass
 from typing import Optional
 
@@ -86,6 +87,16 @@ class GraphInputBuffers:
             self.input_ids[n:padded].zero_()
             self.positions[n:padded].zero_()
             self.out_cache_loc[n:padded].zero_()
+
+    def padded_view(self, fb: ForwardBatch, padded: int) -> ForwardBatch:
+        """The live batch with its token tensors replaced by the padded static prefixes (the
+        per-request metadata stays live): what a graph segment and its eager breaks see."""
+        return dataclasses.replace(
+            fb,
+            input_ids=self.input_ids[:padded],
+            positions=self.positions[:padded],
+            out_cache_loc=self.out_cache_loc[:padded],
+        )
 
     def capture_extend_batch(self, num_tokens: int, num_reqs: int, with_lora: bool) -> ForwardBatch:
         """An EXTEND batch for capture: request 0 holds every token, the others are empty.

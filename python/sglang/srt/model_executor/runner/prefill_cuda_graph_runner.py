@@ -16,8 +16,6 @@ that made `prepare_lora_batch` refresh the static info in place (ModelRunner dec
 
 from __future__ import annotations
 
-import dataclasses
-import gc
 import logging
 from typing import TYPE_CHECKING
 
@@ -26,7 +24,7 @@ from tqdm import tqdm
 
 from sglang.srt.model_executor.cuda_graph_config import Backend, prefill_bucket_ladder
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakableCUDAGraph
+from sglang.srt.model_executor.runner.graph_capture import AnyGraph, capture_graph
 from sglang.srt.model_executor.runner.graph_buffers import GraphInputBuffers, prefill_replay_bucket
 
 if TYPE_CHECKING:
@@ -83,7 +81,7 @@ class PrefillCudaGraphRunner:
             dtype=model_runner.dtype,
             device=model_runner.device,
         )
-        self.graphs: dict[int, object] = {}
+        self.graphs: dict[int, AnyGraph] = {}
         self.num_replays = 0
         self._capture_all()
 
@@ -147,26 +145,15 @@ class PrefillCudaGraphRunner:
         hidden = self.model_runner.model.model(fb.input_ids, fb.positions, fb)
         self.hidden_out[:n].copy_(hidden)
 
-    def _capture_one(self, n: int, stream: torch.cuda.Stream) -> object:
+    def _capture_one(self, n: int, stream: torch.cuda.Stream) -> AnyGraph:
         fb = self._capture_batch(n)
-        torch.cuda.synchronize()
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm-up: Triton compilation and autotuning stay out of the graph
-                self._run_body(fb, n)
-        stream.synchronize()
-        gc.collect()
-        mr = self.model_runner
-        if self.backend == Backend.BREAKABLE:
-            graph = BreakableCUDAGraph(pool=mr.graph_memory_pool)
-            fb.graph_breaker = graph
-            graph.capture(lambda: self._run_body(fb, n), ctx=fb, stream=stream)
-            fb.graph_breaker = None
-        else:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=mr.graph_memory_pool, stream=stream):
-                self._run_body(fb, n)
-        torch.cuda.synchronize()
-        return graph
+        return capture_graph(
+            self.backend == Backend.BREAKABLE,
+            lambda: self._run_body(fb, n),
+            fb,
+            self.model_runner.graph_memory_pool,
+            stream,
+        )
 
     # ---------------------------------------------------------------------------- replay
     def replay(self, fb: ForwardBatch) -> torch.Tensor:
@@ -176,12 +163,7 @@ class PrefillCudaGraphRunner:
         bucket = prefill_replay_bucket(self.buckets, n)
         self.buffers.load_tokens(fb, bucket)
         # The body sees bucket-sized token tensors but the live per-request metadata.
-        static_fb = dataclasses.replace(
-            fb,
-            input_ids=self.buffers.input_ids[:bucket],
-            positions=self.buffers.positions[:bucket],
-            out_cache_loc=self.buffers.out_cache_loc[:bucket],
-        )
+        static_fb = self.buffers.padded_view(fb, bucket)
         graph = self.graphs[bucket]
         if self.backend == Backend.BREAKABLE:
             mr.attn_backend.init_forward_metadata(static_fb)

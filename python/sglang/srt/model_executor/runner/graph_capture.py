@@ -1,0 +1,44 @@
+"""Capturing one graph of either kind (whole, or breakable at attention), shared by both runners."""
+
+from __future__ import annotations
+
+import gc
+from typing import Any, Callable, Union
+
+import torch
+
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakableCUDAGraph
+
+AnyGraph = Union[torch.cuda.CUDAGraph, BreakableCUDAGraph]
+
+
+def capture_graph(
+    breakable: bool,
+    run: Callable[[], None],
+    fb: ForwardBatch,
+    pool: Any,
+    stream: torch.cuda.Stream,
+    warmups: int = 2,
+) -> AnyGraph:
+    """Warm `run` up on the capture stream (Triton compilation and autotuning stay out of the
+    graph), then capture it. A breakable capture routes attention through `fb.graph_breaker`."""
+    torch.cuda.synchronize()
+    with torch.cuda.stream(stream):
+        for _ in range(warmups):
+            run()
+    stream.synchronize()
+    gc.collect()
+    if breakable:
+        graph: AnyGraph = BreakableCUDAGraph(pool=pool)
+        fb.graph_breaker = graph
+        try:
+            graph.capture(run, ctx=fb, stream=stream)
+        finally:
+            fb.graph_breaker = None
+    else:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            run()
+    torch.cuda.synchronize()
+    return graph
