@@ -50,11 +50,11 @@ MANY = _prompts([5 + i % 7 for i in range(40)], seed=5)
 def assets() -> tuple[str, dict[str, str]]:
     root = tempfile.mkdtemp(prefix="sglang-graph-test-")
     ckpt = tiny_checkpoint("qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=4)
-    base = hf_model(ckpt)
+    # A fresh HF model per adapter: peft injects its layers into the model it is given.
     return ckpt, {
-        "a": write_peft_adapter(f"{root}/a", r=16, base_model=base, seed=21, b_std=0.2),
-        "b": write_peft_adapter(f"{root}/b", r=8, target_modules=["q_proj", "v_proj"], base_model=base,
-                                seed=22, b_std=0.2),
+        "a": write_peft_adapter(f"{root}/a", r=16, base_model=hf_model(ckpt), seed=21, b_std=0.2),
+        "b": write_peft_adapter(f"{root}/b", r=8, target_modules=["q_proj", "v_proj"],
+                                base_model=hf_model(ckpt), seed=22, b_std=0.2),
     }
 
 
