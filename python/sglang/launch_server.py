@@ -1,7 +1,8 @@
 """`python -m sglang.launch_server [--model-path PATH] [flags]`: serve a model over HTTP.
 
-With no `--model-path` (or `--model-path demo`) a tiny built-in demo model with random weights is
-materialised into $SGLANG_CACHE_DIR and served, so the first run needs no download.
+With no `--model-path` (or `--model-path demo`) a tiny built-in demo model with random weights and
+two demo LoRA adapters is materialised into $SGLANG_CACHE_DIR and served, so the first run needs no
+download.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ def main(argv: list[str] | None = None) -> None:
     if server_args.model_path == "demo":
         from sglang.srt.tools.demo import print_demo_banner
 
-        print_demo_banner()
+        # The demo serves its adapters unless LoRA was configured by hand (engine.resolve_model).
+        print_demo_banner(with_adapters=not server_args.enable_lora)
     from sglang.srt.entrypoints.http_server import launch_server
 
     try:

@@ -134,7 +134,7 @@ class ServerArgs:
     lora_backend: str = "csgmv"
     max_lora_chunk_size: int = 16
     # Bound, in scheduler turns, on how long a request whose adapter does not fit may wait before
-    # the scheduler stops admitting new adapters until it fits (anti-starvation).
+    # requests for other adapters are held back until it fits (anti-starvation).
     lora_max_wait_turns: int = 64
 
     # CUDA graphs (resolved into `cuda_graph_config` by _handle_cuda_graph_config)
@@ -450,8 +450,8 @@ class ServerArgs:
         g.add_argument("--max-lora-chunk-size", type=int, default=default("max_lora_chunk_size"),
                        choices=LORA_CHUNK_SIZES, help="csgmv only.")
         g.add_argument("--lora-max-wait-turns", type=int, default=default("lora_max_wait_turns"),
-                       help="Scheduler turns a request may wait for an adapter slot before new "
-                            "adapters stop being admitted in its favour.")
+                       help="Scheduler turns a request may wait for an adapter slot before requests "
+                            "for other adapters are held back until it fits.")
 
         g = parser.add_argument_group("CUDA graphs")
         g.add_argument("--cuda-graph-config", default=None,

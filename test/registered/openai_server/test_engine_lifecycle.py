@@ -73,8 +73,31 @@ def test_engine_generate(engine) -> None:
     ids = engine.generate(input_ids=one["output_ids"][:3], sampling_params=params, return_logprob=True,
                           logprob_start_len=0, top_logprobs_num=2)
     assert len(ids["meta_info"]["input_token_logprobs"]) == 3
-    with pytest.raises(InvalidRequestError, match="LoRA is not enabled"):
-        engine.generate("x", params, lora_path="demo-qv-r8")
+    with pytest.raises(InvalidRequestError, match="not loaded.*demo-all-r16.*demo-qv-r8"):
+        engine.generate("x", params, lora_path="no-such-adapter")
+
+
+def test_engine_serves_the_demo_adapters_and_loads_more(engine) -> None:
+    from sglang.srt.tools.demo import ensure_demo_model
+
+    params = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    demo = ensure_demo_model(cache_dir_for_tests())
+    base = engine.generate("The boats were", params)["output_ids"]
+    qv = engine.generate("The boats were", params, lora_path="demo-qv-r8")["output_ids"]
+    assert qv != base  # the demo adapter is served and changes the answer
+    out = engine.load_lora_adapter("copy", demo.adapters["demo-qv-r8"])
+    assert out["success"] is True and out["error_message"] == "" and "copy" in out["loaded_adapters"]
+    assert engine.generate("The boats were", params, lora_path="copy")["output_ids"] == qv
+    again = engine.load_lora_adapter("copy", demo.adapters["demo-qv-r8"])
+    assert again["success"] is False and "already loaded" in again["error_message"]
+    bad = engine.load_lora_adapter("bad", "/no/such/adapter")
+    assert bad["success"] is False and "does not exist" in bad["error_message"]
+    assert set(bad["loaded_adapters"]) == {"demo-qv-r8", "demo-all-r16", "copy"}
+    assert engine.unload_lora_adapter("copy")["success"] is True
+    with pytest.raises(InvalidRequestError, match="not loaded"):
+        engine.generate("x", params, lora_path="copy")
+    assert engine.unload_lora_adapter("copy")["success"] is False
+    assert engine.get_server_info()["lora"]["loaded_adapters"].keys() == {"demo-qv-r8", "demo-all-r16"}
 
 
 def test_engine_stream_stopped_early_frees_kv(engine) -> None:
@@ -140,3 +163,23 @@ def test_server_exits_with_an_error_when_the_scheduler_dies() -> None:
         assert "the scheduler process exited unexpectedly" in read_log(proc)
     finally:
         kill_server(proc)
+
+
+def test_resolve_model_serves_the_demo_adapters_and_a_runnable_lora_backend(monkeypatch) -> None:
+    from sglang.srt.entrypoints.engine import resolve_model
+    from sglang.srt.server_args import ServerArgs
+
+    monkeypatch.setenv("SGLANG_CACHE_DIR", cache_dir_for_tests())
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    demo = resolve_model(ServerArgs(device="cpu"))
+    assert demo.enable_lora and [s.lora_name for s in demo.lora_paths] == ["demo-qv-r8", "demo-all-r16"]
+    assert demo.lora_backend == "csgmv"  # the interpreter runs the Triton kernels on the CPU
+    # LoRA configured by hand: the user's pool, no demo adapters.
+    own = resolve_model(ServerArgs(device="cpu", enable_lora=True, max_lora_rank=4, lora_target_modules=["all"]))
+    assert own.enable_lora and not own.lora_paths
+    with pytest.raises(ValueError, match="more than --max-loaded-loras"):  # flags are checked with the demo adapters
+        resolve_model(ServerArgs(device="cpu", max_loaded_loras=1, max_loras_per_batch=1))
+    # No GPU and no interpreter: the Triton backends cannot run, torch_native serves instead.
+    monkeypatch.delenv("TRITON_INTERPRET")
+    assert resolve_model(ServerArgs(device="cpu")).lora_backend == "torch_native"
+    assert resolve_model(ServerArgs(device="cpu", lora_backend="triton")).lora_backend == "torch_native"

@@ -128,13 +128,49 @@ def test_chat_logprobs(client) -> None:
 
 def test_models_and_info(url, client) -> None:
     models = client.models.list()
-    assert [m.id for m in models.data] == ["demo"]
+    # The demo serves its two adapters; each is listed with the base model as its parent.
+    assert [m.id for m in models.data] == ["demo", "demo-all-r16", "demo-qv-r8"]
+    assert [getattr(m, "parent", None) for m in models.data] == [None, "demo", "demo"]
     info = requests.get(f"{url}/get_model_info", headers=AUTH, timeout=10).json()
     assert info["served_model_name"] == "demo" and info["context_length"] > 0
     assert requests.get(f"{url}/health", timeout=10).status_code == 200  # no key needed
     assert requests.get(f"{url}/health_generate", headers=AUTH, timeout=30).status_code == 200
     s = server_info(url)
     assert s["max_total_num_tokens"] > 0 and "api_key" not in s
+
+
+# ---------------------------------------------------------------------------- adapters
+def test_every_way_of_naming_an_adapter_selects_it(url, client) -> None:
+    """model="<base>:<adapter>", model="<adapter>", lora_path in the body and /generate's lora_path
+    all select the same demo adapter: the same prompt logprobs, unlike the base model's."""
+    prompt = "Adapters are small"
+
+    def completion_logprobs(**kw) -> list:
+        r = client.completions.create(prompt=prompt, max_tokens=0, echo=True, logprobs=0, **kw)
+        return r.choices[0].logprobs.token_logprobs[1:]
+
+    by_base_colon = completion_logprobs(model="demo:demo-qv-r8")
+    by_name = completion_logprobs(model="demo-qv-r8")
+    by_body = completion_logprobs(model="demo", extra_body={"lora_path": "demo-qv-r8"})
+    # model="<base>:<adapter>" wins over lora_path in the body.
+    by_colon_over_body = completion_logprobs(model="demo:demo-qv-r8", extra_body={"lora_path": "demo-all-r16"})
+    base = completion_logprobs(model="demo")
+    out = post(url, "/generate", {"text": prompt, "lora_path": "demo-qv-r8", "return_logprob": True,
+                                  "logprob_start_len": 0, "sampling_params": {"max_new_tokens": 0}}).json()
+    native = [e[0] for e in out["meta_info"]["input_token_logprobs"][1:]]
+    for other in (by_name, by_body, by_colon_over_body, native):
+        assert other == pytest.approx(by_base_colon, abs=1e-5)
+    assert max(abs(a - b) for a, b in zip(by_base_colon, base)) > 1e-2  # the adapter matters
+    chat = client.chat.completions.create(model="demo:demo-all-r16", messages=[{"role": "user", "content": "hi"}],
+                                          max_tokens=2, temperature=0)
+    assert chat.usage.completion_tokens == 2 and chat.model == "demo:demo-all-r16"
+
+
+def test_unknown_adapter_is_a_not_found_error_listing_the_loaded_ones(client) -> None:
+    for model in ("demo:missing-adapter", "missing-adapter"):
+        with pytest.raises(openai.NotFoundError) as e:
+            client.completions.create(model=model, prompt="hi", max_tokens=1)
+        assert "missing-adapter" in str(e.value) and "demo-qv-r8" in str(e.value) and "demo-all-r16" in str(e.value)
 
 
 # ---------------------------------------------------------------------------- native /generate
@@ -170,13 +206,16 @@ ERROR_CASES = [
     ("/v1/completions", {"model": "demo", "prompt": "hi " * 3000}, 400, "context length"),
     ("/v1/completions", {"model": "demo", "prompt": "hi", "max_tokens": 100000}, 400, "maximum context length"),
     ("/v1/completions", {"model": "nope", "prompt": "hi"}, 404, "does not exist"),
-    ("/v1/completions", {"model": "demo:sql", "prompt": "hi"}, 400, "LoRA is not enabled"),
+    ("/v1/completions", {"model": "demo:sql", "prompt": "hi"}, 404, "adapters are not loaded: sql"),
+    ("/v1/completions", {"model": "demo", "prompt": "hi", "lora_path": "sql"}, 404, "Loaded adapters"),
+    ("/v1/chat/completions", {"model": "sql", "messages": [{"role": "user", "content": "hi"}]}, 404,
+     "demo-qv-r8"),
     ("/v1/completions", {"prompt": "hi"} | {"model": "demo", "logit_bias": {"1": 5}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      400, "logprobs"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),
-    ("/generate", {"text": "hi", "lora_path": "sql"}, 400, "LoRA is not enabled"),
+    ("/generate", {"text": "hi", "lora_path": "sql"}, 400, "not loaded: sql. Loaded adapters: ['demo-all-r16', "),
     ("/generate", {"input_ids": [1, 99999]}, 400, "vocabulary"),
     ("/generate", {"text": "hi", "sampling_params": {"max_new_tokens": 2.5}}, 400, "max_new_tokens"),
     ("/generate", [1, 2], 400, "JSON object"),

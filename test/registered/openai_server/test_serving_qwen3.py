@@ -124,3 +124,21 @@ def test_retraction_keeps_outputs_identical(server, ckpt) -> None:
     assert "Retract requests" in log and info["num_retractions"] > 0
     assert_same(outs, refs)
     assert info["kv_free_tokens"] == 200 and info["last_integrity_check"]["ok"]
+
+
+def test_adapters_on_a_server_without_lora_are_refused(server, ckpt) -> None:
+    url = server[1]
+    cases = [
+        ("/generate", {"text": "hi", "lora_path": "sql"}, 400, "LoRA is not enabled"),
+        ("/v1/completions", {"model": f"{ckpt}:sql", "prompt": "hi"}, 400, "LoRA is not enabled"),
+        ("/v1/completions", {"model": "sql", "prompt": "hi"}, 404, "LoRA is not enabled"),
+        ("/load_lora_adapter", {"lora_name": "sql", "lora_path": ckpt}, 400, "--enable-lora"),
+        ("/v1/unload_lora_adapter", {"lora_name": "sql"}, 400, "LoRA is not enabled"),
+    ]
+    for path, body, status, needle in cases:
+        r = requests.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == status, (path, r.text)
+        assert needle in r.json()["error"]["message"], (path, r.text)
+    models = requests.get(f"{url}/v1/models", timeout=30).json()["data"]
+    assert [m["id"] for m in models] == [ckpt] and models[0]["parent"] is None
+    assert "lora" not in requests.get(f"{url}/get_server_info", timeout=30).json()

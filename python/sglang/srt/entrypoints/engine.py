@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import copy
+import dataclasses
 import logging
 import os
 import queue
@@ -27,21 +28,49 @@ logger = logging.getLogger(__name__)
 
 
 def resolve_model(server_args: ServerArgs) -> ServerArgs:
-    """Materialise the built-in demo model when `--model-path` is `demo` (a copy is returned)."""
+    """Materialise the built-in demo model (and serve its two adapters) when `--model-path` is
+    `demo`, and pick a LoRA backend that can run on this machine. May return a modified copy."""
     if server_args.model_path != "demo":
         if not os.path.isdir(server_args.model_path):
             raise ValueError(
                 f"--model-path {server_args.model_path!r} is not a directory. Pass a Hugging Face "
                 "checkpoint folder, or leave --model-path out to serve the built-in demo model."
             )
-        return server_args
-    from sglang.srt.tools.demo import ensure_demo_model
+        return _resolve_lora_backend(server_args)
+    from sglang.srt.server_args import LoRAPathSpec
+    from sglang.srt.tools.demo import demo_lora_paths, ensure_demo_model
 
     args = copy.copy(server_args)
     demo = ensure_demo_model()
     args.model_path = demo.model_path
     if args.served_model_name is None:
         args.served_model_name = "demo"
+    if not args.enable_lora:
+        # The zero-setup run shows multi-LoRA serving too. (With --enable-lora the user chose the
+        # pool's shape, and with --lora-paths the adapters, so their choice stands.)
+        args.lora_paths = [LoRAPathSpec.parse(entry) for entry in demo_lora_paths(demo)]
+        args.enable_lora = True
+        # Re-run what ServerArgs checks and derives from the LoRA flags (e.g. a slot for the base
+        # model beside the adapters; CUDA-graph backends LoRA cannot use).
+        args._validate()
+        args._handle_cuda_graph_config()
+    return _resolve_lora_backend(args)
+
+
+def _resolve_lora_backend(server_args: ServerArgs) -> ServerArgs:
+    """The Triton LoRA backends (csgmv, the default, and triton) need a GPU, or the Triton
+    interpreter (TRITON_INTERPRET=1) on a CPU; without either, every forward would fail. Fall back
+    to torch_native there, loudly, rather than serve nothing."""
+    if not server_args.enable_lora or server_args.lora_backend == "torch_native":
+        return server_args
+    if server_args.resolved_device() != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
+        return server_args
+    logger.warning(
+        "LoRA backend %r needs a GPU (or TRITON_INTERPRET=1 on a CPU); using torch_native on the CPU.",
+        server_args.lora_backend,
+    )
+    args = copy.copy(server_args)
+    args.lora_backend = "torch_native"
     return args
 
 
@@ -131,6 +160,20 @@ class Engine:
         finally:
             if not fut.done():
                 fut.cancel()  # the caller stopped early: the request is aborted, its KV freed
+
+    # ------------------------------------------------------------------ adapters
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict[str, Any]:
+        """Load a PEFT adapter at run time. Returns `{success, error_message, loaded_adapters}`
+        like `POST /load_lora_adapter`; a refused adapter changes nothing."""
+        self._check_open()
+        out, _ = self._run(self.tokenizer_manager.load_lora_adapter(lora_name, lora_path, pinned))
+        return dataclasses.asdict(out)
+
+    def unload_lora_adapter(self, lora_name: str) -> dict[str, Any]:
+        """Unload an adapter once its in-flight requests finish; same reply as `load_lora_adapter`."""
+        self._check_open()
+        out, _ = self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
+        return dataclasses.asdict(out)
 
     def get_server_info(self) -> dict[str, Any]:
         self._check_open()

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ValidationError
 
 from sglang.srt.entrypoints.openai.errors import (
     describe_validation_errors,
+    error_body,
     error_response,
     install_error_handlers,
     sse_error,
@@ -31,6 +32,7 @@ from sglang.srt.entrypoints.openai.serving_base import SSE_DONE, prime
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError, RequestFailedError
+from sglang.srt.managers.io_struct import LoRAUpdateOutput
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import ServerArgs
 
@@ -88,6 +90,17 @@ def _abort_error(result: Any) -> Optional[JSONResponse]:
         if reason.get("type") == "abort" and reason.get("status_code"):
             return error_response(reason.get("message") or "the request failed", int(reason["status_code"]))
     return None
+
+
+def _lora_update_response(out: LoRAUpdateOutput, status: int) -> JSONResponse:
+    """`{success, error_message, loaded_adapters}`; a refusal also carries the OpenAI error
+    envelope under "error", so both SGLang-style and OpenAI-style clients can read it."""
+    body: dict[str, Any] = {
+        "success": out.success, "error_message": out.error_message, "loaded_adapters": out.loaded_adapters,
+    }
+    if not out.success:
+        body.update(error_body(out.error_message, status, param="lora_name" if status == 404 else None))
+    return JSONResponse(body, status_code=status)
 
 
 def create_app(tm: TokenizerManager) -> FastAPI:
@@ -174,6 +187,40 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def v1_chat(request: Request) -> Response:
         return await chat.handle(_validate(ChatCompletionRequest, await _json_body(request)), request)
+
+    # ------------------------------------------------------------------ adapters
+    async def lora_request_body(request: Request, fields: set[str]) -> Any:
+        """The JSON object of an adapter request, or the refusal to send instead."""
+        try:
+            data = await _json_body(request)
+        except InvalidRequestError as e:
+            return tm.lora_refusal(e.message, 400)
+        if not isinstance(data, dict):
+            return tm.lora_refusal("the request body must be a JSON object", 400)
+        unknown = sorted(set(data) - fields)
+        if unknown:
+            return tm.lora_refusal(f"unknown field(s) {unknown}; expected {sorted(fields)}", 400)
+        return data
+
+    async def load_lora_adapter(request: Request) -> Response:
+        data = await lora_request_body(request, {"lora_name", "lora_path", "pinned"})
+        if isinstance(data, tuple):
+            return _lora_update_response(*data)
+        out, status = await tm.load_lora_adapter(data.get("lora_name"), data.get("lora_path"),
+                                                 data.get("pinned", False))
+        return _lora_update_response(out, status)
+
+    async def unload_lora_adapter(request: Request) -> Response:
+        data = await lora_request_body(request, {"lora_name"})
+        if isinstance(data, tuple):
+            return _lora_update_response(*data)
+        out, status = await tm.unload_lora_adapter(data.get("lora_name"))
+        return _lora_update_response(out, status)
+
+    # SGLang serves these without the /v1 prefix, vLLM with it: accept both.
+    for prefix in ("", "/v1"):
+        app.add_api_route(f"{prefix}/load_lora_adapter", load_lora_adapter, methods=["POST"])
+        app.add_api_route(f"{prefix}/unload_lora_adapter", unload_lora_adapter, methods=["POST"])
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

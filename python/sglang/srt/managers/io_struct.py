@@ -124,3 +124,5 @@ class SchedulerReady:
 @dataclass
 class SchedulerFailed:
     error: str
+    # True for a configuration error the user can fix (the message says how); False for a crash.
+    user_error: bool = False

@@ -33,9 +33,17 @@ class LoRAAdmission:
     """Do the distinct adapters of a batch fit the LoRA memory pool?
 
     `validate` is `lora_manager.validate_lora_batch(set_of_ids) -> bool`, or None when LoRA is off
-    (every request fits). Anti-starvation: once a waiting request has been turned away for
-    `max_wait_turns` turns, only requests whose adapter is already active (running or chunked) or
-    is that request's adapter are admitted, so new adapters stop taking the slots it needs.
+    (every request fits). "Active" adapters are those of every running and chunked request, base
+    (None) included: a prefill batch is admitted only if they and its own adapters fit together.
+
+    Anti-starvation: once a waiting request has been turned away for `max_wait_turns` turns, the
+    oldest such request gets priority:
+      * if its adapter fits next to the active ones now, it is admitted along with requests of
+        already-active adapters, and no *new* adapter may take the free slot first;
+      * otherwise the slots are drained: no request is admitted except ones for its adapter, so the
+        running requests finish (each within its bounded `max_new_tokens`), their adapters leave
+        the active set, and it fits. Without the drain, a steady stream of requests for adapters
+        that are already running would keep every slot busy and the request would wait forever.
     """
 
     def __init__(self, validate: Optional[Callable[[set], bool]], max_wait_turns: int) -> None:
@@ -55,8 +63,11 @@ class LoRAAdmission:
             return
         starving = [r for r in waiting if r.lora_wait_turns >= self.max_wait_turns]
         if starving:
-            oldest = min(starving, key=lambda r: r.arrival)
-            self.allowed = self.active | {oldest.lora_id}
+            target = min(starving, key=lambda r: r.arrival).lora_id
+            if target in self.active or self.validate(self.active | {target}):
+                self.allowed = self.active | {target}
+            else:
+                self.allowed = {target}  # drain until it fits
 
     def fits(self, lora_id: Optional[str]) -> bool:
         if not self.enabled:

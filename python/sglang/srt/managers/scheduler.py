@@ -120,6 +120,32 @@ class Scheduler:
             "last_gen_throughput": round(self.last_gen_throughput, 2),
             "last_integrity_check": dict(self.last_integrity_check),
             **self.stats,
+            **self.lora_info(),
+        }
+
+    def lora_info(self) -> dict[str, Any]:
+        """The adapters as the scheduler sees them: loaded, pinned, and resident in the pool's slots
+        (a slot shows its adapter's name, "<base>" for the base model, or None when empty)."""
+        lora = self.model_runner.lora_manager
+        if lora is None:
+            return {}
+        from sglang.srt.lora.mem_pool import EMPTY
+
+        names = {lora_id: ref.lora_name for lora_id, ref in lora.refs.items()}
+        slots = [
+            None if uid is EMPTY else "<base>" if uid is None else names.get(uid, uid)
+            for uid in lora.pool.slot_to_uid
+        ]
+        return {
+            "lora": {
+                "loaded_adapters": lora.loaded_adapters(),
+                "pinned_adapters": sorted(names[i] for i in lora.pinned_ids),
+                "resident_adapters": sorted(s for s in slots if s not in (None, "<base>")),
+                "pool_slots": slots,
+                "max_lora_rank": lora.pool.max_lora_rank,
+                "target_modules": list(lora.pool.target_modules),
+                "backend": lora.lora_backend.name,
+            }
         }
 
     def _holders(self) -> list[Req]:
@@ -269,6 +295,13 @@ class Scheduler:
     def run_batch(self, mode: ForwardMode, reqs: list[Req]) -> None:
         try:
             if mode.is_extend():
+                lora = self.model_runner.lora_manager
+                if lora is not None:
+                    # Make the adapters of the decoding requests resident together with this
+                    # batch's (admission made sure they fit), so that the pool, which sees one
+                    # forward batch at a time, does not evict them for a prefill only to load them
+                    # back at the next decode step.
+                    lora.fetch_new_loras({r.lora_id for r in self._holders()} | {r.lora_id for r in reqs})
                 batch = ScheduleBatch.prepare_extend(reqs, self.model_runner)
             else:
                 batch = ScheduleBatch.prepare_decode(reqs, self.model_runner)
@@ -404,6 +437,13 @@ def run_scheduler_process(server_args: ServerArgs, recv_conn: Any, send_conn: An
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     try:
         scheduler = Scheduler(server_args, recv_conn, send_conn)
+    except ValueError as e:
+        # A configuration the user can fix (e.g. a bad --lora-paths adapter): the message is the
+        # whole story, a traceback would only bury it.
+        logger.error("Scheduler start-up failed: %s", e)
+        logger.debug("%s", traceback.format_exc())
+        send_conn.send(SchedulerFailed(error=str(e), user_error=True))
+        return
     except Exception:
         logger.error("Scheduler start-up failed:\n%s", traceback.format_exc())
         send_conn.send(SchedulerFailed(error=traceback.format_exc()))

@@ -93,6 +93,8 @@ class SchedulerClient:
                     break
                 self.shutdown()
                 if isinstance(msg, SchedulerFailed):
+                    if msg.user_error:
+                        raise ValueError(msg.error)
                     raise RuntimeError(f"The scheduler failed to start:\n{msg.error}")
                 raise RuntimeError(f"The scheduler exited during start-up (exit code {self.proc.exitcode}).")
             if not self.proc.is_alive():

@@ -4,6 +4,7 @@ It validates and tokenises requests (chat templates come from the tokenizer), re
 names to ids, sends `TokenizedGenerateReqInput` to the scheduler, and turns the scheduler's
 `BatchTokenIDOut` news into replies, detokenising incrementally. It lives on one asyncio loop; the
 scheduler client's reader thread enters it only through `loop.call_soon_threadsafe`.
+Adapter handling (names to ids, OpenAI model names, run-time loads) is in `tokenizer_lora.py`.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from sglang.srt.managers.detokenizer import IncrementalDetokenizer
 from sglang.srt.managers.generate_request import (
     GenerateReqInput,
     InvalidRequestError,
-    ModelNotFoundError,
     SingleGenerateReq,
 )
 from sglang.srt.managers.io_struct import (
@@ -30,6 +30,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.req_state import ReqState, iterate_states
 from sglang.srt.managers.scheduler_client import SchedulerClient
+from sglang.srt.managers.tokenizer_lora import TokenizerLoRAMixin
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
@@ -51,7 +52,7 @@ def load_tokenizer(server_args: ServerArgs) -> Any:
         ) from e
 
 
-class TokenizerManager:
+class TokenizerManager(TokenizerLoRAMixin):
     def __init__(self, server_args: ServerArgs, client: SchedulerClient, scheduler_info: dict[str, Any]) -> None:
         self.server_args = server_args
         self.client = client
@@ -72,6 +73,9 @@ class TokenizerManager:
         self.dead_reason: Optional[str] = None
         self._info_waiters: list[asyncio.Future] = []
         self._lora_waiters: list[asyncio.Future] = []
+        # One adapter load/unload at a time, so that e.g. "unload X" (waiting for X's in-flight
+        # requests) and a following "load X" reach the scheduler in the order they were asked.
+        self._lora_update_lock: Optional[asyncio.Lock] = None
         self._token_text_cache: dict[int, str] = {}
         # Called (on the loop) when the scheduler dies; the HTTP server uses it to shut down.
         self.on_fatal: Optional[Callable[[], None]] = None
@@ -123,54 +127,6 @@ class TokenizerManager:
                 fut.set_exception(RuntimeError(reason))
         if self.on_fatal is not None:
             self.on_fatal()
-
-    # ------------------------------------------------------------------ adapters
-    def adapter_from_model(self, model: Optional[str], lora_path: Any = None) -> Any:
-        """The adapter an OpenAI request asks for: `model="<base>:<adapter>"` (split on the first
-        colon; it wins over `lora_path`), `model="<adapter>"`, or `lora_path` with the base model."""
-        if model is None or model == "":
-            return lora_path
-        if not isinstance(model, str):
-            raise InvalidRequestError("'model' must be a string", param="model")
-        if ":" in model:
-            base, adapter = (part.strip() for part in model.split(":", 1))
-            if base not in self.base_model_names:
-                raise ModelNotFoundError(base, f"This server serves `{self.served_model_name}`.")
-            return adapter or lora_path
-        if model in self.base_model_names:
-            return lora_path
-        if self.lora_registry is not None and self.lora_registry.get(model) is not None:
-            return model
-        hint = f"This server serves `{self.served_model_name}`"
-        if self.lora_registry is None:
-            hint += " (LoRA is not enabled, so no adapters are served)."
-        else:
-            hint += f" and the adapters {sorted(self.lora_registry.get_all())}."
-        raise ModelNotFoundError(model, hint)
-
-    async def acquire_adapters(self, names: list[Optional[str]]) -> list[Optional[str]]:
-        """The one place where adapter names become adapter ids.
-
-        Takes an in-flight reference per adapter request (released by `release_adapters` when the
-        request ends), so an unload waits for requests already using the adapter.
-        """
-        requested = sorted({n for n in names if n is not None})
-        if not requested:
-            return [None] * len(names)
-        if self.lora_registry is None:
-            raise InvalidRequestError(
-                f"LoRA adapter '{requested[0]}' was requested, but LoRA is not enabled on this server. "
-                "Start it with --lora-paths (or --enable-lora) to serve adapters.",
-                param="lora_path",
-            )
-        try:
-            return list(await self.lora_registry.acquire(list(names)))
-        except ValueError as e:
-            raise InvalidRequestError(str(e), param="lora_path") from None
-
-    async def release_adapters(self, ids: list[Optional[str]]) -> None:
-        if self.lora_registry is not None and any(i is not None for i in ids):
-            await self.lora_registry.release(ids)
 
     # ------------------------------------------------------------------ tokenisation
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,

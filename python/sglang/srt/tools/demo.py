@@ -167,18 +167,25 @@ def ensure_demo_model(cache_dir: Optional[str] = None) -> DemoModel:
 
 
 def demo_lora_paths(demo: Optional[DemoModel] = None) -> list[str]:
-    """The demo adapters as `--lora-paths` entries (`NAME=PATH`), for when the server serves LoRA."""
+    """The demo adapters as `--lora-paths` entries (`NAME=PATH`); the demo server serves them
+    unless the user configured LoRA (entrypoints/engine.py `resolve_model`)."""
     demo = demo or ensure_demo_model()
     return [f"{name}={path}" for name, path in demo.adapters.items()]
 
 
-def print_demo_banner(cache_dir: Optional[str] = None, file=sys.stderr) -> None:
+def print_demo_banner(cache_dir: Optional[str] = None, file=sys.stderr, with_adapters: bool = True) -> None:
     line = "=" * 78
+    names = ", ".join(spec.name for spec in DEMO_ADAPTERS)
+    adapters = (
+        f" LoRA adapters served: {names}; pick one with \"lora_path\" on /generate or\n"
+        f" model=\"demo:{DEMO_ADAPTERS[0].name}\" on the OpenAI API.\n"
+    ) if with_adapters else ""
     print(
         f"{line}\n"
         " sglang DEMO MODE: serving a tiny built-in model with RANDOM weights.\n"
         " Its answers are gibberish; it is here so you can try the API without any download.\n"
         f" Files (model + {len(DEMO_ADAPTERS)} demo LoRA adapters): {demo_root(cache_dir)}\n"
+        f"{adapters}"
         " To serve a real model:\n"
         "     python -m sglang.launch_server --model-path /path/to/hf-checkpoint\n"
         f"{line}",

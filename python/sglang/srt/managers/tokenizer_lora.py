@@ -1,0 +1,182 @@
+"""The adapter side of the TokenizerManager: names to ids, OpenAI model names, run-time loads.
+
+A mixin of `TokenizerManager` (kept apart only to keep files small). It uses these attributes of
+the manager: `lora_registry` (None when LoRA is off), `client`, `served_model_name`,
+`base_model_names`, `_lora_waiters`, `_lora_update_lock`, `is_healthy()` and `dead_reason`.
+Everything runs on the manager's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, Optional
+
+from sglang.srt.managers.generate_request import InvalidRequestError, ModelNotFoundError
+from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, LoRAUpdateOutput, UnloadLoRAAdapterReq
+
+logger = logging.getLogger(__name__)
+
+
+def _check_adapter_fields(lora_name: Any, lora_path: Any, pinned: Any) -> Optional[str]:
+    """What is wrong with a load request's fields, or None."""
+    if lora_name is None or lora_path is None:
+        return "Both 'lora_name' and 'lora_path' must be provided."
+    if not isinstance(lora_name, str) or not lora_name.strip():
+        return "'lora_name' must be a non-empty string"
+    if not isinstance(lora_path, str) or not lora_path.strip():
+        return "'lora_path' must be a non-empty string"
+    if not isinstance(pinned, bool):
+        return "'pinned' must be a boolean"
+    return None
+
+
+class TokenizerLoRAMixin:
+    # ------------------------------------------------------------------ adapters
+    def adapter_from_model(self, model: Optional[str], lora_path: Any = None) -> Any:
+        """The adapter an OpenAI request asks for: `model="<base>:<adapter>"` (split on the first
+        colon; it wins over `lora_path`), `model="<adapter>"`, or `lora_path` with the base model."""
+        if model is None or model == "":
+            return lora_path
+        if not isinstance(model, str):
+            raise InvalidRequestError("'model' must be a string", param="model")
+        if ":" in model:
+            base, adapter = (part.strip() for part in model.split(":", 1))
+            if base not in self.base_model_names:
+                raise ModelNotFoundError(base, f"This server serves `{self.served_model_name}`.")
+            return self._check_openai_adapters(model, adapter or lora_path)
+        if model in self.base_model_names:
+            return self._check_openai_adapters(model, lora_path)
+        if self.lora_registry is not None and self.lora_registry.get(model) is not None:
+            return model
+        hint = f"This server serves `{self.served_model_name}`"
+        if self.lora_registry is None:
+            hint += " (LoRA is not enabled, so no adapters are served)."
+        else:
+            hint += f" and the adapters {sorted(self.lora_registry.get_all())}."
+        raise ModelNotFoundError(model, hint)
+
+    def _check_openai_adapters(self, model: str, adapter: Any) -> Any:
+        """On the OpenAI endpoints an unknown adapter is an unknown model: 404, listing the loaded
+        adapters. (Without LoRA the request goes on and `acquire_adapters` says LoRA is off.)"""
+        if self.lora_registry is None or adapter is None:
+            return adapter
+        names = adapter if isinstance(adapter, list) else [adapter]
+        unknown = sorted({n for n in names if isinstance(n, str) and self.lora_registry.get(n) is None})
+        if unknown:
+            raise ModelNotFoundError(
+                model if ":" in model or not isinstance(adapter, str) else f"{model}:{adapter}",
+                f"The following requested LoRA adapters are not loaded: {', '.join(unknown)}. "
+                f"{self._loaded_adapters_hint()}",
+            )
+        return adapter
+
+    def _loaded_adapters_hint(self) -> str:
+        names = sorted(self.lora_registry.get_all()) if self.lora_registry is not None else []
+        return f"Loaded adapters: {names}." if names else "No LoRA adapters are loaded."
+
+    async def acquire_adapters(self, names: list[Optional[str]]) -> list[Optional[str]]:
+        """The one place where adapter names become adapter ids.
+
+        Takes an in-flight reference per adapter request (released by `release_adapters` when the
+        request ends), so an unload waits for requests already using the adapter.
+        """
+        requested = sorted({n for n in names if n is not None})
+        if not requested:
+            return [None] * len(names)
+        if self.lora_registry is None:
+            raise InvalidRequestError(
+                f"LoRA adapter '{requested[0]}' was requested, but LoRA is not enabled on this server. "
+                "Start it with --lora-paths (or --enable-lora) to serve adapters.",
+                param="lora_path",
+            )
+        try:
+            return list(await self.lora_registry.acquire(list(names)))
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param="lora_path") from None
+
+    async def release_adapters(self, ids: list[Optional[str]]) -> None:
+        if self.lora_registry is not None and any(i is not None for i in ids):
+            await self.lora_registry.release(ids)
+
+    # ------------------------------------------------------------------ loading and unloading adapters
+    async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False
+                                ) -> tuple[LoRAUpdateOutput, int]:
+        """Load an adapter at run time; returns the scheduler's answer and an HTTP status.
+
+        The name becomes visible (in the registry, so requests can use it) only after the
+        scheduler has loaded it: a refused load leaves no trace in either process.
+        """
+        if self.lora_registry is None:
+            return self.lora_refusal(
+                "LoRA is not enabled on this server: start it with --enable-lora --max-lora-rank R "
+                "--lora-target-modules ... (or --lora-paths) to load adapters at run time", 400)
+        problem = _check_adapter_fields(lora_name, lora_path, pinned)
+        if problem is None and lora_name in self.base_model_names:
+            problem = (f"Failed to load LoRA adapter {lora_name!r}: the name is the base model's, so "
+                       "model=\"<name>\" could not select the adapter; choose another name")
+        if problem is not None:
+            return self.lora_refusal(problem, 400)
+        from sglang.srt.lora.lora_registry import make_dynamic_lora_ref
+
+        async def run() -> tuple[LoRAUpdateOutput, int]:
+            async with self._update_lock():
+                if self.lora_registry.get(lora_name) is not None:
+                    return self.lora_refusal(
+                        f"Failed to load LoRA adapter {lora_name!r} because it is already loaded; "
+                        "unload it first to load it again", 400)
+                # A fresh id per load: a name reloaded later never matches stale pool contents.
+                ref = make_dynamic_lora_ref(lora_name, lora_path, pinned)
+                out = await self._send_lora_update(LoadLoRAAdapterReq(lora_ref=ref))
+                if not out.success:
+                    logger.warning("%s", out.error_message)
+                    return out, 400
+                await self.lora_registry.register(ref)  # the scheduler logged the load
+                return out, 200
+
+        # Shielded: a caller that goes away mid-load must not leave the scheduler and the registry
+        # disagreeing about whether the adapter is loaded.
+        return await asyncio.shield(asyncio.ensure_future(run()))
+
+    async def unload_lora_adapter(self, lora_name: str) -> tuple[LoRAUpdateOutput, int]:
+        """Unload an adapter: new requests for it are refused at once, then the scheduler frees its
+        slot once the requests already using it have finished."""
+        if self.lora_registry is None:
+            return self.lora_refusal("LoRA is not enabled on this server", 400)
+        if not isinstance(lora_name, str) or not lora_name:
+            return self.lora_refusal("'lora_name' (a non-empty string) must be provided", 400)
+
+        async def run() -> tuple[LoRAUpdateOutput, int]:
+            async with self._update_lock():
+                if self.lora_registry.get(lora_name) is None:
+                    return self.lora_refusal(
+                        f"The LoRA adapter {lora_name!r} cannot be found: it is not loaded. "
+                        f"{self._loaded_adapters_hint()}", 404)
+                ref = await self.lora_registry.unregister(lora_name)  # waits for in-flight requests
+                out = await self._send_lora_update(UnloadLoRAAdapterReq(lora_ref=ref))
+                if not out.success:  # the two processes disagreed: say so loudly
+                    logger.error("Unloading LoRA adapter %r: %s", lora_name, out.error_message)
+                    return out, 500
+                return out, 200
+
+        return await asyncio.shield(asyncio.ensure_future(run()))
+
+    def _update_lock(self) -> asyncio.Lock:
+        if self._lora_update_lock is None:  # created lazily so it belongs to the serving loop
+            self._lora_update_lock = asyncio.Lock()
+        return self._lora_update_lock
+
+    def lora_refusal(self, message: str, status: int) -> tuple[LoRAUpdateOutput, int]:
+        loaded = {}
+        if self.lora_registry is not None:
+            loaded = {name: ref.lora_path for name, ref in self.lora_registry.get_all().items()}
+        return LoRAUpdateOutput(success=False, error_message=message, loaded_adapters=loaded), status
+
+    async def _send_lora_update(self, msg: Any) -> LoRAUpdateOutput:
+        if not self.is_healthy():
+            raise RuntimeError(self.dead_reason or "the scheduler is not running")
+        fut = asyncio.get_running_loop().create_future()
+        # The scheduler answers adapter updates in the order it receives them.
+        self._lora_waiters.append(fut)
+        self.client.send(msg)
+        return await fut

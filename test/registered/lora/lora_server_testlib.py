@@ -1,0 +1,159 @@
+"""Helpers for the server-level LoRA tests: tiny checkpoints (hidden 64), PEFT adapters written by
+`peft` itself, HF+PEFT reference logprobs, and thin `/generate` / adapter-endpoint clients."""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from typing import Any, Optional, Sequence
+
+import requests
+import torch
+
+from lora_testlib import write_peft_adapter
+from server_helpers import cache_dir_for_tests
+
+# name -> write_peft_adapter kwargs: ranks 4, 8 and 16; one on q/v only, one on all-linear (rsLoRA).
+ADAPTERS: dict[str, dict[str, Any]] = {
+    "r4": dict(r=4, seed=11),
+    "qv8": dict(r=8, target_modules=["q_proj", "v_proj"], seed=12, b_std=0.05),
+    "rs16": dict(r=16, lora_alpha=8, target_modules="all-linear", use_rslora=True, seed=13),
+}
+
+# Prompts as token ids (the tiny vocabulary has 512 entries), of a few lengths.
+PROMPTS: list[list[int]] = [
+    [(i * 37 + 11 * k) % 500 + 3 for i in range(n)] for k, n in enumerate((9, 14, 6, 17))
+]
+
+TIMEOUT = 300
+
+
+def tiny_lora_checkpoint(arch: str) -> str:
+    """A tiny random checkpoint with hidden size 64 (tokenizer included), built once per machine."""
+    from sglang.srt.tools.demo import materialize_once
+    from sglang.srt.tools.make_checkpoint import make_checkpoint
+
+    path = os.path.join(cache_dir_for_tests(), f"tiny-{arch}-h64-seed0")
+    materialize_once(path, lambda tmp: make_checkpoint(
+        tmp, arch=arch, preset="tiny", seed=0, with_weights=True, hidden_size=64, intermediate_size=128
+    ))
+    return path
+
+
+def hf_model(ckpt: str):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+
+
+def write_adapter(ckpt: str, out_dir: str, **kwargs: Any) -> str:
+    """A PEFT adapter for `ckpt`. peft injects its layers into the model it is given, so every
+    adapter gets a fresh base model."""
+    return write_peft_adapter(out_dir, base_model=hf_model(ckpt), **kwargs)
+
+
+def write_adapters(ckpt: str, root: str, specs: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, str]:
+    specs = ADAPTERS if specs is None else specs
+    return {name: write_adapter(ckpt, os.path.join(root, name), **kw) for name, kw in specs.items()}
+
+
+@functools.lru_cache(maxsize=None)
+def _hf_lora_model(ckpt: str, adapter_path: Optional[str]):
+    from peft import PeftModel
+
+    model = hf_model(ckpt)
+    if adapter_path is not None:
+        model = PeftModel.from_pretrained(model, adapter_path).eval()
+    return model
+
+
+@torch.no_grad()
+def hf_prompt_logprobs(ckpt: str, adapter_path: Optional[str], ids: Sequence[int]) -> list[float]:
+    """HF(+PEFT) float32 logprob of prompt token t given tokens < t, for t = 1..len-1."""
+    logits = _hf_lora_model(ckpt, adapter_path)(input_ids=torch.tensor([list(ids)])).logits[0].float()
+    logprobs = torch.log_softmax(logits, dim=-1)
+    return logprobs[:-1].gather(1, torch.tensor(ids[1:])[:, None]).squeeze(1).tolist()
+
+
+# ---------------------------------------------------------------------------- HTTP
+def post(url: str, path: str, body: Any, timeout: float = TIMEOUT) -> requests.Response:
+    return requests.post(f"{url}{path}", json=body, timeout=timeout)
+
+
+def generate(url: str, body: dict) -> Any:
+    r = post(url, "/generate", body)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def served_prompt_logprobs(url: str, prompts: list[list[int]], loras: list[Optional[str]]) -> list[list[float]]:
+    """Prompt logprobs of a batch in ONE /generate call (prefill only)."""
+    outs = generate(url, {
+        "input_ids": prompts, "lora_path": loras, "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": 0},
+    })
+    result = []
+    for out, ids in zip(outs, prompts):
+        entries = out["meta_info"]["input_token_logprobs"]
+        assert [e[1] for e in entries] == list(ids) and entries[0][0] is None
+        result.append([e[0] for e in entries[1:]])
+    return result
+
+
+def greedy(url: str, ids: list[int], lora: Optional[str], n: int = 6) -> dict:
+    """Greedy tokens and their logprobs (plus prompt logprobs): a probe whose every number must
+    repeat exactly when nothing about the adapter changed."""
+    out = generate(url, {
+        "input_ids": ids, "lora_path": lora, "return_logprob": True, "logprob_start_len": 0,
+        "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True},
+    })
+    meta = out["meta_info"]
+    return {"ids": out["output_ids"], "input": meta["input_token_logprobs"], "output": meta["output_token_logprobs"]}
+
+
+def load_adapter(url: str, name: str, path: str, pinned: bool = False, prefix: str = "") -> requests.Response:
+    return post(url, f"{prefix}/load_lora_adapter", {"lora_name": name, "lora_path": path, "pinned": pinned})
+
+
+def unload_adapter(url: str, name: str, prefix: str = "") -> requests.Response:
+    return post(url, f"{prefix}/unload_lora_adapter", {"lora_name": name})
+
+
+def model_ids(url: str) -> list[str]:
+    r = requests.get(f"{url}/v1/models", timeout=30)
+    assert r.status_code == 200, r.text
+    return [m["id"] for m in r.json()["data"]]
+
+
+def lora_info(url: str) -> dict:
+    r = requests.get(f"{url}/get_server_info", timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()["lora"]
+
+
+def stream_generate(url: str, body: dict) -> dict:
+    """Stream a /generate request to its end; returns the last event."""
+    r = requests.post(f"{url}/generate", json={**body, "stream": True}, stream=True, timeout=TIMEOUT)
+    assert r.status_code == 200, r.text
+    last = None
+    for line in r.iter_lines(decode_unicode=True):
+        if line.startswith("data: ") and line != "data: [DONE]":
+            last = json.loads(line[6:])
+    assert last is not None and "error" not in last, last
+    return last
+
+
+def assert_same_answer(got: dict, want: dict, atol: float = 1e-5, what: str = "") -> None:
+    """Two `greedy` probes agree: the same tokens, logprobs equal up to float32 rounding (a request
+    batched with different neighbours runs matmuls of other shapes, which may round differently)."""
+    assert got["ids"] == want["ids"], what
+    for key in ("input", "output"):
+        assert [e[1] for e in got[key]] == [e[1] for e in want[key]], what
+        diffs = [abs(a[0] - b[0]) for a, b in zip(got[key], want[key]) if a[0] is not None or b[0] is not None]
+        assert max(diffs, default=0.0) <= atol, f"{what}: {key} logprobs differ by {max(diffs):.3g}"
+
+
+def assert_close(got: list[float], want: list[float], atol: float, what: str) -> None:
+    diff = (torch.tensor(got) - torch.tensor(want)).abs().max().item()
+    assert diff <= atol, f"{what}: max |served - reference| = {diff:.3g} > {atol}"

@@ -1,0 +1,97 @@
+"""The LoRA slot admission's bound on waiting (managers/schedule_policy.py `LoRAAdmission`),
+simulated turn by turn with the real `plan_prefill`.
+
+Two slots, one held by a pinned adapter P, so a batch has room for one other pool user. Requests
+for adapter A arrive steadily and overlap, so A is always running; a request for B does not fit
+while A runs. The bound: B is admitted within `max_wait_turns` turns plus the time the running A
+requests need to finish. The counterfactual (the earlier rule, which only kept *new* adapters out)
+shows that the scenario really starves B, so the bound is not vacuous.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+from sglang.srt.managers.req import Req
+from sglang.srt.managers.schedule_policy import LoRAAdmission, PrefillBudget, plan_prefill
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+MAX_WAIT = 8
+LONGEST_A = 16  # decode steps of the longest A request
+B_ARRIVES = 20
+
+
+def fits_with_pinned(ids: set) -> bool:
+    return len(set(ids) | {"P"}) <= 2
+
+
+class EarlierRule(LoRAAdmission):
+    """The rule before the drain: a starving request only keeps *new* adapters out."""
+
+    def begin(self, active, waiting) -> None:
+        super().begin(active, waiting)
+        starving = [r for r in waiting if r.lora_wait_turns >= self.max_wait_turns]
+        if starving:
+            self.allowed = self.active | {min(starving, key=lambda r: r.arrival).lora_id}
+
+
+def make_req(arrival: int, lora: str, max_new: int) -> Req:
+    msg = TokenizedGenerateReqInput(rid=f"{lora}{arrival}", input_text=None, input_ids=[1, 2, 3, 4, 5],
+                                    sampling_params=SamplingParams(max_new_tokens=max_new), lora_id=lora)
+    return Req(msg, arrival)
+
+
+def turns_until_b_runs(admission: LoRAAdmission, turns: int = 400) -> Optional[int]:
+    """Each turn: arrivals, then a prefill batch if admission allows one, else a decode step of
+    everything running (like Scheduler.get_next_batch). Returns B's wait in turns, or None."""
+    waiting: list[Req] = []
+    running: list[Req] = []
+    b = None
+    for t in range(turns):
+        if t % 4 == 0:  # a new A request every 4 turns, each decoding 10..16 tokens: always overlapping
+            waiting.append(make_req(t, "A", 10 + t % 7))
+        if t == B_ARRIVES:
+            b = make_req(t, "B", 3)
+            waiting.append(b)
+        admission.begin({r.lora_id for r in running}, waiting)
+        budget = PrefillBudget(kv_free=10**6, rows_free=1000, max_new_reqs=1000, max_prefill_tokens=10**6,
+                               chunk_size=None, new_token_ratio=1.0)
+        plan = plan_prefill(waiting, None, running, budget, admission)
+        if plan.reqs:
+            for r in plan.reqs:
+                waiting.remove(r)
+                r.kv_len += r.extend_len
+                r.output_ids.append(7)  # the token sampled at the end of prefill
+                running.append(r)
+            if b in plan.reqs:
+                return t - B_ARRIVES
+            # The slot check held for the whole batch: running + admitted adapters fit.
+            assert fits_with_pinned({r.lora_id for r in running})
+        else:
+            for r in running:
+                r.kv_len += 1
+                r.output_ids.append(7)
+            running = [r for r in running if r.remaining_new_tokens > 0]
+    return None
+
+
+def test_waiting_adapter_runs_within_the_bound() -> None:
+    waited = turns_until_b_runs(LoRAAdmission(fits_with_pinned, MAX_WAIT))
+    assert waited is not None and waited <= MAX_WAIT + LONGEST_A + 2, waited
+
+
+def test_the_scenario_starves_without_the_drain() -> None:
+    assert turns_until_b_runs(EarlierRule(fits_with_pinned, MAX_WAIT)) is None
+
+
+def test_a_starving_adapter_that_fits_keeps_new_adapters_out() -> None:
+    admission = LoRAAdmission(lambda ids: len(ids) <= 3, MAX_WAIT)
+    b, c = make_req(1, "B", 3), make_req(2, "C", 3)
+    b.lora_wait_turns = MAX_WAIT
+    admission.begin({"A"}, [b, c])  # {A, B} fits: B goes in with A's requests, C waits
+    assert admission.fits("A") and admission.fits("B") and not admission.fits("C")
+    admission.begin({"A", None}, [b, c])  # {A, None, B} fits too
+    assert admission.fits("B") and admission.fits(None)
+    admission.begin({"A", "D", None}, [b, c])  # B does not fit: drain, only B may enter
+    assert not admission.fits("A") and not admission.fits(None) and not admission.fits("B")
