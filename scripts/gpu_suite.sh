@@ -4,7 +4,7 @@
 #   GPU_SUITE_OUT=/some/dir bash scripts/gpu_suite.sh
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
-# GPU_SUITE_PARTS picks sections (default: "tests bench serving"); GPU_SUITE_PYTEST_ARGS adds pytest
+# GPU_SUITE_PARTS picks sections (default: "tests bench serving"; also "soak"); GPU_SUITE_PYTEST_ARGS adds pytest
 # arguments (e.g. "-k bcg"). Wheels fetched by ../shared/device/wheels.sh into ./.whl are installed
 # into ./.site first when the machine lacks them (it has no network).
 set -uo pipefail
@@ -86,6 +86,22 @@ if [[ " $PARTS " == *" serving "* ]]; then
     --random-input-len 512 --random-output-len 128 --max-concurrency 64 >>"$SERVE_LOG" 2>&1 || status=1
   grep -E "TTFT|ITL|E2E|throughput|^\{" "$SERVE_LOG" | tail -n 12 | tee -a "$SUMMARY"
   kill $spid 2>/dev/null; wait $spid 2>/dev/null
+fi
+
+if [[ " $PARTS " == *" soak "* ]]; then
+  # Not in the default parts: GPU_SUITE_PARTS=soak. About 3 minutes of load (SGLANG_SOAK_SECONDS)
+  # against the Qwen3-4B shape (dummy weights, triton attention, graphs on, csgmv LoRA); the report
+  # JSON and the server's log land in $OUT.
+  say "== soak (Qwen3-4B shape, dummy weights, csgmv LoRA, CUDA graphs on)"
+  start=$(date +%s)
+  SGLANG_SOAK_GPU=1 SGLANG_SOAK_SECONDS=${SGLANG_SOAK_SECONDS:-180} SGLANG_SOAK_REPORT=$OUT/soak_report.json \
+    SGLANG_SOAK_LOG_DIR=$OUT/soak_server \
+    $PY -m pytest -q -s -m gpu -p no:cacheprovider -o addopts="" -rfE -k test_soak_gpu \
+    test/registered/reliability/test_soak.py >"$OUT/soak.log" 2>&1
+  rc=$?
+  [ $rc -ne 0 ] && status=1
+  say "$(tail -n 1 "$OUT/soak.log") (rc=$rc, $(( $(date +%s) - start ))s)"
+  grep -E "^\[soak\]|^(FAILED|ERROR)" "$OUT/soak.log" | head -20 | tee -a "$SUMMARY"
 fi
 
 say "== done (status=$status)"

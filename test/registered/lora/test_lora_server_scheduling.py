@@ -110,7 +110,11 @@ def test_waiting_adapter_is_not_starved_by_a_running_one(server) -> None:
     for t in threads:
         t.start()
     try:
-        time.sleep(1.0)  # let a's requests overlap
+        # Let a's requests overlap: wait until some have completed (a fixed sleep was too short
+        # on a loaded 2-core machine, and the check below then failed).
+        deadline = time.monotonic() + 60
+        while len(done) < 2 and not errors and time.monotonic() < deadline:
+            time.sleep(0.05)
         started = len(done)
         t0 = time.monotonic()
         out = run(url, "b", PROMPTS[2], n=4, timeout=60)

@@ -177,8 +177,13 @@ class Engine:
 
     def get_server_info(self) -> dict[str, Any]:
         self._check_open()
-        info = self._run(self.tokenizer_manager.get_scheduler_info())
-        return {**self.server_args.to_public_dict(), **info}
+        tm = self.tokenizer_manager
+
+        async def gather() -> dict[str, Any]:
+            live = await tm.get_scheduler_info()
+            return {**live, "tokenizer_integrity_check": tm.check_integrity()}
+
+        return {**self.server_args.to_public_dict(), **self._run(gather())}
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()

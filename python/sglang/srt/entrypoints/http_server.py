@@ -28,10 +28,10 @@ from sglang.srt.entrypoints.openai.errors import (
     sse_error,
 )
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from sglang.srt.entrypoints.openai.serving_base import SSE_DONE, prime
+from sglang.srt.entrypoints.openai.serving_base import SSE_DONE, prime, server_failure, stream_error
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError, RequestFailedError
+from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError
 from sglang.srt.managers.io_struct import LoRAUpdateOutput
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import ServerArgs
@@ -49,6 +49,8 @@ async def _json_body(request: Request) -> Any:
         return json.loads(body)
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise InvalidRequestError(f"The request body is not valid JSON: {e}") from None
+    except RecursionError:  # json's decoder recurses once per nesting level
+        raise InvalidRequestError("The request body is not valid JSON: it is nested too deeply") from None
 
 
 class APIKeyMiddleware:
@@ -86,9 +88,9 @@ def _abort_error(result: Any) -> Optional[JSONResponse]:
     """An error reply when the server failed any request of the result (a request aborted on
     purpose, through /abort_request, is a normal reply with finish_reason type "abort")."""
     for out in result if isinstance(result, list) else [result]:
-        reason = out["meta_info"]["finish_reason"] or {}
-        if reason.get("type") == "abort" and reason.get("status_code"):
-            return error_response(reason.get("message") or "the request failed", int(reason["status_code"]))
+        failure = server_failure(out)
+        if failure is not None:
+            return error_response(failure.message, failure.status_code)
     return None
 
 
@@ -147,7 +149,8 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     @app.get("/get_server_info")
     async def get_server_info() -> dict:
         live = await tm.get_scheduler_info()
-        return {**server_args.to_public_dict(), **tm.scheduler_info, **live, "version": _version()}
+        return {**server_args.to_public_dict(), **tm.scheduler_info, **live,
+                "tokenizer_integrity_check": tm.check_integrity(), "version": _version()}
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -167,11 +170,13 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             async def events() -> AsyncIterator[str]:
                 try:
                     async for out in outs:
+                        failure = server_failure(out)
+                        if failure is not None:  # failed mid-stream: the 200 is sent, so an error event
+                            yield sse_error(failure.message, failure.status_code)
+                            continue
                         yield f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
-                except (InvalidRequestError, RequestFailedError) as e:
-                    yield sse_error(e.message, e.status_code)
-                except RuntimeError as e:
-                    yield sse_error(str(e), 500)
+                except Exception as e:
+                    yield stream_error(e)
                 yield SSE_DONE
 
             return StreamingResponse(events(), media_type="text/event-stream")
@@ -222,10 +227,16 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         app.add_api_route(f"{prefix}/load_lora_adapter", load_lora_adapter, methods=["POST"])
         app.add_api_route(f"{prefix}/unload_lora_adapter", unload_lora_adapter, methods=["POST"])
 
+    async def json_object(request: Request) -> dict:
+        data = await _json_body(request)
+        if not isinstance(data, dict):
+            raise InvalidRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
+        return data
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
-        data = await _json_body(request)
-        rid = data.get("rid") if isinstance(data, dict) else None
+        data = await json_object(request)
+        rid = data.get("rid")
         if not isinstance(rid, str) or not rid:
             raise InvalidRequestError("'rid' (a string) is required", param="rid")
         tm.abort(rid)
@@ -234,8 +245,12 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     if server_args.enable_test_hooks:
         @app.post("/debug/inject_fault")
         async def inject_fault(request: Request) -> Response:
-            data = await _json_body(request)
-            tm.inject_fault(str(data["rid_substring"]), str(data.get("where", "forward")))
+            data = await json_object(request)
+            sub, where, after = data.get("rid_substring"), data.get("where", "forward"), data.get("after_tokens", 0)
+            if not isinstance(sub, str) or not sub or not isinstance(where, str) or type(after) is not int:
+                raise InvalidRequestError("'rid_substring' (a non-empty string) is required; 'where' is a string "
+                                          "and 'after_tokens' an integer", param="rid_substring")
+            tm.inject_fault(sub, where, after)
             return Response(status_code=200)
 
     return app

@@ -93,6 +93,9 @@ class LoRAMemoryPool:
         # Rank and scaling of each slot's occupant (0 for EMPTY and the base model).
         self.slot_ranks: list[int] = [0] * self.num_slots
         self.slot_scalings: list[float] = [0.0] * self.num_slots
+        # Counters for /get_server_info: adapter copies into a slot, and evictions to make room.
+        self.num_adapter_loads = 0
+        self.num_evictions = 0
 
     # ------------------------------------------------------------------ compatibility
     def incompatibility(self, config: LoRAConfig) -> Optional[str]:
@@ -161,6 +164,7 @@ class LoRAMemoryPool:
         slot = self.uid_to_slot[victim]
         logger.debug("LoRA pool: evicting %r from slot %d", victim, slot)
         self.free(victim)
+        self.num_evictions += 1
         return slot
 
     def free(self, uid: Optional[str]) -> None:
@@ -199,6 +203,7 @@ class LoRAMemoryPool:
         self.uid_to_slot[uid] = slot
         self.slot_ranks[slot] = 0 if adapter is None else adapter.rank
         self.slot_scalings[slot] = 0.0 if adapter is None else float(adapter.scaling)
+        self.num_adapter_loads += adapter is not None
 
     # ------------------------------------------------------------------ checks
     def data_ptrs(self) -> list[int]:

@@ -45,6 +45,12 @@ class RequestFailedError(RuntimeError):
         self.status_code = status_code
 
 
+# One call may expand into at most this many single requests (prompts x n), and n is at most
+# MAX_N (OpenAI's bound too): `n=10**6` must be refused before a million requests are built.
+MAX_N = 128
+MAX_REQUESTS_PER_CALL = 4096
+
+
 def new_rid() -> str:
     return uuid.uuid4().hex
 
@@ -160,14 +166,26 @@ class GenerateReqInput:
             if len(set(rids)) != len(rids):
                 raise InvalidRequestError("'rid' values must be unique", param="rid")
 
+        ns = []
+        for sp in params:
+            n = sp.get("n", 1)
+            n = 1 if n is None else n
+            if not is_int(n) or n < 1:
+                raise InvalidRequestError(f"sampling_params.n must be a positive integer, got {n!r}", param="n")
+            if n > MAX_N:
+                raise InvalidRequestError(f"sampling_params.n must be at most {MAX_N}, got {n}", param="n")
+            ns.append(n)
+        if sum(ns) > MAX_REQUESTS_PER_CALL:
+            raise InvalidRequestError(
+                f"the request asks for {sum(ns)} generations (prompts x n); at most {MAX_REQUESTS_PER_CALL} "
+                "are allowed per call", param="n" if max(ns) > 1 else "text",
+            )
+
         out: list[SingleGenerateReq] = []
         for i, (text, ids) in enumerate(prompts):
             sp = dict(params[i])
-            n = sp.pop("n", 1)
-            if n is None:
-                n = 1
-            if not is_int(n) or n < 1:
-                raise InvalidRequestError(f"sampling_params.n must be a positive integer, got {n!r}", param="n")
+            sp.pop("n", None)
+            n = ns[i]
             if n > 1:
                 is_batch = True
             for j in range(n):

@@ -72,10 +72,13 @@ class GetServerInfoReq:
 
 @dataclass
 class FaultInjectionReq:
-    """Test-only (--enable-test-hooks): make the next forward containing `rid_substring` raise."""
+    """Test-only (--enable-test-hooks): make the next forward containing `rid_substring` raise
+    ("forward"; "decode": a decode step of such a request once it has `after_tokens` output
+    tokens). The tokenizer manager keeps "tokenize" / "detokenize" faults to itself."""
 
     rid_substring: str
     where: str = "forward"
+    after_tokens: int = 0
 
 
 @dataclass

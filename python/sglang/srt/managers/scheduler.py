@@ -17,6 +17,7 @@ import time
 import traceback
 from typing import Any, Optional
 
+from sglang.srt.managers.integrity import IntegrityLog, scheduler_problems
 from sglang.srt.managers.io_struct import (
     AbortReq,
     FaultInjectionReq,
@@ -92,6 +93,7 @@ class Scheduler:
         self.last_decode_log = time.monotonic()
         self.last_gen_throughput = 0.0
         self.last_integrity_check: dict[str, Any] = {}
+        self.integrity_log = IntegrityLog(logger, "Scheduler")
         self.was_idle = True
         self.check_integrity()
 
@@ -119,6 +121,7 @@ class Scheduler:
             "new_token_ratio": round(self.new_token_ratio, 4),
             "last_gen_throughput": round(self.last_gen_throughput, 2),
             "last_integrity_check": dict(self.last_integrity_check),
+            "graph_stats": self.model_runner.graph_stats(),
             **self.stats,
             **self.lora_info(),
         }
@@ -145,6 +148,8 @@ class Scheduler:
                 "max_lora_rank": lora.pool.max_lora_rank,
                 "target_modules": list(lora.pool.target_modules),
                 "backend": lora.lora_backend.name,
+                "num_adapter_loads": lora.pool.num_adapter_loads,
+                "num_evictions": lora.pool.num_evictions,
             }
         }
 
@@ -155,25 +160,10 @@ class Scheduler:
         return sum(r.kv_len for r in self._holders())
 
     def check_integrity(self) -> dict[str, Any]:
-        """KV free + used = total, request rows free + used = total (run while idle)."""
-        holders = self._holders()
-        kv_free, kv_used = self.allocator.available_size(), self._kv_used()
-        rows_free, rows_used = self.req_to_token_pool.available_size(), sum(r.req_pool_idx is not None for r in holders)
-        ok = kv_free + kv_used == self.max_total_num_tokens and rows_free + rows_used == self.total_rows
-        result: dict[str, Any] = {
-            "ok": ok, "time": time.time(), "kv_free": kv_free, "kv_used": kv_used,
-            "kv_total": self.max_total_num_tokens, "rows_free": rows_free, "rows_used": rows_used,
-            "rows_total": self.total_rows,
-        }
-        lora = self.model_runner.lora_manager
-        if lora is not None and hasattr(lora, "integrity_report"):
-            report = lora.integrity_report()
-            result["lora_ok"] = bool(report)
-            result["ok"] = ok and bool(report)
-        if not result["ok"]:
-            logger.error("Integrity check failed: %s", result)
-        self.last_integrity_check = result
-        return result
+        """Run the idle-time integrity check (managers/integrity.py); ERROR-logs new problems."""
+        problems, counts = scheduler_problems(self)
+        self.last_integrity_check = self.integrity_log.record(problems, counts)
+        return self.last_integrity_check
 
     # ------------------------------------------------------------------ messages
     def send(self, msg: Any) -> None:
@@ -325,7 +315,10 @@ class Scheduler:
 
     def _maybe_inject_fault(self, batch: ScheduleBatch) -> None:
         for fault in self.faults:
-            if fault.where == "forward" and any(fault.rid_substring in r.rid for r in batch.reqs):
+            if fault.where == "decode" and batch.is_extend:
+                continue  # "decode": fail a later step of a running request (mid-stream)
+            if any(fault.rid_substring in r.rid and len(r.output_ids) >= fault.after_tokens
+                   for r in batch.reqs):
                 self.faults.remove(fault)
                 raise RuntimeError(f"injected fault for requests matching {fault.rid_substring!r}")
 

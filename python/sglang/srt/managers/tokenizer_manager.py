@@ -11,14 +11,17 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 from typing import Any, AsyncIterator, Callable, Optional, Union
 
 from sglang.srt.managers.detokenizer import IncrementalDetokenizer
 from sglang.srt.managers.generate_request import (
     GenerateReqInput,
     InvalidRequestError,
+    RequestFailedError,
     SingleGenerateReq,
 )
+from sglang.srt.managers.integrity import IntegrityLog, tokenizer_problems
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -79,6 +82,12 @@ class TokenizerManager(TokenizerLoRAMixin):
         self._token_text_cache: dict[int, str] = {}
         # Called (on the loop) when the scheduler dies; the HTTP server uses it to shut down.
         self.on_fatal: Optional[Callable[[], None]] = None
+        # generate() calls in progress; when it drops to 0 the idle-time integrity check runs.
+        self.num_active_requests = 0
+        self.integrity_log = IntegrityLog(logger, "Tokenizer manager")
+        self.check_integrity()
+        # Test hooks (--enable-test-hooks) of this process: "tokenize" / "detokenize" faults.
+        self.local_faults: list[FaultInjectionReq] = []
 
     # ------------------------------------------------------------------ wiring
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -100,8 +109,19 @@ class TokenizerManager(TokenizerLoRAMixin):
         if isinstance(msg, BatchTokenIDOut):
             for i, rid in enumerate(msg.rids):
                 state = self.rid_to_state.get(rid)
-                if state is not None:
+                # A state failed here (below) may still get the scheduler's news of its abort:
+                # the client must see the failure, not a plain abort.
+                if state is None or state.finished:
+                    continue
+                try:
+                    if self.local_faults and self._take_local_fault("detokenize", rid):
+                        raise RuntimeError(f"injected detokenizer fault for request {rid!r}")
                     state.apply(msg, i)
+                except Exception as e:  # fails this request only: the others of the message go on
+                    logger.exception("Detokenizing the output of request %r failed", rid)
+                    state.fail(f"internal error while detokenizing the output: {type(e).__name__}: {e}", 500)
+                    if msg.finished_reasons[i] is None:
+                        self.client.send(AbortReq(rid=rid))  # free its KV now
         elif isinstance(msg, GetServerInfoOut):
             self._resolve_first(self._info_waiters, msg.info)
         elif isinstance(msg, LoRAUpdateOutput):
@@ -146,11 +166,22 @@ class TokenizerManager(TokenizerLoRAMixin):
             raise InvalidRequestError(f"could not apply the chat template: {e}", param="messages") from None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Tokenise; bad text is a 400, a tokenizer failure a 500 that names the cause (logged)."""
         if self.tokenizer is None:
             raise InvalidRequestError(
                 "this server runs with --skip-tokenizer-init: send 'input_ids' instead of text", param="text"
             )
-        return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:  # e.g. a lone surrogate ("\ud800") from a JSON escape
+            raise InvalidRequestError(f"the prompt is not valid Unicode text: {e}", param="prompt") from None
+        try:
+            if self.local_faults and self._take_local_fault("tokenize", text):
+                raise RuntimeError("injected tokenizer fault")
+            return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+        except Exception as e:
+            logger.exception("Tokenizing a prompt of %d characters failed", len(text))
+            raise RequestFailedError(f"internal error while tokenizing the prompt: {type(e).__name__}: {e}") from None
 
     def token_text(self, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
@@ -169,6 +200,11 @@ class TokenizerManager(TokenizerLoRAMixin):
             message = str(e)
             field = message.split(" ", 1)[0].split(".")[-1].strip(":")
             raise InvalidRequestError(message, param=field if field in SamplingParams.__dataclass_fields__ else None) from None
+        if not math.isfinite(params.temperature):
+            raise InvalidRequestError(f"temperature must be a finite number >= 0, got {params.temperature!r}",
+                                      param="temperature")
+        if params.top_k >= self.vocab_size:
+            params.top_k = -1  # keeping the whole vocabulary is no top-k (and fits the int64 tensor)
         if self.tokenizer is None and params.stop:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids", param="stop")
         input_ids = req.input_ids if req.input_ids is not None else self.encode(req.text or "")
@@ -218,6 +254,20 @@ class TokenizerManager(TokenizerLoRAMixin):
         waiting request notice that its client disconnected."""
         if self.dead_reason is not None:
             raise RuntimeError(self.dead_reason)
+        self.num_active_requests += 1
+        inner = self._generate(obj, request)
+        try:
+            async for out in inner:
+                yield out
+        finally:
+            # Leaving `async for` early does not close `inner`: close it now, so its clean-up
+            # (abort, adapter references) is done before the idle check below, not at GC time.
+            await inner.aclose()
+            self.num_active_requests -= 1
+            if self.num_active_requests == 0:
+                self.check_integrity()
+
+    async def _generate(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Union[dict, list]]:
         reqs, is_batch = obj.normalize()
         prepared = [self._prepare(r) for r in reqs]  # every prompt is valid before any is queued
         for r in reqs:
@@ -271,10 +321,35 @@ class TokenizerManager(TokenizerLoRAMixin):
         self.client.send(GetServerInfoReq())
         return await asyncio.wait_for(fut, timeout)
 
-    def inject_fault(self, rid_substring: str, where: str = "forward") -> None:
+    def inject_fault(self, rid_substring: str, where: str = "forward", after_tokens: int = 0) -> None:
+        """Test hook: fail the next forward ("forward", or "decode" for a decode step once the
+        request has `after_tokens` output tokens) of a request whose rid contains `rid_substring`,
+        the next tokenisation of a text containing it ("tokenize"), or the next detokenisation of
+        such a request's output ("detokenize")."""
         if not self.server_args.enable_test_hooks:
             raise InvalidRequestError("fault injection needs --enable-test-hooks")
-        self.client.send(FaultInjectionReq(rid_substring=rid_substring, where=where))
+        if where in ("tokenize", "detokenize"):
+            self.local_faults.append(FaultInjectionReq(rid_substring=rid_substring, where=where))
+        elif where in ("forward", "decode"):
+            self.client.send(FaultInjectionReq(rid_substring=rid_substring, where=where, after_tokens=after_tokens))
+        else:
+            raise InvalidRequestError(f"'where' must be one of forward, decode, tokenize, detokenize; got {where!r}",
+                                      param="where")
+
+    def _take_local_fault(self, where: str, text: str) -> bool:
+        for fault in self.local_faults:
+            if fault.where == where and fault.rid_substring in text:
+                self.local_faults.remove(fault)
+                return True
+        return False
+
+    def check_integrity(self) -> dict[str, Any]:
+        """The main process's idle-time check (managers/integrity.py); ERROR-logs new problems."""
+        problems, counts = tokenizer_problems(self)
+        if not counts["idle"] and self.integrity_log.last:
+            # Its invariants only hold when no request is in progress: keep the last idle result.
+            return {**self.integrity_log.last, "now": counts}
+        return self.integrity_log.record(problems, counts)
 
     def abort(self, rid: str) -> None:
         self.client.send(AbortReq(rid=rid))

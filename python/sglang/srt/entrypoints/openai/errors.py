@@ -82,12 +82,13 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, Optio
             detail = ctx.get("error", err.get("msg", "invalid JSON"))
             return f"The request body is not valid JSON: {detail}", None
         # Union members add their type name to the location; it only confuses the reader.
-        loc = [p for p in loc if not (p[:1].isupper() or p in ("str", "int", "list[int]", "list[str]",
-                                                               "list[list[int]]", "float", "bool"))]
+        loc = [p for p in loc if not (p[:1].isupper() or "[" in p or p in ("str", "int", "float", "bool"))]
         field = ".".join(loc)
         if param is None and loc:
             param = loc[0]
         msg = err.get("msg", "invalid value")
+        if err.get("type") == "value_error" and msg.startswith("Value error, "):
+            msg = msg[len("Value error, "):]  # our own validators' messages read better without it
         if err.get("type") == "missing":
             parts.append(f"'{field}' is a required field")
         elif field:
@@ -121,6 +122,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(InvalidRequestError)
     async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+        return exception_to_response(exc)
+
+    # A request the server failed (its cause is logged where it happened). Handled here rather
+    # than by the catch-all below, which Starlette re-raises to uvicorn as a second traceback.
+    @app.exception_handler(RequestFailedError)
+    async def _failed(request: Request, exc: RequestFailedError) -> JSONResponse:
         return exception_to_response(exc)
 
     @app.exception_handler(ValueError)

@@ -1,17 +1,44 @@
 """Request and response models of the OpenAI-compatible API (completions, chat, models).
 
 Bounds are declared on the fields, so a bad value fails validation with a message that names the
-field (`max_tokens: Input should be greater than or equal to 0`). Unknown fields are accepted and
-ignored, as OpenAI clients send fields this server does not use.
+field (`max_tokens: Input should be greater than or equal to 0`). Numbers and booleans must have
+their JSON type: pydantic's lax mode would read `"5"` or `true` as 5 and `"yes"` as true, which
+hides client bugs (`Int`, `Num`, `Bool` below). Unknown fields are accepted and ignored, as OpenAI
+clients send fields this server does not use.
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "a boolean"
+    if isinstance(value, (int, float)):
+        return "a number"
+    return {str: "a string", list: "an array", dict: "an object"}.get(type(value), type(value).__name__)
+
+
+def _number(value: Any) -> Any:
+    if isinstance(value, (bool, str)):
+        raise ValueError(f"expected a number, not {_json_type(value)}")
+    return value
+
+
+def _boolean(value: Any) -> Any:
+    if not isinstance(value, bool):
+        raise ValueError(f"expected true or false, not {_json_type(value)}")
+    return value
+
+
+Int = Annotated[int, BeforeValidator(_number)]
+Num = Annotated[float, BeforeValidator(_number)]
+Bool = Annotated[bool, BeforeValidator(_boolean)]
 
 
 def _id(prefix: str) -> str:
@@ -19,8 +46,8 @@ def _id(prefix: str) -> str:
 
 
 class StreamOptions(BaseModel):
-    include_usage: bool = False
-    continuous_usage_stats: bool = False
+    include_usage: Bool = False
+    continuous_usage_stats: Bool = False
 
 
 class _SamplingFields(BaseModel):
@@ -29,24 +56,24 @@ class _SamplingFields(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     model: str = "default"
-    n: int = Field(1, ge=1, le=128)
-    temperature: Optional[float] = Field(None, ge=0.0)
-    top_p: Optional[float] = Field(None, gt=0.0, le=1.0)
-    stream: bool = False
+    n: Int = Field(1, ge=1, le=128)
+    temperature: Optional[Num] = Field(None, ge=0.0)
+    top_p: Optional[Num] = Field(None, gt=0.0, le=1.0)
+    stream: Bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Optional[Union[str, list[str]]] = None
-    seed: Optional[int] = None
-    presence_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: Optional[float] = Field(None, ge=-2.0, le=2.0)
+    seed: Optional[Int] = None
+    presence_penalty: Optional[Num] = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: Optional[Num] = Field(None, ge=-2.0, le=2.0)
     user: Optional[str] = None
     # Extensions (SGLang / vLLM).
-    top_k: Optional[int] = None
-    min_p: Optional[float] = Field(None, ge=0.0, le=1.0)
-    repetition_penalty: Optional[float] = None
-    ignore_eos: bool = False
-    stop_token_ids: Optional[list[int]] = None
-    skip_special_tokens: bool = True
-    no_stop_trim: bool = False
+    top_k: Optional[Int] = None
+    min_p: Optional[Num] = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: Optional[Num] = None
+    ignore_eos: Bool = False
+    stop_token_ids: Optional[list[Int]] = None
+    skip_special_tokens: Bool = True
+    no_stop_trim: Bool = False
     lora_path: Optional[Union[str, list[Optional[str]]]] = None
     rid: Optional[str] = None
 
@@ -73,19 +100,27 @@ class _SamplingFields(BaseModel):
 
 # ---------------------------------------------------------------------------- completions
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: Optional[int] = Field(16, ge=0)
-    logprobs: Optional[int] = Field(None, ge=0)
-    echo: bool = False
-    best_of: Optional[int] = Field(None, ge=1)
+    prompt: Union[str, list[str], list[Int], list[list[Int]]]
+    max_tokens: Optional[Int] = Field(16, ge=0)
+    logprobs: Optional[Int] = Field(None, ge=0)
+    echo: Bool = False
+    best_of: Optional[Int] = Field(None, ge=1)
     suffix: Optional[str] = None
     logit_bias: Optional[dict[str, float]] = None
 
-    @field_validator("prompt")
+    @field_validator("prompt", mode="before")
     @classmethod
-    def _non_empty(cls, v: Any) -> Any:
+    def _prompt_shape(cls, v: Any) -> Any:
+        # One message instead of one per member of the union.
+        def ids(x: Any) -> bool:
+            return isinstance(x, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in x)
+
         if isinstance(v, list) and len(v) == 0:
             raise ValueError("prompt must not be an empty list")
+        if not (isinstance(v, str) or ids(v) or (isinstance(v, list) and (
+                all(isinstance(p, str) for p in v) or all(ids(p) for p in v)))):
+            raise ValueError("prompt must be a string, a list of strings, a list of token ids (integers) "
+                             "or a list of such lists")
         return v
 
 
@@ -130,16 +165,16 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: Optional[int] = Field(None, ge=0)
-    max_completion_tokens: Optional[int] = Field(None, ge=0)
-    logprobs: bool = False
-    top_logprobs: Optional[int] = Field(None, ge=0, le=20)
+    max_tokens: Optional[Int] = Field(None, ge=0)
+    max_completion_tokens: Optional[Int] = Field(None, ge=0)
+    logprobs: Bool = False
+    top_logprobs: Optional[Int] = Field(None, ge=0, le=20)
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     logit_bias: Optional[dict[str, float]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
-    continue_final_message: bool = False
+    continue_final_message: Bool = False
 
 
 class ChatLogprobTop(BaseModel):

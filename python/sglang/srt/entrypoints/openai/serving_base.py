@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, AsyncIterator, Optional
 
 from fastapi.responses import StreamingResponse
 
 from sglang.srt.entrypoints.openai.errors import sse_error
 from sglang.srt.managers.generate_request import InvalidRequestError, RequestFailedError
+
+logger = logging.getLogger(__name__)
 
 SSE_DONE = "data: [DONE]\n\n"
 
@@ -19,6 +22,15 @@ def sse(payload: Any) -> str:
     return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
+def server_failure(out: dict[str, Any]) -> Optional[RequestFailedError]:
+    """The error of a `/generate` reply that the server failed (an abort with a status code), else
+    None (a request aborted on purpose, through /abort_request, is a normal reply)."""
+    reason = out["meta_info"]["finish_reason"] or {}
+    if reason.get("type") == "abort" and reason.get("status_code"):
+        return RequestFailedError(reason.get("message") or "the request failed", int(reason["status_code"]))
+    return None
+
+
 def finish_reason(out: dict[str, Any]) -> tuple[Optional[str], Any]:
     """(OpenAI finish_reason, matched stop) of a `/generate` reply; raises for aborted requests."""
     reason = out["meta_info"]["finish_reason"]
@@ -26,33 +38,60 @@ def finish_reason(out: dict[str, Any]) -> tuple[Optional[str], Any]:
         return None, None
     kind = reason.get("type")
     if kind == "abort":
-        if reason.get("status_code"):  # the server failed it
-            raise RequestFailedError(reason.get("message") or "the request failed", int(reason["status_code"]))
+        failure = server_failure(out)
+        if failure is not None:
+            raise failure
         return "abort", None  # aborted on request (/abort_request)
     return ("length" if kind == "length" else "stop"), reason.get("matched")
 
 
-async def prime(agen: AsyncIterator[Any]) -> tuple[Any, AsyncIterator[Any]]:
-    """Take the first item now, so request errors surface before the stream's 200 is sent."""
-    first = await agen.__anext__()
+async def prime(agen: Any) -> tuple[Any, AsyncIterator[Any]]:
+    """Take the first item now, so request errors (and a request the server failed before its
+    first token) surface as an error status before the stream's 200 is sent."""
+    try:
+        first = await agen.__anext__()
+        failure = server_failure(first) if isinstance(first, dict) else None
+        if failure is not None:
+            raise failure
+    except BaseException:
+        await agen.aclose()
+        raise
 
     async def rest() -> AsyncIterator[Any]:
-        yield first
-        async for item in agen:
-            yield item
+        try:
+            yield first
+            async for item in agen:
+                yield item
+        finally:
+            await agen.aclose()  # at once (abort, adapter references), not when garbage-collected
 
     return first, rest()
 
 
-def streaming_response(chunks: AsyncIterator[str]) -> StreamingResponse:
+def stream_error(e: BaseException) -> str:
+    """The SSE error event for an exception raised mid-stream (after the 200 was sent)."""
+    if isinstance(e, (InvalidRequestError, RequestFailedError)):
+        return sse_error(e.message, e.status_code, getattr(e, "param", None))
+    if type(e) is RuntimeError:  # the scheduler went away: its reason is the whole story
+        return sse_error(str(e), 500)
+    logger.error("Streaming a reply failed", exc_info=e)  # a bug: keep the traceback
+    return sse_error(f"internal error while streaming the reply: {type(e).__name__}: {e}", 500)
+
+
+def streaming_response(chunks: Any, source: Any = None) -> StreamingResponse:
+    """SSE of `chunks` (made from the replies of `source`), ending in [DONE] or an error event."""
     async def guarded() -> AsyncIterator[str]:
         try:
             async for chunk in chunks:
                 yield chunk
-        except (InvalidRequestError, RequestFailedError) as e:
-            yield sse_error(e.message, e.status_code, getattr(e, "param", None))
-        except RuntimeError as e:  # the scheduler went away mid-stream
-            yield sse_error(str(e), 500)
+        except Exception as e:  # a failed request or the scheduler gone: an error event, then [DONE]
+            yield stream_error(e)
+        finally:
+            # An error raised while handling a reply leaves `source` suspended: close it now, so
+            # the request's clean-up (abort, adapter references) runs at once, not at GC time.
+            await chunks.aclose()
+            if source is not None:
+                await source.aclose()
         yield SSE_DONE
 
     return StreamingResponse(guarded(), media_type="text/event-stream",

@@ -32,9 +32,17 @@ from sglang.srt.managers.generate_request import GenerateReqInput, InvalidReques
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 
+# OpenAI's roles ("developer" is its newer name for "system"); others are refused, not rendered.
+CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+
+
 def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     out = []
     for i, msg in enumerate(req.messages):
+        if msg.role not in CHAT_ROLES:
+            raise InvalidRequestError(
+                f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {msg.role!r}", param=f"messages[{i}].role"
+            )
         content = msg.content
         if isinstance(content, list):
             texts = []
@@ -111,7 +119,7 @@ class OpenAIServingChat:
         obj = self._build(req)
         if req.stream:
             _, outs = await prime(self.tm.generate(obj, raw_request))
-            return streaming_response(self._stream(req, outs))
+            return streaming_response(self._stream(req, outs), source=outs)
         result = await self.tm.generate_one(obj, raw_request)
         results = result if isinstance(result, list) else [result]
         choices = []

@@ -112,7 +112,7 @@ class OpenAIServingCompletion:
         obj, prompt_texts, num_prompts = self._build(req)
         if req.stream:
             _, outs = await prime(self.tm.generate(obj, raw_request))
-            return streaming_response(self._stream(req, outs, prompt_texts))
+            return streaming_response(self._stream(req, outs, prompt_texts), source=outs)
         result = await self.tm.generate_one(obj, raw_request)
         results = result if isinstance(result, list) else [result]
         choices = []

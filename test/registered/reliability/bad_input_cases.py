@@ -1,0 +1,303 @@
+"""The bad-input matrix of test_bad_input.py: one `Case` per request, grouped by endpoint.
+
+Each case is one request and the reply it must get: a status (4xx, or 200 for inputs the server
+must accept) and a piece of text the error message must contain, so a vague message fails too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import requests
+
+POOL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+API_KEY = "sk-reliability"
+NAN, INF = float("nan"), float("inf")
+GEN = ("/generate", "/v1/completions", "/v1/chat/completions")
+LOAD = ("/load_lora_adapter", "/v1/load_lora_adapter")
+UNLOAD = ("/unload_lora_adapter", "/v1/unload_lora_adapter")
+MSG = [{"role": "user", "content": "hi"}]
+TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+         405: "invalid_request_error"}
+
+
+@dataclass
+class Case:
+    path: str
+    body: Any  # a JSON value, or str/bytes sent as they are
+    status: int
+    needle: str  # must appear in the error message (case-insensitive)
+    method: str = "POST"
+    headers: Optional[dict] = None
+
+    def send(self, url: str) -> requests.Response:
+        if isinstance(self.body, (str, bytes)):
+            data = self.body
+        else:
+            data = json.dumps(self.body)  # allow_nan: NaN / Infinity are sent as JS literals
+        return requests.request(self.method, f"{url}{self.path}", data=data, headers=self.headers or {},
+                                timeout=60)
+
+    def __str__(self) -> str:
+        body = self.body if isinstance(self.body, (str, bytes)) else json.dumps(self.body)
+        return f"{self.method} {self.path} {body[:90]!r}"
+
+
+# ---------------------------------------------------------------------------- the matrix
+def body_cases() -> list[Case]:
+    """Bodies that are not a JSON object, on every POST endpoint."""
+    out = []
+    for path in GEN + LOAD + UNLOAD + ("/abort_request", "/debug/inject_fault"):
+        out += [
+            Case(path, '{"text": "hi"', 400, "not valid JSON"),
+            Case(path, "", 400, "not valid JSON"),
+            Case(path, b"\xff\xfe\x00{\x80}", 400, "not valid JSON"),
+            Case(path, "[" * 100_000 + "]" * 100_000, 400, "nested too deeply"),
+            Case(path, [1, 2], 400, "object"),
+            Case(path, "null", 400, "object"),
+        ]
+    return out
+
+
+def generate_cases() -> list[Case]:
+    def g(body: dict, needle: str, status: int = 400) -> Case:
+        return Case("/generate", body, status, needle)
+
+    def sp(params: dict, needle: str) -> Case:
+        return g({"text": "hi", "sampling_params": params}, needle)
+
+    return [
+        g({}, "exactly one of 'text' and 'input_ids'"),
+        g({"text": "hi", "input_ids": [1]}, "exactly one of 'text' and 'input_ids'"),
+        g({"text": 5}, "'text' must be a string"),
+        g({"text": ["a", 5]}, "'text' must be a string"),
+        g({"text": ""}, "prompt is empty"),
+        g({"text": []}, "the batch is empty"),
+        g({"input_ids": []}, "'input_ids' must be a non-empty list"),
+        g({"input_ids": [[5, 6], []]}, "prompt is empty"),
+        g({"input_ids": [-1]}, "outside the vocabulary"),
+        g({"input_ids": [10**30]}, "outside the vocabulary"),
+        g({"input_ids": [1.5]}, "'input_ids' must be"),
+        g({"input_ids": [True]}, "'input_ids' must be"),
+        g({"input_ids": [[[1]]]}, "'input_ids' must be"),
+        g({"input_ids": [[7]] * 5000}, "at most 4096"),
+        g({"input_ids": [7] * 5000}, "context length"),
+        g({"text": "hi " * 3000}, "context length"),
+        g({"text": "a\ud800b"}, "not valid Unicode"),
+        g({"text": "hi", "sampling_params": "greedy"}, "'sampling_params' has an invalid value"),
+        g({"text": ["a", "b"], "sampling_params": [{}]}, "has 1 entries but the batch has 2"),
+        sp({"max_new_tokens": -1}, "max_new_tokens"),
+        sp({"max_new_tokens": 10**12}, "exceeds the model's maximum context length"),
+        sp({"max_new_tokens": "10"}, "max_new_tokens"),
+        sp({"max_new_tokens": True}, "max_new_tokens"),
+        sp({"max_new_tokens": 2.5}, "max_new_tokens"),
+        sp({"max_new_tokens": NAN}, "max_new_tokens"),
+        sp({"temperature": NAN}, "temperature"),
+        sp({"temperature": INF}, "temperature must be a finite number"),
+        sp({"temperature": -INF}, "temperature"),
+        sp({"temperature": "hot"}, "temperature"),
+        sp({"temperature": True}, "temperature"),
+        sp({"top_p": 0}, "top_p"),
+        sp({"top_p": NAN}, "top_p"),
+        sp({"top_k": 0}, "top_k"),
+        sp({"top_k": 1.5}, "top_k"),
+        sp({"top_k": "3"}, "top_k"),
+        sp({"min_p": 2}, "min_p"),
+        sp({"seed": "x"}, "seed"),
+        sp({"seed": 1.5}, "seed"),
+        sp({"n": 10**6}, "at most 128"),
+        sp({"n": 0}, "n must be a positive integer"),
+        sp({"n": "2"}, "n must be a positive integer"),
+        sp({"stop": 5}, "stop must be a string"),
+        sp({"stop_token_ids": [-1]}, "outside the vocabulary"),
+        sp({"stop_token_ids": "x"}, "stop_token_ids"),
+        sp({"frequency_penalty": 1}, "not supported"),
+        sp({"beam_width": 4}, "unknown field"),
+        g({"text": "hi", "return_logprob": "yes"}, "return_logprob"),
+        g({"text": "hi", "logprob_start_len": -5}, "logprob_start_len"),
+        g({"text": "hi", "logprob_start_len": "0"}, "logprob_start_len"),
+        g({"text": "hi", "return_logprob": True, "top_logprobs_num": 1000}, "at most 20"),
+        g({"text": "hi", "top_logprobs_num": -1}, "top_logprobs_num"),
+        g({"text": "hi", "top_logprobs_num": True}, "top_logprobs_num"),
+        g({"text": "hi", "lora_path": 5}, "lora_path"),
+        g({"text": "hi", "lora_path": "nope"}, "not loaded: nope"),
+        g({"text": ["a", "b"], "lora_path": ["keep"]}, "has 1 entries"),
+        g({"text": "hi", "rid": 5}, "'rid'"),
+        g({"text": "hi", "rid": ""}, "'rid'"),
+        g({"text": "hi", "rid": ["a"]}, "'rid' must be a string"),
+        g({"text": "hi", "stream": "yes"}, "'stream' must be a boolean"),
+        g({"text": "hi", "stream": True, "sampling_params": {"top_p": 0}}, "top_p"),
+        g({"text": "hi", "priority": 1}, "unknown field"),
+        # Accepted: beyond-vocabulary top_k means no top-k; huge seeds and starts are clamped.
+        g({"text": "hi", "sampling_params": {"top_k": 10**30, "max_new_tokens": 2}}, "", 200),
+        g({"text": "hi", "sampling_params": {"seed": -(10**40), "max_new_tokens": 2}}, "", 200),
+        g({"text": "hi", "return_logprob": True, "logprob_start_len": 10**12,
+           "sampling_params": {"max_new_tokens": 1}}, "", 200),
+    ]
+
+
+def completion_cases() -> list[Case]:
+    def c(extra: dict, needle: str, status: int = 400, prompt: Any = "hi") -> Case:
+        body = {"model": "default", "prompt": prompt, **extra}
+        if prompt is None:
+            body.pop("prompt")
+        return Case("/v1/completions", body, status, needle)
+
+    return [
+        c({}, "'prompt' is a required field", prompt=None),
+        c({}, "prompt must be a string", prompt=5),
+        c({}, "prompt must not be an empty list", prompt=[]),
+        c({}, "prompt is empty", prompt=""),
+        c({}, "prompt is empty", prompt=[[5], []]),
+        c({}, "prompt must be a string", prompt=[1.5]),
+        c({}, "prompt must be a string", prompt=[True]),
+        c({}, "prompt must be a string", prompt=[1, "a"]),
+        c({}, "at most 4096", prompt=[[7]] * 5000),
+        c({}, "context length", prompt="hi " * 3000),
+        c({}, "not valid Unicode", prompt="a\ud800b"),
+        c({"n": 10**6}, "n: Input should be less than or equal to 128"),
+        c({"n": 0}, "n:"),
+        c({"n": True}, "n: expected a number, not a boolean"),
+        c({"max_tokens": 10**12}, "exceeds the model's maximum context length"),
+        c({"max_tokens": -1}, "max_tokens"),
+        c({"max_tokens": "ten"}, "max_tokens: expected a number, not a string"),
+        c({"max_tokens": True}, "max_tokens: expected a number, not a boolean"),
+        c({"max_tokens": NAN}, "max_tokens"),
+        c({"max_tokens": 1.5}, "max_tokens"),
+        c({"temperature": NAN}, "temperature"),
+        c({"temperature": INF}, "temperature must be a finite number"),
+        c({"temperature": -0.5}, "temperature"),
+        c({"temperature": "0.5"}, "temperature: expected a number"),
+        c({"top_p": 0}, "top_p"),
+        c({"top_p": INF}, "top_p"),
+        c({"logprobs": -1}, "logprobs"),
+        c({"logprobs": 1000}, "logprobs must be at most 20"),
+        c({"logprobs": "2"}, "logprobs: expected a number"),
+        c({"echo": "yes"}, "echo: expected true or false"),
+        c({"stream": 1}, "stream: expected true or false"),
+        c({"stream_options": 5}, "stream_options"),
+        c({"seed": "3"}, "seed: expected a number"),
+        c({"stop": 5}, "stop"),
+        c({"top_k": 0}, "top_k"),
+        c({"min_p": -1}, "min_p"),
+        c({"presence_penalty": 1.0}, "presence_penalty is not supported"),
+        c({"repetition_penalty": NAN}, "repetition_penalty"),
+        c({"logit_bias": {"1": 5}}, "logit_bias"),
+        c({"best_of": 3}, "best_of"),
+        c({"suffix": "x"}, "suffix"),
+        c({"model": 5}, "model"),
+        c({"model": "nope"}, "does not exist", 404),
+        c({"model": "default:nope"}, "not loaded: nope", 404),
+        c({"lora_path": "nope"}, "not loaded: nope", 404),
+        c({"lora_path": ["keep", None]}, "lora_path has 2 entries"),
+        c({"max_tokens": 2, "top_k": 10**30, "temperature": 0}, "", 200),
+    ]
+
+
+def chat_cases() -> list[Case]:
+    def ch(extra: dict, needle: str, status: int = 400, messages: Any = MSG) -> Case:
+        body = {"model": "default", "messages": messages, **extra}
+        if messages is None:
+            body.pop("messages")
+        return Case("/v1/chat/completions", body, status, needle)
+
+    return [
+        ch({}, "'messages' is a required field", messages=None),
+        ch({}, "messages", messages=[]),
+        ch({}, "messages", messages="hi"),
+        ch({}, "messages", messages=[5]),
+        ch({}, "messages.0.role", messages=[{"content": "hi"}]),
+        ch({}, "must be one of", messages=[{"role": "wizard", "content": "hi"}]),
+        ch({}, "messages.0.content", messages=[{"role": "user", "content": 5}]),
+        ch({}, "only text parts", messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]),
+        ch({}, "only text parts", messages=[{"role": "user", "content": [{"type": "text"}]}]),
+        ch({}, "not valid Unicode", messages=[{"role": "user", "content": "a\ud800b"}]),
+        ch({}, "context length", messages=[{"role": "user", "content": "hi " * 3000}]),
+        ch({"n": 10**6}, "n: Input should be less than or equal to 128"),
+        ch({"max_tokens": 10**12}, "exceeds the model's maximum context length"),
+        ch({"max_completion_tokens": -1}, "max_completion_tokens"),
+        ch({"max_tokens": False}, "max_tokens: expected a number, not a boolean"),
+        ch({"temperature": INF}, "temperature must be a finite number"),
+        ch({"temperature": NAN}, "temperature"),
+        ch({"top_logprobs": 1000, "logprobs": True}, "top_logprobs"),
+        ch({"top_logprobs": -1, "logprobs": True}, "top_logprobs"),
+        ch({"top_logprobs": 2}, "requires logprobs"),
+        ch({"logprobs": 1}, "logprobs: expected true or false"),
+        ch({"tools": [{"type": "function"}]}, "tools"),
+        ch({"response_format": {"type": "json_object"}}, "response_format"),
+        ch({"lora_path": ["keep"]}, "lora_path must be a string"),
+        ch({"chat_template_kwargs": 5}, "chat_template_kwargs"),
+        ch({"model": "nope"}, "does not exist", 404),
+        ch({"model": "default:nope"}, "not loaded: nope", 404),
+        ch({"max_tokens": 2, "temperature": 0}, "", 200, messages=[{"role": "user", "content": ""}]),
+    ]
+
+
+def adapter_cases(paths: dict[str, str], tmp: str) -> list[Case]:
+    out: list[Case] = []
+    for i, path in enumerate(LOAD):
+        def load(name: str, lora_path: Any, needle: str, **extra: Any) -> Case:
+            return Case(path, {"lora_name": name, "lora_path": lora_path, **extra}, 400, needle)
+
+        out += [
+            Case(path, {"lora_name": "x"}, 400, "must be provided"),
+            Case(path, {"lora_path": paths["good"]}, 400, "must be provided"),
+            load("", paths["good"], "non-empty string"),
+            load(5, paths["good"], "'lora_name' must be a non-empty string"),
+            load("x", 5, "'lora_path' must be a non-empty string"),
+            load("x", paths["good"], "'pinned' must be a boolean", pinned="yes"),
+            load("x", paths["good"], "unknown field", rank=8),
+            load("keep", paths["good"], "already loaded"),
+            load("default", paths["good"], "base model"),
+            load("x", os.path.join(tmp, "nowhere"), "does not exist"),
+            load("x", os.path.join(paths["good"], "adapter_config.json"), "not a directory"),
+        ]
+        for variant, needle in [
+            ("no_config", "no adapter_config.json"), ("bad_config", "Cannot read"), ("zero_rank", "must be positive"),
+            ("no_weights", "no adapter_model.safetensors"), ("truncated", "truncated or corrupt"),
+            ("wrong_shape", "has shape"), ("rank32", "rank 32"), ("down", "down_proj"), ("dora", "DoRA"),
+            ("modules_to_save", "modules_to_save"), ("rank_pattern", "per-module"),
+        ]:
+            out.append(load(f"bad-{variant}-{i}", paths[variant], needle))
+    for path in UNLOAD:
+        out += [
+            Case(path, {"lora_name": "never-loaded"}, 404, "cannot be found"),
+            Case(path, {}, 400, "'lora_name'"),
+            Case(path, {"lora_name": 5}, 400, "'lora_name'"),
+            Case(path, {"lora_name": "keep", "force": True}, 400, "unknown field"),
+        ]
+    return out
+
+
+def misc_cases() -> list[Case]:
+    return [
+        Case("/abort_request", {}, 400, "'rid'"),
+        Case("/abort_request", {"rid": 5}, 400, "'rid'"),
+        Case("/abort_request", {"rid": "not-running"}, 200, ""),  # nothing to abort: a no-op
+        Case("/debug/inject_fault", {}, 400, "rid_substring"),
+        Case("/debug/inject_fault", {"rid_substring": "zz-never", "where": "nowhere"}, 400, "'where' must be one of"),
+        Case("/generate", None, 405, "not allowed", method="GET"),
+        Case("/v1/nothing-here", {}, 404, "Not found"),
+        Case("/get_server_info", None, 405, "not allowed", method="POST"),
+    ]
+
+
+def auth_cases() -> list[Case]:
+    """Against the API-key server: every route but /health needs the key."""
+    out = []
+    posts = GEN + LOAD + UNLOAD + ("/abort_request",)
+    gets = ("/get_server_info", "/get_model_info", "/v1/models", "/health_generate")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"bearer {API_KEY}"},
+                    {"Authorization": API_KEY}):
+        out += [Case(p, {"text": "hi"}, 401, "API key", headers=headers) for p in posts]
+        out += [Case(p, None, 401, "API key", method="GET", headers=headers) for p in gets]
+    good = {"Authorization": f"Bearer {API_KEY}"}
+    out += [
+        Case("/health", None, 200, "", method="GET"),
+        Case("/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": 1}, 200, "", headers=good),
+        Case("/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens", headers=good),
+    ]
+    return out

@@ -1,0 +1,227 @@
+"""Bad input on every endpoint, table-driven, against one real server (CPU) plus an API-key server.
+
+Every case sends one request and expects a 4xx in the OpenAI envelope
+`{"error": {"message", "type", "param", "code"}}` whose message names the problem (adapter endpoints
+also carry `{success: false, error_message, loaded_adapters}`); a few cases are inputs the server
+must *accept* (e.g. `top_k` beyond the vocabulary means no top-k), expected as 200. After every case
+the server must still be healthy and a probe (greedy tokens and logprobs of the base model and an
+adapter, each run alone) must answer identically to the probe taken before the first case.
+Covered: malformed JSON, non-UTF-8 bodies, deep nesting, non-object bodies, wrong JSON types
+(strings, booleans, NaN, infinities where numbers belong), absurd sizes (`n=10**6`,
+`max_tokens=10**12`, `top_logprobs=1000`, `logprobs=-1`, 5000-prompt batches, prompts beyond the
+context), empty prompts and messages, unknown roles, lone surrogates, unknown adapters, every
+refused adapter load (missing files, truncated safetensors, wrong tensor shapes, rank above the
+pool's, modules outside it, DoRA, modules_to_save, broken config, duplicate name), unloading an
+unknown adapter and one with a request in flight (it waits, then succeeds), and missing or wrong
+API keys.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import threading
+import time
+from typing import Any, Callable, Optional
+
+import pytest
+import requests
+
+import reliability_lib  # noqa: F401  (puts the LoRA helpers on sys.path)
+from bad_input_cases import (
+    API_KEY,
+    LOAD,
+    POOL_MODULES,
+    TYPES,
+    UNLOAD,
+    Case,
+    adapter_cases,
+    auth_cases,
+    body_cases,
+    chat_cases,
+    completion_cases,
+    generate_cases,
+    misc_cases,
+)
+from lora_server_testlib import PROMPTS, greedy, tiny_lora_checkpoint, write_adapter
+from lora_testlib import edit_adapter_config
+from reliability_lib import assert_no_leaks, wait_idle
+from server_helpers import kill_server, popen_launch_server, read_log
+
+
+# ---------------------------------------------------------------------------- fixtures
+@pytest.fixture(scope="module")
+def ckpt() -> str:
+    return tiny_lora_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def adapters(ckpt, tmp_path_factory) -> dict[str, str]:
+    root = str(tmp_path_factory.mktemp("bad-adapters"))
+    paths = {
+        "keep": write_adapter(ckpt, f"{root}/keep", r=8, target_modules=["q_proj", "v_proj"], seed=41),
+        "good": write_adapter(ckpt, f"{root}/good", r=16, target_modules=POOL_MODULES, seed=42),
+        "rank32": write_adapter(ckpt, f"{root}/rank32", r=32, target_modules=["q_proj"], seed=43),
+        "down": write_adapter(ckpt, f"{root}/down", r=4, target_modules=["down_proj"], seed=44),
+    }
+
+    def variant(name: str, change: Optional[Callable[[str], None]] = None, **config: Any) -> None:
+        path = paths[name] = f"{root}/{name}"
+        shutil.copytree(paths["good"], path)
+        if config:
+            edit_adapter_config(path, **config)
+        if change is not None:
+            change(path)
+
+    def truncate(path: str) -> None:
+        file = f"{path}/adapter_model.safetensors"
+        data = open(file, "rb").read()
+        open(file, "wb").write(data[: len(data) // 2])
+
+    def reshape(path: str) -> None:  # one lora_A with a wrong input width, as if for another base model
+        from safetensors.torch import load_file, save_file
+
+        file = f"{path}/adapter_model.safetensors"
+        tensors = load_file(file)
+        name = next(k for k in sorted(tensors) if k.endswith("q_proj.lora_A.weight"))
+        tensors[name] = tensors[name][:, :48].contiguous()
+        save_file(tensors, file)
+
+    variant("no_config", lambda p: os.remove(f"{p}/adapter_config.json"))
+    variant("bad_config", lambda p: open(f"{p}/adapter_config.json", "w").write('{"r": 16,'))
+    variant("zero_rank", r=0)
+    variant("no_weights", lambda p: os.remove(f"{p}/adapter_model.safetensors"))
+    variant("truncated", truncate)
+    variant("wrong_shape", reshape)
+    variant("dora", use_dora=True)
+    variant("modules_to_save", modules_to_save=["lm_head"])
+    variant("rank_pattern", rank_pattern={"q_proj": 4})
+    return paths
+
+
+@pytest.fixture(scope="module")
+def server(ckpt, adapters):
+    proc, url = popen_launch_server(ckpt, [
+        "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native", "--enable-test-hooks",
+        "--max-loras-per-batch", "3", "--max-lora-rank", "16", "--lora-target-modules", *POOL_MODULES,
+        "--lora-paths", f"keep={adapters['keep']}",
+    ])
+    yield proc, url
+    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def key_server(ckpt):
+    proc, url = popen_launch_server(ckpt, ["--device", "cpu", "--dtype", "float32"], api_key=API_KEY)
+    yield proc, url
+    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+
+
+# ---------------------------------------------------------------------------- tests
+def probe(url: str) -> tuple:
+    return greedy(url, PROMPTS[0], None, n=4), greedy(url, PROMPTS[1], "keep", n=4)
+
+
+def adapter_names(url: str) -> list[str]:
+    r = requests.get(f"{url}/v1/models", timeout=30)
+    return sorted(m["id"] for m in r.json()["data"] if m.get("parent"))
+
+
+def check(case: Case, r: requests.Response) -> Optional[str]:
+    """What is wrong with the reply to `case`, or None."""
+    if r.status_code != case.status:
+        return f"status {r.status_code} (expected {case.status}): {r.text[:300]}"
+    if case.status == 200:
+        return None
+    try:
+        body = r.json()
+    except ValueError:
+        return f"not JSON: {r.text[:300]}"
+    err = body.get("error") if isinstance(body, dict) else None
+    if not isinstance(err, dict) or set(err) != {"message", "type", "param", "code"}:
+        return f"no OpenAI error envelope: {body}"
+    if err["type"] != TYPES[case.status]:
+        return f"error type {err['type']!r}: {err}"
+    if case.needle.lower() not in err["message"].lower():
+        return f"message does not name the problem ({case.needle!r}): {err['message']!r}"
+    if case.path in LOAD + UNLOAD and case.status != 401 and not (body.get("success") is False and body.get("error_message") == err["message"]
+                                           and isinstance(body.get("loaded_adapters"), dict)):
+        return f"adapter reply without success/error_message/loaded_adapters: {body}"
+    return None
+
+
+def run_matrix(url: str, cases: list[Case], after_each: Callable[[], Optional[str]]) -> list[str]:
+    failures = []
+    for case in cases:
+        try:
+            problem = check(case, case.send(url))
+        except requests.RequestException as e:
+            problem = f"no reply: {e!r}"
+        problem = problem or after_each()
+        if problem:
+            failures.append(f"{case}: {problem}")
+    return failures
+
+
+def test_bad_input_matrix(server, adapters, tmp_path, capsys) -> None:
+    proc, url = server
+    cases = (body_cases() + generate_cases() + completion_cases() + chat_cases()
+             + adapter_cases(adapters, str(tmp_path)) + misc_cases())
+    before = probe(url)
+    loaded = {"keep": adapters["keep"]}
+
+    def still_serving() -> Optional[str]:
+        if proc.poll() is not None:
+            return "the server died"
+        if probe(url) != before:
+            return "the probe answers differently now"
+        if adapter_names(url) != sorted(loaded):
+            return f"the loaded adapters changed: {adapter_names(url)}"
+        return None
+
+    failures = run_matrix(url, cases, still_serving)
+    with capsys.disabled():
+        print(f"\n[bad-input] {len(cases)} cases against the LoRA server, {len(failures)} failed")
+    assert not failures, "\n".join(failures)
+    info = wait_idle(url)
+    assert_no_leaks(info)
+    assert info["num_forward_failures"] == 0  # no bad input reached the model and broke a batch
+
+
+def test_api_key_matrix(key_server, capsys) -> None:
+    proc, url = key_server
+    cases = auth_cases()
+    failures = run_matrix(url, cases, lambda: "the server died" if proc.poll() is not None else None)
+    with capsys.disabled():
+        print(f"\n[bad-input] {len(cases)} cases against the API-key server, {len(failures)} failed")
+    assert not failures, "\n".join(failures)
+
+
+def test_unload_with_a_request_in_flight_waits_then_succeeds(server, adapters) -> None:
+    url = server[1]
+    assert requests.post(f"{url}/load_lora_adapter", json={"lora_name": "busy", "lora_path": adapters["good"]},
+                         timeout=60).status_code == 200
+    n = 48
+    body = {"input_ids": PROMPTS[2], "lora_path": "busy", "stream": True,
+            "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
+    stream = requests.post(f"{url}/generate", json=body, stream=True, timeout=120)
+    lines = (line for line in stream.iter_lines(decode_unicode=True) if line.startswith("data: "))
+    assert json.loads(next(lines)[6:])["meta_info"]["finish_reason"] is None  # running now
+    unload: dict = {}
+    t = threading.Thread(target=lambda: unload.update(
+        r=requests.post(f"{url}/unload_lora_adapter", json={"lora_name": "busy"}, timeout=120)))
+    t.start()
+    deadline = time.monotonic() + 30
+    while "busy" in adapter_names(url) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert "busy" not in adapter_names(url)  # the unload has begun: no new request may use it ...
+    midway = json.loads(next(lines)[6:])
+    assert midway["meta_info"]["finish_reason"] is None and "r" not in unload  # ... but it waits
+    events = [json.loads(line[6:]) for line in lines if line != "data: [DONE]"]
+    t.join(60)
+    assert events[-1]["meta_info"]["completion_tokens"] == n  # the request completed in full,
+    assert unload["r"].status_code == 200 and unload["r"].json()["success"] is True  # then the unload
+    refused = requests.post(f"{url}/generate", json={"input_ids": PROMPTS[2], "lora_path": "busy"}, timeout=30)
+    assert refused.status_code == 400 and "not loaded: busy" in refused.json()["error"]["message"]
+    assert_no_leaks(wait_idle(url))
