@@ -426,7 +426,8 @@ class ServerArgs:
         g.add_argument("--schedule-policy", default=default("schedule_policy"), choices=("fcfs",))
         g.add_argument("--decode-log-interval", type=int, default=default("decode_log_interval"))
         g.add_argument("--enable-deterministic-inference", action="store_true",
-                       help="Prefer reproducible kernels over speed.")
+                       help="Prefer reproducible numerics over speed (no reduced-precision "
+                            "reductions in cuBLAS GEMMs, so results depend less on batch shape).")
         g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
                        help="Default: triton on CUDA, torch_native on CPU.")
 

@@ -48,6 +48,11 @@ class ModelRunner:
         self.device = torch.device(f"cuda:{gpu_id}" if device == "cuda" else device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+            if server_args.enable_deterministic_inference:
+                # Reduced-precision split-K reductions let a GEMM's result depend on its M (the
+                # padded token count of a graph bucket vs the live count of an eager pass).
+                torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+                torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
         set_random_seed(server_args.random_seed)
 
         self.model_config = ModelConfig.from_pretrained(server_args.model_path, server_args)
