@@ -7,8 +7,6 @@ Generic on purpose: other suites (LoRA, CUDA graphs, scheduler) may import it.
 from __future__ import annotations
 
 import copy
-import os
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -25,24 +23,9 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.runner_output import ModelRunnerOutput
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
-from sglang.srt.tools.make_checkpoint import make_checkpoint
+from server_helpers import tiny_checkpoint  # one disk-cached implementation for every suite
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
-
-_CKPT_ROOT: Optional[str] = None
-_CKPT_CACHE: dict[tuple, str] = {}
-
-
-def tiny_checkpoint(arch: str = "qwen3", **kwargs: Any) -> str:
-    """A tiny random checkpoint, written once per test session for each distinct argument set."""
-    global _CKPT_ROOT
-    key = (arch, tuple(sorted((k, repr(v)) for k, v in kwargs.items())))
-    if key not in _CKPT_CACHE:
-        if _CKPT_ROOT is None:
-            _CKPT_ROOT = tempfile.mkdtemp(prefix="sglang-test-ckpt-")
-        path = os.path.join(_CKPT_ROOT, f"{arch}-{len(_CKPT_CACHE)}")
-        _CKPT_CACHE[key] = make_checkpoint(path, arch=arch, preset="tiny", **kwargs)
-    return _CKPT_CACHE[key]
 
 
 def make_runner(model_path: str, **overrides: Any) -> ModelRunner:

@@ -120,14 +120,24 @@ def cache_dir_for_tests() -> str:
     return path
 
 
-def tiny_checkpoint(arch: str = "qwen3", seed: int = 0) -> str:
+def tiny_checkpoint(arch: str = "qwen3", seed: int = 0, **overrides) -> str:
     """A tiny random checkpoint (with tokenizer and chat template) made by make_checkpoint, built
-    once per machine."""
+    once per machine for each distinct argument set (`overrides` are config fields)."""
+    import hashlib
+    import json
+
     from sglang.srt.tools.demo import materialize_once
     from sglang.srt.tools.make_checkpoint import make_checkpoint
 
-    path = os.path.join(cache_dir_for_tests(), f"tiny-{arch}-seed{seed}")
-    materialize_once(path, lambda tmp: make_checkpoint(tmp, arch=arch, preset="tiny", seed=seed, with_weights=True))
+    name = f"tiny-{arch}-seed{seed}"
+    if overrides:
+        key = json.dumps(overrides, sort_keys=True, default=repr).encode()
+        name += "-" + hashlib.sha1(key).hexdigest()[:10]
+    path = os.path.join(cache_dir_for_tests(), name)
+    materialize_once(
+        path,
+        lambda tmp: make_checkpoint(tmp, arch=arch, preset="tiny", seed=seed, with_weights=True, **overrides),
+    )
     return path
 
 
