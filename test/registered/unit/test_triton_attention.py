@@ -321,6 +321,21 @@ def test_backend_extend_pool_path_equals_input_path():
     assert (outs[0] - outs[1]).abs().max().item() < 1e-6
 
 
+def test_decode_with_more_rows_than_live_requests():
+    """A breakable decode replay gives attention the bucket's q rows but only the live requests'
+    metadata: the live rows are computed as eagerly, the padding rows are left alone."""
+    s = Setup(H=4, KVH=2, D=64)
+    for row, n in ((1, 9), (2, 30)):
+        s.cache_prefix(row, n)
+    live = s.decode_batch(rows=[2, 1])
+    q, k, v = s.qkv(4)  # bucket of 4, 2 live requests
+    s.backend.init_forward_metadata(live)
+    padded = s.backend.forward_decode(q, k, v, s.layer, live)
+    assert padded.shape == (4, 4 * 64)
+    exact = s.backend.forward_decode(q[:2], k[:2], v[:2], s.layer, live)
+    assert torch.equal(padded[:2], exact)
+
+
 # ---------------------------------------------------------------------------------- graph hooks
 def test_decode_static_buffers_replay_matches_eager():
     """Capture hook at bs=4, then replays with 2 and 3 live requests: what a graph replay reads."""

@@ -181,15 +181,17 @@ class TritonAttnBackend(AttentionBackend):
         forward_batch: ForwardBatch,
     ) -> torch.Tensor:
         num_heads, _, head_dim = self._shapes(layer)
-        bs = q.shape[0]
-        o = torch.empty((bs, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        rows = q.shape[0]
+        o = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
         meta = self.forward_metadata
-        if bs == 0 or meta is None:
-            return o.view(bs, num_heads * head_dim)
-        assert meta.seq_lens.numel() >= bs, "decode metadata shorter than the batch"
+        if rows == 0 or meta is None:
+            return o.view(rows, num_heads * head_dim)
+        # Inside a breakable decode replay q has the bucket's rows but the metadata only the live
+        # requests': compute those, leave the padding rows alone (their outputs are dropped).
+        bs = min(rows, meta.seq_lens.numel())
         decode_attention_fwd(
-            q.reshape(bs, num_heads, head_dim),
-            o,
+            q[:bs].reshape(bs, num_heads, head_dim),
+            o[:bs],
             self.token_to_kv_pool.get_key_buffer(layer.layer_id),
             self.token_to_kv_pool.get_value_buffer(layer.layer_id),
             self.req_to_token_pool.req_to_token,
@@ -198,7 +200,7 @@ class TritonAttnBackend(AttentionBackend):
             sm_scale=layer.scaling,
             num_kv_splits=self.num_kv_splits,
         )
-        return o.view(bs, num_heads * head_dim)
+        return o.view(rows, num_heads * head_dim)
 
     # ------------------------------------------------------------------ CUDA graph hooks
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
