@@ -12,7 +12,8 @@ import requests
 import torch
 
 from lora_testlib import write_peft_adapter
-from server_helpers import cache_dir_for_tests
+from helpers import hf_model
+from server_helpers import tiny_checkpoint
 
 # name -> write_peft_adapter kwargs: ranks 4, 8 and 16; one on q/v only, one on all-linear (rsLoRA).
 ADAPTERS: dict[str, dict[str, Any]] = {
@@ -31,26 +32,79 @@ TIMEOUT = 300
 
 def tiny_lora_checkpoint(arch: str) -> str:
     """A tiny random checkpoint with hidden size 64 (tokenizer included), built once per machine."""
-    from sglang.srt.tools.demo import materialize_once
-    from sglang.srt.tools.make_checkpoint import make_checkpoint
-
-    path = os.path.join(cache_dir_for_tests(), f"tiny-{arch}-h64-seed0")
-    materialize_once(path, lambda tmp: make_checkpoint(
-        tmp, arch=arch, preset="tiny", seed=0, with_weights=True, hidden_size=64, intermediate_size=128
-    ))
-    return path
-
-
-def hf_model(ckpt: str):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    return tiny_checkpoint(arch, hidden_size=64, intermediate_size=128)
 
 
 def write_adapter(ckpt: str, out_dir: str, **kwargs: Any) -> str:
     """A PEFT adapter for `ckpt`. peft injects its layers into the model it is given, so every
     adapter gets a fresh base model."""
     return write_peft_adapter(out_dir, base_model=hf_model(ckpt), **kwargs)
+
+
+# Modules of the refusal tests' pool (down_proj left out, so an adapter on it is refused).
+POOL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
+
+
+def write_adapter_zoo(ckpt: str, root: str, seed: int) -> dict[str, str]:
+    """Adapters for load/refusal tests against a pool of rank 16 on POOL_MODULES: the loadable
+    `keep` (r8 q/v) and `good` (r16 on the pool's modules), and one adapter per refusal reason:
+    rank32, down (a module outside the pool), dora, modules_to_save, rank_pattern, added_tokens,
+    no_config, bad_config, zero_rank, no_weights, truncated, wrong_shape."""
+    import shutil
+
+    from lora_testlib import edit_adapter_config
+    from safetensors.torch import load_file, save_file
+
+    paths = {
+        "keep": write_adapter(ckpt, f"{root}/keep", r=8, target_modules=["q_proj", "v_proj"], seed=seed),
+        "good": write_adapter(ckpt, f"{root}/good", r=16, target_modules=POOL_MODULES, seed=seed + 1),
+        "rank32": write_adapter(ckpt, f"{root}/rank32", r=32, target_modules=["q_proj"], seed=seed + 2),
+        "down": write_adapter(ckpt, f"{root}/down", r=4, target_modules=["down_proj"], seed=seed + 3),
+    }
+
+    def variant(name: str, change=None, **config: Any) -> None:
+        path = paths[name] = f"{root}/{name}"
+        shutil.copytree(paths["good"], path)
+        if config:
+            edit_adapter_config(path, **config)
+        if change is not None:
+            change(path)
+
+    def truncate(path: str) -> None:
+        file = f"{path}/adapter_model.safetensors"
+        with open(file, "rb") as f:
+            data = f.read()
+        with open(file, "wb") as f:
+            f.write(data[: len(data) // 2])
+
+    def reshape(path: str) -> None:  # one lora_A with a wrong input width, as if for another base model
+        file = f"{path}/adapter_model.safetensors"
+        tensors = load_file(file)
+        name = next(k for k in sorted(tensors) if k.endswith("q_proj.lora_A.weight"))
+        tensors[name] = tensors[name][:, :48].contiguous()
+        save_file(tensors, file)
+
+    def add_tokens(path: str) -> None:
+        with open(f"{path}/added_tokens.json", "w") as f:
+            json.dump({"<new-token>": 600}, f)  # beyond the base vocabulary of 512
+
+    def write_text(name: str, text: str):
+        def change(path: str) -> None:
+            with open(f"{path}/{name}", "w") as f:
+                f.write(text)
+        return change
+
+    variant("dora", use_dora=True)
+    variant("modules_to_save", modules_to_save=["lm_head"])
+    variant("rank_pattern", rank_pattern={"q_proj": 4})
+    variant("added_tokens", add_tokens)
+    variant("no_config", lambda p: os.remove(f"{p}/adapter_config.json"))
+    variant("bad_config", write_text("adapter_config.json", '{"r": 16,'))
+    variant("zero_rank", r=0)
+    variant("no_weights", lambda p: os.remove(f"{p}/adapter_model.safetensors"))
+    variant("truncated", truncate)
+    variant("wrong_shape", reshape)
+    return paths
 
 
 def write_adapters(ckpt: str, root: str, specs: Optional[dict[str, dict[str, Any]]] = None) -> dict[str, str]:

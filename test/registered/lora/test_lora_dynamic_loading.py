@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
 import sys
 import threading
@@ -28,6 +27,7 @@ import pytest
 import requests
 
 from lora_server_testlib import (
+    POOL_MODULES,
     PROMPTS,
     assert_same_answer,
     greedy,
@@ -37,12 +37,10 @@ from lora_server_testlib import (
     post,
     tiny_lora_checkpoint,
     unload_adapter,
-    write_adapter,
+    write_adapter_zoo,
 )
-from lora_testlib import edit_adapter_config
 from server_helpers import PYTHON_DIR, kill_server, popen_launch_server, read_log
 
-POOL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
 
 
 @pytest.fixture(scope="module")
@@ -52,36 +50,7 @@ def ckpt() -> str:
 
 @pytest.fixture(scope="module")
 def adapters(ckpt, tmp_path_factory) -> dict[str, str]:
-    root = str(tmp_path_factory.mktemp("dyn-adapters"))
-    paths = {
-        "keep": write_adapter(ckpt, f"{root}/keep", r=8, target_modules=["q_proj", "v_proj"], seed=31),
-        "cyc": write_adapter(ckpt, f"{root}/cyc", r=16, target_modules=POOL_MODULES, seed=32),
-        "rank32": write_adapter(ckpt, f"{root}/rank32", r=32, target_modules=["q_proj"], seed=33),
-        "down": write_adapter(ckpt, f"{root}/down", r=4, target_modules=["down_proj"], seed=34),
-    }
-
-    def variant(name: str, **config_changes) -> str:
-        path = f"{root}/{name}"
-        shutil.copytree(paths["cyc"], path)
-        if config_changes:
-            edit_adapter_config(path, **config_changes)
-        return path
-
-    paths["dora"] = variant("dora", use_dora=True)
-    paths["modules_to_save"] = variant("modules_to_save", modules_to_save=["lm_head"])
-    paths["rank_pattern"] = variant("rank_pattern", rank_pattern={"q_proj": 4})
-    paths["added_tokens"] = variant("added_tokens")
-    with open(f"{paths['added_tokens']}/added_tokens.json", "w") as f:
-        json.dump({"<new-token>": 600}, f)  # beyond the base vocabulary of 512
-    paths["no_weights"] = variant("no_weights")
-    os.remove(f"{paths['no_weights']}/adapter_model.safetensors")
-    paths["corrupt"] = variant("corrupt")
-    weights = f"{paths['corrupt']}/adapter_model.safetensors"
-    with open(weights, "rb") as f:
-        data = f.read()
-    with open(weights, "wb") as f:
-        f.write(data[: len(data) // 2])  # truncated
-    return paths
+    return write_adapter_zoo(ckpt, str(tmp_path_factory.mktemp("dyn-adapters")), seed=31)
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +135,7 @@ def test_load_use_unload_load_again_while_others_stream(server, adapters) -> Non
     jobs = [("keep", PROMPTS[1], 40), (None, PROMPTS[2], 40), ("keep", PROMPTS[3], 29)]
     with Streamer(url, jobs) as streamer:
         time.sleep(0.3)
-        assert load_adapter(url, "cyc", adapters["cyc"]).json()["success"] is True
+        assert load_adapter(url, "cyc", adapters["good"]).json()["success"] is True
         assert "cyc" in model_ids(url)
         first = greedy(url, PROMPTS[0], "cyc")
         assert first["ids"] != base["ids"]  # the adapter changes the answer
@@ -177,7 +146,7 @@ def test_load_use_unload_load_again_while_others_stream(server, adapters) -> Non
         gone = post(url, "/generate", {"input_ids": PROMPTS[0], "lora_path": "cyc"})
         assert gone.status_code == 400 and "cyc" in gone.json()["error"]["message"]
         for prefix in ("", "/v1"):  # twice: both spellings of the endpoints
-            r = load_adapter(url, "cyc", adapters["cyc"], prefix=prefix)
+            r = load_adapter(url, "cyc", adapters["good"], prefix=prefix)
             assert r.status_code == 200, r.text
             assert_same_answer(greedy(url, PROMPTS[0], "cyc"), first, what="the reloaded adapter")
             assert unload_adapter(url, "cyc", prefix=prefix).status_code == 200
@@ -189,7 +158,7 @@ def test_load_use_unload_load_again_while_others_stream(server, adapters) -> Non
 
 def test_unload_waits_for_in_flight_requests(server, adapters) -> None:
     url = server[1]
-    assert load_adapter(url, "cyc", adapters["cyc"]).status_code == 200
+    assert load_adapter(url, "cyc", adapters["good"]).status_code == 200
     n = 600
     body = {"input_ids": PROMPTS[1], "lora_path": "cyc", "stream": True,
             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
@@ -227,7 +196,7 @@ REFUSALS = [
     ("added_tokens", "vocabulary"),
     ("rank_pattern", "per-module"),
     ("no_weights", "adapter_model.safetensors"),
-    ("corrupt", "adapter_model.safetensors"),
+    ("truncated", "adapter_model.safetensors"),
 ]
 
 
@@ -245,18 +214,18 @@ def test_refused_loads_leave_the_server_unharmed(server, adapters, tmp_path) -> 
         assert f"bad-{name}" in body["error_message"]
         assert body["loaded_adapters"] == {"keep": adapters["keep"]}
     assert_refused(load_adapter(url, "missing", str(tmp_path / "nowhere")), 400, "does not exist")
-    assert_refused(load_adapter(url, "keep", adapters["cyc"]), 400, "already loaded")  # duplicate name
-    assert_refused(load_adapter(url, "default", adapters["cyc"]), 400, "base model")  # a base model alias
+    assert_refused(load_adapter(url, "keep", adapters["good"]), 400, "already loaded")  # duplicate name
+    assert_refused(load_adapter(url, "default", adapters["good"]), 400, "base model")  # a base model alias
     assert_refused(post(url, "/load_lora_adapter", {"lora_name": "x"}), 400, "must be provided")
-    assert_refused(post(url, "/v1/load_lora_adapter", {"lora_path": adapters["cyc"]}), 400, "must be provided")
-    assert_refused(post(url, "/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["cyc"], "rank": 8}),
+    assert_refused(post(url, "/v1/load_lora_adapter", {"lora_path": adapters["good"]}), 400, "must be provided")
+    assert_refused(post(url, "/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["good"], "rank": 8}),
                    400, "unknown field")
     assert_refused(unload_adapter(url, "never-loaded"), 404, "never-loaded")
     assert_refused(unload_adapter(url, "never-loaded", prefix="/v1"), 404, "cannot be found")
     # Pinning: at most --max-loras-per-batch - 1 = 2 adapters, so that a slot stays free.
     for name in ("pin1", "pin2"):
-        assert load_adapter(url, name, adapters["cyc"], pinned=True).status_code == 200
-    assert_refused(load_adapter(url, "pin3", adapters["cyc"], pinned=True), 400, "pinned")
+        assert load_adapter(url, name, adapters["good"], pinned=True).status_code == 200
+    assert_refused(load_adapter(url, "pin3", adapters["good"], pinned=True), 400, "pinned")
     assert lora_info(url)["pinned_adapters"] == ["pin1", "pin2"]
     for name in ("pin1", "pin2"):
         assert unload_adapter(url, name).status_code == 200

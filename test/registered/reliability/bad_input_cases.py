@@ -13,7 +13,6 @@ from typing import Any, Optional
 
 import requests
 
-POOL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
 API_KEY = "sk-reliability"
 NAN, INF = float("nan"), float("inf")
 GEN = ("/generate", "/v1/completions", "/v1/chat/completions")

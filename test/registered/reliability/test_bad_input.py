@@ -19,11 +19,9 @@ API keys.
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import threading
 import time
-from typing import Any, Callable, Optional
+from typing import Callable, Optional
 
 import pytest
 import requests
@@ -32,7 +30,6 @@ import reliability_lib  # noqa: F401  (puts the LoRA helpers on sys.path)
 from bad_input_cases import (
     API_KEY,
     LOAD,
-    POOL_MODULES,
     TYPES,
     UNLOAD,
     Case,
@@ -44,8 +41,7 @@ from bad_input_cases import (
     generate_cases,
     misc_cases,
 )
-from lora_server_testlib import PROMPTS, greedy, tiny_lora_checkpoint, write_adapter
-from lora_testlib import edit_adapter_config
+from lora_server_testlib import POOL_MODULES, PROMPTS, greedy, tiny_lora_checkpoint, write_adapter_zoo
 from reliability_lib import assert_no_leaks, wait_idle
 from server_helpers import kill_server, popen_launch_server, read_log
 
@@ -58,46 +54,7 @@ def ckpt() -> str:
 
 @pytest.fixture(scope="module")
 def adapters(ckpt, tmp_path_factory) -> dict[str, str]:
-    root = str(tmp_path_factory.mktemp("bad-adapters"))
-    paths = {
-        "keep": write_adapter(ckpt, f"{root}/keep", r=8, target_modules=["q_proj", "v_proj"], seed=41),
-        "good": write_adapter(ckpt, f"{root}/good", r=16, target_modules=POOL_MODULES, seed=42),
-        "rank32": write_adapter(ckpt, f"{root}/rank32", r=32, target_modules=["q_proj"], seed=43),
-        "down": write_adapter(ckpt, f"{root}/down", r=4, target_modules=["down_proj"], seed=44),
-    }
-
-    def variant(name: str, change: Optional[Callable[[str], None]] = None, **config: Any) -> None:
-        path = paths[name] = f"{root}/{name}"
-        shutil.copytree(paths["good"], path)
-        if config:
-            edit_adapter_config(path, **config)
-        if change is not None:
-            change(path)
-
-    def truncate(path: str) -> None:
-        file = f"{path}/adapter_model.safetensors"
-        data = open(file, "rb").read()
-        open(file, "wb").write(data[: len(data) // 2])
-
-    def reshape(path: str) -> None:  # one lora_A with a wrong input width, as if for another base model
-        from safetensors.torch import load_file, save_file
-
-        file = f"{path}/adapter_model.safetensors"
-        tensors = load_file(file)
-        name = next(k for k in sorted(tensors) if k.endswith("q_proj.lora_A.weight"))
-        tensors[name] = tensors[name][:, :48].contiguous()
-        save_file(tensors, file)
-
-    variant("no_config", lambda p: os.remove(f"{p}/adapter_config.json"))
-    variant("bad_config", lambda p: open(f"{p}/adapter_config.json", "w").write('{"r": 16,'))
-    variant("zero_rank", r=0)
-    variant("no_weights", lambda p: os.remove(f"{p}/adapter_model.safetensors"))
-    variant("truncated", truncate)
-    variant("wrong_shape", reshape)
-    variant("dora", use_dora=True)
-    variant("modules_to_save", modules_to_save=["lm_head"])
-    variant("rank_pattern", rank_pattern={"q_proj": 4})
-    return paths
+    return write_adapter_zoo(ckpt, str(tmp_path_factory.mktemp("bad-adapters")), seed=41)
 
 
 @pytest.fixture(scope="module")
