@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -301,6 +302,17 @@ class ServerArgs:
         if self.attention_backend is not None:
             return self.attention_backend
         return "triton" if self.resolved_device() == "cuda" else "torch_native"
+
+    def resolved_lora_backend(self) -> str:
+        """The LoRA backend that can run here. The Triton backends (csgmv, triton) need a GPU, or
+        the Triton interpreter (TRITON_INTERPRET=1) on a CPU; without either, torch_native."""
+        if (
+            self.lora_backend != "torch_native"
+            and self.resolved_device() == "cpu"
+            and os.environ.get("TRITON_INTERPRET") != "1"
+        ):
+            return "torch_native"
+        return self.lora_backend
 
     def use_mla_backend(self) -> bool:
         """MLA models are not supported by this engine; kept for the graph-config rules."""

@@ -173,7 +173,7 @@ def test_resolve_model_serves_the_demo_adapters_and_a_runnable_lora_backend(monk
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     demo = resolve_model(ServerArgs(device="cpu"))
     assert demo.enable_lora and [s.lora_name for s in demo.lora_paths] == ["demo-qv-r8", "demo-all-r16"]
-    assert demo.lora_backend == "csgmv"  # the interpreter runs the Triton kernels on the CPU
+    assert demo.resolved_lora_backend() == "csgmv"  # the interpreter runs the Triton kernels on the CPU
     # LoRA configured by hand: the user's pool, no demo adapters.
     own = resolve_model(ServerArgs(device="cpu", enable_lora=True, max_lora_rank=4, lora_target_modules=["all"]))
     assert own.enable_lora and not own.lora_paths
@@ -181,5 +181,5 @@ def test_resolve_model_serves_the_demo_adapters_and_a_runnable_lora_backend(monk
         resolve_model(ServerArgs(device="cpu", max_loaded_loras=1, max_loras_per_batch=1))
     # No GPU and no interpreter: the Triton backends cannot run, torch_native serves instead.
     monkeypatch.delenv("TRITON_INTERPRET")
-    assert resolve_model(ServerArgs(device="cpu")).lora_backend == "torch_native"
-    assert resolve_model(ServerArgs(device="cpu", lora_backend="triton")).lora_backend == "torch_native"
+    assert resolve_model(ServerArgs(device="cpu")).resolved_lora_backend() == "torch_native"
+    assert ServerArgs(device="cpu", lora_backend="triton").resolved_lora_backend() == "torch_native"

@@ -29,14 +29,14 @@ logger = logging.getLogger(__name__)
 
 def resolve_model(server_args: ServerArgs) -> ServerArgs:
     """Materialise the built-in demo model (and serve its two adapters) when `--model-path` is
-    `demo`, and pick a LoRA backend that can run on this machine. May return a modified copy."""
+    `demo`. May return a modified copy."""
     if server_args.model_path != "demo":
         if not os.path.isdir(server_args.model_path):
             raise ValueError(
                 f"--model-path {server_args.model_path!r} is not a directory. Pass a Hugging Face "
                 "checkpoint folder, or leave --model-path out to serve the built-in demo model."
             )
-        return _resolve_lora_backend(server_args)
+        return server_args
     from sglang.srt.server_args import LoRAPathSpec
     from sglang.srt.tools.demo import demo_lora_paths, ensure_demo_model
 
@@ -54,23 +54,6 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
         # model beside the adapters; CUDA-graph backends LoRA cannot use).
         args._validate()
         args._handle_cuda_graph_config()
-    return _resolve_lora_backend(args)
-
-
-def _resolve_lora_backend(server_args: ServerArgs) -> ServerArgs:
-    """The Triton LoRA backends (csgmv, the default, and triton) need a GPU, or the Triton
-    interpreter (TRITON_INTERPRET=1) on a CPU; without either, every forward would fail. Fall back
-    to torch_native there, loudly, rather than serve nothing."""
-    if not server_args.enable_lora or server_args.lora_backend == "torch_native":
-        return server_args
-    if server_args.resolved_device() != "cpu" or os.environ.get("TRITON_INTERPRET") == "1":
-        return server_args
-    logger.warning(
-        "LoRA backend %r needs a GPU (or TRITON_INTERPRET=1 on a CPU); using torch_native on the CPU.",
-        server_args.lora_backend,
-    )
-    args = copy.copy(server_args)
-    args.lora_backend = "torch_native"
     return args
 
 

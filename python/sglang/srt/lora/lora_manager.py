@@ -107,7 +107,13 @@ class LoRAManager:
             lora_refs = [make_lora_ref(spec) for spec in (server_args.lora_paths or [])]
         startup_refs = list(lora_refs)
 
-        backend_cls = get_backend_from_name(server_args.lora_backend)
+        backend_name = server_args.resolved_lora_backend()
+        if backend_name != server_args.lora_backend:
+            logger.warning(
+                "LoRA backend %r needs a GPU (or TRITON_INTERPRET=1 on a CPU); using %r on the CPU.",
+                server_args.lora_backend, backend_name,
+            )
+        backend_cls = get_backend_from_name(backend_name)
         self.lora_backend = backend_cls(
             max_loras_per_batch=self.max_loras_per_batch,
             device=self.device,

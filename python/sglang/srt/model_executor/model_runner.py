@@ -182,13 +182,13 @@ class ModelRunner:
         if lora is not None and prefill != Backend.DISABLED and not lora.supports_prefill_cuda_graph:
             logger.warning(
                 "Disable prefill CUDA graph because the current LoRA configuration does not support it "
-                "(LoRA backend %r keeps its metadata on the host).", self.server_args.lora_backend,
+                "(LoRA backend %r keeps its metadata on the host).", lora.lora_backend.name,
             )
             prefill = Backend.DISABLED
         if lora is not None and decode != Backend.DISABLED and not lora.supports_prefill_cuda_graph:
             logger.warning(
                 "Disable decode CUDA graph: LoRA backend %r cannot serve static metadata.",
-                self.server_args.lora_backend,
+                lora.lora_backend.name,
             )
             decode = Backend.DISABLED
         if self.server_args.resolved_attention_backend() == "torch_native":

@@ -249,3 +249,13 @@ class TestCli(unittest.TestCase):
         parser = argparse.ArgumentParser()
         ServerArgs.add_cli_args(parser)
         self.assertIn("prefix caching is not implemented", " ".join(parser.format_help().split()))
+
+
+def test_resolved_lora_backend_falls_back_only_where_triton_cannot_run(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ServerArgs(model_path="dummy", device="cpu").resolved_lora_backend() == "csgmv"
+    monkeypatch.delenv("TRITON_INTERPRET")
+    for backend in ("csgmv", "triton", "torch_native"):
+        assert ServerArgs(model_path="dummy", device="cpu", lora_backend=backend).resolved_lora_backend() == "torch_native"
+    with mock.patch("sglang.srt.utils.is_cuda", return_value=True):
+        assert ServerArgs(model_path="dummy", lora_backend="triton").resolved_lora_backend() == "triton"
