@@ -1,8 +1,6 @@
 """LoRAManager on a real ModelRunner: start-up inference, load/unload validation, batch admission,
 the graph-path contract (flags passed through, the prefill-graph predicate) and the wrappers."""
 
-import json
-import os
 
 import pytest
 import torch
