@@ -1,7 +1,6 @@
 """LoRAManager on a real ModelRunner: start-up inference, load/unload validation, batch admission,
 the graph-path contract (flags passed through, the prefill-graph predicate) and the wrappers."""
 
-
 import pytest
 import torch
 from helpers import EngineDriver, hf_model, make_runner, tiny_checkpoint
