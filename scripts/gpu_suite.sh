@@ -4,14 +4,14 @@
 #   GPU_SUITE_OUT=/some/dir bash scripts/gpu_suite.sh
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
-# GPU_SUITE_PARTS picks sections (default: "tests bench serving"; also "soak"); GPU_SUITE_PYTEST_ARGS adds pytest
+# GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "soak"); GPU_SUITE_PYTEST_ARGS adds pytest
 # arguments (e.g. "-k bcg"). Wheels fetched by ../shared/device/wheels.sh into ./.whl are installed
 # into ./.site first when the machine lacks them (it has no network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
 OUT=${GPU_SUITE_OUT:-$ROOT/gpu-results}
-PARTS=${GPU_SUITE_PARTS:-"tests bench serving"}  # run them as separate calls to stay under 10 min each
+PARTS=${GPU_SUITE_PARTS:-"tests bench graph_bench serving"}  # run them as separate calls to stay under 10 min each
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
 export PYTHONPATH=$ROOT/.site:$ROOT/python${PYTHONPATH:+:$PYTHONPATH}
@@ -63,9 +63,21 @@ if [[ " $PARTS " == *" bench "* ]]; then
       echo "bench_one_batch $shape eager bs=$1 in=$2 out=$3: $line" | tee -a "$BENCH" >>"$SUMMARY"
     done
   done
-  # Issue 5's sweep: LoRA x {eager, breakable, full} side by side, three shapes.
-  $PY benchmark/lora/bench_prefill_graph.py --out "$OUT/prefill_graph.md" >>"$BENCH" 2>&1 || status=1
-  [ -f "$OUT/prefill_graph.md" ] && grep -E "^- " "$OUT/prefill_graph.md" >>"$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" graph_bench "* ]]; then
+  # Issue 4's and 5's sweep: LoRA x {eager, breakable, full} side by side, one model shape per
+  # process so that a run cut short keeps the finished shapes' tables.
+  say "== prefill/decode graph benchmark"
+  : >"$OUT/prefill_graph.md"
+  for model in ${GPU_SUITE_BENCH_MODELS:-qwen3-4b llama-3.1-8b qwen2.5-0.5b}; do
+    start=$(date +%s)
+    $PY benchmark/lora/bench_prefill_graph.py --models "$model" --out "/tmp/prefill_graph_$model.md" \
+      >>"$OUT/graph_bench.log" 2>&1 || status=1
+    cat "/tmp/prefill_graph_$model.md" >>"$OUT/prefill_graph.md" 2>/dev/null
+    say "$model: $(( $(date +%s) - start ))s"
+    grep -E "^- " "/tmp/prefill_graph_$model.md" 2>/dev/null | sed "s/^- /- $model /" >>"$SUMMARY"
+  done
 fi
 
 if [[ " $PARTS " == *" serving "* ]]; then

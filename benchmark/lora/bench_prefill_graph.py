@@ -9,7 +9,7 @@ LoRA with csgmv). Each captures breakable prefill graphs and decode graphs for t
 and a full prefill graph runner is captured beside them on the same weights; the benchmark swaps the
 runner's prefill path between eager, breakable and full and checks `used_cuda_graph` on every
 measured forward, so a number is never silently an eager one. LoRA cases use one rank-16 adapter
-on all seven modules (and four distinct adapters for the 8 x 128 case). Times are medians of
+on all seven modules (and four distinct adapters for the multi-request cases). Times are medians of
 whole forwards (body + logits + sampling, i.e. what a request's TTFT pays), with the device
 synchronised around each.
 """
@@ -43,7 +43,10 @@ from sglang.srt.tools.make_checkpoint import make_checkpoint
 
 SHAPES = {"qwen3-4b": "qwen3", "llama-3.1-8b": "llama", "qwen2.5-0.5b": "qwen2"}
 PREFILL_TOKENS = [16, 128, 512, 2048, 4096]
-MULTI = (8, 128, 4)  # requests x tokens, distinct adapters
+NUM_ADAPTERS = 4
+# Multi-request prefills with NUM_ADAPTERS distinct adapters: requests x tokens each. 4 x 32 and
+# 4 x 512 hold the same token counts as the 128- and 2048-token single-adapter cases.
+MULTI_CASES = [(8, 128), (4, 32), (4, 512)]
 DECODE_BS = [1, 8, 32]
 DECODE_CONTEXT = 256
 ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -61,7 +64,7 @@ def write_assets(root: str, shape: str) -> tuple[str, dict[str, str]]:
     with open(os.path.join(ckpt, "config.json")) as f:
         config = json.load(f)
     adapters = {}
-    for i in range(MULTI[2]):
+    for i in range(NUM_ADAPTERS):
         out = os.path.join(root, f"{shape}-lora{i}")
         if not os.path.exists(os.path.join(out, "adapter_config.json")):
             os.makedirs(out, exist_ok=True)
@@ -75,12 +78,12 @@ def build_runner(ckpt: str, lora_mode: str, adapters: dict[str, str]) -> tuple[M
         model_path=ckpt, load_format="dummy", dtype="bfloat16", attention_backend="triton",
         max_total_tokens=65536, max_running_requests=64, chunked_prefill_size=8192,
         cuda_graph_backend_prefill="breakable", cuda_graph_backend_decode="full",
-        cuda_graph_bs_prefill=sorted(set(PREFILL_TOKENS + [MULTI[0] * MULTI[1]])),
+        cuda_graph_bs_prefill=sorted(set(PREFILL_TOKENS + [n * t for n, t in MULTI_CASES])),
         cuda_graph_bs_decode=DECODE_BS,
     )
     if lora_mode != "none":
         kwargs.update(lora_paths=[f"{n}={p}" for n, p in adapters.items()], lora_backend=lora_mode,
-                      max_loras_per_batch=MULTI[2] + 1, max_lora_rank=16)
+                      max_loras_per_batch=NUM_ADAPTERS + 1, max_lora_rank=16)
     runner = ModelRunner(ServerArgs(**kwargs))
     graphs = {"eager": None, "breakable": runner.prefill_graph_runner,
               "full": PrefillCudaGraphRunner(runner, Backend.FULL)}
@@ -146,8 +149,9 @@ def bench_model(shape: str, root: str, warmup: int, repeats: int) -> list[dict]:
         decode_graph = runner.decode_graph_runner
         name = None if mode == "none" else "lora0"
         cases = [(f"prefill {n}", [n], [name]) for n in PREFILL_TOKENS]
-        multi_names = [None if mode == "none" else f"lora{i % MULTI[2]}" for i in range(MULTI[0])]
-        cases.append((f"prefill {MULTI[0]}x{MULTI[1]}", [MULTI[1]] * MULTI[0], multi_names))
+        for n_req, n_tok in MULTI_CASES:
+            multi_names = [None if mode == "none" else f"lora{i % NUM_ADAPTERS}" for i in range(n_req)]
+            cases.append((f"prefill {n_req}x{n_tok}", [n_tok] * n_req, multi_names))
         for label, lengths, names in cases:
             fb, req_rows, slots = prefill_batch(runner, lengths, names)
             for path, graph in graphs.items():
@@ -198,8 +202,7 @@ def to_markdown(rows: list[dict]) -> str:
             def ms(case, lora, path):
                 r = table.get((case, lora, path))
                 return r["ms"] if r else float("nan")
-            for n in PREFILL_TOKENS:
-                c = f"prefill {n}"
+            for c in [f"prefill {n}" for n in PREFILL_TOKENS] + [f"prefill {n}x{t}" for n, t in MULTI_CASES]:
                 out.append(
                     f"- {lo} {c}: LoRA breakable/eager = {ms(c, lo, 'breakable') / ms(c, lo, 'eager'):.2f}, "
                     f"LoRA breakable/base breakable = {ms(c, lo, 'breakable') / ms(c, 'none', 'breakable'):.2f}, "

@@ -162,3 +162,37 @@ def test_more_adapters_than_slots_complete_through_eviction(backend, root):
     assert not mgr.validate_lora_batch(too_many)
     with pytest.raises(ValueError, match="distinct adapters"):
         mgr.fetch_new_loras(too_many)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bf16_lora_tracks_float32_peft(backend, root):
+    """The same parity on the GPU in bf16. bf16 keeps ~8 mantissa bits, so logprobs cannot match
+    float32 to 1e-4; the bar is relative to HF+PEFT's own bf16 run: our error against float32
+    HF+PEFT may be at most twice PEFT's bf16 error plus 0.05 nats (mean: plus 0.02). A real bug
+    (a wrong slice, scaling or segment) moves logprobs by whole nats, so this still catches it."""
+    from peft import PeftModel
+
+    arch = "qwen3"
+    ckpt, paths = world(arch, root)
+    runner = make_runner(ckpt, device="cuda", dtype="bfloat16", attention_backend="triton",
+                         lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend)
+    ids = {ref.lora_name: lid for lid, ref in runner.lora_manager.refs.items()}
+    driver = EngineDriver(runner)
+    names = [None, *ADAPTERS]
+    # All four adapters (base included) in one mixed batch, then each checked against PEFT.
+    got, _, seqs = _prompt_logprobs(driver, PROMPTS[:4], [ids.get(n) for n in names])
+    _release(driver, seqs)
+    for i, name in enumerate(names):
+        ref32 = hf_reference(arch, root, name)[i]
+        model16 = hf_model(ckpt, dtype=torch.bfloat16)
+        if name is not None:
+            model16 = PeftModel.from_pretrained(model16, paths[name]).eval()
+        peft_err = (hf_prompt_logprobs(model16, PROMPTS[i]) - ref32).abs()
+        our_err = (got[i] - ref32).abs()
+        print(f"{backend} {name}: ours max {our_err.max():.4f} mean {our_err.mean():.4f}; "
+              f"HF+PEFT bf16 max {peft_err.max():.4f} mean {peft_err.mean():.4f}")
+        assert our_err.max() <= 2 * peft_err.max() + 0.05, (name, our_err.max(), peft_err.max())
+        assert our_err.mean() <= 2 * peft_err.mean() + 0.02, (name, our_err.mean(), peft_err.mean())
+        if name is not None:  # the adapter must still matter at this precision
+            assert (got[i] - hf_reference(arch, root, None)[i]).abs().max() > 5e-2, name

@@ -9,7 +9,8 @@ PEFT adapter, --max-loras-per-batch 2. Checked:
   - the graph server's log shows `cuda graph: True` for some prefill batch AND for a lone LoRA
     request sent with nothing else in flight (guards against a vacuous pass);
   - decode graph: 32 greedy tokens with mixed adapters equal eager;
-  - a batch of 40 adapter requests: eager on triton (32 segment slots), replayed on csgmv; correct.
+  - a batch of 40 adapter requests (~1160 tokens, under the 2048-token top bucket): eager on
+    triton (32 segment slots) and full (16 request slots), replayed on csgmv breakable; correct.
 """
 
 from __future__ import annotations
@@ -161,7 +162,7 @@ def _server_results(lora_backend: str, prefill_backend: str) -> dict:
             "--lora-paths", f"{LORA_NAME}={adapter}", "--max-loras-per-batch", "2",
             "--lora-backend", lora_backend, "--dtype", "bfloat16", "--disable-radix-cache",
             "--random-seed", "42", "--enable-deterministic-inference",
-            "--cuda-graph-max-bs-prefill", "1024", "--cuda-graph-max-bs-decode", "8",
+            "--cuda-graph-max-bs-prefill", "2048", "--cuda-graph-max-bs-decode", "8",
             "--mem-fraction-static", "0.3",
         ]
         if prefill_backend == "disabled":
