@@ -202,3 +202,15 @@ def test_max_running_requests_is_respected(ckpt: str) -> None:
     h.run()
     assert h.max_running_seen == 2
     assert all(len(h.out[f"m{i}"]["ids"]) == 5 for i in range(5))
+
+
+def test_logprobs_are_strict_json():
+    """-inf is floored and NaN reported as null, so a response always serialises."""
+    import json as _json
+
+    from sglang.srt.managers.scheduler_output import LOGPROB_FLOOR, json_logprob
+
+    assert json_logprob(-1.5) == -1.5
+    assert json_logprob(float("-inf")) == LOGPROB_FLOOR
+    assert json_logprob(float("nan")) is None
+    _json.dumps([json_logprob(v) for v in (0.0, float("-inf"), float("nan"))], allow_nan=False)

@@ -204,6 +204,33 @@ def test_decode_matches_reference(H, KVH, D, seq_lens):
     assert err < 1e-5, f"max abs err {err}"
 
 
+@pytest.mark.parametrize("poison", [float("nan"), float("inf")])
+def test_garbage_in_the_padding_slot_never_leaks(poison):
+    """Padded graph rows write whatever they hold (NaN after uninitialised memory) into slot 0,
+    and masked key positions point at slot 0. Their zero probability must not meet that value:
+    0 * NaN is NaN, which once reached the logprobs of real requests on the H200."""
+    gen = torch.Generator().manual_seed(5)
+    seq_lens = [1, 17, 40]  # ragged: every request has masked positions in its last key block
+    k_buf, v_buf, r2t, rows_t = make_paged(seq_lens, 2, 64, gen=gen)
+    k_buf[0], v_buf[0] = poison, poison
+    q = torch.randn(len(seq_lens), 4, 64, generator=gen)
+    o = torch.empty_like(q)
+    decode_attention_fwd(q, o, k_buf, v_buf, r2t, rows_t, torch.tensor(seq_lens), 0.125, 4)
+    ref = ref_decode(q, k_buf, v_buf, r2t, rows_t, seq_lens, 0.125)
+    assert torch.isfinite(o).all() and (o.double() - ref).abs().max().item() < 1e-5
+
+    prefix_lens, extend_lens = [3, 0, 21], [5, 9, 2]
+    q, k_buf, v_buf, r2t, k_ext, v_ext, meta, starts = extend_inputs(
+        prefix_lens, extend_lens, 4, 2, 64, torch.float32, seed=6)
+    k_buf[0], v_buf[0] = poison, poison
+    for kv_from_input in (True, False):
+        o = torch.empty_like(q)
+        extend_attention_fwd(q, o, k_buf, v_buf, r2t, **meta, max_extend_len=max(extend_lens), sm_scale=0.125,
+                             k_extend=k_ext if kv_from_input else None, v_extend=v_ext if kv_from_input else None)
+        ref = ref_extend(q, k_buf, v_buf, r2t, meta["req_pool_indices"], prefix_lens, extend_lens, starts, 0.125)
+        assert torch.isfinite(o).all() and (o.double() - ref).abs().max().item() < 1e-5, kv_from_input
+
+
 def test_decode_split_count_and_empty_rows():
     gen = torch.Generator().manual_seed(11)
     seq_lens = [50, 0, 7]  # row 1 is a zero-length request: zeros, not NaN

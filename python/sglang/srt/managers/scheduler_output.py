@@ -3,6 +3,7 @@ conditions, and pack the news for the tokenizer manager into `BatchTokenIDOut`."
 
 from __future__ import annotations
 
+import math
 from typing import Any, Optional
 
 from sglang.srt.managers.detokenizer import find_stop_string
@@ -11,11 +12,25 @@ from sglang.srt.managers.req import Req
 from sglang.srt.model_executor.runner_output import TopLogprobs
 
 
-def _top_pairs(top: Optional[TopLogprobs]) -> list[tuple[float, int]]:
+# What a logprob of -inf is reported as: strict JSON has no infinities (OpenAI-style servers
+# commonly use this floor).
+LOGPROB_FLOOR = -9999.0
+
+
+def json_logprob(value: Any) -> Optional[float]:
+    """A logprob as strict JSON can carry it: -inf becomes LOGPROB_FLOOR, NaN (a numerical fault)
+    becomes None, so one bad value never turns a whole response into a serialisation error."""
+    v = float(value)
+    if math.isnan(v):
+        return None
+    return max(v, LOGPROB_FLOOR) if math.isinf(v) and v < 0 else v
+
+
+def _top_pairs(top: Optional[TopLogprobs]) -> list[tuple[Optional[float], int]]:
     if top is None:
         return []
     vals, ids = top
-    return [(float(v), int(i)) for v, i in zip(vals, ids)]
+    return [(json_logprob(v), int(i)) for v, i in zip(vals, ids)]
 
 
 class StopChecker:
@@ -55,7 +70,7 @@ def record_prompt_logprobs(req: Req, targets: list[int], values: Optional[list[f
                            tops: Optional[list[TopLogprobs]]) -> None:
     if not targets or values is None:
         return
-    req.input_token_logprobs.extend((float(v), int(t)) for v, t in zip(values, targets))
+    req.input_token_logprobs.extend((json_logprob(v), int(t)) for v, t in zip(values, targets))
     if req.top_logprobs_num > 0:
         if tops is None:
             req.input_top_logprobs.extend([] for _ in targets)
@@ -66,7 +81,7 @@ def record_prompt_logprobs(req: Req, targets: list[int], values: Optional[list[f
 def record_output_token(req: Req, token: int, logprob: Optional[float], top: Optional[TopLogprobs]) -> None:
     req.output_ids.append(int(token))
     if req.return_logprob:
-        req.output_token_logprobs.append((None if logprob is None else float(logprob), int(token)))
+        req.output_token_logprobs.append((None if logprob is None else json_logprob(logprob), int(token)))
         if req.top_logprobs_num > 0:
             req.output_top_logprobs.append(_top_pairs(top))
 

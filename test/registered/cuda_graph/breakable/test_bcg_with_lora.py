@@ -83,7 +83,7 @@ def _generate(base_url: str, text, lora, max_new_tokens: int = 0) -> list[dict]:
         },
         timeout=120,
     )
-    resp.raise_for_status()
+    assert resp.status_code == 200, (resp.status_code, resp.text[:500])
     out = resp.json()
     return out if isinstance(out, list) else [out]
 

@@ -113,10 +113,11 @@ def _decode_stage1_kernel(
     for n0 in range(start, end, BLOCK_N):
         pos = n0 + offs_n
         n_mask = pos < end
-        # Masked positions read slot 0 (the dummy slot): in bounds, and masked out below.
+        # Masked positions load zeros, never slot 0's contents: padding writes whatever its rows
+        # hold there (NaN included), and a zero probability times a NaN value is still NaN.
         slot = tl.load(r2t_row + pos, mask=n_mask, other=0).to(tl.int64)
         kT = tl.load(K_buf + slot[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
-                     mask=d_mask[:, None], other=0.0)
+                     mask=n_mask[None, :] & d_mask[:, None], other=0.0)
         qk = _mma(q, kT, DOT_PRECISION, UPCAST) * sm_scale_log2e
         qk = tl.where(n_mask[None, :], qk, _NEG)
         m_new = tl.maximum(m_i, tl.max(qk, 1))
@@ -124,7 +125,7 @@ def _decode_stage1_kernel(
         p = tl.exp2(qk - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = tl.load(V_buf + slot[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                    mask=d_mask[None, :], other=0.0)
+                    mask=n_mask[:, None] & d_mask[None, :], other=0.0)
         acc = acc * alpha[:, None] + _mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST)
         m_i = m_new
 

@@ -98,11 +98,12 @@ def _softmax_step(q, kT, v, mask, m_i, l_i, acc, sm_scale_log2e,
 def _load_kv_from_pool(r2t_row, pos, pos_mask, K_buf, V_buf, kv_head, offs_d, d_mask,
                        stride_kbs, stride_kbh, stride_vbs, stride_vbh):
     slot = tl.load(r2t_row + pos, mask=pos_mask, other=0).to(tl.int64)
-    # Masked positions read slot 0 (the dummy slot): in bounds, and masked out of the scores.
+    # Masked positions load zeros, never slot 0's contents: padding writes whatever its rows hold
+    # there (NaN included), and a zero probability times a NaN value is still NaN.
     kT = tl.load(K_buf + slot[None, :] * stride_kbs + kv_head * stride_kbh + offs_d[:, None],
-                 mask=d_mask[:, None], other=0.0)
+                 mask=pos_mask[None, :] & d_mask[:, None], other=0.0)
     v = tl.load(V_buf + slot[:, None] * stride_vbs + kv_head * stride_vbh + offs_d[None, :],
-                mask=d_mask[None, :], other=0.0)
+                mask=pos_mask[:, None] & d_mask[None, :], other=0.0)
     return kT, v
 
 
