@@ -309,7 +309,9 @@ class TokenizerManager(TokenizerLoRAMixin):
         async for out in self.generate(obj, request):
             result = out
         if result is None:
-            raise asyncio.CancelledError("the client disconnected")
+            # Nobody reads this reply. 499 (nginx's "client closed request") goes through the
+            # quiet RequestFailedError handler instead of an ASGI traceback per disconnect.
+            raise RequestFailedError("the client disconnected", status_code=499)
         return result
 
     # ------------------------------------------------------------------ control
