@@ -4,9 +4,10 @@
 #   GPU_SUITE_OUT=/some/dir bash scripts/gpu_suite.sh
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
-# GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "soak"); GPU_SUITE_PYTEST_ARGS adds pytest
-# arguments (e.g. "-k bcg"). Wheels fetched by ../shared/device/wheels.sh into ./.whl are installed
-# into ./.site first when the machine lacks them (it has no network).
+# GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "soak").
+# GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
+# is a -k expression (may hold spaces). Wheels fetched by ../shared/device/wheels.sh into ./.whl
+# are installed into ./.site first when the machine lacks them (it has no network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 ROOT=$PWD
@@ -39,7 +40,9 @@ status=0
 if [[ " $PARTS " == *" tests "* ]]; then
   say "== GPU tests (pytest -m gpu)"
   start=$(date +%s)
-  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE ${GPU_SUITE_PYTEST_ARGS:-} test/registered \
+  kexpr=()
+  [ -n "${GPU_SUITE_PYTEST_K:-}" ] && kexpr=(-k "$GPU_SUITE_PYTEST_K")
+  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE ${GPU_SUITE_PYTEST_ARGS:-} "${kexpr[@]}" test/registered \
     >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   [ $rc -ne 0 ] && status=1
