@@ -21,7 +21,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterator, Optional
+from typing import Any, Iterable, Optional
 
 WORDS = ("the engine reads a prompt splits it into tokens and runs the model one step at a time each "
          "step looks at every token that came before it and writes a little more of the answer").split()
@@ -88,29 +88,6 @@ def arrival_times(n: int, rate: float, seed: int) -> list[float]:
     return out
 
 
-def _consume_events(lines: Iterator[str], start: float, result: RequestResult) -> None:
-    """Turn the SSE `data:` lines of one streamed /generate into timings."""
-    last = None
-    for line in lines:
-        if not line.startswith("data: ") or line == "data: [DONE]":
-            continue
-        data = json.loads(line[6:])
-        if "error" in data:
-            result.error = data["error"].get("message", "error")
-            return
-        now = time.perf_counter()
-        if last is None:
-            result.ttft = now - start
-        else:
-            result.itls.append(now - last)
-        last = now
-        meta = data["meta_info"]
-        result.prompt_tokens = meta["prompt_tokens"]
-        result.completion_tokens = meta["completion_tokens"]
-    result.latency = time.perf_counter() - start
-    result.ok = last is not None
-
-
 # ---------------------------------------------------------------------------- senders
 async def _run_aiohttp(url: str, specs: list[RequestSpec], times: list[float], headers: dict,
                        max_concurrency: Optional[int], bar: Any) -> tuple[list[RequestResult], float]:
@@ -147,7 +124,9 @@ async def _run_aiohttp(url: str, specs: list[RequestSpec], times: list[float], h
         return list(results), time.perf_counter() - t0
 
 
-def _consume_timed(lines: list[tuple[str, float]], start: float, result: RequestResult) -> None:
+def _consume_timed(lines: Iterable[tuple[str, float]], start: float, result: RequestResult) -> None:
+    """Turn the SSE `data:` lines of one streamed /generate, each with its arrival time, into
+    timings. Both senders stamp a line when it arrives, before any parsing."""
     last = None
     for line, stamp in lines:
         if not line.startswith("data: ") or line == "data: [DONE]":
@@ -181,7 +160,8 @@ def _run_threads(url: str, specs: list[RequestSpec], times: list[float], headers
                 if resp.status_code != 200:
                     result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 else:
-                    _consume_events(resp.iter_lines(decode_unicode=True), start, result)
+                    stamped = ((line, time.perf_counter()) for line in resp.iter_lines(decode_unicode=True))
+                    _consume_timed(stamped, start, result)
         except Exception as e:  # noqa: BLE001
             result.error = f"{type(e).__name__}: {e}"
         with lock:
