@@ -34,6 +34,7 @@ from sglang.srt.model_executor.batch_builder import (
     build_decode_batch,
     build_extend_batch,
 )
+from sglang.srt.lora.lora_config import PEFT_PROJECTIONS
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
@@ -49,7 +50,6 @@ NUM_ADAPTERS = 4
 MULTI_CASES = [(8, 128), (4, 32), (4, 512)]
 DECODE_BS = [1, 8, 32]
 DECODE_CONTEXT = 256
-ALL_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 LORA_MODES = ("none", "triton", "csgmv")
 
 
@@ -68,7 +68,7 @@ def write_assets(root: str, shape: str) -> tuple[str, dict[str, str]]:
         out = os.path.join(root, f"{shape}-lora{i}")
         if not os.path.exists(os.path.join(out, "adapter_config.json")):
             os.makedirs(out, exist_ok=True)
-            write_peft_adapter(out, config, DemoAdapterSpec(f"lora{i}", 16, 32, ALL_MODULES, 100 + i))
+            write_peft_adapter(out, config, DemoAdapterSpec(f"lora{i}", 16, 32, PEFT_PROJECTIONS, 100 + i))
         adapters[f"lora{i}"] = out
     return ckpt, adapters
 

@@ -8,6 +8,8 @@ from typing import Optional, Sequence, Union
 
 import torch
 
+from sglang.srt.lora.lora_config import PEFT_PROJECTIONS
+
 TINY = dict(
     hidden_size=64,
     intermediate_size=128,
@@ -44,15 +46,7 @@ def write_peft_adapter(
     out_dir: str,
     r: int = 8,
     lora_alpha: Optional[float] = None,
-    target_modules: Union[str, Sequence[str]] = (
-        "q_proj",
-        "k_proj",
-        "v_proj",
-        "o_proj",
-        "gate_proj",
-        "up_proj",
-        "down_proj",
-    ),
+    target_modules: Union[str, Sequence[str]] = PEFT_PROJECTIONS,
     arch: str = "llama",
     seed: int = 1,
     b_std: float = 0.1,

@@ -13,7 +13,6 @@ from sglang.srt.lora.lora import LoRAAdapter, LoRAModelShapes
 from sglang.srt.lora.lora_config import LoRAConfig
 from sglang.srt.lora.mem_pool import LoRAMemoryPool
 
-ALL_PROJ = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 SHAPES = LoRAModelShapes.from_hf_config(tiny_hf_config())
 Q, KV, INTER = 64, 32, 128  # tiny llama: 4 heads x 16, 2 kv heads x 16
 

@@ -28,7 +28,8 @@ from reliability_lib import assert_no_leaks, wait_idle
 from server_helpers import kill_server, popen_launch_server, read_log
 from soak_lib import Soak, SoakConfig, final_report, write_report
 
-ALL_LINEAR = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+from sglang.srt.lora.lora_config import PEFT_PROJECTIONS
+
 
 
 def soak_seconds(default: float) -> float:
@@ -116,7 +117,8 @@ def test_soak_gpu(tmp_path, capsys) -> None:
         base_config = json.load(f)
     attn = ("q_proj", "k_proj", "v_proj", "o_proj")
     specs = [DemoAdapterSpec("a", 16, 32, attn, 91), DemoAdapterSpec("b", 16, 16, attn + ("gate_proj", "up_proj"), 92),
-             DemoAdapterSpec("c", 8, 16, ALL_LINEAR, 93), DemoAdapterSpec("cyc", 16, 32, ALL_LINEAR, 94)]
+             DemoAdapterSpec("c", 8, 16, PEFT_PROJECTIONS, 93),
+             DemoAdapterSpec("cyc", 16, 32, PEFT_PROJECTIONS, 94)]
     paths = {}
     for spec in specs:
         paths[spec.name] = str(tmp_path / "adapters" / spec.name)

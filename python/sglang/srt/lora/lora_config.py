@@ -22,6 +22,8 @@ FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "gate_up_proj": ("gate_proj", "up_proj"),
     "down_proj": ("down_proj",),
 }
+# PEFT's names for the seven linear projections of a decoder layer, in the fused modules' order.
+PEFT_PROJECTIONS: tuple[str, ...] = tuple(p for parts in FUSED_MODULES.values() for p in parts)
 # Every fused module the engine can carry LoRA on ("all" / "all-linear" mean these).
 SUPPORTED_LORA_MODULES: tuple[str, ...] = tuple(FUSED_MODULES)
 # PEFT projection name -> fused module that holds it.

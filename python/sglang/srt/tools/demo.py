@@ -19,6 +19,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Callable, Optional
 
+from sglang.srt.lora.lora_config import PEFT_PROJECTIONS
 from sglang.srt.utils import get_cache_dir
 
 DEMO_VERSION = "v1"  # bump when the demo files change, so stale caches are not reused
@@ -39,8 +40,7 @@ class DemoAdapterSpec:
 # One adapter on attention q/v at rank 8, one on every linear module at rank 16.
 DEMO_ADAPTERS = (
     DemoAdapterSpec("demo-qv-r8", 8, 16, ("q_proj", "v_proj"), DEMO_SEED + 1),
-    DemoAdapterSpec("demo-all-r16", 16, 32,
-                    ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"), DEMO_SEED + 2),
+    DemoAdapterSpec("demo-all-r16", 16, 32, PEFT_PROJECTIONS, DEMO_SEED + 2),
 )
 
 
