@@ -113,3 +113,13 @@ def env_flag(name: str, default: bool = False) -> bool:
     if value is None:
         return default
     return value.strip().lower() in ("1", "true", "yes", "on")
+
+
+def package_version() -> str:
+    """The installed distribution's version (the source tree's when it is not installed)."""
+    try:
+        from importlib.metadata import version
+
+        return version("sglang")
+    except Exception:  # noqa: BLE001 - running from a source checkout
+        return "0.1.0"

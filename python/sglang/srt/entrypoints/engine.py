@@ -160,13 +160,7 @@ class Engine:
 
     def get_server_info(self) -> dict[str, Any]:
         self._check_open()
-        tm = self.tokenizer_manager
-
-        async def gather() -> dict[str, Any]:
-            live = await tm.get_scheduler_info()
-            return {**live, "tokenizer_integrity_check": tm.check_integrity()}
-
-        return {**self.server_args.to_public_dict(), **self._run(gather())}
+        return self._run(self.tokenizer_manager.server_info())
 
     def _run(self, coro: Any) -> Any:
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result()

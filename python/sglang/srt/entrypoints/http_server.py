@@ -148,9 +148,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.get("/get_server_info")
     async def get_server_info() -> dict:
-        live = await tm.get_scheduler_info()
-        return {**server_args.to_public_dict(), **tm.scheduler_info, **live,
-                "tokenizer_integrity_check": tm.check_integrity(), "version": _version()}
+        return await tm.server_info()
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -254,15 +252,6 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             return Response(status_code=200)
 
     return app
-
-
-def _version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("sglang")
-    except Exception:
-        return "0.1.0"
 
 
 def launch_server(server_args: ServerArgs) -> None:

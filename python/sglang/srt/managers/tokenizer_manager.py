@@ -36,6 +36,7 @@ from sglang.srt.managers.scheduler_client import SchedulerClient
 from sglang.srt.managers.tokenizer_lora import TokenizerLoRAMixin
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils import package_version
 
 logger = logging.getLogger(__name__)
 
@@ -322,6 +323,13 @@ class TokenizerManager(TokenizerLoRAMixin):
         self._info_waiters.append(fut)
         self.client.send(GetServerInfoReq())
         return await asyncio.wait_for(fut, timeout)
+
+    async def server_info(self) -> dict[str, Any]:
+        """What /get_server_info and Engine.get_server_info report: the public server args, the
+        scheduler's start-up facts and live counters, and this process's integrity check."""
+        live = await self.get_scheduler_info()
+        return {**self.server_args.to_public_dict(), **self.scheduler_info, **live,
+                "tokenizer_integrity_check": self.check_integrity(), "version": package_version()}
 
     def inject_fault(self, rid_substring: str, where: str = "forward", after_tokens: int = 0) -> None:
         """Test hook: fail the next forward ("forward", or "decode" for a decode step once the
