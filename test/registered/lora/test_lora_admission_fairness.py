@@ -37,7 +37,7 @@ class EarlierRule(LoRAAdmission):
 
 
 def make_req(arrival: int, lora: str, max_new: int) -> Req:
-    msg = TokenizedGenerateReqInput(rid=f"{lora}{arrival}", input_text=None, input_ids=[1, 2, 3, 4, 5],
+    msg = TokenizedGenerateReqInput(rid=f"{lora}{arrival}", input_ids=[1, 2, 3, 4, 5],
                                     sampling_params=SamplingParams(max_new_tokens=max_new), lora_id=lora)
     return Req(msg, arrival)
 

@@ -49,7 +49,7 @@ def sched(args) -> Scheduler:
 
 def submit(sched: Scheduler, rid: str, lora_id: Any, n: int = 6) -> None:
     sp = SamplingParams.from_dict({"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True})
-    sched.add_request(TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=PROMPTS[0], sampling_params=sp,
+    sched.add_request(TokenizedGenerateReqInput(rid=rid, input_ids=PROMPTS[0], sampling_params=sp,
                                                 lora_id=lora_id))
 
 
@@ -88,7 +88,7 @@ def test_scheduler_check_detects_each_corruption(sched, caplog) -> None:
     pool, alloc, rows = lora.pool, sched.allocator, sched.req_to_token_pool
     base_slot = pool.uid_to_slot[None]
     other_slot = pool.uid_to_slot[ids[0]]
-    ghost = Req(TokenizedGenerateReqInput(rid="ghost", input_text=None, input_ids=[1, 2], sampling_params=SamplingParams()), 99)
+    ghost = Req(TokenizedGenerateReqInput(rid="ghost", input_ids=[1, 2], sampling_params=SamplingParams()), 99)
     state: dict[str, Any] = {}
 
     def leak_kv() -> None:

@@ -176,7 +176,7 @@ def test_adapters_plus_base_around_a_chunked_prefill_in_process(adapters) -> Non
 
     def submit(rid: str, lora: Optional[str], ids: list[int]) -> None:
         sp = SamplingParams.from_dict({"max_new_tokens": 10, "temperature": 0.0, "ignore_eos": True})
-        sched.add_request(TokenizedGenerateReqInput(rid=rid, input_text=None, input_ids=ids, sampling_params=sp,
+        sched.add_request(TokenizedGenerateReqInput(rid=rid, input_ids=ids, sampling_params=sp,
                                                     lora_id=None if lora is None else names[lora]))
         outputs[rid] = []
 

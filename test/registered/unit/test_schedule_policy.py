@@ -14,7 +14,7 @@ _arrival = iter(range(10**6))
 
 
 def req(n: int, max_new: int = 10, lora: Optional[str] = None, rid: str = "") -> Req:
-    msg = TokenizedGenerateReqInput(rid=rid or f"r{n}-{lora}", input_text=None, input_ids=list(range(1, n + 1)),
+    msg = TokenizedGenerateReqInput(rid=rid or f"r{n}-{lora}", input_ids=list(range(1, n + 1)),
                                     sampling_params=SamplingParams(max_new_tokens=max_new), lora_id=lora)
     return Req(msg, next(_arrival))
 

@@ -40,7 +40,7 @@ class Harness:
                logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = True, **params: Any) -> None:
         sp = SamplingParams.from_dict({"max_new_tokens": max_new_tokens, "temperature": 0.0, **params})
         self.to_w.send(TokenizedGenerateReqInput(
-            rid=rid, input_text=None, input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
+            rid=rid, input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream,
         ))
         self.out[rid] = {"ids": [], "finish": None, "in_lp": None, "out_lp": []}

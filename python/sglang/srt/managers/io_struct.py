@@ -28,7 +28,6 @@ TopLogprobList = list[tuple[float, int]]
 @dataclass
 class TokenizedGenerateReqInput:
     rid: str
-    input_text: Optional[str]
     input_ids: list[int]
     sampling_params: SamplingParams  # validated and normalised by the tokenizer manager
     return_logprob: bool = False

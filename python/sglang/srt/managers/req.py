@@ -11,7 +11,6 @@ A retracted request gives back its row and slots (`kv_len = 0`) and is prefilled
 
 from __future__ import annotations
 
-import time
 from typing import Any, Optional
 
 from sglang.srt.managers.io_struct import LogprobEntry, TokenizedGenerateReqInput, TopLogprobList
@@ -32,14 +31,12 @@ class Req:
         self.lora_id: Optional[str] = msg.lora_id
         self.stream = msg.stream
         self.arrival = arrival  # FCFS order; also decides who is retracted first (the newest)
-        self.created = time.monotonic()
 
         self.output_ids: list[int] = []
         self.req_pool_idx: Optional[int] = None
         self.kv_len = 0
         self.extend_len = 0  # tokens of the pass being built (prefill chunk size)
         self.finished_reason: Optional[dict[str, Any]] = None
-        self.retractions = 0
         self.lora_wait_turns = 0  # turns spent waiting because its adapter did not fit a batch
 
         # Logprobs: prompt ones are gathered across chunks and sent once complete.

@@ -44,7 +44,6 @@ class ReqState:
     output_top_logprobs: list[Any] = field(default_factory=list)
     dirty: bool = False
     created: float = field(default_factory=time.time)
-    first_token_time: Optional[float] = None
 
     @property
     def finished(self) -> bool:
@@ -54,8 +53,6 @@ class ReqState:
     def apply(self, msg: BatchTokenIDOut, i: int) -> None:
         new_ids = list(msg.output_ids[i])
         reason = msg.finished_reasons[i]
-        if new_ids and self.first_token_time is None:
-            self.first_token_time = time.time()
         self.output_ids.extend(new_ids)
         self.prompt_tokens = msg.prompt_tokens[i]
         self.completion_tokens = msg.completion_tokens[i]

@@ -98,10 +98,6 @@ class PrefillPlan:
     chunked: Optional[Req] = None  # the request whose prefill continues next turn
     lora_blocked: list[Req] = field(default_factory=list)
 
-    @property
-    def num_tokens(self) -> int:
-        return sum(r.extend_len for r in self.reqs)
-
 
 def plan_prefill(
     waiting: list[Req],

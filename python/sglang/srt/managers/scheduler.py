@@ -241,7 +241,6 @@ class Scheduler:
             newest = max(self.running, key=lambda r: r.arrival)
             self.running.remove(newest)
             release_kv(newest, self.model_runner)
-            newest.retractions += 1
             bisect.insort(self.waiting, newest, key=lambda r: r.arrival)
             retracted.append(newest)
         if retracted:

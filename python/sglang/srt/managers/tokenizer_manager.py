@@ -287,7 +287,7 @@ class TokenizerManager(TokenizerLoRAMixin):
                 self.rid_to_state[req.rid] = state
                 states.append(state)
                 self.client.send(TokenizedGenerateReqInput(
-                    rid=req.rid, input_text=req.text, input_ids=input_ids, sampling_params=params,
+                    rid=req.rid, input_ids=input_ids, sampling_params=params,
                     return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                     top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
