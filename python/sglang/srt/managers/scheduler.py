@@ -256,6 +256,18 @@ class Scheduler:
     # ------------------------------------------------------------------ batches
     def get_next_batch(self) -> Optional[tuple[ForwardMode, list[Req]]]:
         """Prefill first; else decode every running request (retracting if KV ran out)."""
+        if self.waiting or self.chunked_req is not None:
+            batch = self._plan_prefill()
+            if batch is not None:
+                return batch
+        if not self.running:
+            return None
+        self.retract_for_decode()
+        if not self.running:
+            return None
+        return ForwardMode.DECODE, list(self.running)
+
+    def _plan_prefill(self) -> Optional[tuple[ForwardMode, list[Req]]]:
         active = {r.lora_id for r in self._holders()}
         self.lora_admission.begin(active, self.waiting)
         holding = len(self.running) + (self.chunked_req is not None)
@@ -274,12 +286,7 @@ class Scheduler:
             self.waiting = [r for r in self.waiting if id(r) not in admitted]
             self.chunked_req = plan.chunked
             return ForwardMode.EXTEND, plan.reqs
-        if not self.running:
-            return None
-        self.retract_for_decode()
-        if not self.running:
-            return None
-        return ForwardMode.DECODE, list(self.running)
+        return None
 
     def run_batch(self, mode: ForwardMode, reqs: list[Req]) -> None:
         try:
@@ -336,29 +343,27 @@ class Scheduler:
             if req.max_new_tokens == 0:
                 self.finish(req, {"type": "length", "length": 0}, notify=False)
                 continue
-            record_output_token(
-                req, next_ids[i],
-                out.next_token_logprobs[i] if out.next_token_logprobs else None,
-                out.next_token_top_logprobs[i] if out.next_token_top_logprobs else None,
-            )
-            reason = self.stop_checker.check(req)
-            if reason is not None:
-                self.finish(req, reason, notify=False)
-            elif req not in self.running:
+            if not self._append_token(req, out, i, next_ids[i]) and req not in self.running:
                 self.running.append(req)
         self._log_prefill(batch, out.used_cuda_graph)
+
+    def _append_token(self, req: Req, out: Any, i: int, token: int) -> bool:
+        """Record row i's sampled token (and logprobs); finish the request if it stops. Returns
+        whether it finished."""
+        record_output_token(
+            req, token,
+            out.next_token_logprobs[i] if out.next_token_logprobs else None,
+            out.next_token_top_logprobs[i] if out.next_token_top_logprobs else None,
+        )
+        reason = self.stop_checker.check(req)
+        if reason is not None:
+            self.finish(req, reason, notify=False)
+        return reason is not None
 
     def process_decode(self, batch: ScheduleBatch, out: Any) -> None:
         next_ids = out.next_token_ids.tolist()
         for i, req in enumerate(batch.reqs):
-            record_output_token(
-                req, next_ids[i],
-                out.next_token_logprobs[i] if out.next_token_logprobs else None,
-                out.next_token_top_logprobs[i] if out.next_token_top_logprobs else None,
-            )
-            reason = self.stop_checker.check(req)
-            if reason is not None:
-                self.finish(req, reason, notify=False)
+            self._append_token(req, out, i, next_ids[i])
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.decode_steps += 1
         self.decode_tokens_since_log += len(batch.reqs)
