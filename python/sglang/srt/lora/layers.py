@@ -34,7 +34,6 @@ class BaseLayerWithLoRA(nn.Module):
             raise ValueError("LoRA supports tp_size = 1 only")
         self.base_layer = base_layer
         self.lora_backend = lora_backend
-        self.set_lora = False
         self.A_buffer: Optional[torch.Tensor] = None
         self.B_buffer: Optional[torch.Tensor] = None
 
@@ -59,13 +58,12 @@ class BaseLayerWithLoRA(nn.Module):
         """A [slots, c*R, in], B [slots, out, R]: this layer's views of the pool (fixed addresses)."""
         self.A_buffer = A_buffer
         self.B_buffer = B_buffer
-        self.set_lora = True
 
     @property
     def lora_active(self) -> bool:
         # batch_info is None only before the first prepare_lora_batch (e.g. a memory-profiling
         # forward); it never depends on which adapters the batch uses.
-        return self.set_lora and self.lora_backend.batch_info is not None
+        return self.A_buffer is not None and self.lora_backend.batch_info is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         base_out = self.base_layer(x)
@@ -76,18 +74,17 @@ class BaseLayerWithLoRA(nn.Module):
         return base_out
 
     def apply_lora(self, base_out: torch.Tensor, x: torch.Tensor) -> None:
-        raise NotImplementedError
+        """One output slice: shrink, then expand added in place into base_out. The fused qkv and
+        gate_up wrappers override this with their multi-slice kernels."""
+        shrunk = self.lora_backend.run_lora_a_sgemm(x, self.A_buffer, 1)
+        self.lora_backend.run_lora_b_sgemm(shrunk, self.B_buffer, base_out)
 
     def extra_repr(self) -> str:
-        return f"lora_set={self.set_lora}"
+        return f"lora_set={self.A_buffer is not None}"
 
 
 class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
     """One output slice (tp_size = 1: the output is not gathered)."""
-
-    def apply_lora(self, base_out: torch.Tensor, x: torch.Tensor) -> None:
-        shrunk = self.lora_backend.run_lora_a_sgemm(x, self.A_buffer, 1)
-        self.lora_backend.run_lora_b_sgemm(shrunk, self.B_buffer, base_out)
 
 
 class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
@@ -120,10 +117,6 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
 
 class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
     """o_proj / down_proj. At tp_size = 1 the base matmul is complete, so shrink/expand follow it."""
-
-    def apply_lora(self, base_out: torch.Tensor, x: torch.Tensor) -> None:
-        shrunk = self.lora_backend.run_lora_a_sgemm(x, self.A_buffer, 1)
-        self.lora_backend.run_lora_b_sgemm(shrunk, self.B_buffer, base_out)
 
 
 def get_lora_layer(layer: nn.Module, lora_backend: BaseLoRABackend) -> BaseLayerWithLoRA:
