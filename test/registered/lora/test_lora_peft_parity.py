@@ -43,11 +43,11 @@ def world(arch: str, root: str):
 
 
 @functools.lru_cache(maxsize=None)
-def hf_lora_model(arch: str, root: str, adapter: "str | None"):
+def hf_lora_model(arch: str, root: str, adapter: "str | None", dtype: torch.dtype = torch.float32):
     from peft import PeftModel
 
     ckpt, paths = world(arch, root)
-    model = hf_model(ckpt)
+    model = hf_model(ckpt, dtype=dtype)
     if adapter is not None:
         model = PeftModel.from_pretrained(model, paths[adapter]).eval()
     return model
@@ -173,8 +173,6 @@ def test_bf16_lora_tracks_float32_peft(backend, root):
     (a wrong slice, scaling or segment) moves logprobs by whole nats, so this still catches it.
     GPU only: Triton 3.9's CPU interpreter gets `tl.dot` on bf16 inputs wrong (garbage of ~1e10),
     so the CPU suites run the kernels in float32."""
-    from peft import PeftModel
-
     arch = "qwen3"
     ckpt, paths = world(arch, root)
     runner = make_runner(ckpt, device="cuda", dtype="bfloat16", attention_backend="triton",
@@ -187,10 +185,8 @@ def test_bf16_lora_tracks_float32_peft(backend, root):
     _release(driver, seqs)
     for i, name in enumerate(names):
         ref32 = hf_reference(arch, root, name)[i]
-        model16 = hf_model(ckpt, dtype=torch.bfloat16)
-        if name is not None:
-            model16 = PeftModel.from_pretrained(model16, paths[name]).eval()
-        peft_err = (hf_prompt_logprobs(model16, PROMPTS[i]) - ref32).abs()
+        peft16 = hf_lora_model(arch, root, name, torch.bfloat16)
+        peft_err = (hf_prompt_logprobs(peft16, PROMPTS[i]) - ref32).abs()
         our_err = (got[i] - ref32).abs()
         print(f"{backend} {name}: ours max {our_err.max():.4f} mean {our_err.mean():.4f}; "
               f"HF+PEFT bf16 max {peft_err.max():.4f} mean {peft_err.mean():.4f}")

@@ -7,6 +7,7 @@ and the stop conditions.
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
 import re
 from typing import Any, Optional
@@ -16,6 +17,7 @@ import pytest
 from server_helpers import tiny_checkpoint
 from sglang.srt.managers.io_struct import AbortReq, BatchTokenIDOut, FaultInjectionReq, TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.managers.scheduler_output import LOGPROB_FLOOR, json_logprob
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
@@ -206,11 +208,7 @@ def test_max_running_requests_is_respected(ckpt: str) -> None:
 
 def test_logprobs_are_strict_json():
     """-inf is floored and NaN reported as null, so a response always serialises."""
-    import json as _json
-
-    from sglang.srt.managers.scheduler_output import LOGPROB_FLOOR, json_logprob
-
     assert json_logprob(-1.5) == -1.5
     assert json_logprob(float("-inf")) == LOGPROB_FLOOR
     assert json_logprob(float("nan")) is None
-    _json.dumps([json_logprob(v) for v in (0.0, float("-inf"), float("nan"))], allow_nan=False)
+    json.dumps([json_logprob(v) for v in (0.0, float("-inf"), float("nan"))], allow_nan=False)

@@ -23,7 +23,7 @@ def json_logprob(value: Any) -> Optional[float]:
     v = float(value)
     if math.isnan(v):
         return None
-    return max(v, LOGPROB_FLOOR) if math.isinf(v) and v < 0 else v
+    return LOGPROB_FLOOR if v == -math.inf else v
 
 
 def _top_pairs(top: Optional[TopLogprobs]) -> list[tuple[Optional[float], int]]:
