@@ -17,7 +17,7 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from sglang.srt.entrypoints.openai.errors import (
@@ -28,7 +28,7 @@ from sglang.srt.entrypoints.openai.errors import (
     sse_error,
 )
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
-from sglang.srt.entrypoints.openai.serving_base import SSE_DONE, prime, server_failure, stream_error
+from sglang.srt.entrypoints.openai.serving_base import prime, server_failure, sse, streaming_response
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError
@@ -166,18 +166,14 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             _, outs = await prime(tm.generate(obj, request))
 
             async def events() -> AsyncIterator[str]:
-                try:
-                    async for out in outs:
-                        failure = server_failure(out)
-                        if failure is not None:  # failed mid-stream: the 200 is sent, so an error event
-                            yield sse_error(failure.message, failure.status_code)
-                            continue
-                        yield f"data: {json.dumps(out, ensure_ascii=False)}\n\n"
-                except Exception as e:
-                    yield stream_error(e)
-                yield SSE_DONE
+                async for out in outs:
+                    failure = server_failure(out)
+                    if failure is not None:  # failed mid-stream: the 200 is sent, so an error event
+                        yield sse_error(failure.message, failure.status_code)
+                        continue
+                    yield sse(out)
 
-            return StreamingResponse(events(), media_type="text/event-stream")
+            return streaming_response(events(), outs)
         result = await tm.generate_one(obj, request)
         return _abort_error(result) or JSONResponse(result)
 
