@@ -58,17 +58,18 @@ class PrefillCudaGraphRunner:
         # This runner records LoRA kernels only if the LoRA backend can serve them from static metadata.
         self._capture_lora = self.enable_lora and lora_manager.supports_prefill_cuda_graph
 
-        if self._capture_lora:
-            lora_manager.init_prefill_cuda_graph_batch_info(self.max_num_tokens)
         if backend == Backend.FULL:
             slots = cfg.full_prefill_max_req or DEFAULT_FULL_PREFILL_REQ_SLOTS
             slots = min(slots, model_runner.req_to_token_pool.size)
             if self._capture_lora:
                 # Every batch the graph may serve must also fit the static LoRA metadata.
+                lora_manager.init_prefill_cuda_graph_batch_info(self.max_num_tokens)
                 slots = min(slots, lora_manager.prefill_cuda_graph_max_bs)
             self._capture_req_slots = slots
         else:
             self._capture_req_slots = 1
+            if self._capture_lora:
+                lora_manager.init_prefill_cuda_graph_batch_info(self.max_num_tokens)
 
         self.buffers = GraphInputBuffers.allocate(
             self.max_num_tokens, self._capture_req_slots, model_runner.device, model_runner.padding_req_pool_index
