@@ -18,7 +18,7 @@ from sglang.srt.model_executor.batch_builder import (
     build_decode_batch,
     build_extend_batch,
 )
-from sglang.srt.model_executor.model_runner import EAGER
+from sglang.srt.model_executor.model_runner import EAGER, ForwardPlan
 
 
 @pytest.fixture(scope="module")
@@ -239,7 +239,7 @@ def test_flags_pick_the_metadata_and_static_prefill_info_matches_eager(setup, ba
         runner.attach_pools(fb)
         mgr.prepare_lora_batch(fb, use_cuda_graph=False, use_prefill_cuda_graph=prefill_graph)
         assert (backend_obj.batch_info is static) is prefill_graph
-        return runner.run_body(fb, EAGER)
+        return runner.run_body(fb, ForwardPlan(EAGER, lora=True))
 
     for lora_ids, lens in (([a, None, b, a], [5, 3, 6, 4]), ([None, None], [4, 4]), ([b], [9])):
         eager = body(lora_ids, lens, False)

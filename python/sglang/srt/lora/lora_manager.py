@@ -302,11 +302,19 @@ class LoRAManager:
         forward_batch: "ForwardBatch",
         use_cuda_graph: bool = False,
         use_prefill_cuda_graph: bool = False,
+        use_lora: bool = True,
     ) -> None:
         """Fetch the batch's adapters and write its metadata where the chosen path reads it.
 
         The flags are the caller's decision for this forward, passed through unchanged.
+        `use_lora=False` (an all-base batch, or a capture of the graphs without LoRA) clears the
+        backend's `batch_info`: every wrapper then runs its base layer alone, and no static
+        metadata is touched.
         """
+        if not use_lora:
+            assert not (use_cuda_graph or use_prefill_cuda_graph), "static LoRA metadata without LoRA"
+            self.lora_backend.batch_info = None
+            return
         bs = forward_batch.batch_size
         lora_ids = forward_batch.lora_ids if forward_batch.lora_ids is not None else [None] * bs
         if len(lora_ids) != bs:

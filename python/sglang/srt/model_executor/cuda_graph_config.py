@@ -86,18 +86,51 @@ class CudaGraphConfig:
         return out
 
 
+# Top prefill bucket when the config names none. Without LoRA kernels a prefill of more than
+# ~2k tokens is compute-bound and a graph no longer pays (benchmark/RESULTS.md); eager LoRA also
+# pays host time for every kernel launch, so graphs that carry LoRA kernels go up to serving-size
+# batches (the chunked-prefill size), capped to keep capture quick.
+DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
+DEFAULT_MAX_LORA_PREFILL_GRAPH_TOKENS = 8192
+# Below this many tokens a prefill costs about the same whatever its size (weight reads and
+# launches dominate), so the ladder may pad up to 2x; above it every bucket is at most 25% larger
+# than the one before, so padding wastes at most a fifth of a replay.
+_FLAT_PREFILL_TOKENS = 256
+
+
 def prefill_bucket_ladder(max_tokens: int) -> list[int]:
-    """Token-count capture buckets up to `max_tokens`: fine steps for short prompts, coarser above."""
-    steps = [(4, 32, 4), (48, 256, 16), (288, 512, 32), (576, 1024, 64), (1280, 4096, 256)]
-    # 1 and 2 so that one- and two-token prefills (chunk tails) stay within the padding limit.
-    ladder: list[int] = [1, 2]
-    for start, stop, step in steps:
-        ladder.extend(range(start, stop + 1, step))
-    ladder.extend(range(4608, max(max_tokens, 4608) + 1, 512))
+    """Token-count capture buckets up to `max_tokens` (always included).
+
+    1, 2, 4, ..., 64, 96, 128, 192, 256, then four steps per doubling: 320, 384, 448, 512, 640,
+    ..., 2048, 2560, ..., 4096, 5120, ..., 8192. 23 buckets up to 2048, 31 up to 8192.
+    """
+    ladder = [1, 2, 4, 8, 16, 32, 64, 96, 128, 192, _FLAT_PREFILL_TOKENS]
+    size = _FLAT_PREFILL_TOKENS
+    while size < max_tokens:
+        step = size // 4
+        ladder.extend(range(size + step, 2 * size + 1, step))
+        size *= 2
     out = [b for b in ladder if b <= max_tokens]
     if max_tokens > 0 and (not out or out[-1] != max_tokens):
         out.append(max_tokens)
     return out
+
+
+def default_prefill_graph_cap(chunked_prefill_size: int, max_prefill_tokens: int, with_lora: bool) -> int:
+    """The top prefill bucket when neither `max_bs` nor `bs` is configured: no larger than any
+    prefill batch can be (the chunk, or the prefill token budget when chunking is off)."""
+    limit = max_prefill_tokens if chunked_prefill_size == -1 else min(chunked_prefill_size, max_prefill_tokens)
+    top = DEFAULT_MAX_LORA_PREFILL_GRAPH_TOKENS if with_lora else DEFAULT_MAX_PREFILL_GRAPH_TOKENS
+    return max(1, min(limit, top))
+
+
+def fillable_buckets(buckets: list[int], max_reqs: Optional[int], max_req_tokens: int) -> list[int]:
+    """The buckets some batch can fill: at most `max_reqs` requests (None: no limit) of at most
+    `max_req_tokens` tokens (the context length). A larger bucket could never be replayed, and
+    could not even be captured with valid positions."""
+    if max_reqs is None:
+        return list(buckets)
+    return [b for b in buckets if b <= max_reqs * max_req_tokens]
 
 
 def decode_bucket_ladder(max_bs: int) -> list[int]:

@@ -44,7 +44,8 @@ class GraphBreaker:
     `RadixAttention` calls `forward_batch.graph_breaker.eager(fn, *tensors)` instead of `fn` when a
     breakable capture or replay is in progress; the breakable graph (runner/breakable_cuda_graph.py)
     implements it. `fn(forward_batch, *tensors)` must return a tensor. At replay the breaker calls
-    `fn` with the *live* forward batch, so attention reads live metadata.
+    `fn` with the *live* forward batch, so attention reads live metadata. The output is valid
+    until the next `eager` call: the breakable graph keeps every break's output in one buffer.
     """
 
     def eager(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:

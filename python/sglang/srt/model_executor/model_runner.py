@@ -1,15 +1,22 @@
 """ModelRunner: owns the model, the KV pools, the attention backend, the LoRA manager, the graph
 runners and the sampler, and runs one forward pass of a ForwardBatch.
 
-`forward()` decides once which path serves the batch (decode graph, prefill graph or eager), hands
-that same decision to the LoRA manager (so static LoRA metadata is refreshed in place exactly when
-a graph will read it), runs the body on that path, then the eager tail (logits, logprobs,
-sampling), which always runs outside graphs.
+`forward()` decides once which path serves the batch (decode graph, prefill graph or eager) and
+whether LoRA kernels run (`ForwardPlan`), hands that same decision to the LoRA manager (so static
+LoRA metadata is refreshed in place exactly when a graph will read it), runs the body on that path,
+then the eager tail (logits, logprobs, sampling), which always runs outside graphs.
+
+A LoRA server captures two graph sets in one memory pool: one with the LoRA kernels, for batches
+with an adapter, and one without, for all-base batches, which therefore run as on a server without
+LoRA (eagerly too: the manager clears the LoRA batch info, and the wrappers skip their kernels).
 """
 
 from __future__ import annotations
 
 import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional, Union
 
 import torch
 
@@ -23,6 +30,10 @@ from sglang.srt.model_executor.runner_output import ModelRunnerOutput
 from sglang.srt.model_loader.loader import get_model
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils import get_available_gpu_memory, set_random_seed
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +49,20 @@ REQ_TO_TOKEN_PAD = 8
 EAGER = "eager"
 DECODE_GRAPH = "decode_graph"
 PREFILL_GRAPH = "prefill_graph"
+
+
+@dataclass(frozen=True)
+class ForwardPlan:
+    """The one decision of a forward: its path, and whether LoRA kernels run (a graph path then
+    replays the graph set with LoRA kernels, the eager path applies the adapters)."""
+
+    path: str
+    lora: bool = False
+
+
+def batch_needs_lora(fb: ForwardBatch) -> bool:
+    """Whether any request of the batch uses an adapter (None ids are the base model)."""
+    return fb.lora_ids is not None and any(uid is not None for uid in fb.lora_ids)
 
 
 class ModelRunner:
@@ -80,8 +105,13 @@ class ModelRunner:
             self.lora_manager = LoRAManager.from_model_runner(self, refs)
         self.init_memory_pool()
         self.attn_backend = self._create_attn_backend()
+        # The graph set with LoRA kernels on a LoRA server (the only set without LoRA), and the set
+        # without them that serves a LoRA server's all-base batches.
         self.prefill_graph_runner = None
         self.decode_graph_runner = None
+        self.base_prefill_graph_runner = None
+        self.base_decode_graph_runner = None
+        self.graph_capture_s = 0.0
         self.num_eager_prefills = 0
         self.num_eager_decodes = 0
         self.init_cuda_graphs()
@@ -179,18 +209,13 @@ class ModelRunner:
             )
             prefill = Backend.DISABLED
         lora = self.lora_manager
-        if lora is not None and prefill != Backend.DISABLED and not lora.supports_prefill_cuda_graph:
+        if lora is not None and not lora.supports_prefill_cuda_graph and (
+            prefill != Backend.DISABLED or decode != Backend.DISABLED
+        ):
             logger.warning(
-                "Disable prefill CUDA graph because the current LoRA configuration does not support it "
-                "(LoRA backend %r keeps its metadata on the host).", lora.lora_backend.name,
+                "Batches with LoRA adapters run eagerly: LoRA backend %r keeps its metadata on the "
+                "host. All-base batches keep the CUDA graphs.", lora.lora_backend.name,
             )
-            prefill = Backend.DISABLED
-        if lora is not None and decode != Backend.DISABLED and not lora.supports_prefill_cuda_graph:
-            logger.warning(
-                "Disable decode CUDA graph: LoRA backend %r cannot serve static metadata.",
-                lora.lora_backend.name,
-            )
-            decode = Backend.DISABLED
         if self.server_args.resolved_attention_backend() == "torch_native":
             # The reference backend has no static-metadata hooks; the breakable graph runs
             # attention eagerly and needs none.
@@ -209,23 +234,62 @@ class ModelRunner:
         from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
         from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 
+        # Both graph sets share one pool: replays never overlap, so each capture may reuse the
+        # memory every earlier capture has freed.
         self.graph_memory_pool = torch.cuda.graph_pool_handle()
         self.graph_capture_stream = torch.cuda.Stream(self.device)
         free_before = get_available_gpu_memory(self.gpu_id)
+        start = time.perf_counter()
+        lora = self.lora_manager
+        lora_kernels = lora is not None and lora.supports_prefill_cuda_graph
         with torch.no_grad():
             if prefill != Backend.DISABLED:
-                self.prefill_graph_runner = PrefillCudaGraphRunner(self, prefill)
+                if lora is None or lora_kernels:
+                    self.prefill_graph_runner = PrefillCudaGraphRunner(self, prefill, capture_lora=lora_kernels)
+                if lora is not None:
+                    self.base_prefill_graph_runner = PrefillCudaGraphRunner(self, prefill, capture_lora=False)
             if decode != Backend.DISABLED:
-                self.decode_graph_runner = CudaGraphRunner(self, decode)
-        logger.info("CUDA graphs use %.2f GiB", free_before - get_available_gpu_memory(self.gpu_id))
+                if lora is None or lora_kernels:
+                    self.decode_graph_runner = CudaGraphRunner(self, decode, capture_lora=lora_kernels)
+                if lora is not None:
+                    self.base_decode_graph_runner = CudaGraphRunner(self, decode, capture_lora=False)
+        self.graph_capture_s = time.perf_counter() - start
+        logger.info(
+            "CUDA graphs: %d captured in %.1f s, using %.2f GiB", self._num_graphs(), self.graph_capture_s,
+            free_before - get_available_gpu_memory(self.gpu_id),
+        )
 
-    def graph_stats(self) -> dict[str, int]:
-        """Replay and eager-fallback counters (reported by /get_server_info)."""
+    def _graph_runners(
+        self, lora: bool
+    ) -> tuple[Optional["PrefillCudaGraphRunner"], Optional["CudaGraphRunner"]]:
+        """(prefill, decode) runners of the graph set for batches with (or without) LoRA work."""
+        if self.lora_manager is None or lora:
+            return self.prefill_graph_runner, self.decode_graph_runner
+        return self.base_prefill_graph_runner, self.base_decode_graph_runner
+
+    def _all_graph_runners(self) -> list[Union["PrefillCudaGraphRunner", "CudaGraphRunner"]]:
+        runners = (self.prefill_graph_runner, self.decode_graph_runner,
+                   self.base_prefill_graph_runner, self.base_decode_graph_runner)
+        return [r for r in runners if r is not None]
+
+    def _num_graphs(self) -> int:
+        return sum(len(r.graphs) for r in self._all_graph_runners())
+
+    def graph_stats(self) -> dict[str, float]:
+        """Replay and eager-fallback counters (reported by /get_server_info). Replays count both
+        graph sets; the `base_` counters are the all-base batches of a LoRA server."""
+        def replays(*runners) -> int:
+            return sum(r.num_replays for r in runners if r is not None)
+
         return {
-            "prefill_graph_replays": self.prefill_graph_runner.num_replays if self.prefill_graph_runner else 0,
-            "decode_graph_replays": self.decode_graph_runner.num_replays if self.decode_graph_runner else 0,
+            "prefill_graph_replays": replays(self.prefill_graph_runner, self.base_prefill_graph_runner),
+            "decode_graph_replays": replays(self.decode_graph_runner, self.base_decode_graph_runner),
+            "base_prefill_graph_replays": replays(self.base_prefill_graph_runner),
+            "base_decode_graph_replays": replays(self.base_decode_graph_runner),
             "eager_prefills": self.num_eager_prefills,
             "eager_decodes": self.num_eager_decodes,
+            "num_graphs": self._num_graphs(),
+            "capture_seconds": round(self.graph_capture_s, 2),
         }
 
     # ------------------------------------------------------------------ forward
@@ -234,47 +298,53 @@ class ModelRunner:
         fb.token_to_kv_pool = self.token_to_kv_pool
         fb.attn_backend = self.attn_backend
 
-    def choose_forward_path(self, fb: ForwardBatch) -> str:
-        """Which path serves this batch. The single decision point: LoRA preparation and the body
-        both follow it (a graph path is only taken if its LoRA metadata is refreshed in place)."""
+    def choose_forward_path(self, fb: ForwardBatch) -> ForwardPlan:
+        """Which path serves this batch, and whether LoRA kernels run. The single decision point:
+        LoRA preparation and the body both follow it (a graph with LoRA kernels is only replayed
+        if its LoRA metadata is refreshed in place; a batch without adapters takes the graph set
+        without LoRA kernels, or runs eagerly with the LoRA wrappers off)."""
+        lora = batch_needs_lora(fb)
+        prefill_runner, decode_runner = self._graph_runners(lora)
         mode = fb.forward_mode
         if mode.is_decode():
-            if self.decode_graph_runner is not None and self.decode_graph_runner.can_run(fb):
-                return DECODE_GRAPH
+            if decode_runner is not None and decode_runner.can_run(fb):
+                return ForwardPlan(DECODE_GRAPH, lora)
             self.num_eager_decodes += 1
         elif mode.is_extend():
-            if self.prefill_graph_runner is not None and self.prefill_graph_runner.can_run_graph(fb):
-                return PREFILL_GRAPH
+            if prefill_runner is not None and prefill_runner.can_run_graph(fb):
+                return ForwardPlan(PREFILL_GRAPH, lora)
             self.num_eager_prefills += 1
-        return EAGER
+        return ForwardPlan(EAGER, lora)
 
-    def run_body(self, fb: ForwardBatch, path: str) -> torch.Tensor:
+    def run_body(self, fb: ForwardBatch, plan: ForwardPlan) -> torch.Tensor:
         """The model body on the chosen path -> hidden [T', H] (T' >= live tokens when padded)."""
-        if path == DECODE_GRAPH:
-            return self.decode_graph_runner.replay(fb)
-        if path == PREFILL_GRAPH:
-            return self.prefill_graph_runner.replay(fb)
-        assert path == EAGER, f"no runner for forward path {path!r}"
+        prefill_runner, decode_runner = self._graph_runners(plan.lora)
+        if plan.path == DECODE_GRAPH:
+            return decode_runner.replay(fb)
+        if plan.path == PREFILL_GRAPH:
+            return prefill_runner.replay(fb)
+        assert plan.path == EAGER, f"no runner for forward path {plan.path!r}"
         self.attn_backend.init_forward_metadata(fb)
         return self.model.model(fb.input_ids, fb.positions, fb)
 
-    def prepare(self, fb: ForwardBatch) -> str:
-        """Attach the pools, decide the path once, and prepare LoRA for that same path."""
+    def prepare(self, fb: ForwardBatch) -> ForwardPlan:
+        """Attach the pools, decide the path once, and prepare LoRA for that same decision."""
         self.attach_pools(fb)
-        path = self.choose_forward_path(fb)
+        plan = self.choose_forward_path(fb)
         if self.lora_manager is not None:
             self.lora_manager.prepare_lora_batch(
                 fb,
-                use_cuda_graph=(path == DECODE_GRAPH),
-                use_prefill_cuda_graph=(path == PREFILL_GRAPH),
+                use_cuda_graph=plan.lora and plan.path == DECODE_GRAPH,
+                use_prefill_cuda_graph=plan.lora and plan.path == PREFILL_GRAPH,
+                use_lora=plan.lora,
             )
-        return path
+        return plan
 
     @torch.no_grad()
     def forward(self, fb: ForwardBatch) -> ModelRunnerOutput:
-        path = self.prepare(fb)
-        hidden = self.run_body(fb, path)
-        return self.run_eager_tail(fb, hidden, used_cuda_graph=(path != EAGER))
+        plan = self.prepare(fb)
+        hidden = self.run_body(fb, plan)
+        return self.run_eager_tail(fb, hidden, used_cuda_graph=(plan.path != EAGER))
 
     @staticmethod
     def _live_tokens(fb: ForwardBatch) -> int:
@@ -318,5 +388,5 @@ class ModelRunner:
     @torch.no_grad()
     def forward_logits(self, fb: ForwardBatch) -> LogitsProcessorOutput:
         """Body + logits, no sampling: for tests and tools."""
-        path = self.prepare(fb)
-        return self.compute_logits(fb, self.run_body(fb, path))
+        plan = self.prepare(fb)
+        return self.compute_logits(fb, self.run_body(fb, plan))

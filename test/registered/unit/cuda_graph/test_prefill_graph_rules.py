@@ -1,9 +1,16 @@
-"""CPU checks of the prefill-graph rules: bucket ladder, bucket choice, padding refusal, and the
-static input buffers (what a replay writes into them, and what the padded tail holds)."""
+"""CPU checks of the prefill-graph rules: bucket ladder, default caps, bucket choice, padding
+refusal, the static input buffers (what a replay writes into them, and what the padded tail holds),
+capture batches valid for the model's context length, and the shared buffer of break outputs."""
 
+import pytest
 import torch
 
-from sglang.srt.model_executor.cuda_graph_config import prefill_bucket_ladder
+from sglang.srt.model_executor.cuda_graph_config import (
+    default_prefill_graph_cap,
+    fillable_buckets,
+    prefill_bucket_ladder,
+)
+from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakOutputs
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.runner.graph_buffers import (
     MAX_PADDING_FACTOR,
@@ -19,6 +26,30 @@ def test_ladder_is_sorted_unique_and_capped():
         assert ladder == sorted(set(ladder))
         assert ladder[0] == 1 and ladder[-1] == cap
     assert prefill_bucket_ladder(1024)[:4] == [1, 2, 4, 8]
+    # Lean: few graphs to capture, coarse above 2048.
+    assert len(prefill_bucket_ladder(2048)) == 23 and len(prefill_bucket_ladder(8192)) == 31
+    assert prefill_bucket_ladder(8192)[-8:] == [2560, 3072, 3584, 4096, 5120, 6144, 7168, 8192]
+    ladder = prefill_bucket_ladder(16384)
+    for small, big in zip(ladder, ladder[1:]):  # above 256 tokens a bucket pads by at most 25%
+        assert big <= 2 * small and (big <= 256 or 4 * big <= 5 * small), (small, big)
+
+
+def test_default_caps_serving_size_with_lora_2048_without():
+    # --chunked-prefill-size 8192 (default), --max-prefill-tokens 16384 (default)
+    assert default_prefill_graph_cap(8192, 16384, with_lora=True) == 8192
+    assert default_prefill_graph_cap(8192, 16384, with_lora=False) == 2048
+    assert default_prefill_graph_cap(4096, 16384, with_lora=True) == 4096  # never above the chunk
+    assert default_prefill_graph_cap(8192, 1000, with_lora=True) == 1000  # nor the prefill budget
+    assert default_prefill_graph_cap(-1, 16384, with_lora=True) == 8192  # chunking off: capped
+    assert default_prefill_graph_cap(512, 16384, with_lora=False) == 512
+
+
+def test_fillable_buckets_drop_what_no_batch_can_fill():
+    buckets = [64, 256, 1024, 4096]
+    assert fillable_buckets(buckets, None, 128) == buckets  # breakable, no LoRA: any request count
+    assert fillable_buckets(buckets, 32, 128) == [64, 256, 1024, 4096]  # 32 x 128 >= 4096
+    assert fillable_buckets(buckets, 16, 128) == [64, 256, 1024]  # a full graph's 16 slots
+    assert fillable_buckets(buckets, 1, 300) == [64, 256]
 
 
 def test_pick_bucket_is_the_smallest_that_fits():
@@ -77,3 +108,35 @@ def test_capture_batches_point_at_the_dummy_row():
     assert fb.input_ids.data_ptr() == bufs.input_ids.data_ptr()  # views of the static buffers
     dec = bufs.capture_decode_batch(4, seq_len_fill=1, with_lora=False)
     assert dec.lora_ids is None and dec.seq_lens.tolist() == [1] * 4
+
+
+def test_capture_batches_keep_positions_inside_the_context():
+    """A bucket above the context length (max_position_embeddings 256 here) is captured as several
+    requests of at most 256 tokens, each from position 0: the rotary table has 256 rows and a
+    request's req_to_token row 256 + pad columns (positions 0..bucket-1 crashed the GPU at start)."""
+    bufs = GraphInputBuffers.allocate(1024, 8, torch.device("cpu"), dummy_req_row=0)
+    fb = bufs.capture_extend_batch(600, 4, with_lora=False, max_req_tokens=256)
+    assert fb.extend_seq_lens_cpu == [256, 256, 88, 0] and fb.extend_num_tokens == 600
+    assert fb.seq_lens.tolist() == [256, 256, 88, 0] and fb.seq_lens_cpu.tolist() == [256, 256, 88, 0]
+    assert fb.extend_start_loc.tolist() == [0, 256, 512, 600]
+    assert int(fb.positions.max()) == 255
+    assert fb.positions[:256].tolist() == list(range(256)) and fb.positions[512:].tolist() == list(range(88))
+    assert fb.lora_ids is None
+    # Within the context, one request holds every token as before.
+    small = bufs.capture_extend_batch(200, 1, with_lora=True, max_req_tokens=256)
+    assert small.extend_seq_lens_cpu == [200] and small.positions.tolist() == list(range(200))
+    with pytest.raises(ValueError, match="does not fit"):
+        bufs.capture_extend_batch(1000, 3, with_lora=False, max_req_tokens=256)
+
+
+def test_break_outputs_share_one_buffer_sized_by_the_first():
+    outs = BreakOutputs()
+    big = torch.randn(32, 8)
+    held = outs.hold(big)
+    assert torch.equal(held, big) and held.data_ptr() != big.data_ptr()
+    small = torch.randn(4, 8)
+    held_small = outs.hold(small)  # a smaller bucket, another layer: the same memory
+    assert torch.equal(held_small, small) and held_small.data_ptr() == held.data_ptr()
+    assert outs.nbytes == big.numel() * big.element_size()
+    with pytest.raises(ValueError, match="largest bucket first"):
+        outs.hold(torch.randn(64, 8))

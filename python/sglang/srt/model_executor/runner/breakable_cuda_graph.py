@@ -11,6 +11,16 @@ serve any batch whose tokens fit its bucket.
 
 Code inside the captured body asks for a break through the `GraphBreaker` seam that the runner puts
 on the ForwardBatch (`forward_batch.graph_breaker.eager(fn, *tensors)`); nothing is monkey-patched.
+
+Memory. A graph per token bucket, two graph sets on a LoRA server: what a graph keeps allocated
+must not grow with the bucket sum. So a break keeps neither of its tensors:
+  - its inputs (q, k, v: outputs of the preceding segment, in the shared graph pool) are *borrowed*:
+    the break holds tensors on their addresses that do not keep them allocated. Once the capture
+    is over the pool may give that memory to later captures; they write it only during their own
+    replays, and replays never overlap, so at this graph's replay its segment writes the inputs
+    and its break reads them before anything else can;
+  - its output is copied into `BreakOutputs`, one buffer shared by every break of the graphs that
+    use it (a break's output is read by the next segment only, before the next break writes).
 """
 
 from __future__ import annotations
@@ -28,15 +38,63 @@ T = TypeVar("T")
 @dataclass
 class _Break:
     fn: Callable[..., torch.Tensor]
-    # Inputs produced by the preceding segment, and the output the next segment reads. Both are held
-    # for the graph's lifetime: the segments captured their addresses.
+    # Inputs produced by the preceding segment (borrowed), and the output the next segment reads
+    # (a view of BreakOutputs); the segments captured both addresses.
     args: tuple[torch.Tensor, ...]
     out: torch.Tensor
 
 
+class _DeviceMemory:
+    """Describes a tensor's memory through `__cuda_array_interface__`; a tensor that
+    `torch.as_tensor` makes from it views that memory without owning it."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        size = t.element_size()
+        self.__cuda_array_interface__ = {
+            "shape": tuple(t.shape),
+            "strides": tuple(stride * size for stride in t.stride()),
+            "typestr": f"<i{size}",  # an integer of the element's width, viewed back as t.dtype
+            "data": (t.data_ptr(), False),
+            "version": 2,
+        }
+
+
+def borrow(t: torch.Tensor) -> torch.Tensor:
+    """A tensor on `t`'s memory that does not keep it allocated (see the module docstring)."""
+    return torch.as_tensor(_DeviceMemory(t), device=t.device).view(t.dtype)
+
+
+class BreakOutputs:
+    """One buffer per dtype for the outputs of every break of the graphs that share it. Sized by
+    the first (largest) output it is given, so graphs must be captured largest bucket first."""
+
+    def __init__(self) -> None:
+        self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
+
+    def hold(self, out: torch.Tensor) -> torch.Tensor:
+        """A view of the buffer holding a copy of `out` (what the next segment reads)."""
+        key = (out.dtype, out.device)
+        buf = self._buffers.get(key)
+        if buf is None:
+            buf = self._buffers[key] = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
+        if buf.numel() < out.numel():
+            raise ValueError(
+                f"a break output of {out.numel()} elements exceeds the shared buffer ({buf.numel()}): "
+                "capture the largest bucket first"
+            )
+        view = buf[: out.numel()].view(out.shape)
+        view.copy_(out)
+        return view
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
 class BreakableCUDAGraph(GraphBreaker):
-    def __init__(self, pool: Optional[Any] = None) -> None:
+    def __init__(self, pool: Optional[Any] = None, outputs: Optional[BreakOutputs] = None) -> None:
         self.pool = pool if pool is not None else torch.cuda.graph_pool_handle()
+        self.outputs = outputs if outputs is not None else BreakOutputs()
         self.segments: list[torch.cuda.CUDAGraph] = []
         self.breaks: list[_Break] = []
         self._current: Optional[torch.cuda.CUDAGraph] = None
@@ -70,8 +128,8 @@ class BreakableCUDAGraph(GraphBreaker):
             # Not capturing (a warm-up pass that reuses the seam): just run it.
             return fn(self._ctx, *tensors)
         self._end_segment()
-        out = fn(self._ctx, *tensors)
-        self.breaks.append(_Break(fn=fn, args=tensors, out=out))
+        out = self.outputs.hold(fn(self._ctx, *tensors))
+        self.breaks.append(_Break(fn=fn, args=tuple(borrow(t) for t in tensors), out=out))
         self._begin_segment()
         return out
 

@@ -2,9 +2,11 @@
 
 `full` (default) captures the whole body including attention, whose metadata lives in the attention
 backend's static buffers; `breakable` breaks the body at attention like the breakable prefill graph.
-With LoRA, the decode `LoRABatchInfo` is allocated once (`init_cuda_graph_batch_info`) and refreshed
-in place before each replay by `prepare_lora_batch(use_cuda_graph=True)`; capture uses
-`lora_ids=[None] * bs`, so every LoRA kernel is recorded and idle.
+With LoRA kernels (`capture_lora=True`), the decode `LoRABatchInfo` is allocated once
+(`init_cuda_graph_batch_info`) and refreshed in place before each replay by
+`prepare_lora_batch(use_cuda_graph=True)`; capture uses `lora_ids=[None] * bs`, so every LoRA kernel
+is recorded and idle. A LoRA server also holds a runner without them (`capture_lora=False`,
+captured with the LoRA backend's `batch_info` None) for all-base batches.
 
 A live batch of `bs` requests is padded to the smallest bucket >= bs. Padded rows point at the dummy
 request row, write their K/V to slot 0 and are dropped before the eager tail.
@@ -20,6 +22,7 @@ from tqdm import tqdm
 
 from sglang.srt.model_executor.cuda_graph_config import Backend, decode_bucket_ladder
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakOutputs
 from sglang.srt.model_executor.runner.graph_capture import AnyGraph, capture_graph
 from sglang.srt.model_executor.runner.graph_buffers import GraphInputBuffers, pick_bucket
 
@@ -39,7 +42,10 @@ def decode_graph_max_bs(model_runner: "ModelRunner") -> int:
 
 
 class CudaGraphRunner:
-    def __init__(self, model_runner: "ModelRunner", backend: Backend) -> None:
+    def __init__(
+        self, model_runner: "ModelRunner", backend: Backend, capture_lora: bool, capture: bool = True
+    ) -> None:
+        """`capture=False` allocates without capturing (see PrefillCudaGraphRunner)."""
         assert backend in (Backend.FULL, Backend.BREAKABLE)
         self.model_runner = model_runner
         self.backend = backend
@@ -47,7 +53,9 @@ class CudaGraphRunner:
         self.max_bs = decode_graph_max_bs(model_runner)
         self.buckets = sorted(set(cfg.bs)) if cfg.bs else decode_bucket_ladder(self.max_bs)
         self.enable_lora = model_runner.lora_manager is not None
-        if self.enable_lora:
+        assert not capture_lora or self.enable_lora
+        self.capture_lora = capture_lora
+        if capture_lora:
             model_runner.lora_manager.init_cuda_graph_batch_info(self.max_bs, 1)
         self.buffers = GraphInputBuffers.allocate(
             self.max_bs, self.max_bs, model_runner.device, model_runner.padding_req_pool_index
@@ -61,8 +69,11 @@ class CudaGraphRunner:
             device=model_runner.device,
         )
         self.graphs: dict[int, AnyGraph] = {}
+        # The breakable graphs' break outputs, one buffer for every bucket (captured largest first).
+        self.break_outputs = BreakOutputs()
         self.num_replays = 0
-        self._capture_all()
+        if capture:
+            self._capture_all()
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
@@ -79,7 +90,7 @@ class CudaGraphRunner:
         logger.info(
             "Captured %d decode CUDA graphs (%s, batch sizes %s..%s, LoRA %s).",
             len(self.buckets), self.backend.value, self.buckets[0], self.max_bs,
-            "on" if self.enable_lora else "off",
+            "kernels captured" if self.capture_lora else ("set without LoRA" if self.enable_lora else "off"),
         )
 
     def _run_body(self, fb: ForwardBatch, bs: int) -> None:
@@ -96,10 +107,13 @@ class CudaGraphRunner:
             )
         else:
             mr.attn_backend.init_forward_metadata(fb)
-        if self.enable_lora:
+        if self.capture_lora:
             mr.lora_manager.prepare_lora_batch(fb, use_cuda_graph=True, use_prefill_cuda_graph=False)
+        elif self.enable_lora:
+            mr.lora_manager.prepare_lora_batch(fb, use_lora=False)  # base layers only
         return capture_graph(
-            self.backend == Backend.BREAKABLE, lambda: self._run_body(fb, bs), fb, mr.graph_memory_pool, stream
+            self.backend == Backend.BREAKABLE, lambda: self._run_body(fb, bs), fb, mr.graph_memory_pool, stream,
+            self.break_outputs,
         )
 
     # ---------------------------------------------------------------------------- replay

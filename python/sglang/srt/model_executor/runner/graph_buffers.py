@@ -98,24 +98,36 @@ class GraphInputBuffers:
             out_cache_loc=self.out_cache_loc[:padded],
         )
 
-    def capture_extend_batch(self, num_tokens: int, num_reqs: int, with_lora: bool) -> ForwardBatch:
-        """An EXTEND batch for capture: request 0 holds every token, the others are empty.
+    def capture_extend_batch(
+        self, num_tokens: int, num_reqs: int, with_lora: bool, max_req_tokens: Optional[int] = None
+    ) -> ForwardBatch:
+        """An EXTEND batch for capture, valid for the model: the tokens fill requests of at most
+        `max_req_tokens` (the context length) in order, and each request's positions start at 0,
+        so no position passes the rotary table and no request passes its req_to_token row. The
+        requests left over are empty. (A bucket larger than the context length is one a batch of
+        several requests fills.)
 
         Every request points at the dummy row, whose req_to_token entries are all slot 0. The caller
         attaches the pools and the attention backend.
         """
-        self.seq_lens[:num_reqs].zero_()
-        self.extend_seq_lens[:num_reqs].zero_()
+        per_req = num_tokens if max_req_tokens is None else max_req_tokens
+        if per_req < 1 or num_tokens > num_reqs * per_req:
+            raise ValueError(
+                f"a capture batch of {num_tokens} tokens does not fit {num_reqs} request(s) of at most "
+                f"{per_req} tokens"
+            )
+        lens = [min(per_req, max(num_tokens - i * per_req, 0)) for i in range(num_reqs)]
+        starts = [min(i * per_req, num_tokens) for i in range(num_reqs)]
+        host = torch.tensor([lens, starts], dtype=torch.int64)
+        self.seq_lens[:num_reqs].copy_(host[0])
+        self.extend_seq_lens[:num_reqs].copy_(host[0])
         self.extend_prefix_lens[:num_reqs].zero_()
-        self.extend_start_loc[:num_reqs].fill_(num_tokens)
-        self.seq_lens[0] = num_tokens
-        self.extend_seq_lens[0] = num_tokens
-        self.extend_start_loc[0] = 0
+        self.extend_start_loc[:num_reqs].copy_(host[1])
         self.req_pool_indices[:num_reqs].fill_(self.dummy_req_row)
         self.input_ids[:num_tokens].zero_()
-        self.positions[:num_tokens].copy_(torch.arange(num_tokens, device=self.positions.device))
+        positions = torch.cat([torch.arange(n, dtype=torch.int64) for n in lens if n > 0])
+        self.positions[:num_tokens].copy_(positions)
         self.out_cache_loc[:num_tokens].zero_()
-        seq_lens_cpu = [num_tokens] + [0] * (num_reqs - 1)
         return ForwardBatch(
             forward_mode=ForwardMode.EXTEND,
             batch_size=num_reqs,
@@ -124,11 +136,11 @@ class GraphInputBuffers:
             out_cache_loc=self.out_cache_loc[:num_tokens],
             req_pool_indices=self.req_pool_indices[:num_reqs],
             seq_lens=self.seq_lens[:num_reqs],
-            seq_lens_cpu=torch.tensor(seq_lens_cpu, dtype=torch.int64),
+            seq_lens_cpu=host[0].clone(),
             extend_seq_lens=self.extend_seq_lens[:num_reqs],
             extend_prefix_lens=self.extend_prefix_lens[:num_reqs],
             extend_start_loc=self.extend_start_loc[:num_reqs],
-            extend_seq_lens_cpu=list(seq_lens_cpu),
+            extend_seq_lens_cpu=list(lens),
             extend_prefix_lens_cpu=[0] * num_reqs,
             extend_num_tokens=num_tokens,
             # Capture with the base model everywhere: LoRA kernels are recorded but idle (rank 0).

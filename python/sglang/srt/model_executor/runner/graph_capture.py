@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import gc
-from typing import Any, Callable, Union
+from typing import Any, Callable, Optional, Union
 
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakableCUDAGraph
+from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakableCUDAGraph, BreakOutputs
 
 AnyGraph = Union[torch.cuda.CUDAGraph, BreakableCUDAGraph]
 
@@ -19,10 +19,12 @@ def capture_graph(
     fb: ForwardBatch,
     pool: Any,
     stream: torch.cuda.Stream,
+    break_outputs: Optional[BreakOutputs] = None,
     warmups: int = 2,
 ) -> AnyGraph:
     """Warm `run` up on the capture stream (Triton compilation and autotuning stay out of the
-    graph), then capture it. A breakable capture routes attention through `fb.graph_breaker`."""
+    graph), then capture it. A breakable capture routes attention through `fb.graph_breaker`, and
+    keeps its breaks' outputs in `break_outputs` (shared by the graphs of one runner)."""
     torch.cuda.synchronize()
     with torch.cuda.stream(stream):
         for _ in range(warmups):
@@ -30,7 +32,7 @@ def capture_graph(
     stream.synchronize()
     gc.collect()
     if breakable:
-        graph: AnyGraph = BreakableCUDAGraph(pool=pool)
+        graph: AnyGraph = BreakableCUDAGraph(pool=pool, outputs=break_outputs)
         fb.graph_breaker = graph
         try:
             graph.capture(run, ctx=fb, stream=stream)

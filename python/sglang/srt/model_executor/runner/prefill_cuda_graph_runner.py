@@ -8,10 +8,19 @@ Two backends:
              (`_capture_req_slots`); the attention metadata lives in static buffers too.
 
 Only the body (`model.model`) is captured. The lm_head, logprobs and sampling run in the eager tail
-on the live, unpadded batch. LoRA: the static prefill `LoRABatchInfo` is initialised before capture,
-capture runs with `lora_ids=[None] * bs` (every LoRA kernel recorded, all idle at rank 0), and a
-LoRA batch replays only when `LoRAManager.can_use_prefill_cuda_graph` holds — the same predicate
-that made `prepare_lora_batch` refresh the static info in place (ModelRunner decides once).
+on the live, unpadded batch.
+
+LoRA servers hold two runners (two graph sets, one memory pool; ModelRunner picks one per forward):
+  with LoRA kernels   (`capture_lora=True`) the static prefill `LoRABatchInfo` is initialised
+                      before capture, capture runs with `lora_ids=[None] * bs` (every LoRA kernel
+                      recorded, all idle at rank 0), and a batch replays only when
+                      `LoRAManager.can_use_prefill_cuda_graph` holds — the same predicate that makes
+                      `prepare_lora_batch` refresh the static info in place;
+  without             (`capture_lora=False`) captured with the LoRA backend's `batch_info` None, so
+                      the wrappers record the base layers only: it serves all-base batches at the
+                      speed of a server without LoRA.
+Buckets: the config's, else the default ladder up to `default_prefill_graph_cap` (serving-size
+batches for the LoRA set), less any bucket no batch could fill (request slots x context length).
 """
 
 from __future__ import annotations
@@ -22,8 +31,14 @@ from typing import TYPE_CHECKING
 import torch
 from tqdm import tqdm
 
-from sglang.srt.model_executor.cuda_graph_config import Backend, prefill_bucket_ladder
+from sglang.srt.model_executor.cuda_graph_config import (
+    Backend,
+    default_prefill_graph_cap,
+    fillable_buckets,
+    prefill_bucket_ladder,
+)
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakOutputs
 from sglang.srt.model_executor.runner.graph_capture import AnyGraph, capture_graph
 from sglang.srt.model_executor.runner.graph_buffers import GraphInputBuffers, prefill_replay_bucket
 
@@ -32,44 +47,66 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Default largest bucket: above ~2k tokens a prefill is compute-bound and graphs no longer pay.
-DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
 # Full backend: request slots captured per bucket, unless the config says otherwise.
 DEFAULT_FULL_PREFILL_REQ_SLOTS = 16
 
 
+def _ceil_div(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 class PrefillCudaGraphRunner:
-    def __init__(self, model_runner: "ModelRunner", backend: Backend) -> None:
+    def __init__(
+        self, model_runner: "ModelRunner", backend: Backend, capture_lora: bool, capture: bool = True
+    ) -> None:
+        """`capture=False` plans the buckets and allocates the buffers without capturing (the
+        path decision can then be tested where no CUDA graph can run)."""
         assert backend in (Backend.BREAKABLE, Backend.FULL)
         self.model_runner = model_runner
         self.backend = backend
         server_args = model_runner.server_args
         cfg = server_args.cuda_graph_config.prefill
-
-        cap = cfg.max_bs
-        if cap is None:
-            chunk = server_args.chunked_prefill_size
-            cap = DEFAULT_MAX_PREFILL_GRAPH_TOKENS if chunk == -1 else min(chunk, DEFAULT_MAX_PREFILL_GRAPH_TOKENS)
-        self.buckets = sorted(set(cfg.bs)) if cfg.bs else prefill_bucket_ladder(cap)
-        self.max_num_tokens = self.buckets[-1]
-
         lora_manager = model_runner.lora_manager
         self.enable_lora = lora_manager is not None
         # This runner records LoRA kernels only if the LoRA backend can serve them from static metadata.
-        self._capture_lora = self.enable_lora and lora_manager.supports_prefill_cuda_graph
+        assert not capture_lora or (self.enable_lora and lora_manager.supports_prefill_cuda_graph)
+        self._capture_lora = capture_lora
+        # A capture request never exceeds the context length (its positions index the rotary table).
+        self.max_req_tokens = model_runner.context_len
 
-        if backend == Backend.FULL:
-            slots = cfg.full_prefill_max_req or DEFAULT_FULL_PREFILL_REQ_SLOTS
-            slots = min(slots, model_runner.req_to_token_pool.size)
-            if self._capture_lora:
-                # Every batch the graph may serve must also fit the static LoRA metadata.
-                lora_manager.init_prefill_cuda_graph_batch_info(self.max_num_tokens)
-                slots = min(slots, lora_manager.prefill_cuda_graph_max_bs)
-            self._capture_req_slots = slots
+        if cfg.bs:
+            wanted = sorted(set(cfg.bs))
         else:
-            self._capture_req_slots = 1
-            if self._capture_lora:
-                lora_manager.init_prefill_cuda_graph_batch_info(self.max_num_tokens)
+            cap = cfg.max_bs or default_prefill_graph_cap(
+                server_args.chunked_prefill_size, server_args.max_prefill_tokens, capture_lora
+            )
+            wanted = prefill_bucket_ladder(cap)
+        if capture_lora:
+            # Sized for the largest bucket wanted; the buckets it cannot serve are dropped below.
+            lora_manager.init_prefill_cuda_graph_batch_info(wanted[-1])
+        # Requests a replayed batch may have: the full graph's slots, and the LoRA metadata's cap.
+        max_reqs = None
+        if backend == Backend.FULL:
+            max_reqs = min(cfg.full_prefill_max_req or DEFAULT_FULL_PREFILL_REQ_SLOTS,
+                           model_runner.req_to_token_pool.size)
+        if capture_lora:
+            lora_cap = lora_manager.prefill_cuda_graph_max_bs
+            max_reqs = lora_cap if max_reqs is None else min(max_reqs, lora_cap)
+        self.buckets = fillable_buckets(wanted, max_reqs, self.max_req_tokens)
+        if len(self.buckets) < len(wanted):
+            logger.info(
+                "Prefill graphs skip buckets %s: no batch of at most %s requests of at most %d tokens fills them.",
+                wanted[len(self.buckets):], max_reqs, self.max_req_tokens,
+            )
+        if not self.buckets:
+            raise ValueError(f"no prefill CUDA graph bucket is usable (wanted {wanted})")
+        self.max_num_tokens = self.buckets[-1]
+        # Full: the request axis is fixed at capture. Breakable: attention reads the live batch,
+        # so a capture batch needs only as many requests as its tokens fill.
+        if backend == Backend.FULL:
+            self._capture_req_slots = max_reqs
+        else:
+            self._capture_req_slots = _ceil_div(self.max_num_tokens, self.max_req_tokens)
 
         self.buffers = GraphInputBuffers.allocate(
             self.max_num_tokens, self._capture_req_slots, model_runner.device, model_runner.padding_req_pool_index
@@ -82,23 +119,30 @@ class PrefillCudaGraphRunner:
             device=model_runner.device,
         )
         self.graphs: dict[int, AnyGraph] = {}
+        # The breakable graphs' break outputs, one buffer for every bucket (captured largest first).
+        self.break_outputs = BreakOutputs()
         self.num_replays = 0
-        self._capture_all()
+        if capture:
+            self._capture_all()
+
+    @property
+    def capture_lora(self) -> bool:
+        return self._capture_lora
 
     # ---------------------------------------------------------------------------- eligibility
     def can_run_graph(self, fb: ForwardBatch) -> bool:
+        """Shapes only, plus, for the LoRA set, the LoRA predicate. Which set a batch goes to
+        (LoRA or not) is ModelRunner.choose_forward_path's decision."""
         if not fb.forward_mode.is_extend() or fb.extend_num_tokens is None:
             return False
         if prefill_replay_bucket(self.buckets, fb.extend_num_tokens) is None:
             return False
         if self.backend == Backend.FULL and fb.batch_size > self._capture_req_slots:
             return False
-        if fb.lora_ids is not None:
-            # LoRA server: replay only if the graph holds LoRA kernels and this batch's metadata
-            # can live in (and therefore will be written into) the static buffers they read.
-            lora_manager = self.model_runner.lora_manager
-            if not (self._capture_lora and lora_manager.can_use_prefill_cuda_graph(fb)):
-                return False
+        if self._capture_lora:
+            # The batch's metadata can live in (and therefore will be written into) the static
+            # buffers the captured LoRA kernels read.
+            return self.model_runner.lora_manager.can_use_prefill_cuda_graph(fb)
         return True
 
     # ---------------------------------------------------------------------------- capture
@@ -122,12 +166,13 @@ class PrefillCudaGraphRunner:
             self.buckets[0],
             self.max_num_tokens,
             self._capture_req_slots,
-            "captured" if self._capture_lora else ("not captured" if self.enable_lora else "off"),
+            "kernels captured" if self._capture_lora else ("set without LoRA" if self.enable_lora else "off"),
         )
 
     def _capture_batch(self, n: int) -> ForwardBatch:
         mr = self.model_runner
-        fb = self.buffers.capture_extend_batch(n, self._capture_req_slots, with_lora=self.enable_lora)
+        reqs = self._capture_req_slots if self.backend == Backend.FULL else _ceil_div(n, self.max_req_tokens)
+        fb = self.buffers.capture_extend_batch(n, reqs, self.enable_lora, self.max_req_tokens)
         mr.attach_pools(fb)
         if self.backend == Backend.FULL:
             mr.attn_backend.init_forward_metadata_capture_cuda_graph(
@@ -139,6 +184,9 @@ class PrefillCudaGraphRunner:
             # The capture batch takes the in-place path: ranks are all 0, kernels are recorded idle.
             assert mr.lora_manager.can_use_prefill_cuda_graph(fb)
             mr.lora_manager.prepare_lora_batch(fb, use_cuda_graph=False, use_prefill_cuda_graph=True)
+        elif self.enable_lora:
+            # The set without LoRA: `batch_info` None makes every wrapper run its base layer only.
+            mr.lora_manager.prepare_lora_batch(fb, use_lora=False)
         return fb
 
     def _run_body(self, fb: ForwardBatch, n: int) -> None:
@@ -153,6 +201,7 @@ class PrefillCudaGraphRunner:
             fb,
             self.model_runner.graph_memory_pool,
             stream,
+            self.break_outputs,
         )
 
     # ---------------------------------------------------------------------------- replay
