@@ -135,8 +135,11 @@ class ServerArgs:
     lora_backend: str = "csgmv"
     max_lora_chunk_size: int = 16
     # Bound, in scheduler turns, on how long a request whose adapter does not fit may wait before
-    # requests for other adapters are held back until it fits (anti-starvation).
-    lora_max_wait_turns: int = 64
+    # requests for other adapters are held back until it fits (anti-starvation). Adapters rotate
+    # through the slots before that (GroupedLoRAAdmission); a drain empties the batch, so the
+    # bound is a backstop: 256 turns (~3 s of decode steps) kept the batch fullest in the
+    # closed-loop simulation of test_lora_admission_grouping.py's kind (64 drained too often).
+    lora_max_wait_turns: int = 256
 
     # CUDA graphs (resolved into `cuda_graph_config` by _handle_cuda_graph_config)
     cuda_graph_config: Optional[Any] = None
@@ -248,11 +251,6 @@ class ServerArgs:
             if "all" in self.lora_target_modules and len(self.lora_target_modules) > 1:
                 raise ValueError("--lora-target-modules: 'all' must be given alone")
         if self.enable_lora:
-            if self.max_loras_per_batch < 2 and self.lora_paths:
-                logger.warning(
-                    "--max-loras-per-batch 1 leaves no slot beside the base model: adapter and base "
-                    "requests will never share a batch."
-                )
             if not self.lora_paths and (self.max_lora_rank is None or not self.lora_target_modules):
                 raise ValueError(
                     "--enable-lora without --lora-paths requires both --max-lora-rank and "
@@ -273,7 +271,7 @@ class ServerArgs:
             if pinned > max(self.max_loras_per_batch - 1, 0):
                 raise ValueError(
                     f"--lora-paths pins {pinned} adapters; at most --max-loras-per-batch - 1 "
-                    f"({self.max_loras_per_batch - 1}) may be pinned, so one slot stays free"
+                    f"({self.max_loras_per_batch - 1}) may be pinned, so one slot stays free for the others"
                 )
 
         # CUDA graphs
@@ -450,7 +448,7 @@ class ServerArgs:
                        help="Adapters to load at start: PATH, NAME=PATH, or JSON "
                             '{"lora_name": ..., "lora_path": ..., "pinned": bool}.')
         g.add_argument("--max-loras-per-batch", type=int, default=default("max_loras_per_batch"),
-                       help="GPU adapter slots; the base model counts as one.")
+                       help="GPU adapter slots: adapters one batch may use (the base model needs no slot).")
         g.add_argument("--max-lora-rank", type=int, default=None,
                        help="Pool rank; defaults to the largest rank of --lora-paths.")
         g.add_argument("--lora-target-modules", nargs="*", default=None, choices=LORA_TARGET_MODULES,

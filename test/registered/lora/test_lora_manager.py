@@ -142,14 +142,15 @@ def test_load_use_unload_reload(setup):
 def test_pinning_limits_and_admission(setup):
     mgr = runner_for(setup, lora_backend="torch_native", max_loras_per_batch=3).lora_manager
     a, b = (next(i for i, r in mgr.refs.items() if r.lora_name == n) for n in ("a", "b"))
-    assert mgr.validate_lora_batch({None, a, b}) and not mgr.validate_lora_batch({None, a, b, "x"})
+    # The base model needs no adapter slot.
+    assert mgr.validate_lora_batch({None, a, b, "x"}) and not mgr.validate_lora_batch({None, a, b, "x", "y"})
     p1, p2 = ref(setup, "c", "p1", pinned=True), ref(setup, "c", "p2", pinned=True)
     assert mgr.load_lora_adapter(p1).success and mgr.load_lora_adapter(p2).success
     out = mgr.load_lora_adapter(ref(setup, "c", "p3", pinned=True))
     assert not out.success and "pinned" in out.error_message and "--max-loras-per-batch" in out.error_message
-    # Pinned adapters hold their slots: only one slot is left for everything else.
-    assert mgr.validate_lora_batch({None}) and mgr.validate_lora_batch({p1.lora_id, a})
-    assert not mgr.validate_lora_batch({None, a})
+    # Pinned adapters hold their slots: only one slot is left for the unpinned adapters.
+    assert mgr.validate_lora_batch({None}) and mgr.validate_lora_batch({p1.lora_id, a, None})
+    assert not mgr.validate_lora_batch({a, b})
     mgr.fetch_new_loras({p1.lora_id, p2.lora_id, None})
     for other in (a, b, None, a):
         mgr.fetch_new_loras({other})

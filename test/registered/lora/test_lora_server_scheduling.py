@@ -1,8 +1,8 @@
 """Adapter slots under load, through a real server with `--max-loras-per-batch 2`.
 
-Four adapters (one pinned, given in the JSON form of --lora-paths) and the base model share two
-slots, and the pinned adapter always holds one of them: every batch has at most one other pool
-user, so nearly every switch between adapters evicts one. Checked: concurrent requests for more
+Four adapters (one pinned, given in the JSON form of --lora-paths) share two adapter slots (the
+base model needs none), and the pinned adapter always holds one of them: every batch has at most
+one other adapter, so nearly every switch between adapters evicts one. Checked: concurrent requests for more
 distinct adapters than slots all complete with the outputs they get alone; the pinned adapter is
 never evicted (its slot, read from /get_server_info, never changes); and a request for an adapter
 that does not fit completes within a bounded time while a steady stream of requests for a running
@@ -80,12 +80,15 @@ def test_pinned_adapter_is_never_evicted(server) -> None:
     url = server[1]
     run(url, "p", PROMPTS[0], n=1)
     slot = lora_info(url)["pool_slots"].index("p")
+    last = None
     for lora in ["a", None, "b", "c", "a", None, "c"]:
         run(url, lora, PROMPTS[1], n=2)
         slots = lora_info(url)["pool_slots"]
         assert slots[slot] == "p", f"after a request for {lora!r}: {slots}"
-        # The other slot is the one that moved: it holds the adapter just used.
-        assert slots[1 - slot] == ("<base>" if lora is None else lora)
+        # The other slot is the one that moved: it holds the adapter used last (a base request
+        # needs no slot and leaves it alone).
+        last = lora if lora is not None else last
+        assert slots[1 - slot] == last
 
 
 def test_waiting_adapter_is_not_starved_by_a_running_one(server) -> None:

@@ -1,4 +1,5 @@
-"""LoRAMemoryPool: eviction policies, protection of current/pinned adapters, zeroing, fixed addresses."""
+"""LoRAMemoryPool: eviction policies, protection of current/pinned adapters, the base model's own slot,
+zeroing, prefetch, fixed addresses."""
 
 import pytest
 import torch
@@ -56,7 +57,7 @@ def test_eviction_policy_picks_victim(adapters, policy, victim):
         pool.prepare_lora_batch({uid}, adapters)
     pool.prepare_lora_batch({"d"}, adapters)
     assert victim not in resident(pool) and "d" in resident(pool)
-    assert resident(pool) == {"a", "b", "c", "d"} - {victim}
+    assert resident(pool) == {None, "a", "b", "c", "d"} - {victim}
     assert pool.integrity_problems() == []
 
 
@@ -71,13 +72,14 @@ def test_pinned_adapter_never_evicted(adapters):
 
 
 def test_current_batch_never_evicted(adapters):
-    pool = make_pool(slots=3)
-    pool.prepare_lora_batch({None, "a", "b"}, adapters)
-    pool.prepare_lora_batch({"c"}, adapters)  # evicts the LRU of {None, a, b}
+    pool = make_pool(slots=2)
+    pool.prepare_lora_batch({None, "a", "b"}, adapters)  # the base model needs no adapter slot
+    assert resident(pool) == {None, "a", "b"}
+    pool.prepare_lora_batch({"c"}, adapters)  # evicts the LRU of {a, b}
     pool.prepare_lora_batch({None, "a", "c"}, adapters)
     assert resident(pool) == {None, "a", "c"}
-    pool.prepare_lora_batch({"a", "b", "c"}, adapters)  # None is the only candidate
-    assert resident(pool) == {"a", "b", "c"}
+    pool.prepare_lora_batch({"b", "c"}, adapters)  # a is the only candidate
+    assert resident(pool) == {None, "b", "c"}
     with pytest.raises(ValueError, match="distinct adapters"):
         pool.prepare_lora_batch({None, "a", "b", "c"}, adapters)
     with pytest.raises(ValueError, match="not loaded"):
@@ -85,14 +87,14 @@ def test_current_batch_never_evicted(adapters):
 
 
 def test_slot_contents_compact_prefix_and_no_residue(adapters):
-    pool = make_pool(slots=2, rank=8)
+    pool = make_pool(slots=1, rank=8)
     big = make_adapter("big", r=8, seed=10)
     small = make_adapter("small", r=4, modules=["qkv_proj"], seed=11)
     ads = {"big": big, "small": small}
     pool.prepare_lora_batch({"big"}, ads)
     slot = pool.get_slot("big")
-    pool.prepare_lora_batch({"small", None}, ads)  # evicts big; small may reuse its slot
-    slot = pool.get_slot("small")
+    pool.prepare_lora_batch({"small", None}, ads)  # evicts big; small reuses its slot
+    assert pool.get_slot("small") == slot
     assert pool.slot_ranks[slot] == 4 and pool.slot_scalings[slot] == pytest.approx(2.0)
     for layer in range(SHAPES.num_layers):
         a, b = small.layers[layer]["qkv_proj"]
@@ -103,12 +105,20 @@ def test_slot_contents_compact_prefix_and_no_residue(adapters):
         for m in ("o_proj", "gate_up_proj", "down_proj"):  # modules small lacks: zero, not big's
             assert torch.count_nonzero(pool.A_buffer[m][layer][slot]) == 0
             assert torch.count_nonzero(pool.B_buffer[m][layer][slot]) == 0
-    # The base model's slot: rank 0, zero A, even where an adapter lived before.
+    # The base model's slot: its own, rank 0, all zero.
     none_slot = pool.get_slot(None)
-    assert pool.slot_ranks[none_slot] == 0
+    assert none_slot == pool.base_slot == 1 and pool.slot_ranks[none_slot] == 0
     for m in MODULES:
         for layer in range(SHAPES.num_layers):
             assert torch.count_nonzero(pool.A_buffer[m][layer][none_slot]) == 0
+            assert torch.count_nonzero(pool.B_buffer[m][layer][none_slot]) == 0
+    # Back to a rank-8 adapter on every module: all of it is written again.
+    pool.prepare_lora_batch({"big"}, ads)
+    for layer in range(SHAPES.num_layers):
+        for m in MODULES:
+            a, b = big.layers[layer][m]
+            torch.testing.assert_close(pool.A_buffer[m][layer][slot], a, rtol=0, atol=0)
+            torch.testing.assert_close(pool.B_buffer[m][layer][slot], b, rtol=0, atol=0)
 
 
 def test_buffers_never_reallocated(adapters):
@@ -139,3 +149,35 @@ def test_free_and_integrity(adapters):
     pool.uid_to_slot["b"] = pool.get_slot("c")
     problems = pool.integrity_problems()
     assert any("base-model slot" in p for p in problems) and any("'b'" in p for p in problems)
+
+
+def test_base_model_has_its_own_slot(adapters):
+    pool = make_pool(slots=2)
+    assert pool.num_adapter_slots == 2 and pool.num_slots == 3 and pool.is_resident(None)
+    for m in MODULES:  # the buffers hold the base model's slot too
+        assert pool.A_buffer[m][0].shape[0] == 3
+    pool.prepare_lora_batch({None, "a", "b"}, adapters)
+    pool.free(None)  # never freed
+    assert pool.get_slot(None) == pool.base_slot and pool.slot_to_uid[: 2] != [None, None]
+    pool.prepare_lora_batch({"c", "d"}, adapters)
+    assert resident(pool) == {None, "c", "d"} and pool.integrity_problems() == []
+
+
+def test_prefetch_fills_free_slots_and_replaces_only_unwanted(adapters):
+    pool = make_pool(slots=2)
+    pool.prepare_lora_batch({"a"}, adapters)
+    # a runs (protected); c is the most wanted, then d. One free slot: c gets it; d finds none
+    # (c is wanted, a is protected).
+    assert pool.prefetch(["c", "d"], adapters, protected={"a", None}) == ["c"]
+    assert resident(pool) == {None, "a", "c"} and pool.num_prefetches == 1
+    slot = pool.get_slot("c")
+    a_c, b_c = adapters["c"].layers[0]["qkv_proj"]
+    torch.testing.assert_close(pool.A_buffer["qkv_proj"][0][slot][: a_c.shape[0]], a_c, rtol=0, atol=0)
+    # Now d is wanted and c is not: c gives way. a stays, protected.
+    assert pool.prefetch(["d"], adapters, protected={"a"}) == ["d"]
+    assert resident(pool) == {None, "a", "d"} and pool.num_evictions == 1
+    # Pinned adapters never give way, nor do wanted ones.
+    assert pool.prefetch(["e", "d"], adapters, protected=set(), pinned_uids={"a"}) == []
+    assert pool.prefetch(["e"], adapters, protected=set(), pinned_uids={"a"}) == ["e"]
+    assert resident(pool) == {None, "a", "e"} and pool.integrity_problems() == []
+    assert pool.loader.pending_slots() == []  # CPU: copies are done at once

@@ -183,7 +183,8 @@ def test_server_info_reports_both_checks_and_graph_stats(sched) -> None:
     check = info["last_integrity_check"]
     assert check["ok"] and check["time"] > 0 and check["runs"] >= 1 and check["kv_total"] == 512
     assert set(info["graph_stats"]) == {"prefill_graph_replays", "decode_graph_replays", "eager_prefills",
-                                        "eager_decodes"}
+                                        "eager_decodes", "base_prefill_graph_replays",
+                                        "base_decode_graph_replays", "num_graphs", "capture_seconds"}
     assert info["graph_stats"]["eager_prefills"] > 0  # CPU: every forward is eager
     assert info["graph_stats"]["prefill_graph_replays"] == info["graph_stats"]["decode_graph_replays"] == 0
     assert info["lora"]["num_adapter_loads"] >= 2

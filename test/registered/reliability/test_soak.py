@@ -3,7 +3,7 @@ nothing may be lost. Ends by waiting for idle and asserting zero leaked KV slots
 adapter references and request states, both integrity checks clean, no dead process, no 5xx, and
 writes a report (counts, retractions, graph replays) to JSON (`SGLANG_SOAK_REPORT` if set).
 
-  * `test_soak` (CPU CI): tiny llama, 3 adapters + 1 cycling, 3 LoRA slots (2 adapters + base),
+  * `test_soak` (CPU CI): tiny llama, 3 adapters + 1 cycling, 2 LoRA adapter slots,
     a 384-token KV pool (so requests are retracted), 32-token prefill chunks; load for
     `SGLANG_SOAK_SECONDS` (default 60).
   * `test_soak_long` (`-m slow`, runs only with SGLANG_SOAK_LONG=1): the same for
@@ -80,7 +80,7 @@ def cpu_adapters(tmp_path_factory) -> dict[str, str]:
 def cpu_soak(cpu_adapters, tmp_path, capsys, seconds: float) -> None:
     proc, url = popen_launch_server(tiny_lora_checkpoint("llama"), [
         "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native",
-        "--max-loras-per-batch", "3", "--max-lora-rank", "16", "--lora-target-modules", "all",
+        "--max-loras-per-batch", "2", "--max-lora-rank", "16", "--lora-target-modules", "all",
         "--max-total-tokens", "384", "--chunked-prefill-size", "32", "--max-running-requests", "6",
         "--decode-log-interval", "200", "--lora-paths", *[f"{n}={cpu_adapters[n]}" for n in "abc"],
     ])

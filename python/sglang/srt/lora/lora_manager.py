@@ -115,7 +115,8 @@ class LoRAManager:
             )
         backend_cls = get_backend_from_name(backend_name)
         self.lora_backend = backend_cls(
-            max_loras_per_batch=self.max_loras_per_batch,
+            # The kernels index every slot of the pool: the adapters' and the base model's.
+            max_loras_per_batch=self.max_loras_per_batch + 1,
             device=self.device,
             max_lora_chunk_size=server_args.max_lora_chunk_size,
         )
@@ -233,7 +234,7 @@ class LoRAManager:
             raise ValueError(
                 f"it cannot be pinned: {len(self.pinned_ids)} adapter(s) are pinned already and at most "
                 f"--max-loras-per-batch - 1 = {self.max_loras_per_batch - 1} may be, so that one slot stays "
-                "free for the base model and unpinned adapters"
+                "free for unpinned adapters"
             )
         if any(r.lora_path == ref.lora_path for r in self.refs.values()):
             logger.warning(
@@ -286,16 +287,23 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ batches
     def validate_lora_batch(self, lora_ids: set[Optional[str]]) -> bool:
-        """Whether a batch with these distinct adapters (None = base) fits in the slots.
+        """Whether a batch with these distinct adapters fits in the adapter slots. The base model
+        (None) has a slot of its own and never counts.
 
         Pinned adapters are counted as occupying their slots whether or not the batch uses them,
         so admission never depends on which of them happen to be resident.
         """
-        return len(set(lora_ids) | self.pinned_ids) <= self.max_loras_per_batch
+        return len((set(lora_ids) - {None}) | self.pinned_ids) <= self.max_loras_per_batch
 
     def fetch_new_loras(self, lora_ids: set[Optional[str]]) -> None:
-        """Make every adapter of the batch resident (evicting adapters outside it)."""
+        """Make every adapter of the batch resident (evicting adapters outside it); the current
+        stream waits for their slots' copies."""
         self.pool.prepare_lora_batch(set(lora_ids), self.adapters, self.pinned_ids)
+
+    def prefetch(self, wanted: list[str], protected: set[Optional[str]]) -> list[str]:
+        """Start loading adapters that waiting requests want (most wanted first) into slots the
+        `protected` adapters (the running ones) do not need; the copies overlap the next forward."""
+        return self.pool.prefetch(wanted, self.adapters, protected, self.pinned_ids)
 
     def prepare_lora_batch(
         self,

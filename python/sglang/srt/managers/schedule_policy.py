@@ -7,8 +7,10 @@ FCFS with these limits, all checked before a request is admitted, never by faili
   * KV: the batch's new tokens plus a *reservation* for the tokens running requests will still
     decode (`new_token_ratio` x their remaining budget; the ratio rises after a retraction and
     decays while decoding goes well);
-  * LoRA: the distinct adapters of everything running, chunked and admitted (base included) must
-    fit `validate_lora_batch`, with a bounded wait for a request whose adapter does not fit.
+  * LoRA: the distinct adapters of everything running, chunked and admitted must fit
+    `validate_lora_batch`, with a bounded wait for a request whose adapter does not fit
+    (`LoRAAdmission`); the scheduler's `GroupedLoRAAdmission` also orders the waiting requests by
+    adapter and rotates adapters through the slots, to keep the running batch full.
 A request blocked by KV stops admission (later requests must not overtake it); a request blocked
 only by its adapter is skipped, so other requests keep flowing.
 """
@@ -16,6 +18,7 @@ only by its adapter is skipped, so other requests keep flowing.
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Callable, Iterable, Optional
 
@@ -82,6 +85,91 @@ class LoRAAdmission:
         self.active.add(lora_id)
 
 
+_NOBODY = object()  # no adapter is retiring (None is the base model, which never retires)
+
+
+class GroupedLoRAAdmission(LoRAAdmission):
+    """LoRA admission that keeps the running batch full when requests want more adapters than
+    there are slots (what the scheduler uses; LoRAAdmission alone is the plain slot check).
+
+      * Order (`order`): requests of active adapters and of the base model first (they need no
+        new slot), FCFS; then the others grouped by adapter, the adapter in most demand first, so
+        free slots go where most requests wait. Demand = waiting requests plus the turns they have
+        waited, so an adapter with one old request still rises.
+      * Rotation: when an adapter that requests wait for does not fit, the active adapter in least
+        demand (then with the least decode work left) stops admitting new requests, if it is in
+        less demand than the waiting one. It drains completely (a swap half done would keep both
+        waiting), then its slot goes to the adapter in most demand. One adapter retires at a time.
+        Without this, adapters that keep getting requests hold their slots for good, and the
+        batch shrinks to their requests.
+      * The wait-turns rule is LoRAAdmission's, unchanged: while a request starves it overrides
+        rotation.
+    `wanted_adapters` gives the order in which adapters will want slots (for prefetching them).
+    """
+
+    def __init__(self, validate: Optional[Callable[[set], bool]], max_wait_turns: int) -> None:
+        super().__init__(validate, max_wait_turns)
+        self.retiring: object = _NOBODY
+        self._demand: dict[Optional[str], float] = {}
+
+    @staticmethod
+    def demand(waiting: Iterable[Req]) -> dict[Optional[str], float]:
+        out: dict[Optional[str], float] = defaultdict(float)
+        for r in waiting:
+            out[r.lora_id] += 1 + r.lora_wait_turns
+        return out
+
+    def begin(self, active: Iterable[Optional[str]], waiting: Iterable[Req], running: Iterable[Req] = ()) -> None:
+        waiting = list(waiting)
+        super().begin(active, waiting)
+        self._demand = self.demand(waiting)
+        if not self.enabled or self.allowed is not None:
+            self.retiring = _NOBODY  # a request starves: LoRAAdmission's drain decides
+            return
+        if self.retiring not in self.active:
+            self.retiring = _NOBODY  # it has drained: its slot is free for the adapter that waited
+        blocked = [u for u in self._demand if u not in self.active and not self.validate(self.active | {u})]
+        if blocked and self.retiring is _NOBODY:
+            self.retiring = self._pick_retiring(blocked, list(running))
+
+    def _pick_retiring(self, blocked: list[Optional[str]], running: list[Req]) -> object:
+        demand = self._demand
+        wanted = max(blocked, key=lambda u: (demand[u], u or ""))
+        work: dict[Optional[str], int] = defaultdict(int)
+        for r in running:
+            work[r.lora_id] += r.remaining_new_tokens
+        # Only an adapter whose slot would take `wanted` (not a pinned one, not the base model).
+        victims = [v for v in self.active if v is not None and self.validate((self.active - {v}) | {wanted})]
+        if not victims:
+            return _NOBODY
+        victim = min(victims, key=lambda v: (demand.get(v, 0.0), work[v], v))
+        return victim if demand.get(victim, 0.0) < demand[wanted] else _NOBODY
+
+    def fits(self, lora_id: Optional[str]) -> bool:
+        if self.enabled and lora_id is not None and lora_id == self.retiring:
+            return False
+        return super().fits(lora_id)
+
+    def order(self, waiting: list[Req]) -> list[Req]:
+        """`waiting` (FCFS) in the order admission should consider it (see the class docstring)."""
+        if not self.enabled:
+            return list(waiting)
+        demand = self._demand or self.demand(waiting)
+
+        def key(r: Req) -> tuple:
+            if r.lora_id is None or r.lora_id in self.active:
+                return (0, 0.0, "", r.arrival)
+            return (1, -demand[r.lora_id], r.lora_id, r.arrival)
+
+        return sorted(waiting, key=key)
+
+    def wanted_adapters(self, waiting: Iterable[Req], active: Iterable[Optional[str]]) -> list[str]:
+        """Adapters that waiting requests want and that are not active, most wanted first."""
+        demand = self.demand(waiting)
+        active = set(active)
+        return sorted((u for u in demand if u is not None and u not in active), key=lambda u: (-demand[u], u))
+
+
 @dataclass
 class PrefillBudget:
     kv_free: int  # free KV slots
@@ -106,8 +194,9 @@ def plan_prefill(
     budget: PrefillBudget,
     lora: LoRAAdmission,
 ) -> PrefillPlan:
-    """Pick the next prefill batch. `waiting` must be in FCFS order; nothing is mutated except the
-    chosen requests' `extend_len` and the skipped ones' `lora_wait_turns`."""
+    """Pick the next prefill batch. `waiting` is in the order admission considers it (FCFS, or
+    `GroupedLoRAAdmission.order`); nothing is mutated except the chosen requests' `extend_len` and
+    the skipped ones' `lora_wait_turns`."""
     plan = PrefillPlan()
     ratio = budget.new_token_ratio
     kv_free = budget.kv_free

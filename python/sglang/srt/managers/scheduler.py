@@ -33,7 +33,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.req import Req
 from sglang.srt.managers.schedule_batch import ScheduleBatch, release_kv
-from sglang.srt.managers.schedule_policy import LoRAAdmission, PrefillBudget, plan_prefill
+from sglang.srt.managers.schedule_policy import GroupedLoRAAdmission, PrefillBudget, plan_prefill
 from sglang.srt.managers.scheduler_output import (
     StopChecker,
     build_output,
@@ -78,7 +78,7 @@ class Scheduler:
             eos.add(int(tokenizer.eos_token_id))
         self.stop_checker = StopChecker(eos, tokenizer, mr.context_len)
         validate = mr.lora_manager.validate_lora_batch if mr.lora_manager is not None else None
-        self.lora_admission = LoRAAdmission(validate, server_args.lora_max_wait_turns)
+        self.lora_admission = GroupedLoRAAdmission(validate, server_args.lora_max_wait_turns)
 
         self.waiting: list[Req] = []  # FCFS by arrival
         self.running: list[Req] = []
@@ -127,29 +127,29 @@ class Scheduler:
         }
 
     def lora_info(self) -> dict[str, Any]:
-        """The adapters as the scheduler sees them: loaded, pinned, and resident in the pool's slots
-        (a slot shows its adapter's name, "<base>" for the base model, or None when empty)."""
+        """The adapters as the scheduler sees them: loaded, pinned, and resident in the pool's
+        adapter slots (a slot shows its adapter's name, or None when empty; the base model has a
+        slot of its own and is not listed)."""
         lora = self.model_runner.lora_manager
         if lora is None:
             return {}
         from sglang.srt.lora.mem_pool import EMPTY
 
         names = {lora_id: ref.lora_name for lora_id, ref in lora.refs.items()}
-        slots = [
-            None if uid is EMPTY else "<base>" if uid is None else names.get(uid, uid)
-            for uid in lora.pool.slot_to_uid
-        ]
+        pool = lora.pool
+        slots = [None if uid is EMPTY else names.get(uid, uid) for uid in pool.slot_to_uid[: pool.num_adapter_slots]]
         return {
             "lora": {
                 "loaded_adapters": lora.loaded_adapters(),
                 "pinned_adapters": sorted(names[i] for i in lora.pinned_ids),
-                "resident_adapters": sorted(s for s in slots if s not in (None, "<base>")),
+                "resident_adapters": sorted(s for s in slots if s is not None),
                 "pool_slots": slots,
                 "max_lora_rank": lora.pool.max_lora_rank,
                 "target_modules": list(lora.pool.target_modules),
                 "backend": lora.lora_backend.name,
                 "num_adapter_loads": lora.pool.num_adapter_loads,
                 "num_evictions": lora.pool.num_evictions,
+                "num_prefetches": lora.pool.num_prefetches,
             }
         }
 
@@ -268,8 +268,8 @@ class Scheduler:
         return ForwardMode.DECODE, list(self.running)
 
     def _plan_prefill(self) -> Optional[tuple[ForwardMode, list[Req]]]:
-        active = {r.lora_id for r in self._holders()}
-        self.lora_admission.begin(active, self.waiting)
+        holders = self._holders()
+        self.lora_admission.begin({r.lora_id for r in holders}, self.waiting, holders)
         holding = len(self.running) + (self.chunked_req is not None)
         chunk = self.server_args.chunked_prefill_size
         budget = PrefillBudget(
@@ -280,7 +280,9 @@ class Scheduler:
             chunk_size=None if chunk == -1 else min(chunk, self.server_args.max_prefill_tokens),
             new_token_ratio=self.new_token_ratio,
         )
-        plan = plan_prefill(self.waiting, self.chunked_req, self.running, budget, self.lora_admission)
+        plan = plan_prefill(
+            self.lora_admission.order(self.waiting), self.chunked_req, self.running, budget, self.lora_admission
+        )
         if plan.reqs:
             admitted = {id(r) for r in plan.reqs}
             self.waiting = [r for r in self.waiting if id(r) not in admitted]
@@ -301,6 +303,7 @@ class Scheduler:
                 batch = ScheduleBatch.prepare_extend(reqs, self.model_runner)
             else:
                 batch = ScheduleBatch.prepare_decode(reqs, self.model_runner)
+            self._prefetch_adapters(reqs)
             self._maybe_inject_fault(batch)
             out = self.model_runner.forward(batch.forward_batch)
             if batch.is_extend:
@@ -318,6 +321,17 @@ class Scheduler:
         news = build_output(reqs)
         if news is not None:
             self.send(news)
+
+    def _prefetch_adapters(self, reqs: list[Req]) -> None:
+        """Start copying the adapters waiting requests want into slots the running requests do not
+        need; on a GPU the copies run on a side stream while this forward runs."""
+        lora = self.model_runner.lora_manager
+        if lora is None or not self.waiting:
+            return
+        protected = {r.lora_id for r in self._holders()} | {r.lora_id for r in reqs}
+        wanted = self.lora_admission.wanted_adapters(self.waiting, protected)
+        if wanted:
+            lora.prefetch(wanted, protected)
 
     def _maybe_inject_fault(self, batch: ScheduleBatch) -> None:
         for fault in self.faults:
