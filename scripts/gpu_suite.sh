@@ -4,7 +4,8 @@
 #   GPU_SUITE_OUT=/some/dir bash scripts/gpu_suite.sh
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
-# GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "soak").
+# GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_serving",
+# "soak").
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by ../shared/device/wheels.sh into ./.whl
 # are installed into ./.site first when the machine lacks them (it has no network).
@@ -101,6 +102,22 @@ if [[ " $PARTS " == *" serving "* ]]; then
     --random-input-len 512 --random-output-len 128 --max-concurrency 64 >>"$SERVE_LOG" 2>&1 || status=1
   grep -E "TTFT|ITL|E2E|throughput|^\{" "$SERVE_LOG" | tail -n 12 | tee -a "$SUMMARY"
   kill $spid 2>/dev/null; wait $spid 2>/dev/null
+fi
+
+if [[ " $PARTS " == *" lora_serving "* ]]; then
+  # Issue 11's table in one call: bench_serving with the same load (256 x 512 -> 128, concurrency
+  # 64, 8 rank-16 adapters on all seven modules) against a server without LoRA and the LoRA servers
+  # (csgmv / triton, 8 and 4 slots; zipf picks on the csgmv 8-slot server). ~6 minutes on an H200,
+  # mostly server start-ups (graph capture); GPU_SUITE_LORA_CONFIGS picks a subset, and
+  # GPU_SUITE_DRY_RUN=1 runs it on a CPU at tiny shapes (plumbing only).
+  say "== lora_serving (Qwen3-4B shape, dummy weights, triton attention, graphs on)"
+  start=$(date +%s)
+  $PY benchmark/lora/bench_lora_serving.py --out "$OUT/lora_serving.md" --log-dir "$OUT/lora_serving" \
+    ${GPU_SUITE_LORA_CONFIGS:+--configs "$GPU_SUITE_LORA_CONFIGS"} ${GPU_SUITE_DRY_RUN:+--dry-run} \
+    >"$OUT/lora_serving.log" 2>&1 || status=1
+  say "lora_serving: $(( $(date +%s) - start ))s"
+  grep -E "^\[lora_serving\]" "$OUT/lora_serving.log" | tee -a "$SUMMARY"
+  cat "$OUT/lora_serving.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" soak "* ]]; then

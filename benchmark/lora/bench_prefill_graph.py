@@ -5,13 +5,17 @@ One process, configurations side by side on the same dummy weights (GPU only):
     python benchmark/lora/bench_prefill_graph.py --out results.md [--models qwen3-4b,llama-3.1-8b,qwen2.5-0.5b]
 
 For each model shape, three ModelRunners are built in turn (no LoRA; LoRA with the triton backend;
-LoRA with csgmv). Each captures breakable prefill graphs and decode graphs for the measured sizes,
-and a full prefill graph runner is captured beside them on the same weights; the benchmark swaps the
+LoRA with csgmv). Each captures breakable prefill graphs and decode graphs for the measured sizes
+(a LoRA runner captures both graph sets: with LoRA kernels, and without for all-base batches), and
+full prefill graph runners are captured beside them on the same weights; the benchmark swaps the
 runner's prefill path between eager, breakable and full and checks `used_cuda_graph` on every
-measured forward, so a number is never silently an eager one. LoRA cases use one rank-16 adapter
-on all seven modules (and four distinct adapters for the multi-request cases). Times are medians of
-whole forwards (body + logits + sampling, i.e. what a request's TTFT pays), with the device
-synchronised around each.
+measured forward against the runner's own decision, so a number is never silently an eager one.
+LoRA cases use one rank-16 adapter on all seven modules (four distinct adapters for the
+multi-request cases); `(all base)` cases send base requests to the LoRA runner (its graph set
+without LoRA kernels), to compare with the runner without LoRA. The serving-size cases (N x 512
+tokens, up to the 8192-token chunk; 9 x 512 replays padded to the 5120 bucket) show whether a
+graph pays at that size. Times are medians of whole forwards (body + logits + sampling, i.e. what a
+request's TTFT pays), with the device synchronised around each.
 """
 
 from __future__ import annotations
@@ -36,7 +40,7 @@ from sglang.srt.model_executor.batch_builder import (
 )
 from sglang.srt.lora.lora_config import PEFT_PROJECTIONS
 from sglang.srt.model_executor.cuda_graph_config import Backend
-from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.model_runner import EAGER, ModelRunner
 from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.tools.demo import DemoAdapterSpec, write_peft_adapter
@@ -46,8 +50,13 @@ SHAPES = {"qwen3-4b": "qwen3", "llama-3.1-8b": "llama", "qwen2.5-0.5b": "qwen2"}
 PREFILL_TOKENS = [16, 128, 512, 2048, 4096]
 NUM_ADAPTERS = 4
 # Multi-request prefills with NUM_ADAPTERS distinct adapters: requests x tokens each. 4 x 32 and
-# 4 x 512 hold the same token counts as the 128- and 2048-token single-adapter cases.
-MULTI_CASES = [(8, 128), (4, 32), (4, 512)]
+# 4 x 512 hold the same token counts as the 128- and 2048-token single-adapter cases; 8, 9 and 16
+# x 512 are serving-size batches (bench_serving's 512-token prompts), 9 x 512 padded to 5120.
+MULTI_CASES = [(8, 128), (4, 32), (4, 512), (8, 512), (9, 512), (16, 512)]
+PADDED_BUCKETS = [5120]
+# Base requests on a LoRA server (the graph set without LoRA kernels) vs a server without LoRA.
+ALL_BASE_PREFILL = [128]
+ALL_BASE_DECODE_BS = [1]
 DECODE_BS = [1, 8, 32]
 DECODE_CONTEXT = 256
 LORA_MODES = ("none", "triton", "csgmv")
@@ -78,16 +87,35 @@ def build_runner(ckpt: str, lora_mode: str, adapters: dict[str, str]) -> tuple[M
         model_path=ckpt, load_format="dummy", dtype="bfloat16", attention_backend="triton",
         max_total_tokens=65536, max_running_requests=64, chunked_prefill_size=8192,
         cuda_graph_backend_prefill="breakable", cuda_graph_backend_decode="full",
-        cuda_graph_bs_prefill=sorted(set(PREFILL_TOKENS + [n * t for n, t in MULTI_CASES])),
+        cuda_graph_bs_prefill=sorted(set(PREFILL_TOKENS + [n * t for n, t in MULTI_CASES] + PADDED_BUCKETS)),
         cuda_graph_bs_decode=DECODE_BS,
     )
     if lora_mode != "none":
         kwargs.update(lora_paths=[f"{n}={p}" for n, p in adapters.items()], lora_backend=lora_mode,
-                      max_loras_per_batch=NUM_ADAPTERS + 1, max_lora_rank=16)
+                      max_loras_per_batch=NUM_ADAPTERS, max_lora_rank=16)
     runner = ModelRunner(ServerArgs(**kwargs))
-    graphs = {"eager": None, "breakable": runner.prefill_graph_runner,
-              "full": PrefillCudaGraphRunner(runner, Backend.FULL)}
+    lora = runner.lora_manager is not None
+    # path -> (the set serving batches with LoRA work, the set for all-base batches of a LoRA runner)
+    graphs = {
+        "eager": (None, None),
+        "breakable": (runner.prefill_graph_runner, runner.base_prefill_graph_runner),
+        "full": (PrefillCudaGraphRunner(runner, Backend.FULL, capture_lora=lora),
+                 PrefillCudaGraphRunner(runner, Backend.FULL, capture_lora=False) if lora else None),
+    }
     return runner, graphs
+
+
+def use_prefill_graphs(runner: ModelRunner, sets) -> None:
+    runner.prefill_graph_runner, runner.base_prefill_graph_runner = sets
+
+
+def use_decode_graphs(runner: ModelRunner, sets) -> None:
+    runner.decode_graph_runner, runner.base_decode_graph_runner = sets
+
+
+def runner_takes_graph(runner: ModelRunner, fb) -> bool:
+    """The runner's own decision for this batch (the counters it bumps do not matter here)."""
+    return runner.choose_forward_path(fb).path != EAGER
 
 
 def lora_id(runner: ModelRunner, name: Optional[str]) -> Optional[str]:
@@ -146,33 +174,38 @@ def bench_model(shape: str, root: str, warmup: int, repeats: int) -> list[dict]:
     rows_out = []
     for mode in LORA_MODES:
         runner, graphs = build_runner(ckpt, mode, adapters)
-        decode_graph = runner.decode_graph_runner
+        decode_graphs = (runner.decode_graph_runner, runner.base_decode_graph_runner)
         name = None if mode == "none" else "lora0"
         cases = [(f"prefill {n}", [n], [name]) for n in PREFILL_TOKENS]
         for n_req, n_tok in MULTI_CASES:
             multi_names = [None if mode == "none" else f"lora{i % NUM_ADAPTERS}" for i in range(n_req)]
             cases.append((f"prefill {n_req}x{n_tok}", [n_tok] * n_req, multi_names))
+        if mode != "none":
+            cases += [(f"prefill {n} (all base)", [n], [None]) for n in ALL_BASE_PREFILL]
         for label, lengths, names in cases:
             fb, req_rows, slots = prefill_batch(runner, lengths, names)
-            for path, graph in graphs.items():
-                runner.prefill_graph_runner = graph
-                expect = graph is not None and graph.can_run_graph(fb)
+            for path, sets in graphs.items():
+                use_prefill_graphs(runner, sets)
+                expect = runner_takes_graph(runner, fb)
                 ms = time_forward(runner, fb, expect, warmup, repeats)
                 rows_out.append(dict(model=shape, lora=mode, case=label, path=path if expect or path == "eager"
                                      else f"{path}(eager fallback)", ms=round(ms, 3)))
                 print(json.dumps(rows_out[-1]), flush=True)
             release(runner, req_rows, slots)
-        runner.prefill_graph_runner = graphs["breakable"]
-        for bs in DECODE_BS:
-            fb, req_rows, slots = decode_batch(runner, bs, name)
-            for path, graph in (("eager", None), ("graph", decode_graph)):
-                runner.decode_graph_runner = graph
-                ms = time_forward(runner, fb, graph is not None, warmup, repeats)
-                rows_out.append(dict(model=shape, lora=mode, case=f"decode bs{bs}", path=path, ms=round(ms, 3)))
+        use_prefill_graphs(runner, graphs["breakable"])
+        decode_cases = [(f"decode bs{bs}", bs, name) for bs in DECODE_BS]
+        if mode != "none":
+            decode_cases += [(f"decode bs{bs} (all base)", bs, None) for bs in ALL_BASE_DECODE_BS]
+        for label, bs, case_name in decode_cases:
+            fb, req_rows, slots = decode_batch(runner, bs, case_name)
+            for path, sets in (("eager", (None, None)), ("graph", decode_graphs)):
+                use_decode_graphs(runner, sets)
+                ms = time_forward(runner, fb, path == "graph", warmup, repeats)
+                rows_out.append(dict(model=shape, lora=mode, case=label, path=path, ms=round(ms, 3)))
                 print(json.dumps(rows_out[-1]), flush=True)
             release(runner, req_rows, slots)
-        runner.decode_graph_runner = decode_graph
-        del runner, graphs, decode_graph
+        use_decode_graphs(runner, decode_graphs)
+        del runner, graphs, decode_graphs
         gc.collect()
         torch.cuda.empty_cache()
     return rows_out
@@ -198,16 +231,28 @@ def to_markdown(rows: list[dict]) -> str:
                     cells.append("" if r is None else f"{r['ms']:.2f}" + ("*" if "fallback" in r["path"] else ""))
                 out.append(f"| {case} | " + " | ".join(cells) + " |")
         out.append("\n`*` = the graph refused the batch and it ran eagerly.\n")
+
+        def ms(case, lora, path):
+            r = table.get((case, lora, path))
+            return r["ms"] if r else float("nan")
+
         for lo in ("triton", "csgmv"):
-            def ms(case, lora, path):
-                r = table.get((case, lora, path))
-                return r["ms"] if r else float("nan")
             for c in [f"prefill {n}" for n in PREFILL_TOKENS] + [f"prefill {n}x{t}" for n, t in MULTI_CASES]:
                 out.append(
                     f"- {lo} {c}: LoRA breakable/eager = {ms(c, lo, 'breakable') / ms(c, lo, 'eager'):.2f}, "
                     f"LoRA breakable/base breakable = {ms(c, lo, 'breakable') / ms(c, 'none', 'breakable'):.2f}, "
                     f"LoRA full/eager = {ms(c, lo, 'full') / ms(c, lo, 'eager'):.2f}"
                 )
+            # All-base batches on the LoRA runner (graph set without LoRA) vs the runner without LoRA.
+            for n in ALL_BASE_PREFILL:
+                c = f"prefill {n}"
+                out.append(f"- {lo} {c} all base / no-LoRA server: breakable = "
+                           f"{ms(c + ' (all base)', lo, 'breakable') / ms(c, 'none', 'breakable'):.3f}, full = "
+                           f"{ms(c + ' (all base)', lo, 'full') / ms(c, 'none', 'full'):.3f}")
+            for bs in ALL_BASE_DECODE_BS:
+                c = f"decode bs{bs}"
+                out.append(f"- {lo} {c} all base / no-LoRA server: graph = "
+                           f"{ms(c + ' (all base)', lo, 'graph') / ms(c, 'none', 'graph'):.3f}")
     return "\n".join(out) + "\n"
 
 

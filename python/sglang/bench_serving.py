@@ -6,6 +6,11 @@ Poisson `--request-rate` and/or under a `--max-concurrency` cap, and reports TTF
 latency and end-to-end latency (mean, median, p99) plus input/output token throughput. The last
 line printed is the result as JSON.
 
+Multi-LoRA load: `--lora-name A B ...` gives each request one of the adapters, picked
+`--lora-distribution uniform` or `zipf` (skewed popularity as in the S-LoRA and Punica
+evaluations: the i-th name is picked with weight 1 / i^`--lora-zipf-alpha`); the picks depend on
+`--seed` only, and the JSON reports how many requests each adapter got.
+
 Uses aiohttp when it is installed, else a thread pool with `requests`.
 """
 
@@ -21,7 +26,8 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Optional
+from collections import Counter
+from typing import Any, Iterable, Optional, Sequence
 
 WORDS = ("the engine reads a prompt splits it into tokens and runs the model one step at a time each "
          "step looks at every token that came before it and writes a little more of the answer").split()
@@ -45,6 +51,21 @@ class RequestResult:
 
 
 # ---------------------------------------------------------------------------- workload
+def lora_weights(num_adapters: int, distribution: str, alpha: float) -> list[float]:
+    """Relative popularity of the adapters, in the order given (zipf: the first is the hottest)."""
+    if distribution == "uniform":
+        return [1.0] * num_adapters
+    if distribution == "zipf":
+        return [1.0 / (rank ** alpha) for rank in range(1, num_adapters + 1)]
+    raise ValueError(f"unknown LoRA distribution {distribution!r}")
+
+
+def pick_adapters(names: Sequence[str], n: int, distribution: str, alpha: float, seed: int) -> list[str]:
+    """One adapter per request, from its own random stream, so the picks depend on the seed alone."""
+    rng = random.Random(seed + 2)
+    return rng.choices(list(names), weights=lora_weights(len(names), distribution, alpha), k=n)
+
+
 def build_requests(args: argparse.Namespace, vocab_size: int) -> list[RequestSpec]:
     rng = random.Random(args.seed)
     specs: list[RequestSpec] = []
@@ -71,8 +92,10 @@ def build_requests(args: argparse.Namespace, vocab_size: int) -> list[RequestSpe
         spec.body["sampling_params"] = {"max_new_tokens": spec.output_len, "ignore_eos": True,
                                         "temperature": args.temperature}
         spec.body["stream"] = True
-        if args.lora_name:
-            spec.body["lora_path"] = rng.choice(args.lora_name)
+    if args.lora_name:
+        picks = pick_adapters(args.lora_name, len(specs), args.lora_distribution, args.lora_zipf_alpha, args.seed)
+        for spec, name in zip(specs, picks):
+            spec.body["lora_path"] = name
     return specs
 
 
@@ -190,10 +213,20 @@ def _stats(values: list[float]) -> dict[str, float]:
     return {"mean": statistics.fmean(values) * 1000, "median": statistics.median(values) * 1000, "p99": p99 * 1000}
 
 
-def summarize(results: list[RequestResult], duration: float, args: argparse.Namespace, backend: str) -> dict:
+def summarize(results: list[RequestResult], duration: float, args: argparse.Namespace, backend: str,
+              specs: Optional[list[RequestSpec]] = None) -> dict:
     ok = [r for r in results if r.ok]
     inp = sum(r.prompt_tokens for r in ok)
     out = sum(r.completion_tokens for r in ok)
+    lora: dict[str, Any] = {}
+    if args.lora_name:
+        counts = Counter(s.body.get("lora_path") for s in specs or [])
+        lora = {
+            "lora_distribution": args.lora_distribution,
+            "lora_zipf_alpha": args.lora_zipf_alpha if args.lora_distribution == "zipf" else None,
+            # Requests sent per adapter, in --lora-name order.
+            "lora_requests": {name: counts.get(name, 0) for name in args.lora_name},
+        }
     return {
         "backend": backend,
         "num_prompts": len(results),
@@ -211,6 +244,7 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
         "ttft_ms": _stats([r.ttft for r in ok]),
         "itl_ms": _stats([x for r in ok for x in r.itls]),
         "e2e_latency_ms": _stats([r.latency for r in ok]),
+        **lora,
     }
 
 
@@ -237,6 +271,9 @@ def print_report(res: dict) -> None:
         print(f"{'-' * 18}{title:^24}{'-' * 18}")
         for stat in ("mean", "median", "p99"):
             print(f"{stat.capitalize() + ' (ms)':<40}{res[key][stat]:>20.2f}")
+    if res.get("lora_requests"):
+        counts = ", ".join(f"{k} {v}" for k, v in res["lora_requests"].items())
+        print(f"{'LoRA requests (' + res['lora_distribution'] + ')':<40}{counts}")
     for err in res["errors"]:
         print(f"error: {err}")
     print(line)
@@ -261,6 +298,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--max-concurrency", type=int, default=None)
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--lora-name", nargs="*", default=None, help="Adapters to pick from at random per request.")
+    p.add_argument("--lora-distribution", choices=("uniform", "zipf"), default="uniform",
+                   help="How often each --lora-name adapter is picked (zipf: the first is the most popular).")
+    p.add_argument("--lora-zipf-alpha", type=float, default=1.0,
+                   help="zipf skew: the i-th adapter is picked with weight 1 / i^alpha.")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--disable-tqdm", action="store_true")
@@ -275,6 +316,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--max-concurrency must be >= 1")
     if not 0.0 < args.random_range_ratio <= 1.0:
         p.error("--random-range-ratio must be in (0, 1]")
+    if args.lora_zipf_alpha <= 0:
+        p.error("--lora-zipf-alpha must be > 0")
     return args
 
 
@@ -308,7 +351,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
             results, duration = asyncio.run(_run_aiohttp(url, specs, times, headers, args.max_concurrency, bar))
         else:
             results, duration = _run_threads(url, specs, times, headers, args.max_concurrency, bar)
-    res = summarize(results, duration, args, backend)
+    res = summarize(results, duration, args, backend, specs)
     print_report(res)
     print(json.dumps(res))
     if args.output_file:

@@ -87,7 +87,10 @@ class Scheduler:
         self.arrivals = 0
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO
         self.faults: list[FaultInjectionReq] = []
-        self.stats = {"num_retractions": 0, "num_forward_failures": 0, "num_finished": 0}
+        # Counters for /get_server_info. decode_reqs / decode_steps is the mean running batch (a
+        # benchmark reads the change over its run).
+        self.stats = {"num_retractions": 0, "num_forward_failures": 0, "num_finished": 0, "decode_steps": 0,
+                      "decode_reqs": 0, "prefill_batches": 0, "prefill_tokens": 0}
         self.decode_steps = 0
         self.decode_tokens_since_log = 0
         self.last_decode_log = time.monotonic()
@@ -359,6 +362,8 @@ class Scheduler:
                 continue
             if not self._append_token(req, out, i, next_ids[i]) and req not in self.running:
                 self.running.append(req)
+        self.stats["prefill_batches"] += 1
+        self.stats["prefill_tokens"] += batch.forward_batch.extend_num_tokens
         self._log_prefill(batch, out.used_cuda_graph)
 
     def _append_token(self, req: Req, out: Any, i: int, token: int) -> bool:
@@ -380,6 +385,8 @@ class Scheduler:
             self._append_token(req, out, i, next_ids[i])
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
         self.decode_steps += 1
+        self.stats["decode_steps"] += 1
+        self.stats["decode_reqs"] += len(batch.reqs)
         self.decode_tokens_since_log += len(batch.reqs)
         if self.decode_steps % self.server_args.decode_log_interval == 0:
             self._log_decode(len(batch.reqs), out.used_cuda_graph)

@@ -140,3 +140,25 @@ def test_break_outputs_share_one_buffer_sized_by_the_first():
     assert outs.nbytes == big.numel() * big.element_size()
     with pytest.raises(ValueError, match="largest bucket first"):
         outs.hold(torch.randn(64, 8))
+
+
+def test_capture_batch_above_the_context_runs_through_the_model():
+    """The start-up crash on the CPU: a checkpoint with a 256-token context, a 600-token bucket.
+    Positions 0..599 index past the rotary table (an IndexError here, a device assert on a GPU);
+    the capture batch split into requests of at most 256 tokens runs the body."""
+    from helpers import make_runner, tiny_checkpoint
+
+    runner = make_runner(tiny_checkpoint("qwen3", max_position_embeddings=256), max_total_tokens=1024)
+    assert runner.context_len == 256
+    bufs = GraphInputBuffers.allocate(600, 3, runner.device, runner.padding_req_pool_index)
+
+    def body(max_req_tokens):
+        fb = bufs.capture_extend_batch(600, 3, with_lora=False, max_req_tokens=max_req_tokens)
+        runner.attach_pools(fb)
+        runner.attn_backend.init_forward_metadata(fb)
+        return runner.model.model(fb.input_ids, fb.positions, fb)
+
+    with pytest.raises(IndexError):
+        body(None)  # one request of 600 tokens: what capture used to build
+    hidden = body(runner.context_len)
+    assert hidden.shape == (600, runner.model_config.hidden_size) and bool(torch.isfinite(hidden).all())

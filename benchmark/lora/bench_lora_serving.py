@@ -1,0 +1,272 @@
+"""Multi-LoRA serving against the base model, as users run it: one load, several servers, one call.
+
+    python benchmark/lora/bench_lora_serving.py --out lora_serving.md
+    python benchmark/lora/bench_lora_serving.py --dry-run --out /tmp/dry.md     # CPU, tiny shapes
+
+Every server serves the Qwen3-4B shape (config only, `--load-format dummy`), triton attention, the
+default CUDA graphs; the LoRA servers get 8 rank-16 adapters on all seven modules (written by
+`sglang.srt.tools.make_adapter`). Each load is `bench_serving` with the same seed, so the same
+prompts and the same adapter per request: 256 prompts of 512 tokens -> 128, concurrency 64,
+adapters picked uniformly (or zipf). Configurations (`--configs`, in order):
+
+    base          no LoRA
+    csgmv         csgmv, 8 slots (one per adapter)      csgmv-zipf   the same server, zipf picks
+    triton        triton, 8 slots
+    csgmv-4       csgmv, 4 slots                        triton-4     triton, 4 slots
+
+Loads of one server configuration run back to back on one server. For each load the table has:
+request throughput and its ratio to the base's, mean / median TTFT, mean ITL, prefill batches that
+replayed a graph vs ran eagerly, the mean running batch (decode requests per decode step), all
+from the change of /get_server_info over the load; and per server its start-up time (launch to
+/health) with the graphs it captured and their capture time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import requests
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+NUM_ADAPTERS = 8
+
+
+@dataclass(frozen=True)
+class Config:
+    name: str
+    server: tuple[str, ...]  # LoRA server args (empty: no LoRA)
+    distribution: Optional[str] = "uniform"  # None: base requests only
+
+
+def _lora(backend: str, slots: int) -> tuple[str, ...]:
+    return ("--lora-backend", backend, "--max-loras-per-batch", str(slots))
+
+
+CONFIGS = {
+    "base": Config("base", (), None),
+    "csgmv": Config("csgmv", _lora("csgmv", NUM_ADAPTERS)),
+    "csgmv-zipf": Config("csgmv-zipf", _lora("csgmv", NUM_ADAPTERS), "zipf"),
+    "triton": Config("triton", _lora("triton", NUM_ADAPTERS)),
+    "csgmv-4": Config("csgmv-4", _lora("csgmv", 4)),
+    "triton-4": Config("triton-4", _lora("triton", 4)),
+}
+
+
+@dataclass
+class Row:
+    config: Config
+    result: dict[str, Any] = field(default_factory=dict)  # bench_serving's JSON
+    delta: dict[str, float] = field(default_factory=dict)  # change of /get_server_info over the load
+    server: dict[str, Any] = field(default_factory=dict)  # start-up time, graphs captured
+    error: str = ""
+
+
+# ---------------------------------------------------------------------------- assets and servers
+def make_assets(root: str, dry_run: bool) -> tuple[str, dict[str, str]]:
+    from sglang.srt.tools.make_adapter import make_adapters
+    from sglang.srt.tools.make_checkpoint import make_checkpoint
+
+    ckpt = os.path.join(root, "tiny" if dry_run else "qwen3-4b")
+    if not os.path.exists(os.path.join(ckpt, "config.json")):
+        if dry_run:
+            make_checkpoint(ckpt, arch="qwen3", preset="tiny", with_weights=True)
+        else:
+            make_checkpoint(ckpt, arch="qwen3", preset="qwen3-4b", with_weights=False)
+    adapters_dir = os.path.join(root, "adapters-tiny" if dry_run else "adapters-qwen3-4b")
+    adapters = {f"lora{i}": os.path.join(adapters_dir, f"lora{i}") for i in range(NUM_ADAPTERS)}
+    if not all(os.path.exists(os.path.join(p, "adapter_config.json")) for p in adapters.values()):
+        adapters = make_adapters(ckpt, adapters_dir, num=NUM_ADAPTERS, rank=16, alpha=32, seed=100)
+    return ckpt, adapters
+
+
+def launch(ckpt: str, cfg: Config, adapters: dict[str, str], port: int, log_path: str, dry_run: bool,
+           timeout: float) -> tuple[subprocess.Popen, float]:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", ckpt, "--port", str(port),
+           "--host", "127.0.0.1", "--decode-log-interval", "200"]
+    cmd += ["--device", "cpu", "--dtype", "float32"] if dry_run else ["--load-format", "dummy", "--attention-backend", "triton"]
+    if cfg.server:
+        cmd += ["--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], *cfg.server]
+        if dry_run:
+            cmd[cmd.index("--lora-backend") + 1] = "torch_native"  # the Triton backends need a GPU
+    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    start = time.perf_counter()
+    with open(log_path, "wb") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    while time.perf_counter() - start < timeout:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with code {proc.returncode} (log: {log_path})")
+        try:
+            if requests.get(f"{url}/health", timeout=2).status_code == 200:
+                return proc, time.perf_counter() - start
+        except requests.RequestException:
+            pass
+        time.sleep(0.5)
+    stop(proc)
+    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s (log: {log_path})")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    import signal
+
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+
+
+def server_info(url: str) -> dict[str, Any]:
+    r = requests.get(f"{url}/get_server_info", timeout=60)
+    r.raise_for_status()
+    return r.json()
+
+
+def counters(info: dict[str, Any]) -> dict[str, float]:
+    graphs = info.get("graph_stats", {})
+    out = {k: float(graphs.get(k, 0)) for k in ("prefill_graph_replays", "eager_prefills", "base_prefill_graph_replays",
+                                                "decode_graph_replays", "eager_decodes")}
+    for k in ("decode_steps", "decode_reqs", "prefill_batches", "prefill_tokens"):
+        out[k] = float(info.get(k, 0))
+    lora = info.get("lora") or {}
+    for k in ("num_adapter_loads", "num_evictions", "num_prefetches"):
+        out[k] = float(lora.get(k, 0))
+    return out
+
+
+# ---------------------------------------------------------------------------- one load
+def run_load(url: str, cfg: Config, adapters: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+    from sglang.bench_serving import main as bench_main
+
+    argv = ["--base-url", url, "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
+            "--random-output-len", str(args.output_len), "--max-concurrency", str(args.concurrency),
+            "--seed", str(args.seed), "--disable-tqdm"]
+    if cfg.distribution is not None:
+        argv += ["--lora-name", *adapters, "--lora-distribution", cfg.distribution,
+                 "--lora-zipf-alpha", str(args.zipf_alpha)]
+    return bench_main(argv)
+
+
+def bench_server(ckpt: str, configs: list[Config], adapters: dict[str, str], args: argparse.Namespace,
+                 port: int) -> list[Row]:
+    rows = [Row(cfg) for cfg in configs]
+    log_path = os.path.join(args.log_dir, f"server-{configs[0].name}.log")
+    try:
+        proc, startup = launch(ckpt, configs[0], adapters, port, log_path, args.dry_run, args.server_timeout)
+    except RuntimeError as e:
+        for row in rows:
+            row.error = str(e)
+        return rows
+    url = f"http://127.0.0.1:{port}"
+    try:
+        graphs = server_info(url).get("graph_stats", {})
+        server = {"startup_s": startup, "num_graphs": graphs.get("num_graphs", 0),
+                  "capture_s": graphs.get("capture_seconds", 0.0)}
+        for row in rows:
+            row.server = server
+            try:
+                before = counters(server_info(url))
+                row.result = run_load(url, row.config, adapters, args)
+                after = counters(server_info(url))
+                row.delta = {k: after[k] - before[k] for k in after}
+            except Exception as e:  # noqa: BLE001 - one failed load must not lose the others
+                row.error = f"{type(e).__name__}: {e}"
+    finally:
+        stop(proc)
+    return rows
+
+
+# ---------------------------------------------------------------------------- the table
+def to_markdown(rows: list[Row], header: str) -> str:
+    base = next((r for r in rows if r.config.name == "base" and r.result), None)
+    base_rps = base.result["request_throughput"] if base else None
+    lines = [header, "",
+             "| server | req/s | vs base | mean TTFT (ms) | median TTFT (ms) | mean ITL (ms) | prefill graph / eager "
+             "| mean running batch | adapter loads | start-up (s) | graphs (capture s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        if r.error or not r.result:
+            lines.append(f"| {r.config.name} | failed: {r.error[:120]} |" + " |" * 10)
+            continue
+        res, d = r.result, r.delta
+        rps = res["request_throughput"]
+        ratio = f"{rps / base_rps:.2f}" if base_rps else "-"
+        batch = d["decode_reqs"] / d["decode_steps"] if d.get("decode_steps") else 0.0
+        graph = d["prefill_graph_replays"]
+        lines.append(
+            f"| {r.config.name} | {rps:.1f} | {ratio} | {res['ttft_ms']['mean']:.0f} | {res['ttft_ms']['median']:.0f} "
+            f"| {res['itl_ms']['mean']:.1f} | {graph:.0f} / {d['eager_prefills']:.0f} | {batch:.1f} "
+            f"| {d['num_adapter_loads']:.0f} | {r.server['startup_s']:.0f} "
+            f"| {r.server['num_graphs']} ({r.server['capture_s']:.0f}) |"
+        )
+    failed = [r for r in rows if r.result and r.result.get("failed")]
+    if failed:
+        lines.append("")
+        lines += [f"- {r.config.name}: {r.result['failed']} request(s) failed: {r.result['errors']}" for r in failed]
+    return "\n".join(lines) + "\n"
+
+
+def group_by_server(configs: list[Config]) -> list[list[Config]]:
+    """Consecutive configurations with the same server args share one server."""
+    groups: list[list[Config]] = []
+    for cfg in configs:
+        if groups and groups[-1][0].server == cfg.server:
+            groups[-1].append(cfg)
+        else:
+            groups.append([cfg])
+    return groups
+
+
+def main(argv: Optional[list[str]] = None) -> list[Row]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--configs", default="base,csgmv,csgmv-zipf,triton,csgmv-4,triton-4")
+    p.add_argument("--out", default=None, help="markdown file for the table")
+    p.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "sglang-bench-lora-serving"))
+    p.add_argument("--log-dir", default=None, help="server logs and JSON results (default: --root)")
+    p.add_argument("--num-prompts", type=int, default=256)
+    p.add_argument("--input-len", type=int, default=512)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--concurrency", type=int, default=64)
+    p.add_argument("--zipf-alpha", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--port", type=int, default=31100)
+    p.add_argument("--server-timeout", type=float, default=600)
+    p.add_argument("--dry-run", action="store_true", help="CPU, tiny checkpoint, a few short prompts")
+    args = p.parse_args(argv)
+    if args.dry_run:
+        args.num_prompts, args.input_len, args.output_len, args.concurrency = 8, 16, 4, 4
+    args.log_dir = args.log_dir or args.root
+    os.makedirs(args.log_dir, exist_ok=True)
+    configs = [CONFIGS[name.strip()] for name in args.configs.split(",") if name.strip()]
+    ckpt, adapters = make_assets(args.root, args.dry_run)
+    rows: list[Row] = []
+    for i, group in enumerate(group_by_server(configs)):
+        start = time.perf_counter()
+        rows += bench_server(ckpt, group, adapters, args, args.port + i)
+        print(f"[lora_serving] {'+'.join(c.name for c in group)}: {time.perf_counter() - start:.0f} s", flush=True)
+    header = (f"`bench_serving`: {args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len}, "
+              f"concurrency {args.concurrency}, {NUM_ADAPTERS} rank-16 adapters on all seven modules "
+              f"({'tiny CPU dry run' if args.dry_run else 'Qwen3-4B shape, dummy weights, triton attention'}).")
+    md = to_markdown(rows, header)
+    print(md)
+    with open(os.path.join(args.log_dir, "lora_serving.json"), "w") as f:
+        json.dump([dict(config=r.config.name, result=r.result, delta=r.delta, server=r.server, error=r.error)
+                   for r in rows], f, indent=1)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(md)
+    return rows
+
+
+if __name__ == "__main__":
+    main()

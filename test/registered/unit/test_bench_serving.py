@@ -1,0 +1,41 @@
+"""bench_serving's adapter picks (`--lora-name`, `--lora-distribution`, `--lora-zipf-alpha`): the
+weights, determinism under `--seed`, and the skew they give."""
+
+from collections import Counter
+
+import pytest
+
+from sglang.bench_serving import lora_weights, parse_args, pick_adapters
+
+NAMES = [f"lora{i}" for i in range(8)]
+
+
+def test_weights() -> None:
+    assert lora_weights(3, "uniform", 1.0) == [1.0, 1.0, 1.0]
+    assert lora_weights(4, "zipf", 1.0) == pytest.approx([1.0, 1 / 2, 1 / 3, 1 / 4])
+    assert lora_weights(3, "zipf", 2.0) == pytest.approx([1.0, 1 / 4, 1 / 9])
+
+
+def test_picks_depend_on_the_seed_only() -> None:
+    a = pick_adapters(NAMES, 256, "zipf", 1.1, seed=1)
+    assert a == pick_adapters(NAMES, 256, "zipf", 1.1, seed=1)
+    assert a != pick_adapters(NAMES, 256, "zipf", 1.1, seed=2)
+    # The picks of the first requests do not change when more are asked for.
+    assert pick_adapters(NAMES, 300, "zipf", 1.1, seed=1)[:256] == a
+
+
+def test_zipf_is_skewed_and_uniform_is_not() -> None:
+    zipf = Counter(pick_adapters(NAMES, 4000, "zipf", 1.0, seed=0))
+    # Expected shares 1/H8 = 0.368 for the first, 0.046 for the last.
+    assert zipf["lora0"] > 0.33 * 4000 and zipf["lora7"] < 0.07 * 4000
+    assert zipf["lora0"] > zipf["lora1"] > zipf["lora3"] > zipf["lora7"]
+    uniform = Counter(pick_adapters(NAMES, 4000, "uniform", 1.0, seed=0))
+    assert all(0.10 * 4000 < uniform[n] < 0.15 * 4000 for n in NAMES)
+
+
+def test_cli_flags() -> None:
+    args = parse_args(["--lora-name", "a", "b", "--lora-distribution", "zipf", "--lora-zipf-alpha", "1.2"])
+    assert args.lora_name == ["a", "b"] and args.lora_distribution == "zipf" and args.lora_zipf_alpha == 1.2
+    assert parse_args([]).lora_distribution == "uniform"
+    with pytest.raises(SystemExit):
+        parse_args(["--lora-zipf-alpha", "0"])
