@@ -204,6 +204,11 @@ def test_max_running_requests_is_respected(ckpt: str) -> None:
     h.run()
     assert h.max_running_seen == 2
     assert all(len(h.out[f"m{i}"]["ids"]) == 5 for i in range(5))
+    # The counters a serving benchmark reads (mean running batch = decode_reqs / decode_steps).
+    stats = h.sched.stats
+    assert stats["prefill_tokens"] == 5 * 8 and stats["prefill_batches"] >= 3
+    assert stats["decode_reqs"] == 5 * 4  # the first token of each comes from its prefill
+    assert stats["decode_steps"] >= 10 and stats["decode_reqs"] <= 2 * stats["decode_steps"]
 
 
 def test_logprobs_are_strict_json():
