@@ -196,7 +196,7 @@ def to_markdown(rows: list[Row], header: str) -> str:
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.error or not r.result:
-            lines.append(f"| {r.config.name} | failed: {r.error[:120]} |" + " |" * 10)
+            lines.append(f"| {r.config.name} | failed: {r.error[:120]} |" + " |" * 9)
             continue
         res, d = r.result, r.delta
         rps = res["request_throughput"]

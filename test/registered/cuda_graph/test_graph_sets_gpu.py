@@ -26,8 +26,10 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(HERE), "lora"))
-from helpers import EngineDriver, hf_model, make_runner, tiny_checkpoint  # noqa: E402
+sys.path.insert(0, HERE)
+from helpers import hf_model, make_runner, tiny_checkpoint  # noqa: E402
 from lora_testlib import write_peft_adapter  # noqa: E402
+from test_graph_runners_gpu import _prompts, greedy, max_diff, prompt_logprobs as prefill  # noqa: E402
 
 from sglang.srt.model_executor.cuda_graph_config import Backend  # noqa: E402
 
@@ -35,11 +37,6 @@ pytestmark = pytest.mark.gpu
 
 TOL = 1e-2
 LORA_EFFECT = 5e-2
-
-
-def _prompts(lengths, seed: int) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (n,), generator=gen).tolist() for n in lengths]
 
 
 @functools.lru_cache(maxsize=None)
@@ -56,43 +53,6 @@ def runner(lora_backend: str, graphs: bool):
     return make_runner(ckpt, device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=16384,
                        max_running_requests=32, lora_paths=[f"a={adapter}"], max_loras_per_batch=2,
                        lora_backend=lora_backend, enable_deterministic_inference=True, **cfg)
-
-
-def lora_id(r, name):
-    return None if name is None else next(iter(r.lora_manager.refs))
-
-
-def prefill(r, prompts, names):
-    drv = EngineDriver(r)
-    seqs = [drv.add(p, lora_id(r, n)) for p, n in zip(prompts, names)]
-    try:
-        out = drv.extend(seqs, logprob_start=0)
-    finally:
-        for s in seqs:
-            drv.release(s)
-    return [torch.tensor(x, dtype=torch.float64) for x in out.input_token_logprobs], out.used_cuda_graph
-
-
-def greedy(r, prompts, names, steps: int):
-    drv = EngineDriver(r)
-    seqs = [drv.add(p, lora_id(r, n)) for p, n in zip(prompts, names)]
-    used = []
-    try:
-        out = drv.extend(seqs)
-        for _ in range(steps):
-            for s, t in zip(seqs, out.next_token_ids.tolist()):
-                s.tokens.append(t)
-            out = drv.decode(seqs)
-            used.append(out.used_cuda_graph)
-        return [s.tokens[len(p):] for s, p in zip(seqs, prompts)], used
-    finally:
-        for s in seqs:
-            drv.release(s)
-
-
-def max_diff(a, b) -> float:
-    assert [x.shape for x in a] == [y.shape for y in b]
-    return max(float((x - y).abs().max()) for x, y in zip(a, b))
 
 
 @pytest.mark.parametrize("lora_backend", ["triton", "csgmv"])

@@ -17,7 +17,7 @@ import gc
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional, Union
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -279,13 +279,10 @@ class ModelRunner:
             return self.prefill_graph_runner, self.decode_graph_runner
         return self.base_prefill_graph_runner, self.base_decode_graph_runner
 
-    def _all_graph_runners(self) -> list[Union["PrefillCudaGraphRunner", "CudaGraphRunner"]]:
+    def _num_graphs(self) -> int:
         runners = (self.prefill_graph_runner, self.decode_graph_runner,
                    self.base_prefill_graph_runner, self.base_decode_graph_runner)
-        return [r for r in runners if r is not None]
-
-    def _num_graphs(self) -> int:
-        return sum(len(r.graphs) for r in self._all_graph_runners())
+        return sum(len(r.graphs) for r in runners if r is not None)
 
     def graph_stats(self) -> dict[str, float]:
         """Replay and eager-fallback counters (reported by /get_server_info). Replays count both
