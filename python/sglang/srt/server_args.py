@@ -136,10 +136,9 @@ class ServerArgs:
     max_lora_chunk_size: int = 16
     # Bound, in scheduler turns, on how long a request whose adapter does not fit may wait before
     # requests for other adapters are held back until it fits (anti-starvation). Adapters rotate
-    # through the slots before that (GroupedLoRAAdmission); a drain empties the batch, so the
-    # bound is a backstop: 256 turns (~3 s of decode steps) kept the batch fullest in the
-    # closed-loop simulation of test_lora_admission_grouping.py's kind (64 drained too often).
-    lora_max_wait_turns: int = 256
+    # through the slots before that (GroupedLoRAAdmission); a larger bound lets rotation, rather
+    # than a drain of the whole batch, do more of the swapping, but a turn is slow on a CPU.
+    lora_max_wait_turns: int = 64
 
     # CUDA graphs (resolved into `cuda_graph_config` by _handle_cuda_graph_config)
     cuda_graph_config: Optional[Any] = None

@@ -193,6 +193,7 @@ class LoRAMemoryPool:
                 self.free(victim)
                 self.num_evictions += 1
             self._load(uid, slot, adapters[uid])
+            self.eviction_policy.mark_used(uid)  # about to be used: not the next victim
             self.num_prefetches += 1
             loaded.append(uid)
         return loaded
