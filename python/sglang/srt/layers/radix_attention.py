@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from torch import nn
 
+from sglang.srt.layers.triton_ops.rope import KVStore
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -27,19 +30,45 @@ class RadixAttention(nn.Module):
         self.scaling = scaling
         self.layer_id = layer_id
 
+    def kv_store(self, forward_batch: ForwardBatch) -> Optional[KVStore]:
+        """This layer's pool buffers and the batch's slots, for a kernel that stores K/V itself
+        (the fused RoPE kernel); None when the batch has no pool attached."""
+        pool = forward_batch.token_to_kv_pool
+        if pool is None:
+            return None
+        return KVStore(
+            pool.get_key_buffer(self.layer_id), pool.get_value_buffer(self.layer_id), forward_batch.out_cache_loc
+        )
+
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, forward_batch: ForwardBatch
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        forward_batch: ForwardBatch,
+        save_kv_cache: bool = True,
     ) -> torch.Tensor:
+        """`save_kv_cache=False`: the caller already wrote K/V at `out_cache_loc`."""
         # Token-wise, so it stays inside a captured graph segment: padded tokens of a replay have
         # out_cache_loc 0 and write the dummy slot.
-        forward_batch.token_to_kv_pool.set_kv_buffer(self.layer_id, forward_batch.out_cache_loc, k, v)
+        if save_kv_cache:
+            forward_batch.token_to_kv_pool.set_kv_buffer(self.layer_id, forward_batch.out_cache_loc, k, v)
+        # The output is allocated here, in the captured segment, and handed to the backend: under a
+        # breakable graph the eager attention then writes straight into the tensor the next segment
+        # reads, with no copy at the break.
+        out = torch.empty((q.shape[0], self.tp_q_head_num * self.v_head_dim), dtype=q.dtype, device=q.device)
         if forward_batch.graph_breaker is not None:
             # Breakable graph: attention depends on the live batch's per-request metadata, so it
             # runs eagerly between two captured segments.
-            return forward_batch.graph_breaker.eager(self._attend, q, k, v)
-        return self._attend(forward_batch, q, k, v)
+            return forward_batch.graph_breaker.eager(self._attend, q, k, v, out)
+        return self._attend(forward_batch, q, k, v, out)
 
     def _attend(
-        self, forward_batch: ForwardBatch, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        forward_batch: ForwardBatch,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out: torch.Tensor,
     ) -> torch.Tensor:
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch)
+        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, out=out)

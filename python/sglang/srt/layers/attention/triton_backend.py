@@ -121,6 +121,16 @@ class TritonAttnBackend(AttentionBackend):
             self.forward_metadata = None  # IDLE: no tokens
 
     # ------------------------------------------------------------------ forward
+    @staticmethod
+    def _output(
+        out: Optional[torch.Tensor], rows: int, num_heads: int, head_dim: int, q: torch.Tensor
+    ) -> torch.Tensor:
+        if out is None:
+            return torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        if out.shape[0] != rows or out.numel() != rows * num_heads * head_dim or out.dtype != q.dtype:
+            raise ValueError(f"attention output buffer {tuple(out.shape)} {out.dtype} does not fit q {tuple(q.shape)}")
+        return out.view(rows, num_heads, head_dim)
+
     def _shapes(self, layer: "RadixAttention") -> tuple[int, int, int]:
         if layer.qk_head_dim != layer.v_head_dim:
             raise ValueError("the triton backend needs equal q/k and v head dims")
@@ -133,10 +143,11 @@ class TritonAttnBackend(AttentionBackend):
         v: torch.Tensor,
         layer: "RadixAttention",
         forward_batch: ForwardBatch,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         num_heads, num_kv_heads, head_dim = self._shapes(layer)
         num_tokens = q.shape[0]
-        o = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        o = self._output(out, num_tokens, num_heads, head_dim, q)
         meta = self.forward_metadata
         if num_tokens == 0 or meta is None:
             return o.view(num_tokens, num_heads * head_dim)
@@ -179,10 +190,11 @@ class TritonAttnBackend(AttentionBackend):
         v: torch.Tensor,
         layer: "RadixAttention",
         forward_batch: ForwardBatch,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         num_heads, _, head_dim = self._shapes(layer)
         rows = q.shape[0]
-        o = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        o = self._output(out, rows, num_heads, head_dim, q)
         meta = self.forward_metadata
         if rows == 0 or meta is None:
             return o.view(rows, num_heads * head_dim)
