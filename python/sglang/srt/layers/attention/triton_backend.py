@@ -52,6 +52,9 @@ class _StaticBuffers:
     seq_lens: torch.Tensor
     extend_seq_lens: torch.Tensor
     extend_start_loc: torch.Tensor
+    # Host-side mark: rows from here on hold the padding values, so a fill resets only the rows
+    # a larger batch wrote since (in steady decode, none: no padding kernels per step).
+    live_rows: int = 0
 
     @classmethod
     def allocate(cls, capacity: int, device: torch.device) -> "_StaticBuffers":
@@ -227,7 +230,9 @@ class TritonAttnBackend(AttentionBackend):
                 f"buffers sized {self._decode_bufs.capacity}"
             )
         self._decode_bufs = _StaticBuffers.allocate(capacity, self.device)
-        self._extend_bufs = _StaticBuffers.allocate(capacity, self.device)
+        self._decode_bufs.req_pool_indices.fill_(self.padding_req_row)
+        self._decode_bufs.seq_lens.fill_(self.get_cuda_graph_seq_len_fill_value())
+        self._extend_bufs = _StaticBuffers.allocate(capacity, self.device)  # zeros: empty slots
 
     def _require_bufs(self, bs: int) -> None:
         if self._decode_bufs is None:
@@ -296,8 +301,10 @@ class TritonAttnBackend(AttentionBackend):
         bufs.req_pool_indices[:n].copy_(req_pool_indices, non_blocking=True)
         bufs.seq_lens[:n].copy_(seq_lens, non_blocking=True)
         # Padded rows: a valid request row, and a short fill length keeps them cheap.
-        bufs.req_pool_indices[n:].fill_(self.padding_req_row)
-        bufs.seq_lens[n:].fill_(self.get_cuda_graph_seq_len_fill_value())
+        if bufs.live_rows > n:
+            bufs.req_pool_indices[n : bufs.live_rows].fill_(self.padding_req_row)
+            bufs.seq_lens[n : bufs.live_rows].fill_(self.get_cuda_graph_seq_len_fill_value())
+        bufs.live_rows = n
 
     def _fill_extend(
         self,
@@ -318,8 +325,10 @@ class TritonAttnBackend(AttentionBackend):
         bufs.extend_seq_lens[:n].copy_(ext[:n], non_blocking=True)
         bufs.extend_start_loc[:n].copy_(start[:n], non_blocking=True)
         # Zero-length sentinels: extend_len 0 makes every program of the slot return at once.
-        for t in (bufs.req_pool_indices, bufs.seq_lens, bufs.extend_seq_lens, bufs.extend_start_loc):
-            t[n:].zero_()
+        if bufs.live_rows > n:
+            for t in (bufs.req_pool_indices, bufs.seq_lens, bufs.extend_seq_lens, bufs.extend_start_loc):
+                t[n : bufs.live_rows].zero_()
+        bufs.live_rows = n
 
     def _extend_metadata(self, slots: int) -> TritonAttnMetadata:
         b = self._extend_bufs
