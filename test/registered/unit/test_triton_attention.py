@@ -363,6 +363,24 @@ def test_decode_with_more_rows_than_live_requests():
     assert torch.equal(padded[:2], exact)
 
 
+def test_decode_layers_share_one_scratch_and_write_the_given_output():
+    """The split-KV partials are allocated once per forward (by the first layer), not per layer,
+    and an output buffer handed in (RadixAttention's) is written in place and returned."""
+    s = Setup(H=4, KVH=2, D=64)
+    s.cache_prefix(1, 20)
+    live = s.decode_batch(rows=[1])
+    q, k, v = s.qkv(1)
+    s.backend.init_forward_metadata(live)
+    first = s.backend.forward_decode(q, k, v, s.layer, live)
+    scratch = s.backend.forward_metadata.decode_scratch
+    out = torch.full_like(first, float("nan"))
+    second = s.backend.forward_decode(q, k, v, s.layer, live, out=out)
+    assert s.backend.forward_metadata.decode_scratch is scratch
+    assert second.data_ptr() == out.data_ptr() and torch.equal(out, first)
+    s.backend.init_forward_metadata(live)  # a new forward starts without one
+    assert s.backend.forward_metadata.decode_scratch is None
+
+
 # ---------------------------------------------------------------------------------- graph hooks
 def test_decode_static_buffers_replay_matches_eager():
     """Capture hook at bs=4, then replays with 2 and 3 live requests: what a graph replay reads."""

@@ -42,6 +42,9 @@ class TritonAttnMetadata:
     # Bound on the extend lengths, sizing the grid's token axis. None: span q's rows (a graph,
     # where q holds the whole token bucket and no host value of the live batch may be baked in).
     max_extend_len: Optional[int] = None
+    # Decode split-KV partials (part_o, part_lse), allocated by the first layer of a forward and
+    # reused by the others: one allocation per forward, not per layer.
+    decode_scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 @dataclass
@@ -204,6 +207,7 @@ class TritonAttnBackend(AttentionBackend):
         # Inside a breakable decode replay q has the bucket's rows but the metadata only the live
         # requests': compute those, leave the padding rows alone (their outputs are dropped).
         bs = min(rows, meta.seq_lens.numel())
+        scratch = self._decode_scratch(meta, bs, num_heads, head_dim, q.device)
         decode_attention_fwd(
             q[:bs].reshape(bs, num_heads, head_dim),
             o[:bs],
@@ -214,8 +218,31 @@ class TritonAttnBackend(AttentionBackend):
             meta.seq_lens,
             sm_scale=layer.scaling,
             num_kv_splits=self.num_kv_splits,
+            part_o=scratch[0],
+            part_lse=scratch[1],
         )
         return o.view(rows, num_heads * head_dim)
+
+    def _decode_scratch(
+        self, meta: TritonAttnMetadata, bs: int, num_heads: int, head_dim: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        def allocate() -> tuple[torch.Tensor, torch.Tensor]:
+            return (
+                torch.empty((bs, num_heads, self.num_kv_splits, head_dim), dtype=torch.float32, device=device),
+                torch.empty((bs, num_heads, self.num_kv_splits), dtype=torch.float32, device=device),
+            )
+
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A captured kernel must own its scratch: a fresh tensor from the graph's pool (free
+            # under capture). One cached on the metadata would be freed when the metadata is
+            # replaced, while the graph still writes to it.
+            return allocate()
+        scratch = meta.decode_scratch
+        if scratch is None or scratch[0].shape[0] < bs or scratch[0].shape[1:] != (
+            num_heads, self.num_kv_splits, head_dim
+        ):
+            scratch = meta.decode_scratch = allocate()
+        return scratch
 
     # ------------------------------------------------------------------ CUDA graph hooks
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
