@@ -161,7 +161,10 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
         def measure(case: str, path: str, fb, expect_graph: bool, note: str = "") -> None:
             fwd = lambda: forward_checked(runner, fb, expect_graph)  # noqa: E731
             wall = time_ms(fwd, args.warmup, args.repeats, runner.device)
-            rows.append(Row(shape, lora, case, path, wall, profile_fn(fwd, args.profile_repeats), layers, note))
+            prof = profile_fn(fwd, args.profile_repeats)
+            if on_gpu and prof.kernels < layers:
+                note = (note + "; " if note else "") + "the profiler saw too few kernels: graph replays not traced?"
+            rows.append(Row(shape, lora, case, path, wall, prof, layers, note))
             log(f"  {case:>12} {path:<10} wall {wall:8.3f} ms  busy {rows[-1].prof.busy_ms:8.3f} ms  "
                 f"kernels {rows[-1].prof.kernels:7.1f}  ops {rows[-1].prof.torch_ops:7.1f}")
 

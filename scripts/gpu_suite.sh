@@ -86,7 +86,8 @@ fi
 if [[ " $PARTS " == *" profile "* ]]; then
   # Issue 10's table: wall vs GPU-busy, kernels per layer, torch ops and top kernels per path, base
   # and rank-16 LoRA, side by side with HF transformers + torch.compile in the same process (8B
-  # shape); the Qwen3-4B shape for its decode aim row (no anchor). One process per shape.
+  # shape, ~5.5 min on an H200, most of it torch.compile); the Qwen3-4B shape, base only, for its
+  # decode aim row (~1 min). One process per shape.
   # GPU_SUITE_PROFILE_MODELS picks shapes (default: both).
   say "== profile_forward (lean forward)"
   : >"$OUT/profile_forward.md"
@@ -94,7 +95,7 @@ if [[ " $PARTS " == *" profile "* ]]; then
     start=$(date +%s)
     case $model in
       llama-3.1-8b) extra=(--tokens 128,2048,4096) ;;
-      *) extra=(--tokens 128 --no-hf-anchor) ;;
+      *) extra=(--tokens 128 --lora none --no-hf-anchor) ;;
     esac
     $PY benchmark/profile_forward.py --model "$model" "${extra[@]}" --out "/tmp/profile_forward_$model.md" \
       >>"$OUT/profile.log" 2>&1 || status=1
