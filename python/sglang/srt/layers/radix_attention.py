@@ -71,4 +71,7 @@ class RadixAttention(nn.Module):
         v: torch.Tensor,
         out: torch.Tensor,
     ) -> torch.Tensor:
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, out=out)
+        result = forward_batch.attn_backend.forward(q, k, v, self, forward_batch, out=out)
+        # `out` itself, not the backend's view of it: the breakable graph recognises the tensor
+        # its next segment reads and copies nothing.
+        return out if result.data_ptr() == out.data_ptr() and result.shape == out.shape else result
