@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_serving",
-# "soak").
+# "profile", "soak").
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by ../shared/device/wheels.sh into ./.whl
 # are installed into ./.site first when the machine lacks them (it has no network).
@@ -81,6 +81,30 @@ if [[ " $PARTS " == *" graph_bench "* ]]; then
     cat "/tmp/prefill_graph_$model.md" >>"$OUT/prefill_graph.md" 2>/dev/null
     say "$model: $(( $(date +%s) - start ))s"
     grep -E "^- " "/tmp/prefill_graph_$model.md" 2>/dev/null | sed "s/^- /- $model /" >>"$SUMMARY"
+  done
+fi
+
+if [[ " $PARTS " == *" profile "* ]]; then
+  # Issue 10's table: wall vs GPU-busy, kernels per layer, torch ops and top kernels per path, base
+  # and rank-16 LoRA, side by side with HF transformers + torch.compile in the same process (8B
+  # shape, ~5.5 min on an H200, most of it torch.compile); the Qwen3-4B shape, base only, for its
+  # decode aim row (~1 min). One process per shape.
+  # GPU_SUITE_PROFILE_MODELS picks shapes (default: both).
+  say "== profile_forward (lean forward)"
+  : >"$OUT/profile_forward.md"
+  for model in ${GPU_SUITE_PROFILE_MODELS:-llama-3.1-8b qwen3-4b}; do
+    start=$(date +%s)
+    case $model in
+      llama-3.1-8b) extra=(--tokens 128,2048,4096) ;;
+      *) extra=(--tokens 128 --lora none --no-hf-anchor) ;;
+    esac
+    $PY benchmark/profile_forward.py --model "$model" "${extra[@]}" --out "/tmp/profile_forward_$model.md" \
+      >>"$OUT/profile.log" 2>&1 || status=1
+    cat "/tmp/profile_forward_$model.md" >>"$OUT/profile_forward.md" 2>/dev/null
+    say "$model: $(( $(date +%s) - start ))s"
+    grep -E "^\| $model \| (none|lora) \| (prefill 128|decode bs1) \|" "/tmp/profile_forward_$model.md" 2>/dev/null \
+      | cut -d'|' -f3-10 >>"$SUMMARY"
+    grep -E "^- .* = \*\*" "/tmp/profile_forward_$model.md" 2>/dev/null >>"$SUMMARY"
   done
 fi
 

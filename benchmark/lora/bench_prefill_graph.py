@@ -24,29 +24,29 @@ import argparse
 import gc
 import json
 import os
-import statistics
 import sys
 import tempfile
-import time
 from typing import Optional
 
 import torch
 
-from sglang.srt.model_executor.batch_builder import (
-    DecodeRequest,
-    ExtendRequest,
-    build_decode_batch,
-    build_extend_batch,
-)
-from sglang.srt.lora.lora_config import PEFT_PROJECTIONS
-from sglang.srt.model_executor.cuda_graph_config import Backend
-from sglang.srt.model_executor.model_runner import EAGER, ModelRunner
-from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
-from sglang.srt.server_args import ServerArgs
-from sglang.srt.tools.demo import DemoAdapterSpec, write_peft_adapter
-from sglang.srt.tools.make_checkpoint import make_checkpoint
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-SHAPES = {"qwen3-4b": "qwen3", "llama-3.1-8b": "llama", "qwen2.5-0.5b": "qwen2"}
+from runner_lib import (  # noqa: E402
+    build_runner,
+    decode_batch,
+    prefill_batch,
+    release,
+    runner_takes_graph,
+    time_forward,
+    use_decode_graphs,
+    use_prefill_graphs,
+    write_assets,
+)
+from sglang.srt.model_executor.cuda_graph_config import Backend  # noqa: E402
+from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner  # noqa: E402
+
+SHAPES = ("qwen3-4b", "llama-3.1-8b", "qwen2.5-0.5b")
 PREFILL_TOKENS = [16, 128, 512, 2048, 4096]
 NUM_ADAPTERS = 4
 # Multi-request prefills with NUM_ADAPTERS distinct adapters: requests x tokens each. 4 x 32 and
@@ -58,44 +58,18 @@ PADDED_BUCKETS = [5120]
 ALL_BASE_PREFILL = [128]
 ALL_BASE_DECODE_BS = [1]
 DECODE_BS = [1, 8, 32]
-DECODE_CONTEXT = 256
 LORA_MODES = ("none", "triton", "csgmv")
 
-
-def _sync() -> None:
-    torch.cuda.synchronize()
-
-
-def write_assets(root: str, shape: str) -> tuple[str, dict[str, str]]:
-    ckpt = os.path.join(root, shape)
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        make_checkpoint(ckpt, arch=SHAPES[shape], preset=shape, with_weights=False)
-    with open(os.path.join(ckpt, "config.json")) as f:
-        config = json.load(f)
-    adapters = {}
-    for i in range(NUM_ADAPTERS):
-        out = os.path.join(root, f"{shape}-lora{i}")
-        if not os.path.exists(os.path.join(out, "adapter_config.json")):
-            os.makedirs(out, exist_ok=True)
-            write_peft_adapter(out, config, DemoAdapterSpec(f"lora{i}", 16, 32, PEFT_PROJECTIONS, 100 + i))
-        adapters[f"lora{i}"] = out
-    return ckpt, adapters
-
-
-def build_runner(ckpt: str, lora_mode: str, adapters: dict[str, str]) -> tuple[ModelRunner, dict]:
-    kwargs = dict(
-        model_path=ckpt, load_format="dummy", dtype="bfloat16", attention_backend="triton",
-        max_total_tokens=65536, max_running_requests=64, chunked_prefill_size=8192,
-        cuda_graph_backend_prefill="breakable", cuda_graph_backend_decode="full",
-        cuda_graph_bs_prefill=sorted(set(PREFILL_TOKENS + [n * t for n, t in MULTI_CASES] + PADDED_BUCKETS)),
-        cuda_graph_bs_decode=DECODE_BS,
+def runner_and_graphs(ckpt: str, lora_mode: str, adapters: dict[str, str]):
+    """A runner with breakable prefill graphs at every measured size, and full prefill graph runners
+    beside them. path -> (the set serving batches with LoRA work, the set for all-base batches of a
+    LoRA runner)."""
+    lora = lora_mode != "none"
+    runner = build_runner(
+        ckpt, lora_mode if lora else None, adapters,
+        prefill_buckets=PREFILL_TOKENS + [n * t for n, t in MULTI_CASES] + PADDED_BUCKETS,
+        decode_buckets=DECODE_BS,
     )
-    if lora_mode != "none":
-        kwargs.update(lora_paths=[f"{n}={p}" for n, p in adapters.items()], lora_backend=lora_mode,
-                      max_loras_per_batch=NUM_ADAPTERS, max_lora_rank=16)
-    runner = ModelRunner(ServerArgs(**kwargs))
-    lora = runner.lora_manager is not None
-    # path -> (the set serving batches with LoRA work, the set for all-base batches of a LoRA runner)
     graphs = {
         "eager": (None, None),
         "breakable": (runner.prefill_graph_runner, runner.base_prefill_graph_runner),
@@ -105,75 +79,11 @@ def build_runner(ckpt: str, lora_mode: str, adapters: dict[str, str]) -> tuple[M
     return runner, graphs
 
 
-def use_prefill_graphs(runner: ModelRunner, sets) -> None:
-    runner.prefill_graph_runner, runner.base_prefill_graph_runner = sets
-
-
-def use_decode_graphs(runner: ModelRunner, sets) -> None:
-    runner.decode_graph_runner, runner.base_decode_graph_runner = sets
-
-
-def runner_takes_graph(runner: ModelRunner, fb) -> bool:
-    """The runner's own decision for this batch (the counters it bumps do not matter here)."""
-    return runner.choose_forward_path(fb).path != EAGER
-
-
-def lora_id(runner: ModelRunner, name: Optional[str]) -> Optional[str]:
-    if name is None or runner.lora_manager is None:
-        return None
-    return next(i for i, ref in runner.lora_manager.refs.items() if ref.lora_name == name)
-
-
-def time_forward(runner: ModelRunner, fb, expect_graph: bool, warmup: int, repeats: int) -> float:
-    times = []
-    for i in range(warmup + repeats):
-        _sync()
-        t0 = time.perf_counter()
-        out = runner.forward(fb)
-        _sync()
-        if out.used_cuda_graph != expect_graph:
-            raise RuntimeError(f"used_cuda_graph={out.used_cuda_graph}, expected {expect_graph}")
-        if i >= warmup:
-            times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
-def prefill_batch(runner: ModelRunner, lengths: list[int], names: list[Optional[str]]):
-    rows = runner.req_to_token_pool.alloc(len(lengths))
-    gen = torch.Generator().manual_seed(0)
-    reqs = []
-    for row, n, name in zip(rows, lengths, names):
-        slots = runner.token_to_kv_pool_allocator.alloc(n)
-        ids = torch.randint(10, min(1000, runner.model_config.vocab_size), (n,), generator=gen).tolist()
-        reqs.append(ExtendRequest(row, ids, 0, slots, lora_id=lora_id(runner, name)))
-    fb = build_extend_batch(reqs, runner.req_to_token_pool, runner.device,
-                            enable_lora=runner.lora_manager is not None)
-    return fb, rows, [r.out_cache_loc for r in reqs]
-
-
-def decode_batch(runner: ModelRunner, bs: int, name: Optional[str]):
-    rows = runner.req_to_token_pool.alloc(bs)
-    slots = runner.token_to_kv_pool_allocator.alloc(bs * DECODE_CONTEXT)
-    for i, row in enumerate(rows):  # a context of DECODE_CONTEXT tokens (their KV is whatever is there)
-        runner.req_to_token_pool.write(row, 0, slots[i * DECODE_CONTEXT:(i + 1) * DECODE_CONTEXT])
-    reqs = [DecodeRequest(row, 7, DECODE_CONTEXT, int(slots[(i + 1) * DECODE_CONTEXT - 1]),
-                          lora_id=lora_id(runner, name)) for i, row in enumerate(rows)]
-    fb = build_decode_batch(reqs, runner.req_to_token_pool, runner.device,
-                            enable_lora=runner.lora_manager is not None)
-    return fb, rows, [slots]
-
-
-def release(runner: ModelRunner, rows, slot_lists) -> None:
-    for s in slot_lists:
-        runner.token_to_kv_pool_allocator.free(torch.as_tensor(s))
-    runner.req_to_token_pool.free(rows)
-
-
 def bench_model(shape: str, root: str, warmup: int, repeats: int) -> list[dict]:
-    ckpt, adapters = write_assets(root, shape)
+    ckpt, adapters = write_assets(root, shape, NUM_ADAPTERS)
     rows_out = []
     for mode in LORA_MODES:
-        runner, graphs = build_runner(ckpt, mode, adapters)
+        runner, graphs = runner_and_graphs(ckpt, mode, adapters)
         decode_graphs = (runner.decode_graph_runner, runner.base_decode_graph_runner)
         name = None if mode == "none" else "lora0"
         cases = [(f"prefill {n}", [n], [name]) for n in PREFILL_TOKENS]

@@ -22,7 +22,7 @@ from sglang.srt.layers.attention.triton_ops.extend_attention import (
 )
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, GraphBreaker
 
 DEV = "cpu"
 
@@ -361,6 +361,59 @@ def test_decode_with_more_rows_than_live_requests():
     assert padded.shape == (4, 4 * 64)
     exact = s.backend.forward_decode(q[:2], k[:2], v[:2], s.layer, live)
     assert torch.equal(padded[:2], exact)
+
+
+def test_decode_layers_share_one_scratch_and_write_the_given_output():
+    """The split-KV partials are allocated once per forward (by the first layer), not per layer,
+    and an output buffer handed in (RadixAttention's) is written in place and returned."""
+    s = Setup(H=4, KVH=2, D=64)
+    s.cache_prefix(1, 20)
+    live = s.decode_batch(rows=[1])
+    q, k, v = s.qkv(1)
+    s.backend.init_forward_metadata(live)
+    first = s.backend.forward_decode(q, k, v, s.layer, live)
+    scratch = s.backend.forward_metadata.decode_scratch
+    out = torch.full_like(first, float("nan"))
+    second = s.backend.forward_decode(q, k, v, s.layer, live, out=out)
+    assert s.backend.forward_metadata.decode_scratch is scratch
+    assert second.data_ptr() == out.data_ptr() and torch.equal(out, first)
+    s.backend.init_forward_metadata(live)  # a new forward starts without one
+    assert s.backend.forward_metadata.decode_scratch is None
+
+
+class _RecordingBreaker(GraphBreaker):
+    """The breakable graph's seam without CUDA: records each break like a capture does."""
+
+    def __init__(self) -> None:
+        self.breaks = []
+
+    def eager(self, fn, *tensors):
+        out = fn(self.ctx, *tensors)
+        self.breaks.append((fn, tensors, out))
+        return out
+
+
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_attention_break_writes_the_tensor_the_next_segment_reads(mode):
+    """Under a breakable graph the attention output comes from the breaker (`output_buffer`) and is
+    handed to the eager break, which writes it in place and returns that very tensor: a replay then
+    needs no copy into the static output (BreakableCUDAGraph copies only when `result is not brk.out`)."""
+    s = Setup(H=4, KVH=2, D=64)
+    s.cache_prefix(row=1, n=12)
+    fb = s.extend_batch(rows=[1, 2], extend_lens=[5, 3]) if mode == "extend" else s.decode_batch(rows=[1])
+    t = fb.num_tokens
+    q, k, v = s.qkv(t)
+    s.backend.init_forward_metadata(fb)
+    breaker = _RecordingBreaker()
+    breaker.ctx = fb
+    fb.graph_breaker = breaker
+    captured = s.layer(q, k, v, fb)
+    fb.graph_breaker = None
+    (fn, args, out), = breaker.breaks
+    assert captured is out and args[-1] is out
+    replayed = fn(fb, *args)  # what BreakableCUDAGraph.replay calls with the live batch
+    assert replayed is out
+    assert torch.equal(out, s.layer(q, k, v, fb))  # and it is the eager result
 
 
 # ---------------------------------------------------------------------------------- graph hooks

@@ -6,10 +6,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.layers.triton_ops.dispatch import use_triton
+from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd
+
 
 class SiluAndMul(nn.Module):
-    """x = [gate | up] along the last dim -> silu(gate) * up."""
+    """x = [gate | up] along the last dim -> silu(gate) * up (one kernel on the Triton path)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if use_triton(x):
+            return silu_and_mul_fwd(x)
+        return self.forward_torch(x)
+
+    @staticmethod
+    def forward_torch(x: torch.Tensor) -> torch.Tensor:
         d = x.shape[-1] // 2
         return F.silu(x[..., :d]) * x[..., d:]

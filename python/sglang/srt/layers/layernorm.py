@@ -7,6 +7,9 @@ from typing import Optional, Union
 import torch
 from torch import nn
 
+from sglang.srt.layers.triton_ops.dispatch import use_triton
+from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -20,9 +23,23 @@ class RMSNorm(nn.Module):
     ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
         """Normalise `x`; with `residual`, first add it and also return the sum (the new residual).
 
-        The statistics are taken in float32 and the result is cast back before the weight is
-        applied, the same rounding order as the Hugging Face reference, so bf16 runs track it.
+        The Triton path (one kernel) works in place when given a residual: the sum goes into
+        `residual` and the normalised rows into `x`, which are returned. Callers treat both inputs
+        as consumed, whichever path runs.
         """
+        if use_triton(x):
+            if residual is None:
+                return rmsnorm_fwd(x, self.weight, self.variance_epsilon)
+            rmsnorm_fwd(x, self.weight, self.variance_epsilon, residual=residual, out=x)
+            return x, residual
+        return self.forward_torch(x, residual)
+
+    def forward_torch(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+        """The reference (CPU path, test oracle). The statistics are taken in float32 and the
+        result is cast back before the weight is applied, the same rounding order as the Hugging
+        Face reference, so bf16 runs track it."""
         if residual is not None:
             x = x + residual
             residual = x

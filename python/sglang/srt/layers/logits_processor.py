@@ -88,11 +88,12 @@ class LogitsProcessor(nn.Module):
         last_rows = [s + n - 1 for s, n in zip(starts, lens)]
         prompt_rows, targets, segments = self._prompt_logprob_rows(fb, starts, lens)
 
-        device = hidden_states.device
-        last_idx = torch.tensor(last_rows, dtype=torch.int64).to(device, non_blocking=True)
-        out = LogitsProcessorOutput(
-            next_token_logits=self.compute_logits(hidden_states.index_select(0, last_idx), lm_head)
-        )
+        if bs == 1:
+            last_hidden = hidden_states.narrow(0, last_rows[0], 1)  # a view: no copy, no index upload
+        else:
+            last_idx = torch.tensor(last_rows, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
+            last_hidden = hidden_states.index_select(0, last_idx)
+        out = LogitsProcessorOutput(next_token_logits=self.compute_logits(last_hidden, lm_head))
         if segments is None:
             return out
         out.input_logprob_segments = segments

@@ -1,8 +1,10 @@
 """Rotary position embedding (RoPE), the "rotate half" layout of Llama/Qwen checkpoints.
 
 cos/sin are computed once, in float32, for every position up to `max_position` and kept on the
-device; a forward only gathers rows with `index_select`, so it has no host syncs and no
-data-dependent shapes and can be captured in a CUDA graph.
+device. `forward` takes the fused qkv projection output: on the Triton path one kernel rotates q
+and k in place (with Qwen3's q/k RMSNorm before it and, when asked, the KV-cache store after it,
+see triton_ops/rope.py); the torch reference gathers cos/sin rows with `index_select`. Neither has
+host syncs or data-dependent shapes, so both can be captured in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -12,6 +14,10 @@ from typing import Optional
 
 import torch
 from torch import nn
+
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.triton_ops.dispatch import use_triton
+from sglang.srt.layers.triton_ops.rope import KVStore, QKNormWeights, qkv_rope_fwd
 
 
 def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -78,9 +84,45 @@ class RotaryEmbedding(nn.Module):
         )
 
     def forward(
+        self,
+        positions: torch.Tensor,
+        qkv: torch.Tensor,
+        num_q_heads: int,
+        num_kv_heads: int,
+        q_norm: Optional[RMSNorm] = None,
+        k_norm: Optional[RMSNorm] = None,
+        kv_store: Optional[KVStore] = None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, bool]:
+        """qkv [T, (q + 2 kv heads) * head_size] -> (q, k, v, whether K/V were stored).
+
+        q and k are normalised per head by `q_norm` / `k_norm` when given (Qwen3), then rotated.
+        The Triton path works in place on `qkv` (q, k, v are views of it) and writes K/V into
+        `kv_store` when given; the torch reference returns new q and k and never stores (the
+        attention layer then does).
+        """
+        q_size, kv_size = num_q_heads * self.head_size, num_kv_heads * self.head_size
+        if use_triton(qkv):
+            norm = None
+            if q_norm is not None:
+                norm = QKNormWeights(q_norm.weight, k_norm.weight, q_norm.variance_epsilon)
+            qkv_rope_fwd(
+                qkv, positions, self.cos_sin_cache, num_q_heads, num_kv_heads, self.head_size,
+                self.rotary_dim, qk_norm=norm, kv_store=kv_store,
+            )
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            return q, k, v, kv_store is not None
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        if q_norm is not None:
+            q = q_norm.forward_torch(q.unflatten(-1, (num_q_heads, self.head_size))).flatten(-2)
+            k = k_norm.forward_torch(k.unflatten(-1, (num_kv_heads, self.head_size))).flatten(-2)
+        q, k = self.forward_torch(positions, q, k)
+        return q, k, v, False
+
+    def forward_torch(
         self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """query [T, heads * head_size], key [T, kv_heads * head_size] -> rotated, same shapes."""
+        """The reference rotation (CPU path, test oracle): query [T, heads * head_size], key
+        [T, kv_heads * head_size] -> rotated, same shapes."""
         cos_sin = self.cos_sin_cache.index_select(0, positions).to(query.dtype)
         cos, sin = cos_sin.unsqueeze(1).chunk(2, dim=-1)  # [T, 1, rotary_dim] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)

@@ -51,6 +51,10 @@ class GraphBreaker:
     def eager(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def output_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """Where the next `eager` call should write its output (so the break copies nothing)."""
+        return torch.empty(shape, dtype=dtype, device=device)
+
 
 @dataclass
 class ForwardBatch:

@@ -4,6 +4,17 @@ Qwen2 and Qwen3 reuse every block here; they differ only in `AttentionLayout` (w
 carry a bias, and Qwen3's per-head q/k RMSNorm). The body, `model.model(...)`, is token-wise except
 for the attention call and has no host syncs or value-dependent control flow, so graphs can
 capture it; `forward` adds the eager head (LogitsProcessor).
+
+A layer on the Triton path (CUDA) is a handful of kernels (DESIGN §9), the residual stream carried
+as (hidden, residual):
+    input_layernorm       residual += hidden; hidden = rmsnorm(residual)     one kernel
+    qkv_proj              GEMM (+ LoRA)
+    rotary_emb            (q/k norm,) RoPE in place, K/V into the pool       one kernel
+    attn                  attention into a preallocated output (the graph break)
+    o_proj                GEMM (+ LoRA)
+    post_attention_layernorm                                                 one kernel
+    gate_up_proj, act_fn, down_proj                                          GEMM, one kernel, GEMM
+The linear modules are called as modules: the LoRA wrappers replace them after the model is built.
 """
 
 from __future__ import annotations
@@ -72,12 +83,17 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, hidden: torch.Tensor, forward_batch: ForwardBatch) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
-        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
-        if self.qk_norm:
-            q = self.q_norm(q.unflatten(-1, (self.num_heads, self.head_dim))).flatten(-2)
-            k = self.k_norm(k.unflatten(-1, (self.num_kv_heads, self.head_dim))).flatten(-2)
-        q, k = self.rotary_emb(positions, q, k)
-        out = self.attn(q, k, v, forward_batch)
+        # One kernel on the Triton path: (q/k norm,) RoPE in place, and the K/V store.
+        q, k, v, kv_stored = self.rotary_emb(
+            positions,
+            qkv,
+            self.num_heads,
+            self.num_kv_heads,
+            q_norm=self.q_norm if self.qk_norm else None,
+            k_norm=self.k_norm if self.qk_norm else None,
+            kv_store=self.attn.kv_store(forward_batch),
+        )
+        out = self.attn(q, k, v, forward_batch, save_kv_cache=not kv_stored)
         return self.o_proj(out)
 
 

@@ -34,11 +34,19 @@ class SamplingBatchInfo:
         steps: list[int],
         device: torch.device | str,
     ) -> "SamplingBatchInfo":
+        # Two host->device copies (the float parameters packed, the int ones), not four; from
+        # pinned memory on CUDA, so building the batch never waits for the device.
+        floats = torch.tensor([temperatures, top_ps, min_ps], dtype=torch.float32)
+        ints = torch.tensor(top_ks, dtype=torch.int64)
+        if torch.device(device).type == "cuda":
+            floats, ints = floats.pin_memory(), ints.pin_memory()
+        floats = floats.to(device, non_blocking=True)
+        ints = ints.to(device, non_blocking=True)
         return cls(
-            temperatures=torch.tensor(temperatures, dtype=torch.float32, device=device).view(-1, 1),
-            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
-            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
-            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            temperatures=floats[0].view(-1, 1),
+            top_ps=floats[1],
+            top_ks=ints,
+            min_ps=floats[2],
             is_all_greedy=all(t <= 0 for t in temperatures),
             need_top_p_sampling=any(p < 1.0 for p in top_ps),
             need_top_k_sampling=any(k > 0 for k in top_ks),

@@ -140,6 +140,10 @@ def test_break_outputs_share_one_buffer_sized_by_the_first():
     assert outs.nbytes == big.numel() * big.element_size()
     with pytest.raises(ValueError, match="largest bucket first"):
         outs.hold(torch.randn(64, 8))
+    # A break that wrote into the buffer itself (RadixAttention asks the breaker for it) is held
+    # as is: no copy, so a replay copies nothing either.
+    written = outs.view((16, 8), torch.float32, torch.device("cpu"))
+    assert outs.hold(written) is written and outs.owns(written) and not outs.owns(big)
 
 
 def test_capture_batch_above_the_context_runs_through_the_model():

@@ -6,7 +6,9 @@ for backends that prefer to read them directly.
 
 Shapes: `q` is [T, num_heads * head_dim] (T may exceed the live token count inside a padded graph
 replay: rows past the live tokens are ignored), `k`/`v` are [T, num_kv_heads * head_dim], the output
-is [T, num_heads * head_dim].
+is [T, num_heads * head_dim]. q, k and v may be strided views of one fused qkv tensor (rows
+contiguous). When `out` is given the backend writes the output there and returns it (RadixAttention
+passes the buffer the next graph segment reads); otherwise it allocates one.
 
 Graph hooks:
   init_cuda_graph_state(max_bs, max_num_tokens)   allocate static metadata buffers once
@@ -18,7 +20,7 @@ A backend that cannot be captured leaves them raising NotImplementedError.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -40,10 +42,11 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         layer: "RadixAttention",
         forward_batch: ForwardBatch,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         if forward_batch.forward_mode.is_decode():
-            return self.forward_decode(q, k, v, layer, forward_batch)
-        return self.forward_extend(q, k, v, layer, forward_batch)
+            return self.forward_decode(q, k, v, layer, forward_batch, out=out)
+        return self.forward_extend(q, k, v, layer, forward_batch, out=out)
 
     @abstractmethod
     def forward_extend(
@@ -53,6 +56,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         layer: "RadixAttention",
         forward_batch: ForwardBatch,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor: ...
 
     @abstractmethod
@@ -63,6 +67,7 @@ class AttentionBackend(ABC):
         v: torch.Tensor,
         layer: "RadixAttention",
         forward_batch: ForwardBatch,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor: ...
 
     # ---- CUDA graph hooks -------------------------------------------------------------------

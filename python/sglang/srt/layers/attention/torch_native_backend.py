@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
@@ -63,21 +63,31 @@ class TorchNativeAttnBackend(AttentionBackend):
         kv_indices = [rows[i, : seq_lens[i]].long() for i in range(fb.batch_size)]
         self.metadata = _Metadata(kv_indices, q_starts, q_lens, prefix_lens)
 
-    def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
-        return self._run(q, layer, causal=True)
+    def forward_extend(
+        self, q, k, v, layer: "RadixAttention", forward_batch: ForwardBatch, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return self._run(q, layer, causal=True, out=out)
 
-    def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: ForwardBatch) -> torch.Tensor:
-        return self._run(q, layer, causal=False)
+    def forward_decode(
+        self, q, k, v, layer: "RadixAttention", forward_batch: ForwardBatch, out: Optional[torch.Tensor] = None
+    ) -> torch.Tensor:
+        return self._run(q, layer, causal=False, out=out)
 
-    def _run(self, q: torch.Tensor, layer: "RadixAttention", causal: bool) -> torch.Tensor:
+    def _run(
+        self, q: torch.Tensor, layer: "RadixAttention", causal: bool, out: Optional[torch.Tensor]
+    ) -> torch.Tensor:
         md = self.metadata
         assert md is not None, "init_forward_metadata was not called"
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
         k_cache = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
         v_cache = self.token_to_kv_pool.get_value_buffer(layer.layer_id)
-        q3 = q.view(q.shape[0], num_heads, head_dim)
+        q3 = q.unflatten(-1, (num_heads, head_dim))
         # Rows past the live tokens (padding of a graph replay) stay zero.
-        out = torch.zeros_like(q3)
+        if out is None:
+            out = torch.zeros(q3.shape, dtype=q.dtype, device=q.device)
+        else:
+            out.zero_()
+        o3 = out.view(q.shape[0], num_heads, head_dim)
         gqa = num_heads != layer.tp_k_head_num
         backends = sdpa_kernel(_CUDA_SDPA_BACKENDS) if q.is_cuda else contextlib.nullcontext()
         with backends:
@@ -98,5 +108,5 @@ class TorchNativeAttnBackend(AttentionBackend):
                     qi.unsqueeze(0), ki.unsqueeze(0), vi.unsqueeze(0),
                     attn_mask=mask, scale=layer.scaling, enable_gqa=gqa,
                 )
-                out[start : start + n] = oi.squeeze(0).transpose(0, 1)
+                o3[start : start + n] = oi.squeeze(0).transpose(0, 1)
         return out.view(q.shape[0], num_heads * head_dim)

@@ -42,6 +42,9 @@ class TritonAttnMetadata:
     # Bound on the extend lengths, sizing the grid's token axis. None: span q's rows (a graph,
     # where q holds the whole token bucket and no host value of the live batch may be baked in).
     max_extend_len: Optional[int] = None
+    # Decode split-KV partials (part_o, part_lse), allocated by the first layer of a forward and
+    # reused by the others: one allocation per forward, not per layer.
+    decode_scratch: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
 
 @dataclass
@@ -52,6 +55,9 @@ class _StaticBuffers:
     seq_lens: torch.Tensor
     extend_seq_lens: torch.Tensor
     extend_start_loc: torch.Tensor
+    # Host-side mark: rows from here on hold the padding values, so a fill resets only the rows
+    # a larger batch wrote since (in steady decode, none: no padding kernels per step).
+    live_rows: int = 0
 
     @classmethod
     def allocate(cls, capacity: int, device: torch.device) -> "_StaticBuffers":
@@ -121,6 +127,16 @@ class TritonAttnBackend(AttentionBackend):
             self.forward_metadata = None  # IDLE: no tokens
 
     # ------------------------------------------------------------------ forward
+    @staticmethod
+    def _output(
+        out: Optional[torch.Tensor], rows: int, num_heads: int, head_dim: int, q: torch.Tensor
+    ) -> torch.Tensor:
+        if out is None:
+            return torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        if out.shape[0] != rows or out.numel() != rows * num_heads * head_dim or out.dtype != q.dtype:
+            raise ValueError(f"attention output buffer {tuple(out.shape)} {out.dtype} does not fit q {tuple(q.shape)}")
+        return out.view(rows, num_heads, head_dim)
+
     def _shapes(self, layer: "RadixAttention") -> tuple[int, int, int]:
         if layer.qk_head_dim != layer.v_head_dim:
             raise ValueError("the triton backend needs equal q/k and v head dims")
@@ -133,10 +149,11 @@ class TritonAttnBackend(AttentionBackend):
         v: torch.Tensor,
         layer: "RadixAttention",
         forward_batch: ForwardBatch,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         num_heads, num_kv_heads, head_dim = self._shapes(layer)
         num_tokens = q.shape[0]
-        o = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        o = self._output(out, num_tokens, num_heads, head_dim, q)
         meta = self.forward_metadata
         if num_tokens == 0 or meta is None:
             return o.view(num_tokens, num_heads * head_dim)
@@ -179,16 +196,18 @@ class TritonAttnBackend(AttentionBackend):
         v: torch.Tensor,
         layer: "RadixAttention",
         forward_batch: ForwardBatch,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         num_heads, _, head_dim = self._shapes(layer)
         rows = q.shape[0]
-        o = torch.empty((rows, num_heads, head_dim), dtype=q.dtype, device=q.device)
+        o = self._output(out, rows, num_heads, head_dim, q)
         meta = self.forward_metadata
         if rows == 0 or meta is None:
             return o.view(rows, num_heads * head_dim)
         # Inside a breakable decode replay q has the bucket's rows but the metadata only the live
         # requests': compute those, leave the padding rows alone (their outputs are dropped).
         bs = min(rows, meta.seq_lens.numel())
+        scratch = self._decode_scratch(meta, bs, num_heads, head_dim, q.device)
         decode_attention_fwd(
             q[:bs].reshape(bs, num_heads, head_dim),
             o[:bs],
@@ -199,8 +218,31 @@ class TritonAttnBackend(AttentionBackend):
             meta.seq_lens,
             sm_scale=layer.scaling,
             num_kv_splits=self.num_kv_splits,
+            part_o=scratch[0],
+            part_lse=scratch[1],
         )
         return o.view(rows, num_heads * head_dim)
+
+    def _decode_scratch(
+        self, meta: TritonAttnMetadata, bs: int, num_heads: int, head_dim: int, device: torch.device
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        def allocate() -> tuple[torch.Tensor, torch.Tensor]:
+            return (
+                torch.empty((bs, num_heads, self.num_kv_splits, head_dim), dtype=torch.float32, device=device),
+                torch.empty((bs, num_heads, self.num_kv_splits), dtype=torch.float32, device=device),
+            )
+
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            # A captured kernel must own its scratch: a fresh tensor from the graph's pool (free
+            # under capture). One cached on the metadata would be freed when the metadata is
+            # replaced, while the graph still writes to it.
+            return allocate()
+        scratch = meta.decode_scratch
+        if scratch is None or scratch[0].shape[0] < bs or scratch[0].shape[1:] != (
+            num_heads, self.num_kv_splits, head_dim
+        ):
+            scratch = meta.decode_scratch = allocate()
+        return scratch
 
     # ------------------------------------------------------------------ CUDA graph hooks
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
@@ -215,7 +257,9 @@ class TritonAttnBackend(AttentionBackend):
                 f"buffers sized {self._decode_bufs.capacity}"
             )
         self._decode_bufs = _StaticBuffers.allocate(capacity, self.device)
-        self._extend_bufs = _StaticBuffers.allocate(capacity, self.device)
+        self._decode_bufs.req_pool_indices.fill_(self.padding_req_row)
+        self._decode_bufs.seq_lens.fill_(self.get_cuda_graph_seq_len_fill_value())
+        self._extend_bufs = _StaticBuffers.allocate(capacity, self.device)  # zeros: empty slots
 
     def _require_bufs(self, bs: int) -> None:
         if self._decode_bufs is None:
@@ -284,8 +328,10 @@ class TritonAttnBackend(AttentionBackend):
         bufs.req_pool_indices[:n].copy_(req_pool_indices, non_blocking=True)
         bufs.seq_lens[:n].copy_(seq_lens, non_blocking=True)
         # Padded rows: a valid request row, and a short fill length keeps them cheap.
-        bufs.req_pool_indices[n:].fill_(self.padding_req_row)
-        bufs.seq_lens[n:].fill_(self.get_cuda_graph_seq_len_fill_value())
+        if bufs.live_rows > n:
+            bufs.req_pool_indices[n : bufs.live_rows].fill_(self.padding_req_row)
+            bufs.seq_lens[n : bufs.live_rows].fill_(self.get_cuda_graph_seq_len_fill_value())
+        bufs.live_rows = n
 
     def _fill_extend(
         self,
@@ -306,8 +352,10 @@ class TritonAttnBackend(AttentionBackend):
         bufs.extend_seq_lens[:n].copy_(ext[:n], non_blocking=True)
         bufs.extend_start_loc[:n].copy_(start[:n], non_blocking=True)
         # Zero-length sentinels: extend_len 0 makes every program of the slot return at once.
-        for t in (bufs.req_pool_indices, bufs.seq_lens, bufs.extend_seq_lens, bufs.extend_start_loc):
-            t[n:].zero_()
+        if bufs.live_rows > n:
+            for t in (bufs.req_pool_indices, bufs.seq_lens, bufs.extend_seq_lens, bufs.extend_start_loc):
+                t[n : bufs.live_rows].zero_()
+        bufs.live_rows = n
 
     def _extend_metadata(self, slots: int) -> TritonAttnMetadata:
         b = self._extend_bufs

@@ -25,6 +25,7 @@ must not grow with the bucket sum. So a break keeps neither of its tensors:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar
 
@@ -71,18 +72,30 @@ class BreakOutputs:
     def __init__(self) -> None:
         self._buffers: dict[tuple[torch.dtype, torch.device], torch.Tensor] = {}
 
-    def hold(self, out: torch.Tensor) -> torch.Tensor:
-        """A view of the buffer holding a copy of `out` (what the next segment reads)."""
-        key = (out.dtype, out.device)
+    def view(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The buffer's prefix as a tensor of `shape` (allocated by the first, largest, request)."""
+        numel = math.prod(shape)
+        key = (dtype, torch.device(device))
         buf = self._buffers.get(key)
         if buf is None:
-            buf = self._buffers[key] = torch.empty(out.numel(), dtype=out.dtype, device=out.device)
-        if buf.numel() < out.numel():
+            buf = self._buffers[key] = torch.empty(numel, dtype=dtype, device=device)
+        if buf.numel() < numel:
             raise ValueError(
-                f"a break output of {out.numel()} elements exceeds the shared buffer ({buf.numel()}): "
+                f"a break output of {numel} elements exceeds the shared buffer ({buf.numel()}): "
                 "capture the largest bucket first"
             )
-        view = buf[: out.numel()].view(out.shape)
+        return buf[:numel].view(shape)
+
+    def owns(self, t: torch.Tensor) -> bool:
+        buf = self._buffers.get((t.dtype, t.device))
+        return buf is not None and t.data_ptr() == buf.data_ptr()
+
+    def hold(self, out: torch.Tensor) -> torch.Tensor:
+        """A view of the buffer holding `out` (what the next segment reads): `out` itself when the
+        break already wrote there (see `BreakableCUDAGraph.output_buffer`), else a copy."""
+        if self.owns(out):
+            return out
+        view = self.view(tuple(out.shape), out.dtype, out.device)
         view.copy_(out)
         return view
 
@@ -132,6 +145,13 @@ class BreakableCUDAGraph(GraphBreaker):
         self.breaks.append(_Break(fn=fn, args=tuple(borrow(t) for t in tensors), out=out))
         self._begin_segment()
         return out
+
+    def output_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        # Under capture: the shared buffer, so the break writes where the next segment reads and a
+        # replay copies nothing. A warm-up pass outside capture gets a tensor of its own.
+        if self._current is None:
+            return torch.empty(shape, dtype=dtype, device=device)
+        return self.outputs.view(shape, dtype, device)
 
     def _begin_segment(self) -> None:
         graph = torch.cuda.CUDAGraph()

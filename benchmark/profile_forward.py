@@ -1,0 +1,343 @@
+"""Where one forward's time goes: wall vs GPU-busy, kernels, torch ops, top kernels (issue #10).
+
+    python benchmark/profile_forward.py --model llama-3.1-8b --out profile_8b.md
+    python benchmark/profile_forward.py --model qwen3-4b --tokens 128 --no-hf-anchor
+    python benchmark/profile_forward.py --device cpu --model tiny --tokens 16 --repeats 1   # dry run
+
+For a model shape (dummy bf16 weights, batch 1), with and without a rank-16 LoRA adapter on all
+seven projections, for each path — eager, breakable prefill graph, full prefill graph (prefill of
+`--tokens`), decode graph (`--decode-bs`, 256 tokens of context) — it reports:
+  wall ms      median of whole forwards (body + logits + sampling + the copy to the host),
+               synchronised around each, measured without the profiler;
+  GPU busy ms  the union of kernel intervals per forward under torch.profiler (kernels inside
+               graph replays included);
+  kernels      kernels per forward, and per layer (per forward / layers, so the embedding and the
+               eager tail are spread over the layers: an upper bound);
+  torch ops    top-level aten ops per forward (the host work: eager bodies, replay copies, tail);
+  top kernels  by GPU time per forward.
+Every measured forward checks that the intended path served it (`used_cuda_graph`).
+
+The anchor a user has (on by default when transformers is importable): HF transformers
+`AutoModelForCausalLM.from_config` at the same shape, bf16, random weights,
+`torch.compile(mode="reduce-overhead", dynamic=False)`, batch 1 x `--hf-tokens`, base and with a
+PEFT LoRA of rank 16 on the seven projections, in the same process; its compile time is reported
+(the first calls of each shape). HF computes the last position's logits only (`logits_to_keep=1`),
+like our engine, and no KV cache (`use_cache=False`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from runner_lib import (  # noqa: E402
+    SHAPES,
+    build_runner,
+    decode_batch,
+    forward_checked,
+    prefill_batch,
+    release,
+    sync,
+    time_ms,
+    write_assets,
+)
+from sglang.srt.lora.lora_config import PEFT_PROJECTIONS  # noqa: E402
+from sglang.srt.model_executor.cuda_graph_config import Backend  # noqa: E402
+
+TOP_KERNELS = 6
+
+
+@dataclass
+class Profile:
+    busy_ms: float = 0.0
+    kernels: float = 0.0
+    copies: float = 0.0  # memcpy + memset per forward
+    torch_ops: float = 0.0
+    top: list[tuple[str, float, float]] = field(default_factory=list)  # (name, us per fwd, calls per fwd)
+
+
+@dataclass
+class Row:
+    model: str
+    lora: str
+    case: str
+    path: str
+    wall_ms: float
+    prof: Profile
+    layers: int
+    note: str = ""
+
+
+def _union_ms(intervals: list[tuple[float, float]]) -> float:
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total / 1e3
+
+
+def _is_top_level_op(evt) -> bool:
+    parent = evt.cpu_parent
+    while parent is not None:
+        if parent.name.startswith("aten::"):
+            return False
+        parent = parent.cpu_parent
+    return True
+
+
+def profile_fn(fn: Callable[[], Any], n: int) -> Profile:
+    """Run `fn` n times under torch.profiler; per-forward GPU busy time, kernels and host ops."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    sync()
+    with profile(activities=activities) as prof:
+        for _ in range(n):
+            fn()
+        sync()
+    kernels, copies, intervals, ops = [], 0, [], 0
+    for evt in prof.events():
+        if evt.device_type == DeviceType.CUDA:
+            if evt.name.startswith(("Memcpy", "Memset")):
+                copies += 1
+            else:
+                kernels.append(evt)
+                intervals.append((evt.time_range.start, evt.time_range.end))
+        elif evt.name.startswith("aten::") and _is_top_level_op(evt):
+            ops += 1
+    by_name: dict[str, list[float]] = {}
+    for k in kernels:
+        acc = by_name.setdefault(k.name, [0.0, 0])
+        acc[0] += k.time_range.end - k.time_range.start
+        acc[1] += 1
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    return Profile(
+        busy_ms=_union_ms(intervals) / n,
+        kernels=len(kernels) / n,
+        copies=copies / n,
+        torch_ops=ops / n,
+        top=[(name, us / n, calls / n) for name, (us, calls) in top],
+    )
+
+
+# ------------------------------------------------------------------------------------ our engine
+def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[Row]:
+    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+
+    on_gpu = args.device == "cuda"
+    rows: list[Row] = []
+    for lora in args.lora:
+        t0 = time.perf_counter()
+        overrides: dict[str, Any] = {}
+        if not on_gpu:  # dry run: eager only, float32, the reference attention
+            overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
+                             disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
+        runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
+                              prefill_buckets=args.tokens, decode_buckets=args.decode_bs, **overrides)
+        layers = runner.model_config.num_hidden_layers
+        graphs: dict[str, Any] = {"eager": None}
+        if on_gpu:
+            graphs["breakable"] = runner.prefill_graph_runner
+            graphs["full"] = PrefillCudaGraphRunner(runner, Backend.FULL, capture_lora=lora != "none")
+        decode_graph = runner.decode_graph_runner
+        log(f"{shape} lora={lora}: runner and graphs ready in {time.perf_counter() - t0:.1f}s")
+        name = None if lora == "none" else "lora0"
+
+        def measure(case: str, path: str, fb, expect_graph: bool, note: str = "") -> None:
+            fwd = lambda: forward_checked(runner, fb, expect_graph)  # noqa: E731
+            wall = time_ms(fwd, args.warmup, args.repeats, runner.device)
+            prof = profile_fn(fwd, args.profile_repeats)
+            if on_gpu and prof.kernels < layers:
+                note = (note + "; " if note else "") + "the profiler saw too few kernels: graph replays not traced?"
+            rows.append(Row(shape, lora, case, path, wall, prof, layers, note))
+            log(f"  {case:>12} {path:<10} wall {wall:8.3f} ms  busy {rows[-1].prof.busy_ms:8.3f} ms  "
+                f"kernels {rows[-1].prof.kernels:7.1f}  ops {rows[-1].prof.torch_ops:7.1f}")
+
+        for n in args.tokens:
+            fb, req_rows, slots = prefill_batch(runner, [n], [name])
+            for path, graph in graphs.items():
+                runner.prefill_graph_runner = graph
+                expect = graph is not None and graph.can_run_graph(fb)
+                measure(f"prefill {n}", path, fb, expect, "" if expect or graph is None else "refused: eager")
+            release(runner, req_rows, slots)
+        runner.prefill_graph_runner = graphs.get("breakable")
+        for bs in args.decode_bs:
+            fb, req_rows, slots = decode_batch(runner, bs, name)
+            for path, graph in (("eager", None), ("graph", decode_graph)):
+                if path == "graph" and graph is None:
+                    continue
+                runner.decode_graph_runner = graph
+                measure(f"decode bs{bs}", path, fb, graph is not None)
+            release(runner, req_rows, slots)
+        runner.decode_graph_runner = decode_graph
+        del runner, graphs, decode_graph
+        gc.collect()
+        if on_gpu:
+            torch.cuda.empty_cache()
+    return rows
+
+
+# ------------------------------------------------------------------------------------ HF anchor
+def bench_hf_anchor(args, shape: str, ckpt: str) -> tuple[list[Row], list[str]]:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    config = AutoConfig.from_pretrained(ckpt)
+    rows, notes = [], []
+    for lora in args.lora:
+        t0 = time.perf_counter()
+        torch.manual_seed(0)
+        with device:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype).eval()
+        label = "HF+compile"
+        if lora != "none":
+            from peft import LoraConfig, get_peft_model
+
+            peft_cfg = LoraConfig(r=16, lora_alpha=32, target_modules=list(PEFT_PROJECTIONS),
+                                  lora_dropout=0.0, init_lora_weights=False)
+            model = get_peft_model(model, peft_cfg).eval()
+            label = "HF+compile+PEFT"
+        compiled = torch.compile(model, mode=args.hf_compile_mode, dynamic=False, backend=args.hf_compile_backend)
+        log(f"{shape} HF lora={lora}: model built in {time.perf_counter() - t0:.1f}s")
+        for n in args.hf_tokens:
+            ids = torch.randint(10, min(1000, config.vocab_size), (1, n), device=device)
+
+            @torch.no_grad()
+            def fwd():
+                return compiled(input_ids=ids, use_cache=False, logits_to_keep=1).logits
+
+            t1 = time.perf_counter()
+            for _ in range(3):  # compile, then CUDA-graph recording (reduce-overhead)
+                fwd()
+            sync()
+            compile_s = time.perf_counter() - t1
+            wall = time_ms(fwd, args.warmup, args.repeats)
+            rows.append(Row(shape, lora, f"prefill {n}", label, wall,
+                            profile_fn(fwd, args.profile_repeats), config.num_hidden_layers,
+                            f"compile+warm-up {compile_s:.0f}s"))
+            notes.append(f"{label} {n} tokens: first three calls (compile, graph recording) {compile_s:.1f} s")
+            log(f"  {label} {n:>5}: wall {wall:.3f} ms (compile {compile_s:.1f}s)")
+        del compiled, model
+        gc.collect()
+        torch._dynamo.reset()
+        if args.device == "cuda":
+            torch.cuda.empty_cache()
+    return rows, notes
+
+
+# ------------------------------------------------------------------------------------ report
+def to_markdown(rows: list[Row], notes: list[str]) -> str:
+    out = [
+        "| model | LoRA | case | path | wall ms | GPU busy ms | wall − busy | wall / busy | kernels/fwd "
+        "| kernels/layer | torch ops/fwd | memcpy+set/fwd |",
+        "|---|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        p = r.prof
+        ratio = f"{r.wall_ms / p.busy_ms:.2f}" if p.busy_ms > 0 else "—"
+        out.append(
+            f"| {r.model} | {r.lora} | {r.case} | {r.path}{' (' + r.note + ')' if r.note else ''} | {r.wall_ms:.3f} "
+            f"| {p.busy_ms:.3f} | {r.wall_ms - p.busy_ms:.3f} | {ratio} | {p.kernels:.0f} | {p.kernels / r.layers:.1f} "
+            f"| {p.torch_ops:.0f} | {p.copies:.0f} |"
+        )
+    table = {(r.model, r.lora, r.case, r.path): r for r in rows}
+    ratios = []
+    for r in rows:
+        if not r.path.startswith("HF"):
+            continue
+        for path in ("breakable", "full", "eager"):
+            ours = table.get((r.model, r.lora, r.case, path))
+            if ours is not None:
+                ratios.append(f"- {r.model} {r.lora} {r.case}: ours {path} / {r.path} = "
+                              f"{ours.wall_ms:.3f} / {r.wall_ms:.3f} = **{ours.wall_ms / r.wall_ms:.2f}**")
+    if ratios:
+        out += ["", "Against the anchor (wall):", *ratios]
+    if notes:
+        out += ["", *[f"- {n}" for n in notes]]
+    out += ["", "Top kernels (µs per forward, calls per forward):", ""]
+    for r in rows:
+        tops = "; ".join(f"`{name[:70]}` {us:.0f} µs ×{calls:.0f}" for name, us, calls in r.prof.top)
+        out.append(f"- {r.model} {r.lora} {r.case} {r.path}: {tops or '(no device kernels)'}")
+    return "\n".join(out) + "\n"
+
+
+def log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _ints(s: str) -> list[int]:
+    return [int(x) for x in s.split(",") if x.strip()]
+
+
+def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
+    p.add_argument("--tokens", type=_ints, default=[128, 2048, 4096], help="prefill token counts (batch 1)")
+    p.add_argument("--decode-bs", type=_ints, default=[1])
+    p.add_argument("--lora", default="none,lora", help="which of none,lora to run")
+    p.add_argument("--lora-backend", default="csgmv")
+    p.add_argument("--hf-anchor", dest="hf_anchor", action="store_true", default=None)
+    p.add_argument("--no-hf-anchor", dest="hf_anchor", action="store_false")
+    p.add_argument("--hf-tokens", type=_ints, default=[128, 2048])
+    p.add_argument("--hf-compile-mode", default="reduce-overhead")
+    p.add_argument("--hf-compile-backend", default="inductor", help="'eager' for a quick dry run")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--profile-repeats", type=int, default=3)
+    p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    p.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "sglang-profile-forward"))
+    p.add_argument("--out", default=None, help="also write the markdown here")
+    args = p.parse_args(argv)
+    args.lora = [x.strip() for x in args.lora.split(",") if x.strip()]
+    if any(x not in ("none", "lora") for x in args.lora):
+        p.error("--lora takes none and/or lora")
+    if args.hf_anchor is None:
+        try:
+            import peft  # noqa: F401
+            import transformers  # noqa: F401
+
+            args.hf_anchor = True
+        except ImportError:
+            args.hf_anchor = False
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device (use --device cpu for a dry run)")
+    return args
+
+
+def main(argv: Optional[list[str]] = None) -> str:
+    args = parse_args(argv)
+    t0 = time.perf_counter()
+    ckpt, adapters = write_assets(args.root, args.model, num_adapters=1)
+    rows = bench_engine(args, args.model, ckpt, adapters)
+    notes: list[str] = []
+    if args.hf_anchor:
+        hf_rows, notes = bench_hf_anchor(args, args.model, ckpt)
+        rows += hf_rows
+    device = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (dry run)"
+    md = (f"### {args.model}, batch 1, {device}, torch {torch.__version__} "
+          f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s)\n\n" + to_markdown(rows, notes))
+    print(md)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(md)
+    return md
+
+
+if __name__ == "__main__":
+    main()

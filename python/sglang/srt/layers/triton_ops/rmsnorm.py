@@ -1,0 +1,93 @@
+"""RMSNorm with the residual add fused in, one program per row.
+
+Rounding follows the Hugging Face reference (and `RMSNorm.forward_torch`): the sum `x + residual`
+is rounded to the model dtype (it is the new residual), the statistics are taken in float32, the
+normalised row is rounded to the model dtype *before* the weight multiplies it, and the product is
+rounded once more. In float32 every rounding is a no-op.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.layers.triton_ops.common import cast_rne, interpreting
+
+
+@triton.jit
+def _rmsnorm_kernel(
+    X, R, W, Y,
+    stride_x, stride_r, stride_y,
+    n_cols, eps,
+    BLOCK: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < n_cols
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
+        x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE_RNE)
+        tl.store(R + row * stride_r + offs, x, mask=mask)
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = cast_rne(xf * rstd, x.dtype, EMULATE_RNE).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(Y + row * stride_y + offs, cast_rne(normed * w, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
+
+
+def _rows(t: torch.Tensor, n_cols: int, written: bool) -> torch.Tensor:
+    # A tensor the kernel writes must be a view (a reshaped copy would swallow the result).
+    t2 = t.view(-1, n_cols) if written else t.reshape(-1, n_cols)
+    if t2.stride(-1) != 1:
+        raise ValueError("RMSNorm rows must be contiguous")
+    return t2
+
+
+def rmsnorm_fwd(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    eps: float,
+    residual: Optional[torch.Tensor] = None,
+    out: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """Normalise the rows of `x` ([..., N]) into `out` (a new tensor when None; may be `x`).
+
+    With `residual`, `residual` becomes `x + residual` in place first and the sum is normalised.
+    Returns `out`.
+    """
+    n_cols = x.shape[-1]
+    if weight.shape != (n_cols,):
+        raise ValueError(f"weight shape {tuple(weight.shape)} does not match rows of {n_cols}")
+    if residual is not None and residual.shape != x.shape:
+        raise ValueError(f"residual shape {tuple(residual.shape)} != x shape {tuple(x.shape)}")
+    x2 = _rows(x, n_cols, written=out is x)
+    if out is None:
+        out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y2 = _rows(out, n_cols, written=True)
+    r2 = _rows(residual, n_cols, written=True) if residual is not None else x2
+    n_rows = x2.shape[0]
+    if n_rows == 0:
+        return out
+    block = triton.next_power_of_2(n_cols)
+    # A launch constant of the layer, never of the batch: graph buckets and eager passes of any
+    # token count run the same reduction.
+    num_warps = 8 if block >= 4096 else (4 if block >= 1024 else 2)
+    _rmsnorm_kernel[(n_rows,)](
+        x2, r2, weight, y2,
+        x2.stride(0), r2.stride(0), y2.stride(0),
+        n_cols, eps,
+        BLOCK=block,
+        HAS_RESIDUAL=residual is not None,
+        EMULATE_RNE=interpreting(),
+        num_warps=num_warps,
+    )
+    return out
+
+
+__all__ = ["rmsnorm_fwd"]

@@ -1,0 +1,49 @@
+"""SiLU-and-mul of the gated MLP in one kernel: [gate | up] -> silu(gate) * up.
+
+Rounding follows the torch reference `F.silu(gate) * up`: silu is computed in float32 and rounded
+to the model dtype, then the product is computed in float32 and rounded again.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.layers.triton_ops.common import cast_rne, interpreting
+
+_BLOCK = 1024
+
+
+@triton.jit
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, d, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = cols < d
+    gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
+    up = tl.load(X + row * stride_x + d + cols, mask=mask, other=0.0)
+    g = gate.to(tl.float32)
+    act = cast_rne(g / (1.0 + tl.exp(-g)), gate.dtype, EMULATE_RNE).to(tl.float32)
+    out = cast_rne(act * up.to(tl.float32), Y.dtype.element_ty, EMULATE_RNE)
+    tl.store(Y + row * stride_y + cols, out, mask=mask)
+
+
+def silu_and_mul_fwd(x: torch.Tensor) -> torch.Tensor:
+    """x [..., 2d] -> [..., d]."""
+    if x.shape[-1] % 2:
+        raise ValueError(f"the last dim ({x.shape[-1]}) must be even: [gate | up]")
+    d = x.shape[-1] // 2
+    x2 = x.reshape(-1, 2 * d)
+    assert x2.stride(-1) == 1, "rows must be contiguous"
+    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    n_rows = x2.shape[0]
+    if n_rows == 0 or d == 0:
+        return out
+    block = min(_BLOCK, triton.next_power_of_2(d))
+    _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
+        x2, out.view(-1, d), x2.stride(0), d, d, BLOCK=block, EMULATE_RNE=interpreting(), num_warps=4
+    )
+    return out
+
+
+__all__ = ["silu_and_mul_fwd"]
