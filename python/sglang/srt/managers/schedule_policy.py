@@ -9,15 +9,18 @@ FCFS with these limits, all checked before a request is admitted, never by faili
     decays while decoding goes well);
   * LoRA: the distinct adapters of everything running, chunked and admitted (base included) must
     fit `validate_lora_batch`, with a bounded wait for a request whose adapter does not fit.
+  * prefix cache (optional): a request counts only its uncached suffix, plus the cached tokens its
+    lock takes out of the evictable pool; a request whose next tokens a request of this batch is
+    about to compute (the same prompt, arriving together) waits a turn and reuses them instead.
 A request blocked by KV stops admission (later requests must not overtake it); a request blocked
-only by its adapter is skipped, so other requests keep flowing.
+only by its adapter, or deferred for the cache, is skipped, so other requests keep flowing.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 from sglang.srt.managers.req import Req
 
@@ -82,9 +85,20 @@ class LoRAAdmission:
         self.active.add(lora_id)
 
 
+class PrefixAdmission(Protocol):
+    """The prefix cache as admission sees it (managers/prefix_cache.py). A hit has `length`
+    (cached tokens reused) and `cost` (evictable tokens its lock would protect)."""
+
+    def match(self, req: Req) -> Any: ...
+
+    def defer(self, req: Req, hit: Any) -> bool: ...
+
+    def admit(self, req: Req, hit: Any) -> None: ...
+
+
 @dataclass
 class PrefillBudget:
-    kv_free: int  # free KV slots
+    kv_free: int  # free KV slots (with a prefix cache: free + evictable)
     rows_free: int  # free ReqToTokenPool rows
     max_new_reqs: int  # requests that may still start (max running minus running and chunked)
     max_prefill_tokens: int
@@ -105,9 +119,11 @@ def plan_prefill(
     running: list[Req],
     budget: PrefillBudget,
     lora: LoRAAdmission,
+    prefix: Optional[PrefixAdmission] = None,
 ) -> PrefillPlan:
     """Pick the next prefill batch. `waiting` must be in FCFS order; nothing is mutated except the
-    chosen requests' `extend_len` and the skipped ones' `lora_wait_turns`."""
+    chosen requests' `extend_len` (and their cached prefix, through `prefix.admit`) and the
+    skipped ones' `lora_wait_turns`."""
     plan = PrefillPlan()
     ratio = budget.new_token_ratio
     kv_free = budget.kv_free
@@ -144,20 +160,26 @@ def plan_prefill(
             req.lora_wait_turns += 1
             plan.lora_blocked.append(req)
             continue
-        need = req.remaining_prefill
+        hit = prefix.match(req) if prefix is not None else None
+        if hit is not None and prefix.defer(req, hit):
+            continue
+        cost = hit.cost if hit is not None else 0
+        need = req.remaining_prefill - (hit.length if hit is not None else 0)
         own_reserve = reserved_tokens(req, ratio)
         alone = nothing_running and not plan.reqs
         if alone:
             # Nothing else can free KV for it: admit whenever its prompt fits (the tokenizer
             # manager guarantees prompt + max_new_tokens fits the pool).
-            room = kv_free
+            room = kv_free - cost
         else:
-            room = kv_free - reserve - own_reserve
+            room = kv_free - reserve - own_reserve - cost
         if need > chunk_left:
             # Chunk it: this request ends the batch and continues next turn.
             piece = int(min(chunk_left, tokens_left, room))
             if piece <= 0:
                 break
+            if hit is not None:
+                prefix.admit(req, hit)
             req.extend_len = piece
             plan.reqs.append(req)
             plan.chunked = req
@@ -165,10 +187,12 @@ def plan_prefill(
             break
         if need > room or (need > tokens_left and plan.reqs):
             break  # FCFS: nobody overtakes a request that waits for KV or for the next batch
+        if hit is not None:
+            prefix.admit(req, hit)
         req.extend_len = need
         plan.reqs.append(req)
         lora.add(req.lora_id)
-        kv_free -= need
+        kv_free -= need + cost
         reserve += own_reserve
         tokens_left -= need
         chunk_left -= need
