@@ -101,16 +101,16 @@ def test_engine_serves_the_demo_adapters_and_loads_more(engine) -> None:
 
 
 def test_engine_stream_stopped_early_frees_kv(engine) -> None:
-    before = engine.get_server_info()["kv_free_tokens"]
+    before = engine.get_server_info()["kv_available_tokens"]
     stream = engine.generate("Tell a long story", {"max_new_tokens": 1000, "ignore_eos": True}, stream=True)
     for i, _ in enumerate(stream):
         if i == 3:
             break
     stream.close()
     deadline = time.monotonic() + 10
-    while engine.get_server_info()["kv_free_tokens"] != before and time.monotonic() < deadline:
+    while engine.get_server_info()["kv_available_tokens"] != before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert engine.get_server_info()["kv_free_tokens"] == before
+    assert engine.get_server_info()["kv_available_tokens"] == before
 
 
 def test_engine_exception_inside_with_block_reaps_the_scheduler(monkeypatch) -> None:

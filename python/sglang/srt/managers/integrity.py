@@ -91,7 +91,8 @@ def scheduler_problems(s: "Scheduler") -> tuple[list[Problem], dict[str, Any]]:
         else:
             dup = torch.nonzero(torch.bincount(owned, minlength=kv_total + 1) > 1).flatten()[:8].tolist()
             if dup:
-                problems.append(("kv_free_list", f"KV slots {dup} are free twice, cached twice, or free and cached"))
+                problems.append(("kv_free_list", f"KV slots {dup} are duplicated: free twice, cached twice, "
+                                                 "or free and cached at once"))
     if tree is not None:
         problems.extend(("prefix_cache", p) for p in tree.problems())
         if idle and tree.protected_size:

@@ -248,8 +248,14 @@ class Scheduler:
         out = lora.unload_lora_adapter(msg.lora_ref)
         if out.success and self.prefix_cache is not None:
             # Adapter ids are unique per load: nothing can match the unloaded one's entries again.
-            self.prefix_cache.drop_namespaces(lambda ns: ns.lora_id is not None and ns.lora_id not in lora.refs)
+            if self.prefix_cache.drop_namespaces(lambda ns: ns.lora_id is not None and ns.lora_id not in lora.refs):
+                self._recheck_if_idle()
         return out
+
+    def _recheck_if_idle(self) -> None:
+        """Keep the reported idle-time check current after memory moved while idle."""
+        if not (self.waiting or self.running or self.chunked_req):
+            self.check_integrity()
 
     def flush_cache(self) -> FlushCacheOut:
         busy = len(self.running) + len(self.waiting) + (self.chunked_req is not None)
@@ -260,6 +266,7 @@ class Scheduler:
             return FlushCacheOut(True, "The prefix cache is disabled (--disable-radix-cache); nothing to flush.")
         freed = self.prefix_cache.flush()
         logger.info("Cache flushed: %d cached tokens freed.", freed)
+        self._recheck_if_idle()
         return FlushCacheOut(True, f"Cache flushed: {freed} cached tokens freed.")
 
     # ------------------------------------------------------------------ request lifecycle
