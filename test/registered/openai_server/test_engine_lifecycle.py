@@ -77,6 +77,18 @@ def test_engine_generate(engine) -> None:
         engine.generate("x", params, lora_path="no-such-adapter")
 
 
+def test_engine_prefix_cache(engine) -> None:
+    params = {"max_new_tokens": 2, "temperature": 0}
+    prompt = "A prompt for the prefix cache, long enough to be worth caching"
+    first = engine.generate(prompt, params, cache_salt="engine-tenant")["meta_info"]
+    second = engine.generate(prompt, params, cache_salt="engine-tenant")["meta_info"]
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] == second["prompt_tokens"] - 1
+    out = engine.flush_cache()
+    assert out["success"] is True and "flushed" in out["message"]
+    assert engine.generate(prompt, params, cache_salt="engine-tenant")["meta_info"]["cached_tokens"] == 0
+    assert engine.get_server_info()["prefix_cache"]["hits"] >= 1
+
+
 def test_engine_serves_the_demo_adapters_and_loads_more(engine) -> None:
     from sglang.srt.tools.demo import ensure_demo_model
 
