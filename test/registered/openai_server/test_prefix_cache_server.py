@@ -10,7 +10,8 @@ a third name for the first one's files), the native API and the official `openai
   * an unloaded adapter's entries are dropped, and the same name loaded again starts cold;
   * `/flush_cache` refuses while a request runs (400 in the envelope), then empties the cache;
   * `/get_server_info` reports the hit rate, the prefill log line `#cached-token`;
-  * with `--disable-radix-cache` nothing is reused and the flush is a no-op.
+  * with `--disable-radix-cache` nothing is reused and the flush is a no-op;
+  * `bench_serving --dataset-name generated-shared-prefix` builds its groups and reports hits.
 """
 
 from __future__ import annotations
@@ -198,3 +199,44 @@ def test_disable_radix_cache_turns_it_all_off(ckpt):
         assert "#cached-token: 0," in read_log(proc)
     finally:
         assert kill_server(proc) == 0, read_log(proc)[-3000:]
+
+
+# ---------------------------------------------------------------------------- the benchmark's workload
+def gsp_args(*extra: str):
+    from sglang import bench_serving
+
+    return bench_serving.parse_args([
+        "--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "3", "--gsp-prompts-per-group", "4",
+        "--gsp-system-prompt-len", "10", "--gsp-question-len", "5", "--gsp-output-len", "7", *extra])
+
+
+def test_generated_shared_prefix_dataset():
+    from sglang import bench_serving
+
+    args = gsp_args("--gsp-range-ratio", "0.4", "--gsp-lora-per-group", "--lora-name", "a", "b")
+    specs = bench_serving.build_requests(args, vocab_size=500)
+    groups: dict[tuple, list] = {}
+    for spec in specs:
+        groups.setdefault(tuple(spec.body["input_ids"][:10]), []).append(spec)
+    assert len(specs) == 12 and sorted(len(g) for g in groups.values()) == [4, 4, 4]
+    assert sorted(g[0].body["lora_path"] for g in groups.values()) == ["a", "a", "b"]
+    assert all(len({s.body["lora_path"] for s in g}) == 1 for g in groups.values())  # one adapter per group
+    assert all(2 <= len(s.body["input_ids"]) - 10 <= 5 and 2 <= s.output_len <= 7 for s in specs)
+    assert len({tuple(s.body["input_ids"]) for s in specs}) == 12  # every request its own question
+    order = [next(i for i, k in enumerate(groups) if tuple(s.body["input_ids"][:10]) == k) for s in specs]
+    assert order != sorted(order)  # the groups interleave
+    with pytest.raises(SystemExit):
+        gsp_args("--gsp-lora-per-group")  # needs --lora-name
+
+
+def test_bench_serving_shared_prefix_reports_hits(server):
+    from sglang import bench_serving
+
+    res = bench_serving.main(["--base-url", server[1], "--dataset-name", "generated-shared-prefix",
+                              "--gsp-num-groups", "2", "--gsp-prompts-per-group", "3", "--gsp-system-prompt-len", "40",
+                              "--gsp-question-len", "4", "--gsp-output-len", "3", "--max-concurrency", "3",
+                              "--gsp-lora-per-group", "--lora-name", "a", "b", "--flush-cache", "--backend", "threads",
+                              "--disable-tqdm"])
+    assert res["completed"] == 6 and res["failed"] == 0 and res["total_output_tokens"] == 18
+    # Four of the six requests reuse their group's system prompt (and the cache started empty).
+    assert res["total_cached_tokens"] >= 4 * 40 and 0 < res["cache_hit_rate"] < 1

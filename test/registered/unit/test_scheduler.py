@@ -31,7 +31,7 @@ class Harness:
     """Drives a Scheduler through real pipes and gathers its BatchTokenIDOut news per request."""
 
     def __init__(self, model_path: str, **kwargs: Any) -> None:
-        args = ServerArgs(model_path=model_path, device="cpu", **kwargs)
+        args = ServerArgs(**{"model_path": model_path, "device": "cpu", **kwargs})
         self.to_r, self.to_w = mp.Pipe(duplex=False)
         self.from_r, self.from_w = mp.Pipe(duplex=False)
         self.sched = Scheduler(args, self.to_r, self.from_w)
