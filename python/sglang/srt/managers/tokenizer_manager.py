@@ -321,23 +321,22 @@ class TokenizerManager(TokenizerLoRAMixin):
         return result
 
     # ------------------------------------------------------------------ control
-    async def get_scheduler_info(self, timeout: float = 30.0) -> dict[str, Any]:
+    async def _ask_scheduler(self, msg: Any, waiters: list[asyncio.Future], timeout: float) -> Any:
+        """Send `msg` and wait for its answer (the scheduler answers each kind in order)."""
         if not self.is_healthy():
             raise RuntimeError(self.dead_reason or "the scheduler is not running")
         fut = asyncio.get_running_loop().create_future()
-        self._info_waiters.append(fut)
-        self.client.send(GetServerInfoReq())
+        waiters.append(fut)
+        self.client.send(msg)
         return await asyncio.wait_for(fut, timeout)
+
+    async def get_scheduler_info(self, timeout: float = 30.0) -> dict[str, Any]:
+        return await self._ask_scheduler(GetServerInfoReq(), self._info_waiters, timeout)
 
     async def flush_cache(self, timeout: float = 30.0) -> FlushCacheOut:
         """Empty the prefix cache; the scheduler refuses (success False, with the reason) while
         any request runs or waits."""
-        if not self.is_healthy():
-            raise RuntimeError(self.dead_reason or "the scheduler is not running")
-        fut = asyncio.get_running_loop().create_future()
-        self._flush_waiters.append(fut)
-        self.client.send(FlushCacheReq())
-        return await asyncio.wait_for(fut, timeout)
+        return await self._ask_scheduler(FlushCacheReq(), self._flush_waiters, timeout)
 
     async def server_info(self) -> dict[str, Any]:
         """What /get_server_info and Engine.get_server_info report: the public server args, the
