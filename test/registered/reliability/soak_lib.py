@@ -96,25 +96,28 @@ class Soak:
         shared = rng.random() < 0.5
         stem = 0 if rng.random() < 0.7 else rng.randrange(1, len(SHARED_IDS))
         salt = None if shared else rng.choice([None, None, "tenant-1", "tenant-2"])
+        # A shared prefix replaces the start of a prompt: prompt lengths keep their distribution.
         if kind == "generate":
-            ids = [rng.randrange(3, cfg.vocab) for _ in range(rng.randint(*cfg.prompt_tokens))]
+            length = rng.randint(*cfg.prompt_tokens)
+            ids = [rng.randrange(3, cfg.vocab) for _ in range(length)]
             conv = self.conversation
             if conv is not None and rng.random() < 0.5 and len(conv[0]) < cfg.prompt_tokens[1]:
-                ids, lora, salt = conv[0] + ids[:8], conv[1], conv[2]  # the next turn
+                ids, lora, salt = (conv[0] + ids[:8])[: cfg.prompt_tokens[1]], conv[1], conv[2]  # the next turn
             elif shared:
-                ids = SHARED_IDS[stem][: max(cfg.prompt_tokens[1] // 2, 1)] + ids
-            ids = ids[: cfg.prompt_tokens[1]]
+                ids = (SHARED_IDS[stem][: cfg.prompt_tokens[1] // 2] + ids)[:length]
             body: dict[str, Any] = {"input_ids": ids, "lora_path": lora, "cache_salt": salt,
                                     "sampling_params": {"max_new_tokens": n, "temperature": rng.choice([0, 0.8]),
                                                         "ignore_eos": rng.random() < 0.7}}
             if rng.random() < 0.3:
                 body.update(return_logprob=True, logprob_start_len=rng.choice([-1, 0]), top_logprobs_num=2)
-            if rng.random() < 0.2:
+            if rng.random() < 0.1:
                 body["sampling_params"]["n"] = 2  # two samples, one prompt: the second reuses its KV
             return "/generate", body
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*cfg.prompt_words)))
+        length = rng.randint(*cfg.prompt_words)
+        words = [rng.choice(WORDS) for _ in range(length)]
         if shared:
-            text = " ".join(SHARED_TEXTS[stem].split()[: max(cfg.prompt_words[1] // 2, 1)]) + " " + text
+            words = (SHARED_TEXTS[stem].split()[: cfg.prompt_words[1] // 2] + words)[:length]
+        text = " ".join(words)
         model = cfg.model if lora is None else f"{cfg.model}:{lora}"
         common = {"model": model, "max_tokens": n, "temperature": rng.choice([0, 0.8]), "ignore_eos": True,
                   "cache_salt": salt}
