@@ -60,7 +60,8 @@ def write_assets(root: str, cfg: dict) -> tuple[str, dict[str, str]]:
     return ckpt, adapters
 
 
-def launch(ckpt: str, adapters: dict[str, str], rank: int, cache: bool, port: int, dry: bool, log: str) -> subprocess.Popen:
+def launch(ckpt: str, adapters: dict[str, str], rank: int, cache: bool, port: int, dry: bool, log: str,
+           extra: list[str]) -> subprocess.Popen:
     cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", ckpt, "--load-format", "dummy",
            "--port", str(port), "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()],
            "--max-loras-per-batch", str(len(adapters) + 1), "--max-lora-rank", str(rank),
@@ -68,6 +69,7 @@ def launch(ckpt: str, adapters: dict[str, str], rank: int, cache: bool, port: in
     cmd += ["--device", "cpu", "--max-total-tokens", "4096"] if dry else ["--attention-backend", "triton"]
     if not cache:
         cmd.append("--disable-radix-cache")
+    cmd += extra
     env = {**os.environ, "PYTHONPATH": PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", "")}
     with open(log, "ab") as f:
         return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -138,6 +140,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--port", type=int, default=31100)
     p.add_argument("--workdir", default=os.path.join(tempfile.gettempdir(), "sglang-prefix-bench"))
     p.add_argument("--startup-timeout", type=float, default=600)
+    p.add_argument("--server-args", default="", help="more launch_server flags for both servers (one string)")
     args = p.parse_args(argv)
     cfg = DRY if args.dry_run else FULL
     os.makedirs(args.workdir, exist_ok=True)
@@ -147,7 +150,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     startup: dict[str, float] = {}
     for cache in ("on", "off"):
         log = os.path.join(os.path.dirname(os.path.abspath(args.out)), f"prefix_cache_server_{cache}.log")
-        proc = launch(ckpt, adapters, cfg["rank"], cache == "on", args.port, args.dry_run, log)
+        proc = launch(ckpt, adapters, cfg["rank"], cache == "on", args.port, args.dry_run, log, args.server_args.split())
         try:
             startup[cache] = wait_healthy(proc, url, args.startup_timeout)
             for workload, names in (("base", None), ("lora", list(adapters))):
