@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_serving",
-# "profile", "soak").
+# "profile", "prefix_cache", "soak").
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by ../shared/device/wheels.sh into ./.whl
 # are installed into ./.site first when the machine lacks them (it has no network).
@@ -158,6 +158,18 @@ if [[ " $PARTS " == *" soak "* ]]; then
   [ $rc -ne 0 ] && status=1
   say "$(tail -n 1 "$OUT/soak.log") (rc=$rc, $(( $(date +%s) - start ))s)"
   grep -E "^\[soak\]|^(FAILED|ERROR)" "$OUT/soak.log" | head -20 | tee -a "$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" prefix_cache "* ]]; then
+  # Issue 12's measurement, in one call (~4 min): prefix cache on vs off, base and 8 adapters,
+  # Qwen3-4B shape (dummy weights), generated-shared-prefix workload (16 groups x 16 requests,
+  # 2,048-token system prompts). Writes $OUT/prefix_cache.md and the two servers' logs.
+  say "== prefix cache on vs off (Qwen3-4B shape, dummy weights, 8 adapters)"
+  start=$(date +%s)
+  $PY benchmark/prefix_cache/bench_prefix_cache.py --out "$OUT/prefix_cache.md" >"$OUT/prefix_cache.log" 2>&1 \
+    || status=1
+  say "prefix_cache: $(( $(date +%s) - start ))s"
+  cat "$OUT/prefix_cache.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
 say "== done (status=$status)"

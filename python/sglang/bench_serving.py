@@ -1,10 +1,12 @@
 """Online load generator for a running server: `python -m sglang.bench_serving [options]`.
 
 Sends streaming `/generate` requests (`ignore_eos`, so every request produces exactly its output
-length) with random prompts of the given lengths (token ids or text) or from a JSONL file, at a
-Poisson `--request-rate` and/or under a `--max-concurrency` cap, and reports TTFT, inter-token
-latency and end-to-end latency (mean, median, p99) plus input/output token throughput. The last
-line printed is the result as JSON.
+length) with random prompts of the given lengths (token ids or text), from a JSONL file, or from
+the generated shared-prefix dataset (`--dataset-name generated-shared-prefix`: groups of requests
+sharing a system prompt, the prefix cache's workload), at a Poisson `--request-rate` and/or under a
+`--max-concurrency` cap, and reports TTFT, inter-token latency and end-to-end latency (mean,
+median, p99), input/output token throughput and the prefix-cache hit rate (cached prompt tokens
+over prompt tokens). The last line printed is the result as JSON.
 
 Multi-LoRA load: `--lora-name A B ...` gives each request one of the adapters, picked
 `--lora-distribution uniform` or `zipf` (skewed popularity as in the S-LoRA and Punica
@@ -47,6 +49,7 @@ class RequestResult:
     latency: float = 0.0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0
     error: str = ""
 
 
@@ -66,10 +69,37 @@ def pick_adapters(names: Sequence[str], n: int, distribution: str, alpha: float,
     return rng.choices(list(names), weights=lora_weights(len(names), distribution, alpha), k=n)
 
 
+def _length(rng: random.Random, n: int, ratio: float) -> int:
+    return rng.randint(max(1, int(n * ratio)), n)
+
+
+def generated_shared_prefix_requests(args: argparse.Namespace, vocab_size: int,
+                                     rng: random.Random) -> list[RequestSpec]:
+    """G groups x Q requests: each group has its own system prompt of S token ids, each request
+    its own question (about L ids) and output length (about O); order shuffled, so the groups
+    interleave as independent users would. With `--gsp-lora-per-group`, group g is served by
+    adapter `--lora-name[g % len]`."""
+    specs = []
+    for g in range(args.gsp_num_groups):
+        system = [rng.randrange(10, vocab_size) for _ in range(args.gsp_system_prompt_len)]
+        lora = args.lora_name[g % len(args.lora_name)] if args.gsp_lora_per_group else None
+        for _ in range(args.gsp_prompts_per_group):
+            question = [rng.randrange(10, vocab_size)
+                        for _ in range(_length(rng, args.gsp_question_len, args.gsp_range_ratio))]
+            body: dict[str, Any] = {"input_ids": system + question}
+            if lora is not None:
+                body["lora_path"] = lora
+            specs.append(RequestSpec(body, _length(rng, args.gsp_output_len, args.gsp_range_ratio)))
+    rng.shuffle(specs)
+    return specs
+
+
 def build_requests(args: argparse.Namespace, vocab_size: int) -> list[RequestSpec]:
     rng = random.Random(args.seed)
     specs: list[RequestSpec] = []
-    if args.dataset_path:
+    if args.dataset_name == "generated-shared-prefix":
+        specs = generated_shared_prefix_requests(args, vocab_size, rng)
+    elif args.dataset_path:
         with open(args.dataset_path) as f:
             rows = [json.loads(line) for line in f if line.strip()]
         for row in rows[: args.num_prompts]:
@@ -93,8 +123,11 @@ def build_requests(args: argparse.Namespace, vocab_size: int) -> list[RequestSpe
                                         "temperature": args.temperature}
         spec.body["stream"] = True
     if args.lora_name:
-        picks = pick_adapters(args.lora_name, len(specs), args.lora_distribution, args.lora_zipf_alpha, args.seed)
-        for spec, name in zip(specs, picks):
+        # Requests that already name an adapter (the shared-prefix dataset's per-group adapters)
+        # keep it; the others get one picked by --lora-distribution.
+        unassigned = [spec for spec in specs if "lora_path" not in spec.body]
+        picks = pick_adapters(args.lora_name, len(unassigned), args.lora_distribution, args.lora_zipf_alpha, args.seed)
+        for spec, name in zip(unassigned, picks):
             spec.body["lora_path"] = name
     return specs
 
@@ -165,6 +198,7 @@ def _consume_timed(lines: Iterable[tuple[str, float]], start: float, result: Req
         last = stamp
         result.prompt_tokens = data["meta_info"]["prompt_tokens"]
         result.completion_tokens = data["meta_info"]["completion_tokens"]
+        result.cached_tokens = data["meta_info"].get("cached_tokens", 0)
     result.latency = (last or time.perf_counter()) - start
     result.ok = last is not None
 
@@ -227,6 +261,7 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
             # Requests sent per adapter, in --lora-name order.
             "lora_requests": {name: counts.get(name, 0) for name in args.lora_name},
         }
+    cached = sum(r.cached_tokens for r in ok)
     return {
         "backend": backend,
         "num_prompts": len(results),
@@ -238,6 +273,8 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
         "duration_s": duration,
         "total_input_tokens": inp,
         "total_output_tokens": out,
+        "total_cached_tokens": cached,
+        "cache_hit_rate": cached / inp if inp else 0.0,
         "request_throughput": len(ok) / duration if duration else 0.0,
         "input_throughput": inp / duration if duration else 0.0,
         "output_throughput": out / duration if duration else 0.0,
@@ -260,6 +297,7 @@ def print_report(res: dict) -> None:
         ("Benchmark duration (s)", f"{res['duration_s']:.2f}"),
         ("Total input tokens", res["total_input_tokens"]),
         ("Total output tokens", res["total_output_tokens"]),
+        ("Prefix cache hit rate", f"{res['cache_hit_rate']:.3f}"),
         ("Request throughput (req/s)", f"{res['request_throughput']:.2f}"),
         ("Input token throughput (tok/s)", f"{res['input_throughput']:.2f}"),
         ("Output token throughput (tok/s)", f"{res['output_throughput']:.2f}"),
@@ -287,6 +325,21 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=30000)
     p.add_argument("--api-key", default=None)
     p.add_argument("--num-prompts", type=int, default=200)
+    p.add_argument("--dataset-name", choices=("random", "generated-shared-prefix"), default="random",
+                   help="random: --random-* lengths (or --dataset-path); generated-shared-prefix: "
+                        "--gsp-num-groups x --gsp-prompts-per-group requests (--num-prompts is ignored).")
+    p.add_argument("--gsp-num-groups", type=int, default=64)
+    p.add_argument("--gsp-prompts-per-group", type=int, default=16)
+    p.add_argument("--gsp-system-prompt-len", type=int, default=2048)
+    p.add_argument("--gsp-question-len", type=int, default=128)
+    p.add_argument("--gsp-output-len", type=int, default=256)
+    p.add_argument("--gsp-range-ratio", type=float, default=1.0,
+                   help="Question and output lengths are drawn per request from [ratio * len, len].")
+    p.add_argument("--gsp-lora-per-group", action="store_true",
+                   help="Serve group g with adapter --lora-name[g %% len] (the same adapter for a "
+                        "whole group, as a tenant with its own fine-tune would).")
+    p.add_argument("--flush-cache", action="store_true",
+                   help="POST /flush_cache after the warm-up, so the run starts with an empty prefix cache.")
     p.add_argument("--dataset-path", default=None,
                    help="JSONL: one object per line with 'prompt'/'text' or 'input_ids', and optional 'output_len'.")
     p.add_argument("--random-input-len", type=int, default=256)
@@ -318,6 +371,13 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
         p.error("--random-range-ratio must be in (0, 1]")
     if args.lora_zipf_alpha <= 0:
         p.error("--lora-zipf-alpha must be > 0")
+    if args.dataset_name == "generated-shared-prefix":
+        if min(args.gsp_num_groups, args.gsp_prompts_per_group, args.gsp_question_len, args.gsp_output_len) < 1:
+            p.error("--gsp-num-groups, --gsp-prompts-per-group, --gsp-question-len and --gsp-output-len must be >= 1")
+        if args.gsp_system_prompt_len < 0 or not 0.0 < args.gsp_range_ratio <= 1.0:
+            p.error("--gsp-system-prompt-len must be >= 0 and --gsp-range-ratio in (0, 1]")
+        if args.gsp_lora_per_group and not args.lora_name:
+            p.error("--gsp-lora-per-group needs --lora-name")
     return args
 
 
@@ -344,6 +404,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     for spec in specs[: args.warmup_requests]:
         warm = dict(spec.body, sampling_params=dict(spec.body["sampling_params"], max_new_tokens=4))
         requests.post(f"{url}/generate", json=dict(warm, stream=False), headers=headers, timeout=600)
+    if args.flush_cache:
+        r = requests.post(f"{url}/flush_cache", headers=headers, timeout=600)
+        if r.status_code != 200:
+            raise SystemExit(f"/flush_cache failed: HTTP {r.status_code}: {r.text[:200]}")
 
     times = arrival_times(len(specs), args.request_rate, args.seed)
     with tqdm(total=len(specs), disable=args.disable_tqdm, file=sys.stderr, desc="requests") as bar:

@@ -430,8 +430,8 @@ class ServerArgs:
         g.add_argument("--chunked-prefill-size", type=int, default=default("chunked_prefill_size"),
                        help="Split prompts longer than this into chunks; -1 turns chunking off.")
         g.add_argument("--disable-radix-cache", action="store_true",
-                       help="Accepted for compatibility; prefix caching is not implemented yet, so "
-                            "no prefix is ever reused.")
+                       help="Turn the prefix cache off: every prompt is computed in full and no KV "
+                            "is kept after a request ends.")
         g.add_argument("--schedule-policy", default=default("schedule_policy"), choices=("fcfs",))
         g.add_argument("--decode-log-interval", type=int, default=default("decode_log_interval"))
         g.add_argument("--enable-deterministic-inference", action="store_true",

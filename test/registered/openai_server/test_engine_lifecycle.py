@@ -77,6 +77,18 @@ def test_engine_generate(engine) -> None:
         engine.generate("x", params, lora_path="no-such-adapter")
 
 
+def test_engine_prefix_cache(engine) -> None:
+    params = {"max_new_tokens": 2, "temperature": 0}
+    prompt = "A prompt for the prefix cache, long enough to be worth caching"
+    first = engine.generate(prompt, params, cache_salt="engine-tenant")["meta_info"]
+    second = engine.generate(prompt, params, cache_salt="engine-tenant")["meta_info"]
+    assert first["cached_tokens"] == 0 and second["cached_tokens"] == second["prompt_tokens"] - 1
+    out = engine.flush_cache()
+    assert out["success"] is True and "flushed" in out["message"]
+    assert engine.generate(prompt, params, cache_salt="engine-tenant")["meta_info"]["cached_tokens"] == 0
+    assert engine.get_server_info()["prefix_cache"]["hits"] >= 1
+
+
 def test_engine_serves_the_demo_adapters_and_loads_more(engine) -> None:
     from sglang.srt.tools.demo import ensure_demo_model
 
@@ -101,16 +113,16 @@ def test_engine_serves_the_demo_adapters_and_loads_more(engine) -> None:
 
 
 def test_engine_stream_stopped_early_frees_kv(engine) -> None:
-    before = engine.get_server_info()["kv_free_tokens"]
+    before = engine.get_server_info()["kv_available_tokens"]
     stream = engine.generate("Tell a long story", {"max_new_tokens": 1000, "ignore_eos": True}, stream=True)
     for i, _ in enumerate(stream):
         if i == 3:
             break
     stream.close()
     deadline = time.monotonic() + 10
-    while engine.get_server_info()["kv_free_tokens"] != before and time.monotonic() < deadline:
+    while engine.get_server_info()["kv_available_tokens"] != before and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert engine.get_server_info()["kv_free_tokens"] == before
+    assert engine.get_server_info()["kv_available_tokens"] == before
 
 
 def test_engine_exception_inside_with_block_reaps_the_scheduler(monkeypatch) -> None:

@@ -261,14 +261,14 @@ def test_server_keeps_serving_after_errors(client) -> None:
 def wait_for_free_kv(url: str, expected: int, timeout: float = 20.0) -> dict:
     deadline = time.monotonic() + timeout
     info = server_info(url)
-    while time.monotonic() < deadline and (info["kv_free_tokens"] != expected or info["num_running_reqs"]):
+    while time.monotonic() < deadline and (info["kv_available_tokens"] != expected or info["num_running_reqs"]):
         time.sleep(0.2)
         info = server_info(url)
     return info
 
 
 def test_client_disconnect_frees_kv(url) -> None:
-    initial = server_info(url)["kv_free_tokens"]
+    initial = server_info(url)["kv_available_tokens"]
     body = {"text": "A long story:", "stream": True,
             "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
     r = post(url, "/generate", body, stream=True)
@@ -279,21 +279,21 @@ def test_client_disconnect_frees_kv(url) -> None:
             got += 1
             if got == 5:
                 break
-    assert server_info(url)["kv_free_tokens"] < initial  # the request holds KV while it runs
+    assert server_info(url)["kv_available_tokens"] < initial  # the request holds KV while it runs
     r.close()  # the client goes away mid-stream
     info = wait_for_free_kv(url, initial)
-    assert info["kv_free_tokens"] == initial and info["num_running_reqs"] == 0
+    assert info["kv_available_tokens"] == initial and info["num_running_reqs"] == 0
     assert info["last_integrity_check"]["ok"]
 
 
 def test_non_streaming_disconnect_frees_kv(url, server) -> None:
-    initial = server_info(url)["kv_free_tokens"]
+    initial = server_info(url)["kv_available_tokens"]
     tracebacks_before = read_log(server[0]).count("Traceback")
     body = {"text": "Another long story:", "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True}}
     with pytest.raises(requests.exceptions.ReadTimeout):
         post(url, "/generate", body, timeout=1.5)
     info = wait_for_free_kv(url, initial)
-    assert info["kv_free_tokens"] == initial and info["num_running_reqs"] == 0
+    assert info["kv_available_tokens"] == initial and info["num_running_reqs"] == 0
     # A disconnect is routine: an info line, not an ASGI traceback.
     log = read_log(server[0])
     assert "client disconnected" in log and log.count("Traceback") == tracebacks_before, log[-2000:]

@@ -123,7 +123,7 @@ def test_retraction_keeps_outputs_identical(server, ckpt) -> None:
     assert code == 0, log[-3000:]
     assert "Retract requests" in log and info["num_retractions"] > 0
     assert_same(outs, refs)
-    assert info["kv_free_tokens"] == 200 and info["last_integrity_check"]["ok"]
+    assert info["kv_available_tokens"] == 200 and info["last_integrity_check"]["ok"]
 
 
 def test_adapters_on_a_server_without_lora_are_refused(server, ckpt) -> None:

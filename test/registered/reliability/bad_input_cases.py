@@ -130,6 +130,13 @@ def generate_cases() -> list[Case]:
         g({"text": "hi", "stream": "yes"}, "'stream' must be a boolean"),
         g({"text": "hi", "stream": True, "sampling_params": {"top_p": 0}}, "top_p"),
         g({"text": "hi", "priority": 1}, "unknown field"),
+        g({"text": "hi", "cache_salt": 5}, "'cache_salt' must be a non-empty string"),
+        g({"text": "hi", "cache_salt": ""}, "'cache_salt' must be a non-empty string"),
+        g({"text": "hi", "cache_salt": "s" * 513}, "at most 512 characters, got str of 513"),
+        g({"text": "hi", "cache_salt": {"tenant": 1}}, "'cache_salt'"),
+        g({"text": ["a", "b"], "cache_salt": ["s", 7]}, "'cache_salt'"),
+        g({"text": ["a", "b"], "cache_salt": ["s"]}, "'cache_salt' has 1 entries"),
+        g({"text": "hi", "cache_salt": "s" * 512, "sampling_params": {"max_new_tokens": 1}}, "", 200),
         # Accepted: beyond-vocabulary top_k means no top-k; huge seeds and starts are clamped.
         g({"text": "hi", "sampling_params": {"top_k": 10**30, "max_new_tokens": 2}}, "", 200),
         g({"text": "hi", "sampling_params": {"seed": -(10**40), "max_new_tokens": 2}}, "", 200),
@@ -192,6 +199,10 @@ def completion_cases() -> list[Case]:
         c({"model": "default:nope"}, "not loaded: nope", 404),
         c({"lora_path": "nope"}, "not loaded: nope", 404),
         c({"lora_path": ["keep", None]}, "lora_path has 2 entries"),
+        c({"cache_salt": 5}, "cache_salt: Input should be a valid string"),
+        c({"cache_salt": "s" * 513}, "cache_salt: String should have at most 512 characters"),
+        c({"cache_salt": ""}, "cache_salt: String should have at least 1 character"),
+        c({"max_tokens": 1, "cache_salt": "tenant"}, "", 200),
         c({"max_tokens": 2, "top_k": 10**30, "temperature": 0}, "", 200),
     ]
 
@@ -229,6 +240,8 @@ def chat_cases() -> list[Case]:
         ch({"response_format": {"type": "json_object"}}, "response_format"),
         ch({"lora_path": ["keep"]}, "lora_path must be a string"),
         ch({"chat_template_kwargs": 5}, "chat_template_kwargs"),
+        ch({"cache_salt": ["a"]}, "cache_salt: Input should be a valid string"),
+        ch({"cache_salt": "s" * 100_000}, "cache_salt: String should have at most 512 characters"),
         ch({"model": "nope"}, "does not exist", 404),
         ch({"model": "default:nope"}, "not loaded: nope", 404),
         ch({"max_tokens": 2, "temperature": 0}, "", 200, messages=[{"role": "user", "content": ""}]),
@@ -281,13 +294,15 @@ def misc_cases() -> list[Case]:
         Case("/generate", None, 405, "not allowed", method="GET"),
         Case("/v1/nothing-here", {}, 404, "Not found"),
         Case("/get_server_info", None, 405, "not allowed", method="POST"),
+        Case("/flush_cache", {}, 200, ""),  # idle between cases: the probe then runs uncached
+        Case("/flush_cache", None, 405, "not allowed", method="DELETE"),
     ]
 
 
 def auth_cases() -> list[Case]:
     """Against the API-key server: every route but /health needs the key."""
     out = []
-    posts = GEN + LOAD + UNLOAD + ("/abort_request",)
+    posts = GEN + LOAD + UNLOAD + ("/abort_request", "/flush_cache")
     gets = ("/get_server_info", "/get_model_info", "/v1/models", "/health_generate")
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"bearer {API_KEY}"},
                     {"Authorization": API_KEY}):

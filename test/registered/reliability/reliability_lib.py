@@ -36,11 +36,14 @@ def wait_idle(url: str, timeout: float = 60.0, headers: Optional[dict] = None) -
 
 
 def assert_no_leaks(info: dict) -> None:
-    """Everything given back: KV slots, request rows, adapter references, request states."""
+    """Everything given back: KV slots (free, or cached and evictable: free + evictable == total,
+    nothing locked), request rows, adapter references, request states."""
     sched, tok = info["last_integrity_check"], info["tokenizer_integrity_check"]
     assert sched["ok"] and tok["ok"], (sched, tok)
     assert sched["idle"] and tok["idle"], (sched, tok)
-    assert info["kv_free_tokens"] == info["max_total_num_tokens"] == sched["kv_free"] == sched["kv_total"], sched
+    assert info["kv_available_tokens"] == info["max_total_num_tokens"] == sched["kv_total"], sched
+    assert sched["kv_free"] + sched["kv_evictable"] == sched["kv_total"] and sched["kv_protected"] == 0, sched
+    assert info["kv_free_tokens"] == sched["kv_free"] and info["kv_evictable_tokens"] == sched["kv_evictable"], sched
     assert sched["kv_used"] == 0 and sched["rows_used"] == 0 and sched["rows_free"] == sched["rows_total"], sched
     assert sched["num_requests"] == 0, sched
     assert tok["request_states"] == 0 and tok["lora_in_flight_refs"] == 0, tok

@@ -9,6 +9,11 @@ non-streaming request (client-side aborts), some abort their own request through
 it while it is unloaded are refused with a 4xx naming it (counted apart, allowed only for it).
 Every other request must complete normally; any 5xx, any other 4xx, an error event in a stream or
 a connection the server dropped fails the soak.
+The prefix cache is on: half the prompts start with one of a few shared prefixes (a "system
+prompt"), some `/generate` requests continue the last finished conversation (its prompt and
+output, then new tokens: a multi-turn chat) or ask for two samples of one prompt (`n=2`), and
+some requests carry a `cache_salt`, so prefixes are
+reused, evicted, and kept apart by adapter and salt while everything else happens.
 """
 
 from __future__ import annotations
@@ -27,6 +32,12 @@ import requests
 
 WORDS = ("the quick brown fox jumps over a lazy dog while seven bright engines hum softly under "
          "pale winter skies and small adapters learn new tricks every single morning").split()
+
+
+# The shared prefixes (token ids for /generate, words for the OpenAI routes).
+_prefix_rng = random.Random(1234)
+SHARED_IDS = [[_prefix_rng.randrange(3, 480) for _ in range(600)] for _ in range(3)]
+SHARED_TEXTS = [" ".join(_prefix_rng.choice(WORDS) for _ in range(200)) for _ in range(3)]
 
 
 @dataclass
@@ -68,6 +79,9 @@ class Soak:
         self.stats = SoakStats()
         self.stop = threading.Event()
         self.loaded: set[str] = set()  # cycling adapters currently loaded
+        # The last finished /generate (token ids with its output, adapter, salt): a later request
+        # may continue it, as the next turn of a chat does.
+        self.conversation: Optional[tuple[list[int], Optional[str], Optional[str]]] = None
 
     # ------------------------------------------------------------------ one request
     def _choose_adapter(self, rng: random.Random) -> Optional[str]:
@@ -77,17 +91,36 @@ class Soak:
     def _body(self, rng: random.Random, kind: str, lora: Optional[str]) -> tuple[str, dict]:
         cfg = self.cfg
         n = rng.randint(*cfg.max_new_tokens)
+        # Half the prompts start with a shared prefix, most of them with the same one (a popular
+        # system prompt: some request using it is usually running, so its KV stays cached).
+        shared = rng.random() < 0.5
+        stem = 0 if rng.random() < 0.7 else rng.randrange(1, len(SHARED_IDS))
+        salt = None if shared else rng.choice([None, None, "tenant-1", "tenant-2"])
+        # A shared prefix replaces the start of a prompt: prompt lengths keep their distribution.
         if kind == "generate":
-            ids = [rng.randrange(3, cfg.vocab) for _ in range(rng.randint(*cfg.prompt_tokens))]
-            body: dict[str, Any] = {"input_ids": ids, "lora_path": lora,
+            length = rng.randint(*cfg.prompt_tokens)
+            ids = [rng.randrange(3, cfg.vocab) for _ in range(length)]
+            conv = self.conversation
+            if conv is not None and rng.random() < 0.5 and len(conv[0]) < cfg.prompt_tokens[1]:
+                ids, lora, salt = (conv[0] + ids[:8])[: cfg.prompt_tokens[1]], conv[1], conv[2]  # the next turn
+            elif shared:
+                ids = (SHARED_IDS[stem][: cfg.prompt_tokens[1] // 2] + ids)[:length]
+            body: dict[str, Any] = {"input_ids": ids, "lora_path": lora, "cache_salt": salt,
                                     "sampling_params": {"max_new_tokens": n, "temperature": rng.choice([0, 0.8]),
                                                         "ignore_eos": rng.random() < 0.7}}
             if rng.random() < 0.3:
                 body.update(return_logprob=True, logprob_start_len=rng.choice([-1, 0]), top_logprobs_num=2)
+            if rng.random() < 0.1:
+                body["sampling_params"]["n"] = 2  # two samples, one prompt: the second reuses its KV
             return "/generate", body
-        text = " ".join(rng.choice(WORDS) for _ in range(rng.randint(*cfg.prompt_words)))
+        length = rng.randint(*cfg.prompt_words)
+        words = [rng.choice(WORDS) for _ in range(length)]
+        if shared:
+            words = (SHARED_TEXTS[stem].split()[: cfg.prompt_words[1] // 2] + words)[:length]
+        text = " ".join(words)
         model = cfg.model if lora is None else f"{cfg.model}:{lora}"
-        common = {"model": model, "max_tokens": n, "temperature": rng.choice([0, 0.8]), "ignore_eos": True}
+        common = {"model": model, "max_tokens": n, "temperature": rng.choice([0, 0.8]), "ignore_eos": True,
+                  "cache_salt": salt}
         if kind == "completions":
             return "/v1/completions", {**common, "prompt": text, "logprobs": rng.choice([None, 2])}
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
@@ -104,6 +137,7 @@ class Soak:
         body["stream"] = stream
         rid = f"soak-{rng.getrandbits(48):x}"
         if mode == "rid_abort":
+            body["sampling_params"].pop("n", None)  # one rid names one request
             body["rid"] = rid
             body["sampling_params"]["max_new_tokens"] = max(body["sampling_params"]["max_new_tokens"], 24)
         timeout = 0.3 + rng.random() if mode == "plain_timeout" else self.cfg.request_timeout
@@ -120,9 +154,9 @@ class Soak:
         if r.status_code != 200:
             return self._refused(r, label, lora)
         if not stream:
-            return self._check_reply(r, label, kind, t0)
+            return self._check_reply(r, label, kind, t0, body)
         try:
-            self._consume_stream(r, label, mode, rid, rng, t0)
+            self._consume_stream(r, label, mode, rid, rng, t0, body)
         finally:
             r.close()
 
@@ -135,21 +169,28 @@ class Soak:
             return self.stats.add("refused_unloaded_adapter", label)
         self.stats.add("failed", label, detail=f"HTTP {r.status_code}: {message}")
 
-    def _check_reply(self, r: requests.Response, label: str, kind: str, t0: float) -> None:
+    def _check_reply(self, r: requests.Response, label: str, kind: str, t0: float, body: dict) -> None:
         out = r.json()
         if kind == "generate":
-            reason = out["meta_info"]["finish_reason"]
+            outs = out if isinstance(out, list) else [out]  # n=2 gives a list
+            reasons = [o["meta_info"]["finish_reason"] for o in outs]
         else:
-            reason = out["choices"][0]["finish_reason"]
-        if not reason or (isinstance(reason, dict) and reason.get("type") == "abort"):
+            reasons = [c["finish_reason"] for c in out["choices"]]
+        if not all(reasons) or any(isinstance(x, dict) and x.get("type") == "abort" for x in reasons):
             return self.stats.add("failed", label, detail=f"unfinished reply {str(out)[:300]}")
+        if kind == "generate":
+            self._remember(body, outs[0]["output_ids"])
         self.stats.add("ok", label, time.monotonic() - t0)
 
+    def _remember(self, body: dict, output_ids: list[int]) -> None:
+        if body["lora_path"] not in self.cfg.cycling:  # the cycling adapter may be gone next turn
+            self.conversation = (body["input_ids"] + output_ids, body["lora_path"], body["cache_salt"])
+
     def _consume_stream(self, r: requests.Response, label: str, mode: str, rid: str, rng: random.Random,
-                        t0: float) -> None:
+                        t0: float, body: dict) -> None:
         close_after = rng.randint(1, 6) if mode == "stream_close" else None
         abort_after = rng.randint(1, 4) if mode == "rid_abort" else None
-        events, done, finish = 0, False, None
+        events, done, finish, last = 0, False, None, {}
         try:
             for line in r.iter_lines(decode_unicode=True):
                 if not line.startswith("data: "):
@@ -162,6 +203,7 @@ class Soak:
                     return self.stats.add("failed", label, detail=f"error event {event['error']}")
                 events += 1
                 finish = _finish_of(event) or finish
+                last = event
                 if close_after is not None and events >= close_after and finish is None:
                     return self.stats.add("client_abort", label)  # the caller closes the connection
                 if abort_after is not None and events == abort_after and finish is None:
@@ -174,6 +216,8 @@ class Soak:
             return self.stats.add("failed", label, detail=f"stream ended without [DONE] or a finish ({events} events)")
         if finish == "abort":
             return self.stats.add("rid_abort" if mode == "rid_abort" else "failed", label, detail="aborted")
+        if "output_ids" in last:  # a native /generate stream: its last event holds every token
+            self._remember(body, last["output_ids"])
         self.stats.add("ok", label, time.monotonic() - t0)
 
     # ------------------------------------------------------------------ threads
@@ -253,7 +297,9 @@ def final_report(url: str, log: str, load: dict[str, Any], wait_idle: Callable[[
         "lora": {k: info["lora"][k] for k in ("num_adapter_loads", "num_evictions", "loaded_adapters", "pool_slots")},
         "scheduler_integrity": info["last_integrity_check"],
         "tokenizer_integrity": info["tokenizer_integrity_check"],
-        "kv": {"free": info["kv_free_tokens"], "total": info["max_total_num_tokens"]},
+        "kv": {"free": info["kv_free_tokens"], "evictable": info["kv_evictable_tokens"],
+               "total": info["max_total_num_tokens"]},
+        "prefix_cache": info["prefix_cache"],
         "integrity_errors_in_log": log.count("integrity check failed"),
         "server_info": info,
     }

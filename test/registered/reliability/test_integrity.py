@@ -2,8 +2,8 @@
 
 In process, on the real objects: a Scheduler with a real ModelRunner and LoRA pool (tiny llama,
 torch_native LoRA, real pipes), and a TokenizerManager with a real LoRARegistry. Each corruption is
-done by hand the way a bug would do it (a KV slot allocated and dropped, a slot freed twice, a row
-leaked, a finished request still holding KV, a request tracked but neither queued nor running, the
+done by hand the way a bug would do it (a KV slot allocated and dropped, a slot freed twice, a
+cached slot freed, a cached prefix left locked, a row leaked, a finished request still holding KV, a request tracked but neither queued nor running, the
 LoRA pool's slot maps disagreeing, the base model's slot with a rank), must be reported with its
 kind, logged at ERROR once while it persists, and the check must be clean again once undone.
 """
@@ -83,7 +83,8 @@ def test_scheduler_check_detects_each_corruption(sched, caplog) -> None:
     run_all(sched)
     clean = sched.check_integrity()
     assert clean["ok"] and clean["idle"] and clean["problems"] == [] and clean["lora_ok"], clean
-    assert clean["kv_free"] == clean["kv_total"] == 512 and clean["rows_used"] == 0 and clean["num_requests"] == 0
+    assert clean["kv_free"] + clean["kv_cached"] == clean["kv_total"] == 512 and clean["kv_cached"] > 0
+    assert clean["rows_used"] == 0 and clean["num_requests"] == 0
     runs = clean["runs"]
     pool, alloc, rows = lora.pool, sched.allocator, sched.req_to_token_pool
     base_slot = pool.uid_to_slot[None]
@@ -103,6 +104,12 @@ def test_scheduler_check_detects_each_corruption(sched, caplog) -> None:
     def set_base_rank() -> None:
         pool.slot_ranks[base_slot] = 4
 
+    tree = sched.prefix_cache.tree
+    cached_node = next(iter(next(iter(tree.roots.values())).children.values()))
+
+    def free_a_cached_slot() -> None:
+        alloc.free(cached_node.value[:1].clone())
+
     corruptions: list[tuple[str, Callable[[], None], Callable[[], None], str]] = [
         ("kv_accounting", leak_kv, lambda: alloc.free(state["kv"]), "5 unaccounted"),
         ("kv_free_list", double_free, lambda: setattr(alloc, "free_slots", alloc.free_slots[:-1]), "duplicate"),
@@ -111,6 +118,10 @@ def test_scheduler_check_detects_each_corruption(sched, caplog) -> None:
          "'ghost'"),
         ("lora_pool", swap_map, lambda: pool.uid_to_slot.update({ids[1]: state["slot"]}), "maps to slot"),
         ("lora_pool", set_base_rank, lambda: pool.slot_ranks.__setitem__(base_slot, 0), "base-model slot"),
+        ("kv_free_list", free_a_cached_slot, lambda: setattr(alloc, "free_slots", alloc.free_slots[:-1]),
+         "free and cached"),
+        ("prefix_cache", lambda: tree.inc_lock_ref(cached_node), lambda: tree.dec_lock_ref(cached_node),
+         "still locked"),
     ]
     for kind, corrupt, undo, needle in corruptions:
         caplog.clear()

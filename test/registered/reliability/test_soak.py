@@ -1,7 +1,9 @@
 """The soak (soak_lib.py): mixed traffic against a real LoRA server under memory pressure, then
 nothing may be lost. Ends by waiting for idle and asserting zero leaked KV slots, request rows,
 adapter references and request states, both integrity checks clean, no dead process, no 5xx, and
-writes a report (counts, retractions, graph replays) to JSON (`SGLANG_SOAK_REPORT` if set).
+writes a report (counts, retractions, graph replays, prefix cache) to JSON (`SGLANG_SOAK_REPORT` if
+set). The prefix cache is on (the default): "no leak" means free + evictable == total with nothing
+locked, and the soak must have hit and evicted cached prefixes.
 
   * `test_soak` (CPU CI): tiny llama, 3 adapters + 1 cycling, 2 LoRA adapter slots,
     a 384-token KV pool (so requests are retracted), 32-token prefill chunks; load for
@@ -48,7 +50,7 @@ def run_soak(proc, cfg: SoakConfig, report_path: str, capsys) -> dict:
               f"adapter loads/unloads {c.get('adapter_load', 0)}/{c.get('adapter_unload', 0)}, "
               f"retractions in the log {report['retractions_in_log']}, graph stats {report['graph_stats']}, "
               f"pool loads/evictions {report['lora']['num_adapter_loads']}/{report['lora']['num_evictions']}, "
-              f"latency {report['latency_s']}; integrity: scheduler {report['scheduler_integrity']['ok']} "
+              f"latency {report['latency_s']}; prefix cache {report['prefix_cache']}; integrity: scheduler {report['scheduler_integrity']['ok']} "
               f"(runs {report['scheduler_integrity']['runs']}), tokenizer {report['tokenizer_integrity']['ok']} "
               f"(runs {report['tokenizer_integrity']['runs']}); report {path}")
     return report
@@ -63,6 +65,8 @@ def check_report(proc, url: str, report: dict) -> None:
     assert report["num_forward_failures"] == 0 and report["integrity_errors_in_log"] == 0
     for outcome in ("ok", "client_abort", "rid_abort", "adapter_load", "adapter_unload"):
         assert c.get(outcome, 0) > 0, f"the soak never produced {outcome!r}: {c}"
+    cache = report["prefix_cache"]
+    assert cache["enabled"] and cache["hits"] > 0 and cache["evicted_tokens"] > 0, cache
     # Nobody waited unboundedly (a starved request would wait for most of the run).
     assert report["latency_s"]["max"] < report["load_seconds"] / 4, report["latency_s"]
 

@@ -31,7 +31,7 @@ class Harness:
     """Drives a Scheduler through real pipes and gathers its BatchTokenIDOut news per request."""
 
     def __init__(self, model_path: str, **kwargs: Any) -> None:
-        args = ServerArgs(model_path=model_path, device="cpu", **kwargs)
+        args = ServerArgs(**{"model_path": model_path, "device": "cpu", **kwargs})
         self.to_r, self.to_w = mp.Pipe(duplex=False)
         self.from_r, self.from_w = mp.Pipe(duplex=False)
         self.sched = Scheduler(args, self.to_r, self.from_w)
@@ -39,13 +39,15 @@ class Harness:
         self.max_running_seen = 0
 
     def submit(self, rid: str, input_ids: list[int], max_new_tokens: int = 8, return_logprob: bool = False,
-               logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = True, **params: Any) -> None:
+               logprob_start_len: int = -1, top_logprobs_num: int = 0, stream: bool = True,
+               lora_id: Optional[str] = None, cache_salt: Optional[str] = None, **params: Any) -> None:
         sp = SamplingParams.from_dict({"max_new_tokens": max_new_tokens, "temperature": 0.0, **params})
         self.to_w.send(TokenizedGenerateReqInput(
             rid=rid, input_ids=input_ids, sampling_params=sp, return_logprob=return_logprob,
             logprob_start_len=logprob_start_len, top_logprobs_num=top_logprobs_num, stream=stream,
+            lora_id=lora_id, cache_salt=cache_salt,
         ))
-        self.out[rid] = {"ids": [], "finish": None, "in_lp": None, "out_lp": []}
+        self.out[rid] = {"ids": [], "finish": None, "in_lp": None, "out_lp": [], "cached": 0}
 
     def step(self) -> bool:
         """One scheduler turn; False when there was nothing to run."""
@@ -66,6 +68,7 @@ class Harness:
                 rec = self.out[rid]
                 rec["ids"] += msg.output_ids[i]
                 rec["finish"] = msg.finished_reasons[i]
+                rec["cached"] = msg.cached_tokens[i]
                 if msg.input_token_logprobs and msg.input_token_logprobs[i] is not None:
                     rec["in_lp"] = msg.input_token_logprobs[i]
                 if msg.output_token_logprobs and msg.output_token_logprobs[i] is not None:
@@ -78,7 +81,8 @@ class Harness:
         raise AssertionError("the scheduler did not finish in time")
 
     def kv_free(self) -> int:
-        return self.sched.allocator.available_size()
+        """Free KV slots, counting the prefix cache's evictable ones (they are given on demand)."""
+        return self.sched._kv_available()
 
     def finish_of(self, rid: str) -> Optional[dict]:
         return self.out[rid]["finish"]

@@ -103,6 +103,7 @@ class Engine:
         stream: bool = False,
         return_text_in_logprobs: bool = False,
         rid: Optional[Union[str, list[str]]] = None,
+        cache_salt: Optional[Union[str, list[Optional[str]]]] = None,
     ) -> Union[dict, list[dict], Iterator[dict]]:
         """Same replies as `POST /generate`: a dict, a list for a batch, or (stream=True) a
         generator of cumulative dicts."""
@@ -113,6 +114,7 @@ class Engine:
             logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
             top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num,
             return_text_in_logprobs=return_text_in_logprobs, lora_path=lora_path, stream=stream, rid=rid,
+            cache_salt=cache_salt,
         )
         if stream:
             return self._stream(obj)
@@ -157,6 +159,12 @@ class Engine:
         self._check_open()
         out, _ = self._run(self.tokenizer_manager.unload_lora_adapter(lora_name))
         return dataclasses.asdict(out)
+
+    def flush_cache(self) -> dict[str, Any]:
+        """Empty the prefix cache, like `POST /flush_cache`: `{success, message}`; refused
+        (success False) while requests run."""
+        self._check_open()
+        return dataclasses.asdict(self._run(self.tokenizer_manager.flush_cache()))
 
     def get_server_info(self) -> dict[str, Any]:
         self._check_open()

@@ -227,6 +227,15 @@ def create_app(tm: TokenizerManager) -> FastAPI:
             raise InvalidRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
         return data
 
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        """Empty the prefix cache; a 400 with the reason while requests run."""
+        out = await tm.flush_cache()
+        body: dict[str, Any] = {"success": out.success, "message": out.message}
+        if not out.success:
+            body.update(error_body(out.message, 400))
+        return JSONResponse(body, status_code=200 if out.success else 400)
+
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:
         data = await json_object(request)

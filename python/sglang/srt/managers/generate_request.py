@@ -45,6 +45,9 @@ class RequestFailedError(RuntimeError):
         self.status_code = status_code
 
 
+# A cache salt is a client's tenant key, not a payload: bounded like an identifier.
+MAX_CACHE_SALT_CHARS = 512
+
 # One call may expand into at most this many single requests (prompts x n), and n is at most
 # MAX_N (OpenAI's bound too): `n=10**6` must be refused before a million requests are built.
 MAX_N = 128
@@ -69,6 +72,20 @@ class SingleGenerateReq:
     return_text_in_logprobs: bool = False
     lora_name: Optional[str] = None
     stream: bool = False
+    cache_salt: Optional[str] = None
+
+
+def valid_cache_salt(x: Any) -> bool:
+    """None (no salt) or a non-empty string of at most MAX_CACHE_SALT_CHARS characters."""
+    return x is None or (isinstance(x, str) and 0 < len(x) <= MAX_CACHE_SALT_CHARS)
+
+
+def cache_salt_error(value: Any) -> InvalidRequestError:
+    return InvalidRequestError(
+        f"'cache_salt' must be a non-empty string of at most {MAX_CACHE_SALT_CHARS} characters, got "
+        f"{type(value).__name__}" + (f" of {len(value)} characters" if isinstance(value, str) else ""),
+        param="cache_salt",
+    )
 
 
 def _is_int_list(x: Any) -> bool:
@@ -87,6 +104,8 @@ class GenerateReqInput:
     lora_path: Optional[Union[str, list[Optional[str]]]] = None
     stream: bool = False
     rid: Optional[Union[str, list[str]]] = None
+    # KV is reused only between requests with the same salt (str or one per prompt; None = none).
+    cache_salt: Optional[Union[str, list[Optional[str]]]] = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -157,6 +176,11 @@ class GenerateReqInput:
         start = per_prompt("logprob_start_len", self.logprob_start_len, lambda x: is_int(x) and x >= -1, -1)
         top = per_prompt("top_logprobs_num", self.top_logprobs_num, lambda x: is_int(x) and x >= 0, 0)
         loras = per_prompt("lora_path", self.lora_path, lambda x: x is None or isinstance(x, str), None)
+        salts = self.cache_salt if isinstance(self.cache_salt, list) else [self.cache_salt]
+        bad_salt = next((x for x in salts if not valid_cache_salt(x)), None)
+        if bad_salt is not None or (isinstance(self.cache_salt, list) and not salts):
+            raise cache_salt_error(bad_salt if bad_salt is not None else self.cache_salt)
+        salts = per_prompt("cache_salt", self.cache_salt, valid_cache_salt, None)
         if self.rid is None:
             rids = [new_rid() for _ in range(num)]
         else:
@@ -205,6 +229,7 @@ class GenerateReqInput:
                         return_text_in_logprobs=self.return_text_in_logprobs,
                         lora_name=loras[i],
                         stream=self.stream,
+                        cache_salt=salts[i],
                     )
                 )
         return out, is_batch

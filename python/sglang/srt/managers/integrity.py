@@ -1,9 +1,11 @@
 """Idle-time integrity checks of both processes (reported by /get_server_info).
 
-Scheduler (child process), whenever it becomes idle: every KV slot is free or held by a live
-request (free + used = total, no slot free twice), the same for request rows, no finished request
-still holds KV, no request is tracked while nothing waits or runs, and the LoRA pool's slot maps
-agree both ways with the base slot at rank 0 (`LoRAManager.integrity_report()`).
+Scheduler (child process), whenever it becomes idle: every KV slot is free, cached (evictable or
+protected by a running request's lock) or owned by a live request (free + cached + used = total,
+no slot free twice, free and cached at once, or cached twice), the prefix cache's tree agrees with
+its counters and holds no lock once idle, the same accounting for request rows, no finished
+request still holds KV, no request is tracked while nothing waits or runs, and the LoRA pool's
+slot maps agree both ways with the base slot at rank 0 (`LoRAManager.integrity_report()`).
 Tokenizer manager (main process), whenever its last request ends: no request state is left over
 and the adapter registry holds no in-flight reference.
 
@@ -73,17 +75,33 @@ def scheduler_problems(s: "Scheduler") -> tuple[list[Problem], dict[str, Any]]:
     idle = not (s.waiting or s.running or s.chunked_req)
 
     free = s.allocator.free_slots  # int64 on the host; vectorised, as it may hold ~10^6 slots
-    kv_free, kv_used, kv_total = int(free.numel()), sum(r.kv_len for r in holders), s.max_total_num_tokens
-    if kv_free + kv_used != kv_total:
-        problems.append(("kv_accounting", f"KV slots: {kv_free} free + {kv_used} used by requests != "
-                                          f"{kv_total} total ({kv_total - kv_free - kv_used:+d} unaccounted)"))
-    if kv_free:
-        if bool(((free < 1) | (free > kv_total)).any()):
-            problems.append(("kv_free_list", f"KV free list holds slots outside 1..{kv_total}"))
+    kv_total = s.max_total_num_tokens
+    kv_free, kv_used = int(free.numel()), sum(r.kv_len - r.cache_len for r in holders)
+    cache = s.prefix_cache
+    tree = cache.tree if cache is not None else None
+    kv_cached = tree.total_size if tree is not None else 0
+    if kv_free + kv_cached + kv_used != kv_total:
+        problems.append(("kv_accounting", f"KV slots: {kv_free} free + {kv_cached} cached + {kv_used} used by "
+                                          f"requests != {kv_total} total "
+                                          f"({kv_total - kv_free - kv_cached - kv_used:+d} unaccounted)"))
+    owned = torch.cat((free, tree.all_slots())) if tree is not None else free
+    if owned.numel():
+        if bool(((owned < 1) | (owned > kv_total)).any()):
+            problems.append(("kv_free_list", f"KV free list or cache holds slots outside 1..{kv_total}"))
         else:
-            dup = torch.nonzero(torch.bincount(free, minlength=kv_total + 1) > 1).flatten()[:8].tolist()
+            dup = torch.nonzero(torch.bincount(owned, minlength=kv_total + 1) > 1).flatten()[:8].tolist()
             if dup:
-                problems.append(("kv_free_list", f"KV free list holds duplicate slots {dup}"))
+                problems.append(("kv_free_list", f"KV slots {dup} are duplicated: free twice, cached twice, "
+                                                 "or free and cached at once"))
+    if tree is not None:
+        problems.extend(("prefix_cache", p) for p in tree.problems())
+        if idle and tree.protected_size:
+            problems.append(("prefix_cache", f"{tree.protected_size} cached tokens are still locked with "
+                                              "no request running"))
+        for req in holders:
+            if req.cache_len and (req.cache_node is None or req.cache_node.lock_ref <= 0):
+                problems.append(("prefix_cache", f"request {req.rid!r} uses {req.cache_len} cached tokens "
+                                                  "without a lock on them"))
 
     free_rows = list(s.req_to_token_pool.free_slots)
     used_rows = [r.req_pool_idx for r in holders if r.req_pool_idx is not None]
@@ -113,7 +131,9 @@ def scheduler_problems(s: "Scheduler") -> tuple[list[Problem], dict[str, Any]]:
                                               f"{orphans[:5]}"))
 
     counts: dict[str, Any] = {
-        "idle": idle, "kv_free": kv_free, "kv_used": kv_used, "kv_total": kv_total,
+        "idle": idle, "kv_free": kv_free, "kv_used": kv_used, "kv_total": kv_total, "kv_cached": kv_cached,
+        "kv_evictable": tree.evictable_size if tree is not None else 0,
+        "kv_protected": tree.protected_size if tree is not None else 0,
         "rows_free": rows_free, "rows_used": rows_used, "rows_total": s.total_rows,
         "num_requests": len(s.rid_to_req),
     }

@@ -3,9 +3,9 @@
 Every message is a plain dataclass pickled over a multiprocessing connection:
 
   main -> scheduler: TokenizedGenerateReqInput, AbortReq, LoadLoRAAdapterReq, UnloadLoRAAdapterReq,
-                     GetServerInfoReq, FaultInjectionReq (test hooks only), ShutdownReq
+                     GetServerInfoReq, FlushCacheReq, FaultInjectionReq (test hooks only), ShutdownReq
   scheduler -> main: BatchTokenIDOut (per turn, incremental), LoRAUpdateOutput, GetServerInfoOut,
-                     SchedulerReady (once, after start-up), SchedulerFailed (start-up error)
+                     FlushCacheOut, SchedulerReady (once, after start-up), SchedulerFailed (start-up error)
 
 Requests are identified by `rid` (unique string). Adapter ids (`lora_id`) are unique per *load*, so
 an adapter unloaded and loaded again under the same name never reuses stale pool contents.
@@ -37,6 +37,7 @@ class TokenizedGenerateReqInput:
     top_logprobs_num: int = 0
     lora_id: Optional[str] = None  # resolved adapter id, None = base model
     stream: bool = False
+    cache_salt: Optional[str] = None  # KV is shared only between requests with the same salt
 
 
 @dataclass
@@ -67,6 +68,11 @@ class UnloadLoRAAdapterReq:
 @dataclass
 class GetServerInfoReq:
     pass
+
+
+@dataclass
+class FlushCacheReq:
+    """Empty the prefix cache; refused while any request runs or waits."""
 
 
 @dataclass
@@ -111,6 +117,12 @@ class LoRAUpdateOutput:
     success: bool
     error_message: str = ""
     loaded_adapters: dict[str, str] = field(default_factory=dict)  # name -> path
+
+
+@dataclass
+class FlushCacheOut:
+    success: bool
+    message: str = ""
 
 
 @dataclass

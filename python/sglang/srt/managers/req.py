@@ -1,9 +1,11 @@
 """`Req`: one request's life inside the scheduler.
 
-KV bookkeeping in three numbers, with the invariant `kv_len <= len(fill_ids)`:
+KV bookkeeping in a few numbers, with the invariant `cache_len <= kv_len <= len(fill_ids)`:
   * `fill_ids` = prompt + generated tokens: what the KV cache must eventually hold;
   * `kv_len`: tokens whose KV slots are allocated and written (row `req_pool_idx` of
     ReqToTokenPool, positions `0..kv_len-1`);
+  * `cache_len`: the first positions of the row whose slots belong to the prefix cache (locked
+    through `cache_node` while the request runs); the request owns the slots after them;
   * the last generated token has no KV yet: it is the input of the next decode step.
 A retracted request gives back its row and slots (`kv_len = 0`) and is prefilled again later over
 `fill_ids`, so it resumes exactly where it stopped.
@@ -14,6 +16,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from sglang.srt.managers.io_struct import LogprobEntry, TokenizedGenerateReqInput, TopLogprobList
+from sglang.srt.mem_cache.radix_cache import CacheNamespace, TreeNode
 from sglang.srt.model_executor.batch_builder import prompt_logprob_targets
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -29,12 +32,17 @@ class Req:
         # Clamp into the prompt; -1 stays "no prompt logprobs".
         self.logprob_start_len = -1 if start < 0 else min(start, len(self.origin_input_ids))
         self.lora_id: Optional[str] = msg.lora_id
+        # KV is reused only between requests of the same adapter and the same salt.
+        self.namespace = CacheNamespace(msg.lora_id, msg.cache_salt)
         self.stream = msg.stream
         self.arrival = arrival  # FCFS order; also decides who is retracted first (the newest)
 
         self.output_ids: list[int] = []
         self.req_pool_idx: Optional[int] = None
         self.kv_len = 0
+        self.cache_len = 0
+        self.cache_node: Optional[TreeNode] = None
+        self.cached_tokens = 0  # prompt tokens reused from the cache at its first admission
         self.extend_len = 0  # tokens of the pass being built (prefill chunk size)
         self.finished_reason: Optional[dict[str, Any]] = None
         self.lora_wait_turns = 0  # turns spent waiting because its adapter did not fit a batch
@@ -70,6 +78,17 @@ class Req:
         return self.fill_len - self.kv_len
 
     @property
+    def cacheable_len(self) -> int:
+        """How much of `fill_ids` a cache hit may cover: never the last token (its logits give the
+        next token) and, while prompt logprobs are wanted, not the position of the first of them
+        (the logprob of prompt token t is read at position t - 1), so they come out the same with
+        the cache on or off."""
+        limit = self.fill_len - 1
+        if not self.prompt_logprobs_done:
+            limit = min(limit, max(self.logprob_start_len, 1) - 1)
+        return max(limit, 0)
+
+    @property
     def max_new_tokens(self) -> int:
         return self.sampling_params.max_new_tokens
 
@@ -94,4 +113,4 @@ class Req:
 
     def __repr__(self) -> str:
         return (f"Req(rid={self.rid!r}, prompt={len(self.origin_input_ids)}, out={len(self.output_ids)}, "
-                f"kv={self.kv_len}, row={self.req_pool_idx})")
+                f"kv={self.kv_len}, cached={self.cache_len}, row={self.req_pool_idx})")

@@ -8,7 +8,7 @@ gives memory back when a request finishes, is aborted or is retracted.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
 
@@ -42,6 +42,15 @@ def release_kv(req: Req, model_runner: "ModelRunner") -> None:
     req.kv_len = 0
 
 
+def alloc_kv(model_runner: "ModelRunner", n: int, evict: Optional[Callable[[int], int]]) -> Optional[torch.Tensor]:
+    """n free KV slots, evicting cached prefixes first (`evict`, with a prefix cache) if short."""
+    allocator = model_runner.token_to_kv_pool_allocator
+    short = n - allocator.available_size()
+    if short > 0 and evict is not None:
+        evict(short)
+    return allocator.alloc(n)
+
+
 def sampling_info_for(reqs: list[Req], device: torch.device | str) -> SamplingBatchInfo:
     params = [r.sampling_params for r in reqs]
     return SamplingBatchInfo.from_params(
@@ -62,30 +71,29 @@ class ScheduleBatch:
     forward_batch: ForwardBatch
     # Prefill only: the pass's prompt-logprob targets per request (to pair values with token ids).
     logprob_targets: Optional[list[list[int]]] = None
-    prefix_lens: Optional[list[int]] = None
 
     @property
     def is_extend(self) -> bool:
         return self.mode.is_extend()
 
     @classmethod
-    def prepare_extend(cls, reqs: list[Req], model_runner: "ModelRunner") -> "ScheduleBatch":
-        """Allocate rows and KV for each request's `extend_len` tokens and build the batch.
+    def prepare_extend(cls, reqs: list[Req], model_runner: "ModelRunner",
+                       evict: Optional[Callable[[int], int]] = None) -> "ScheduleBatch":
+        """Allocate rows and KV for each request's `extend_len` tokens and build the batch (a
+        request admitted with a cached prefix already has its row, holding that prefix).
 
-        Admission already checked that the memory is free; running out here is a bug.
+        Admission already checked that the memory is free or evictable; running out here is a bug.
         """
         pool = model_runner.req_to_token_pool
-        allocator = model_runner.token_to_kv_pool_allocator
         items: list[ExtendRequest] = []
         targets: list[list[int]] = []
-        prefix_lens: list[int] = []
         for req in reqs:
             if req.req_pool_idx is None:
                 rows = pool.alloc(1)
                 assert rows is not None, "admission let in more requests than there are rows"
                 req.req_pool_idx = rows[0]
             n = req.extend_len
-            locs = allocator.alloc(n)
+            locs = alloc_kv(model_runner, n, evict)
             assert locs is not None, "admission let in more tokens than there are free KV slots"
             start = req.kv_len
             rel, tgt = req.prompt_logprob_targets(start, n) if req.return_logprob else (n, [])
@@ -101,7 +109,6 @@ class ScheduleBatch:
                 lora_id=req.lora_id,
             ))
             targets.append(tgt)
-            prefix_lens.append(start)
             # From here on the slots belong to the request (freed with it even if the pass fails).
             req.kv_len = start + n
         fb = build_extend_batch(
@@ -109,13 +116,13 @@ class ScheduleBatch:
             sampling_info=sampling_info_for(reqs, model_runner.device),
             enable_lora=model_runner.lora_manager is not None,
         )
-        return cls(ForwardMode.EXTEND, list(reqs), fb, logprob_targets=targets, prefix_lens=prefix_lens)
+        return cls(ForwardMode.EXTEND, list(reqs), fb, logprob_targets=targets)
 
     @classmethod
-    def prepare_decode(cls, reqs: list[Req], model_runner: "ModelRunner") -> "ScheduleBatch":
-        """One new KV slot per request (the caller made sure there are enough)."""
-        allocator = model_runner.token_to_kv_pool_allocator
-        locs = allocator.alloc(len(reqs))
+    def prepare_decode(cls, reqs: list[Req], model_runner: "ModelRunner",
+                       evict: Optional[Callable[[int], int]] = None) -> "ScheduleBatch":
+        """One new KV slot per request (the caller made sure there are enough, evictable included)."""
+        locs = alloc_kv(model_runner, len(reqs), evict)
         assert locs is not None, "decode started without a free KV slot per request"
         items = []
         for req, loc in zip(reqs, locs.tolist()):

@@ -11,8 +11,11 @@ FCFS with these limits, all checked before a request is admitted, never by faili
     `validate_lora_batch`, with a bounded wait for a request whose adapter does not fit
     (`LoRAAdmission`); the scheduler's `GroupedLoRAAdmission` also orders the waiting requests by
     adapter and rotates adapters through the slots, to keep the running batch full.
+  * prefix cache (optional): a request counts only its uncached suffix, plus the cached tokens its
+    lock takes out of the evictable pool; a request whose next tokens a request of this batch is
+    about to compute (the same prompt, arriving together) waits a turn and reuses them instead.
 A request blocked by KV stops admission (later requests must not overtake it); a request blocked
-only by its adapter is skipped, so other requests keep flowing.
+only by its adapter, or deferred for the cache, is skipped, so other requests keep flowing.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from __future__ import annotations
 import math
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable, Iterable, Optional
+from typing import Any, Callable, Iterable, Optional, Protocol
 
 from sglang.srt.managers.req import Req
 
@@ -170,9 +173,20 @@ class GroupedLoRAAdmission(LoRAAdmission):
         return sorted((u for u in demand if u is not None and u not in active), key=lambda u: (-demand[u], u))
 
 
+class PrefixAdmission(Protocol):
+    """The prefix cache as admission sees it (managers/prefix_cache.py). A hit has `length`
+    (cached tokens reused) and `cost` (evictable tokens its lock would protect)."""
+
+    def match(self, req: Req) -> Any: ...
+
+    def defer(self, req: Req, hit: Any) -> bool: ...
+
+    def admit(self, req: Req, hit: Any) -> None: ...
+
+
 @dataclass
 class PrefillBudget:
-    kv_free: int  # free KV slots
+    kv_free: int  # free KV slots (with a prefix cache: free + evictable)
     rows_free: int  # free ReqToTokenPool rows
     max_new_reqs: int  # requests that may still start (max running minus running and chunked)
     max_prefill_tokens: int
@@ -193,10 +207,11 @@ def plan_prefill(
     running: list[Req],
     budget: PrefillBudget,
     lora: LoRAAdmission,
+    prefix: Optional[PrefixAdmission] = None,
 ) -> PrefillPlan:
     """Pick the next prefill batch. `waiting` is in the order admission considers it (FCFS, or
-    `GroupedLoRAAdmission.order`); nothing is mutated except the chosen requests' `extend_len` and
-    the skipped ones' `lora_wait_turns`."""
+    `GroupedLoRAAdmission.order`); nothing is mutated except the chosen requests' `extend_len` (and
+    their cached prefix, through `prefix.admit`) and the skipped ones' `lora_wait_turns`."""
     plan = PrefillPlan()
     ratio = budget.new_token_ratio
     kv_free = budget.kv_free
@@ -233,20 +248,26 @@ def plan_prefill(
             req.lora_wait_turns += 1
             plan.lora_blocked.append(req)
             continue
-        need = req.remaining_prefill
+        hit = prefix.match(req) if prefix is not None else None
+        if hit is not None and prefix.defer(req, hit):
+            continue
+        cost = hit.cost if hit is not None else 0
+        need = req.remaining_prefill - (hit.length if hit is not None else 0)
         own_reserve = reserved_tokens(req, ratio)
         alone = nothing_running and not plan.reqs
         if alone:
             # Nothing else can free KV for it: admit whenever its prompt fits (the tokenizer
             # manager guarantees prompt + max_new_tokens fits the pool).
-            room = kv_free
+            room = kv_free - cost
         else:
-            room = kv_free - reserve - own_reserve
+            room = kv_free - reserve - own_reserve - cost
         if need > chunk_left:
             # Chunk it: this request ends the batch and continues next turn.
             piece = int(min(chunk_left, tokens_left, room))
             if piece <= 0:
                 break
+            if hit is not None:
+                prefix.admit(req, hit)
             req.extend_len = piece
             plan.reqs.append(req)
             plan.chunked = req
@@ -254,10 +275,12 @@ def plan_prefill(
             break
         if need > room or (need > tokens_left and plan.reqs):
             break  # FCFS: nobody overtakes a request that waits for KV or for the next batch
+        if hit is not None:
+            prefix.admit(req, hit)
         req.extend_len = need
         plan.reqs.append(req)
         lora.add(req.lora_id)
-        kv_free -= need
+        kv_free -= need + cost
         reserve += own_reserve
         tokens_left -= need
         chunk_left -= need

@@ -4,6 +4,9 @@ Each turn: take every pending message, then run one batch, prefill first (FCFS, 
 the KV / row / token / LoRA budgets of schedule_policy.py), else one decode step of every running
 request. When decode finds no free KV slot it *retracts* the newest running requests back to the
 queue (they give their KV back and are prefilled again later, resuming where they stopped).
+With the prefix cache (managers/prefix_cache.py, on unless --disable-radix-cache), admission
+reuses cached prefixes, every prefill pass and every finished or retracted request leaves its KV
+in the cache, and cached KV is evicted (least recently used first) before anything is retracted.
 A forward that raises fails only the requests of its batch; the loop keeps serving.
 """
 
@@ -15,12 +18,14 @@ import os
 import threading
 import time
 import traceback
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from sglang.srt.managers.integrity import IntegrityLog, scheduler_problems
 from sglang.srt.managers.io_struct import (
     AbortReq,
     FaultInjectionReq,
+    FlushCacheOut,
+    FlushCacheReq,
     GetServerInfoOut,
     GetServerInfoReq,
     LoadLoRAAdapterReq,
@@ -31,6 +36,7 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReq,
 )
+from sglang.srt.managers.prefix_cache import PrefixCache
 from sglang.srt.managers.req import Req
 from sglang.srt.managers.schedule_batch import ScheduleBatch, release_kv
 from sglang.srt.managers.schedule_policy import GroupedLoRAAdmission, PrefillBudget, plan_prefill
@@ -79,6 +85,7 @@ class Scheduler:
         self.stop_checker = StopChecker(eos, tokenizer, mr.context_len)
         validate = mr.lora_manager.validate_lora_batch if mr.lora_manager is not None else None
         self.lora_admission = GroupedLoRAAdmission(validate, server_args.lora_max_wait_turns)
+        self.prefix_cache: Optional[PrefixCache] = None if server_args.disable_radix_cache else PrefixCache(mr)
 
         self.waiting: list[Req] = []  # FCFS by arrival
         self.running: list[Req] = []
@@ -115,9 +122,15 @@ class Scheduler:
         }
 
     def live_info(self) -> dict[str, Any]:
+        cache = self.prefix_cache
         return {
             "kv_free_tokens": self.allocator.available_size(),
+            # Free or held by the cache but evictable: what new requests can get.
+            "kv_available_tokens": self._kv_available(),
+            "kv_cached_tokens": cache.tree.total_size if cache is not None else 0,
+            "kv_evictable_tokens": cache.evictable_size if cache is not None else 0,
             "kv_used_tokens": self._kv_used(),
+            "prefix_cache": cache.info() if cache is not None else {"enabled": False},
             "max_total_num_tokens": self.max_total_num_tokens,
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
             "num_waiting_reqs": len(self.waiting),
@@ -159,8 +172,21 @@ class Scheduler:
     def _holders(self) -> list[Req]:
         return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
 
+    def _kv_available(self) -> int:
+        evictable = self.prefix_cache.evictable_size if self.prefix_cache is not None else 0
+        return self.allocator.available_size() + evictable
+
     def _kv_used(self) -> int:
-        return sum(r.kv_len for r in self._holders())
+        """KV slots held by running requests, directly or through the cached prefixes they lock."""
+        return self.max_total_num_tokens - self._kv_available()
+
+    def _release(self, req: Req, insert: bool) -> None:
+        """Give back the request's KV and row; with the cache, what it computed is cached first
+        when `insert` (a normal finish or a retraction, never an abort: its KV may be unwritten)."""
+        if self.prefix_cache is not None:
+            self.prefix_cache.release(req, insert)
+        else:
+            release_kv(req, self.model_runner)
 
     def check_integrity(self) -> dict[str, Any]:
         """Run the idle-time integrity check (managers/integrity.py); ERROR-logs new problems."""
@@ -189,6 +215,8 @@ class Scheduler:
                     self.faults.append(msg)
             elif isinstance(msg, (LoadLoRAAdapterReq, UnloadLoRAAdapterReq)):
                 self.send(self.update_lora(msg))
+            elif isinstance(msg, FlushCacheReq):
+                self.send(self.flush_cache())
             elif isinstance(msg, ShutdownReq):
                 return False
             else:
@@ -220,7 +248,29 @@ class Scheduler:
             return LoRAUpdateOutput(success=False, error_message="LoRA is not enabled on this server")
         if isinstance(msg, LoadLoRAAdapterReq):
             return lora.load_lora_adapter(msg.lora_ref)
-        return lora.unload_lora_adapter(msg.lora_ref)
+        out = lora.unload_lora_adapter(msg.lora_ref)
+        if out.success and self.prefix_cache is not None:
+            # Adapter ids are unique per load: nothing can match the unloaded one's entries again.
+            if self.prefix_cache.drop_namespaces(lambda ns: ns.lora_id is not None and ns.lora_id not in lora.refs):
+                self._recheck_if_idle()
+        return out
+
+    def _recheck_if_idle(self) -> None:
+        """Keep the reported idle-time check current after memory moved while idle."""
+        if not (self.waiting or self.running or self.chunked_req):
+            self.check_integrity()
+
+    def flush_cache(self) -> FlushCacheOut:
+        busy = len(self.running) + len(self.waiting) + (self.chunked_req is not None)
+        if busy:
+            return FlushCacheOut(False, f"Cannot flush the cache while {busy} request(s) are running or "
+                                        "waiting; try again when the server is idle.")
+        if self.prefix_cache is None:
+            return FlushCacheOut(True, "The prefix cache is disabled (--disable-radix-cache); nothing to flush.")
+        freed = self.prefix_cache.flush()
+        logger.info("Cache flushed: %d cached tokens freed.", freed)
+        self._recheck_if_idle()
+        return FlushCacheOut(True, f"Cache flushed: {freed} cached tokens freed.")
 
     # ------------------------------------------------------------------ request lifecycle
     def finish(self, req: Req, reason: dict[str, Any], notify: bool = True) -> None:
@@ -229,7 +279,7 @@ class Scheduler:
             self.running.remove(req)
         if req is self.chunked_req:
             self.chunked_req = None
-        release_kv(req, self.model_runner)
+        self._release(req, insert=reason.get("type") != "abort")
         self.rid_to_req.pop(req.rid, None)
         self.stats["num_finished"] += 1
         if notify:
@@ -238,12 +288,13 @@ class Scheduler:
                 self.send(out)
 
     def retract_for_decode(self) -> None:
-        """Retract the newest running requests until every remaining one gets a KV slot."""
+        """Retract the newest running requests until every remaining one gets a KV slot (cached
+        KV counts as available: it is evicted first)."""
         retracted = []
-        while self.running and self.allocator.available_size() < len(self.running):
+        while self.running and self._kv_available() < len(self.running):
             newest = max(self.running, key=lambda r: r.arrival)
             self.running.remove(newest)
-            release_kv(newest, self.model_runner)
+            self._release(newest, insert=True)
             bisect.insort(self.waiting, newest, key=lambda r: r.arrival)
             retracted.append(newest)
         if retracted:
@@ -275,8 +326,10 @@ class Scheduler:
         self.lora_admission.begin({r.lora_id for r in holders}, self.waiting, holders)
         holding = len(self.running) + (self.chunked_req is not None)
         chunk = self.server_args.chunked_prefill_size
+        if self.prefix_cache is not None:
+            self.prefix_cache.begin_turn()
         budget = PrefillBudget(
-            kv_free=self.allocator.available_size(),
+            kv_free=self._kv_available(),
             rows_free=self.req_to_token_pool.available_size(),
             max_new_reqs=self.max_running_requests - holding,
             max_prefill_tokens=self.server_args.max_prefill_tokens,
@@ -284,7 +337,8 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio,
         )
         plan = plan_prefill(
-            self.lora_admission.order(self.waiting), self.chunked_req, self.running, budget, self.lora_admission
+            self.lora_admission.order(self.waiting), self.chunked_req, self.running, budget, self.lora_admission,
+            self.prefix_cache,
         )
         if plan.reqs:
             admitted = {id(r) for r in plan.reqs}
@@ -303,9 +357,9 @@ class Scheduler:
                     # forward batch at a time, does not evict them for a prefill only to load them
                     # back at the next decode step.
                     lora.fetch_new_loras({r.lora_id for r in self._holders()} | {r.lora_id for r in reqs})
-                batch = ScheduleBatch.prepare_extend(reqs, self.model_runner)
+                batch = ScheduleBatch.prepare_extend(reqs, self.model_runner, self._evict)
             else:
-                batch = ScheduleBatch.prepare_decode(reqs, self.model_runner)
+                batch = ScheduleBatch.prepare_decode(reqs, self.model_runner, self._evict)
             self._prefetch_adapters(reqs)
             self._maybe_inject_fault(batch)
             out = self.model_runner.forward(batch.forward_batch)
@@ -336,6 +390,10 @@ class Scheduler:
         if wanted:
             lora.prefetch(wanted, protected)
 
+    @property
+    def _evict(self) -> Optional[Callable[[int], int]]:
+        return self.prefix_cache.evict if self.prefix_cache is not None else None
+
     def _maybe_inject_fault(self, batch: ScheduleBatch) -> None:
         for fault in self.faults:
             if fault.where == "decode" and batch.is_extend:
@@ -364,6 +422,8 @@ class Scheduler:
                 self.running.append(req)
         self.stats["prefill_batches"] += 1
         self.stats["prefill_tokens"] += batch.forward_batch.extend_num_tokens
+        if self.prefix_cache is not None:
+            self.prefix_cache.cache_unfinished([r for r in batch.reqs if not r.finished])
         self._log_prefill(batch, out.used_cuda_graph)
 
     def _append_token(self, req: Req, out: Any, i: int, token: int) -> bool:
@@ -393,13 +453,14 @@ class Scheduler:
 
     # ------------------------------------------------------------------ logs
     def _usage(self) -> float:
-        return (self.max_total_num_tokens - self.allocator.available_size()) / self.max_total_num_tokens
+        return self._kv_used() / self.max_total_num_tokens
 
     def _log_prefill(self, batch: ScheduleBatch, used_cuda_graph: bool) -> None:
         logger.info(
             "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d, cuda graph: %s",
-            len(batch.reqs), batch.forward_batch.extend_num_tokens, sum(batch.prefix_lens or []),
+            len(batch.reqs), batch.forward_batch.extend_num_tokens,
+            self.prefix_cache.turn_hit_tokens if self.prefix_cache is not None else 0,
             self._usage(), len(self.running), len(self.waiting), bool(used_cuda_graph),
         )
 

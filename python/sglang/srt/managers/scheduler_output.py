@@ -104,7 +104,7 @@ def build_output(reqs: list[Req]) -> Optional[BatchTokenIDOut]:
         out.output_ids.append(r.output_ids[r.sent_output_len:])
         out.prompt_tokens.append(len(r.origin_input_ids))
         out.completion_tokens.append(len(r.output_ids))
-        out.cached_tokens.append(0)
+        out.cached_tokens.append(r.cached_tokens)
         r.sent_output_len = len(r.output_ids)
         if not want_lp:
             continue

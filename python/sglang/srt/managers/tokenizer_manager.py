@@ -26,6 +26,8 @@ from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
     FaultInjectionReq,
+    FlushCacheOut,
+    FlushCacheReq,
     GetServerInfoOut,
     GetServerInfoReq,
     LoRAUpdateOutput,
@@ -76,6 +78,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.dead_reason: Optional[str] = None
         self._info_waiters: list[asyncio.Future] = []
+        self._flush_waiters: list[asyncio.Future] = []
         self._lora_waiters: list[asyncio.Future] = []
         # One adapter load/unload at a time, so that e.g. "unload X" (waiting for X's in-flight
         # requests) and a following "load X" reach the scheduler in the order they were asked.
@@ -125,6 +128,8 @@ class TokenizerManager(TokenizerLoRAMixin):
                         self.client.send(AbortReq(rid=rid))  # free its KV now
         elif isinstance(msg, GetServerInfoOut):
             self._resolve_first(self._info_waiters, msg.info)
+        elif isinstance(msg, FlushCacheOut):
+            self._resolve_first(self._flush_waiters, msg)
         elif isinstance(msg, LoRAUpdateOutput):
             self._resolve_first(self._lora_waiters, msg)
         else:
@@ -143,7 +148,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         for state in list(self.rid_to_state.values()):
             if not state.finished:
                 state.fail(reason, 500)
-        for fut in self._info_waiters + self._lora_waiters:
+        for fut in self._info_waiters + self._lora_waiters + self._flush_waiters:
             if not fut.done():
                 fut.set_exception(RuntimeError(reason))
         if self.on_fatal is not None:
@@ -291,7 +296,7 @@ class TokenizerManager(TokenizerLoRAMixin):
                     return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                     top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
-                    lora_id=lora_id, stream=req.stream,
+                    lora_id=lora_id, stream=req.stream, cache_salt=req.cache_salt,
                 ))
             async for out in iterate_states(states, is_batch, obj.stream, request, self.token_text):
                 yield out
@@ -316,13 +321,22 @@ class TokenizerManager(TokenizerLoRAMixin):
         return result
 
     # ------------------------------------------------------------------ control
-    async def get_scheduler_info(self, timeout: float = 30.0) -> dict[str, Any]:
+    async def _ask_scheduler(self, msg: Any, waiters: list[asyncio.Future], timeout: float) -> Any:
+        """Send `msg` and wait for its answer (the scheduler answers each kind in order)."""
         if not self.is_healthy():
             raise RuntimeError(self.dead_reason or "the scheduler is not running")
         fut = asyncio.get_running_loop().create_future()
-        self._info_waiters.append(fut)
-        self.client.send(GetServerInfoReq())
+        waiters.append(fut)
+        self.client.send(msg)
         return await asyncio.wait_for(fut, timeout)
+
+    async def get_scheduler_info(self, timeout: float = 30.0) -> dict[str, Any]:
+        return await self._ask_scheduler(GetServerInfoReq(), self._info_waiters, timeout)
+
+    async def flush_cache(self, timeout: float = 30.0) -> FlushCacheOut:
+        """Empty the prefix cache; the scheduler refuses (success False, with the reason) while
+        any request runs or waits."""
+        return await self._ask_scheduler(FlushCacheReq(), self._flush_waiters, timeout)
 
     async def server_info(self) -> dict[str, Any]:
         """What /get_server_info and Engine.get_server_info report: the public server args, the

@@ -243,12 +243,12 @@ class TestCli(unittest.TestCase):
         with pytest.raises(SystemExit):
             prepare_server_args(["--lora-backend", "nope"])
 
-    def test_help_mentions_prefix_caching_is_not_implemented(self):
+    def test_help_says_what_disable_radix_cache_turns_off(self):
         import argparse
 
         parser = argparse.ArgumentParser()
         ServerArgs.add_cli_args(parser)
-        self.assertIn("prefix caching is not implemented", " ".join(parser.format_help().split()))
+        self.assertIn("--disable-radix-cache Turn the prefix cache off", " ".join(parser.format_help().split()))
 
 
 def test_resolved_lora_backend_falls_back_only_where_triton_cannot_run(monkeypatch):

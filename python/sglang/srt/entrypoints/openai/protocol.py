@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer
 
+from sglang.srt.managers.generate_request import MAX_CACHE_SALT_CHARS
+
 
 def _json_type(value: Any) -> str:
     if isinstance(value, bool):
@@ -76,6 +78,8 @@ class _SamplingFields(BaseModel):
     no_stop_trim: Bool = False
     lora_path: Optional[Union[str, list[Optional[str]]]] = None
     rid: Optional[str] = None
+    # Prefix-cache isolation (vLLM's field): KV is reused only between requests with the same salt.
+    cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -139,10 +143,20 @@ class CompletionChoice(BaseModel):
     matched_stop: Union[None, int, str] = None
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
+
+
 class UsageInfo(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+    @classmethod
+    def of(cls, prompt: int, completion: int, cached: int) -> "UsageInfo":
+        return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
+                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
 
 
 class CompletionResponse(BaseModel):

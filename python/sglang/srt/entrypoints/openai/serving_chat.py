@@ -98,6 +98,7 @@ class OpenAIServingChat:
             lora_path=adapter,
             stream=req.stream,
             rid=req.rid if req.n == 1 else None,
+            cache_salt=req.cache_salt,
         )
 
     def _logprobs(self, req: ChatCompletionRequest, out: dict, start: int = 0) -> Optional[ChatLogprobs]:
@@ -129,9 +130,9 @@ class OpenAIServingChat:
                 index=i, message=ChatResponseMessage(content=out["text"]), logprobs=self._logprobs(req, out),
                 finish_reason=reason, matched_stop=matched,
             ))
-        prompt = results[0]["meta_info"]["prompt_tokens"]
+        meta = results[0]["meta_info"]
         completion = sum(r["meta_info"]["completion_tokens"] for r in results)
-        usage = UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+        usage = UsageInfo.of(meta["prompt_tokens"], completion, meta["cached_tokens"])
         return JSONResponse(ChatCompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
 
     async def _stream(self, req: ChatCompletionRequest, outs: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -143,7 +144,7 @@ class OpenAIServingChat:
 
         sent_text: dict[int, int] = {}
         sent_lp: dict[int, int] = {}
-        prompt_tokens = 0
+        prompt_tokens = cached_tokens = 0
         completion: dict[int, int] = {}
         async for out in outs:
             index = out.get("index", 0)
@@ -157,6 +158,8 @@ class OpenAIServingChat:
             sent_text[index] = len(text)
             sent_lp[index] = len(out["meta_info"].get("output_token_logprobs", []))
             prompt_tokens = out["meta_info"]["prompt_tokens"]
+            if index == 0:
+                cached_tokens = out["meta_info"]["cached_tokens"]
             completion[index] = out["meta_info"]["completion_tokens"]
             if not delta and reason is None and not (logprobs and logprobs.content):
                 continue
@@ -165,7 +168,5 @@ class OpenAIServingChat:
                 logprobs=logprobs, finish_reason=reason, matched_stop=matched,
             ))
         if req.stream_options is not None and req.stream_options.include_usage:
-            total = sum(completion.values())
-            usage = UsageInfo(prompt_tokens=prompt_tokens, completion_tokens=total,
-                              total_tokens=prompt_tokens + total)
+            usage = UsageInfo.of(prompt_tokens, sum(completion.values()), cached_tokens)
             yield sse(ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[], usage=usage))

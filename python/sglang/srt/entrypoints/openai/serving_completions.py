@@ -71,6 +71,7 @@ class OpenAIServingCompletion:
             lora_path=adapter,
             stream=req.stream,
             rid=req.rid if (req.rid and num_prompts == 1 and req.n == 1) else None,
+            cache_salt=req.cache_salt,
         )
         if text is not None:
             prompt_texts = text
@@ -169,5 +170,6 @@ class OpenAIServingCompletion:
 def _usage(results: list[dict], n: int) -> UsageInfo:
     # A prompt sampled n times is counted once, as OpenAI does.
     prompt = sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
+    cached = sum(r["meta_info"]["cached_tokens"] for r in results[::n])
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
-    return UsageInfo(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion)
+    return UsageInfo.of(prompt, completion, cached)
