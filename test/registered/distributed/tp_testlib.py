@@ -15,6 +15,7 @@ import multiprocessing as mp
 import os
 import queue
 import sys
+import time
 import traceback
 from typing import Any, Callable
 
@@ -56,18 +57,23 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, backen
         p.start()
     outs: dict[int, Any] = {}
     errors: list[str] = []
+    deadline = time.monotonic() + timeout
     try:
-        for _ in range(world_size):
+        while len(outs) < world_size and not errors:
             try:
-                rank, status, value = results.get(timeout=timeout)
+                rank, status, value = results.get(timeout=1.0)
             except queue.Empty:
-                raise AssertionError(f"ranks {sorted(set(range(world_size)) - set(outs))} did not finish "
-                                     f"within {timeout:.0f} s") from None
+                dead = [r for r, p in enumerate(procs) if r not in outs and p.exitcode not in (None, 0)]
+                if dead:  # died without a report (killed, or failed before reaching its function)
+                    errors.append(f"rank(s) {dead} exited with code(s) {[procs[r].exitcode for r in dead]}")
+                elif time.monotonic() > deadline:
+                    errors.append(f"ranks {sorted(set(range(world_size)) - set(outs))} did not finish "
+                                  f"within {timeout:.0f} s")
+                continue
             if status == "ok":
                 outs[rank] = value
-            else:
+            else:  # the other ranks may be stuck in a collective with it: stop here
                 errors.append(f"rank {rank} failed:\n{value}")
-                break  # the other ranks may be stuck in a collective with it
     finally:
         for p in procs:
             p.join(5 if not errors else 0.5)
