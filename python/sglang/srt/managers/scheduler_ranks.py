@@ -2,7 +2,7 @@
 watchdog, termination.
 
 Each rank process reports on its own status pipe (`SchedulerReady` / `SchedulerFailed`, see
-scheduler_process.py). `start` waits for every rank to be ready and, if any rank fails, exits or
+scheduler_process.py). `wait_ready` waits for every rank to be ready and, if any rank fails, exits or
 stays silent past the timeout, terminates them all and raises an error naming that rank and its
 cause. After start-up, `watch` runs a watchdog thread: the first rank process to exit while the
 ranks are not being shut down is reported (rank, pid, signal or exit code, the last line of its
@@ -19,7 +19,7 @@ import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, Optional
 
@@ -75,7 +75,6 @@ class RankProcess:
     status: Connection  # rank -> parent; rank 0's also carries its replies
     info: Optional[dict[str, Any]] = None
     crash: Optional[str] = None  # the traceback of a crash report
-    exit_time: Optional[float] = field(default=None, repr=False)
 
     @property
     def label(self) -> str:
@@ -182,7 +181,10 @@ class SchedulerRanks:
             # Rank 0's pipe belongs to its reader; the others' carry only crash reports.
             reports = {r.status: r for r in self.ranks if not (r.spec.tp_rank == 0 and rank0_reader is not None)}
             while not self.stopping:
-                ready = wait([*sentinels, *reports], timeout=0.5)
+                try:
+                    ready = wait([*sentinels, *reports], timeout=0.5)
+                except (OSError, ValueError):  # the pipes were closed under us: shutting down
+                    return
                 dead = []
                 for obj in ready:
                     if obj in reports:
@@ -225,7 +227,7 @@ class SchedulerRanks:
             for rank in dead:
                 rank.proc.join(1.0)
             # Prefer a rank killed by a signal: the others' errors are usually its consequence.
-            first = min(dead, key=lambda r: (not (r.proc.exitcode or 0) < 0, r.spec.tp_rank))
+            first = min(dead, key=lambda r: ((r.proc.exitcode or 0) >= 0, r.spec.tp_rank))
             reason = f"{first.label} exited unexpectedly ({describe_exit(first.proc.exitcode)})"
             if first.crash:
                 reason += f": {last_line(first.crash)}"
