@@ -47,6 +47,7 @@ def test_column_parallel_layers_hold_their_slice(results, kv) -> None:
         # 4 query heads over 2 ranks; 2 KV heads split, 1 KV head replicated on both ranks.
         assert layers["qkv_sizes"] == ((2, 1, 1) if kv == 2 else (2, 1, 2))
         assert layers["qkv_fused_load_equal"] and layers["gate_up_fused_load_equal"]
+        assert layers["qkv_partition"] and layers["gate_up_partition"] and layers["down_partition"]
 
 
 @pytest.mark.parametrize("kv", [2, 1])

@@ -131,6 +131,11 @@ def sharded_layers(group: TensorParallelGroup, kv_heads: int) -> dict[str, Any]:
         _max_diff(v_loc, v_full[:, kv_head * nkv * HEAD:(kv_head + 1) * nkv * HEAD]),
     )
     out["qkv_sizes"] = (sh_qkv.num_heads, sh_qkv.num_kv_heads, sh_qkv.num_kv_head_replicas)
+    # The partition seams LoRA shards with: B (stacked like the full output) by output_partition,
+    # A of a row-parallel layer by input_partition.
+    fused = torch.cat([w.q, w.k, w.v])
+    out["qkv_partition"] = torch.equal(
+        torch.cat([fused.narrow(0, s, n) for s, n in sh_qkv.output_partition()]), sh_qkv.weight)
 
     # o_proj after attention: each rank holds its heads' slice of the input.
     ref_o, sh_o = _row(w.o, w.o_bias, SINGLE_RANK), _row(w.o, w.o_bias, group)
@@ -147,6 +152,11 @@ def sharded_layers(group: TensorParallelGroup, kv_heads: int) -> dict[str, Any]:
     # The MLP: column (gate_up) -> activation -> row (down) with its all-reduce.
     ref_gu, sh_gu = _gate_up(w, SINGLE_RANK, fused=False), _gate_up(w, group, fused=False)
     out["gate_up_fused_load_equal"] = torch.equal(_gate_up(w, group, fused=True).weight, sh_gu.weight)
+    stacked = torch.cat([w.gate, w.up])
+    out["gate_up_partition"] = torch.equal(
+        torch.cat([stacked.narrow(0, s, n) for s, n in sh_gu.output_partition()]), sh_gu.weight)
+    out["down_partition"] = torch.equal(w.down.narrow(1, *_row(w.down, None, group).input_partition()),
+                                        _row(w.down, None, group).weight)
     ref_down, sh_down = _row(w.down, None, SINGLE_RANK), _row(w.down, None, group)
     out["mlp"] = _max_diff(sh_down(_act(sh_gu(x))), ref_down(_act(ref_gu(x))))
 

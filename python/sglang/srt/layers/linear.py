@@ -50,14 +50,6 @@ def load_into(dst: torch.Tensor, loaded: LoadedWeight, what: str) -> None:
     dst.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.materialize())
 
 
-def _split_rows(loaded: LoadedWeight, sizes: list[int], what: str) -> list[LoadedWeight]:
-    """A fused tensor cut along dim 0 into parts of the given (full) sizes."""
-    if loaded.shape[0] != sum(sizes):
-        raise ValueError(f"fused checkpoint tensor for {what} has {loaded.shape[0]} rows, expected {sum(sizes)}")
-    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
-    return [loaded.narrow(0, off, n) for off, n in zip(offsets, sizes)]
-
-
 class LinearBase(nn.Module):
     def __init__(
         self,
@@ -129,10 +121,26 @@ class ColumnParallelLinear(LinearBase):
             full_output_size=output_size,
         )
 
+    def output_partition(self) -> list[tuple[int, int]]:
+        """(start, length) in the full, unsharded output of each block of rows this rank holds, in
+        the order of its local output features. A tensor laid out like the full fused output (a
+        checkpoint tensor, or a LoRA B stacked [q; k; v] / [gate; up]) is sharded with it."""
+        return [(self.tp_rank * self.output_size, self.output_size)]
+
+    def _load_full(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
+        """Load this rank's rows of a tensor laid out like the full (fused) output."""
+        what = type(self).__name__
+        if loaded.shape[0] != self.full_output_size:
+            raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected "
+                             f"{self.full_output_size} rows")
+        local = 0
+        for start, n in self.output_partition():
+            load_into(param.data.narrow(0, local, n), loaded.narrow(0, start, n), what)
+            local += n
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         assert shard_id is None, "ColumnParallelLinear has no shards"
-        n = param.shape[0]
-        load_into(param.data, loaded_weight.narrow(0, self.tp_rank * n, n), type(self).__name__)
+        self._load_full(param, loaded_weight)
 
 
 class RowParallelLinear(LinearBase):
@@ -176,12 +184,16 @@ class RowParallelLinear(LinearBase):
             return partial
         return self.tp_group.all_reduce(partial)
 
+    def input_partition(self) -> tuple[int, int]:
+        """(start, length) of this rank's input features in the full input: the columns of a full
+        weight (or of a LoRA A) that it holds."""
+        return self.tp_rank * self.input_size, self.input_size
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         assert shard_id is None, "RowParallelLinear has no shards"
         loaded = loaded_weight
         if len(loaded_weight.shape) == 2:  # the bias is not split
-            n = param.shape[1]
-            loaded = loaded_weight.narrow(1, self.tp_rank * n, n)
+            loaded = loaded_weight.narrow(1, *self.input_partition())
         load_into(param.data, loaded, type(self).__name__)
 
 
@@ -205,11 +217,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = [_split(s, group.size, "output size") for s in output_sizes]
         super().__init__(input_size, sum(output_sizes), bias, params_dtype=params_dtype, tp_group=group)
 
+    def output_partition(self) -> list[tuple[int, int]]:
+        offsets = [sum(self.full_output_sizes[:i]) for i in range(len(self.full_output_sizes))]
+        return [(off + self.tp_rank * n, n) for off, n in zip(offsets, self.output_sizes)]
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
-        if shard_id is None:  # a whole fused tensor: load each projection's rows as its own shard
-            for i, part in enumerate(_split_rows(loaded_weight, self.full_output_sizes, type(self).__name__)):
-                self.weight_loader(param, part, i)
-            return
+        if shard_id is None:  # a whole fused [gate; up] tensor
+            return self._load_full(param, loaded_weight)
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an index in 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         size = self.output_sizes[shard_id]
@@ -268,18 +282,25 @@ class QKVParallelLinear(ColumnParallelLinear):
         )
         self.output_sizes = [self.q_proj_shard_size, self.kv_proj_shard_size, self.kv_proj_shard_size]
 
+    @property
+    def kv_head_rank(self) -> int:
+        """Which slice of the KV heads this rank holds (ranks sharing a replicated head agree)."""
+        return self.tp_rank // self.num_kv_head_replicas
+
+    def output_partition(self) -> list[tuple[int, int]]:
+        q_full, kv_full = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
+        q, kv, kv_rank = self.q_proj_shard_size, self.kv_proj_shard_size, self.kv_head_rank
+        return [(self.tp_rank * q, q), (q_full + kv_rank * kv, kv), (q_full + kv_full + kv_rank * kv, kv)]
+
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         if shard_id is None:  # a whole fused [q; k; v] tensor
-            q, kv = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
-            for part, sid in zip(_split_rows(loaded_weight, [q, kv, kv], type(self).__name__), "qkv"):
-                self.weight_loader(param, part, sid)
-            return
+            return self._load_full(param, loaded_weight)
         if shard_id == "q":
             offset, size, rank = 0, self.q_proj_shard_size, self.tp_rank
         elif shard_id in ("k", "v"):
             size = self.kv_proj_shard_size
             offset = self.q_proj_shard_size + (size if shard_id == "v" else 0)
-            rank = self.tp_rank // self.num_kv_head_replicas
+            rank = self.kv_head_rank
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
         dst = param.data.narrow(0, offset, size)
