@@ -20,11 +20,10 @@ import traceback
 from typing import Any, Callable
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-for path in (os.path.join(ROOT, "python"), os.path.dirname(os.path.dirname(os.path.abspath(__file__)))):
-    if path not in sys.path:
-        sys.path.insert(0, path)
+if os.path.join(ROOT, "python") not in sys.path:
+    sys.path.insert(0, os.path.join(ROOT, "python"))
 
-from server_helpers import free_port  # noqa: E402
+from sglang.srt.utils import get_free_port  # noqa: E402  (no test-server helpers: the GPU host lacks requests)
 
 
 def _rank_main(fn: Callable[..., Any], rank: int, world_size: int, backend: str, port: int, args: tuple,
@@ -50,7 +49,7 @@ def run_on_ranks(fn: Callable[..., Any], *args: Any, world_size: int = 2, backen
                  timeout: float = 300.0) -> list[Any]:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
-    port = free_port()
+    port = get_free_port()
     procs = [ctx.Process(target=_rank_main, args=(fn, r, world_size, backend, port, args, results), daemon=True)
              for r in range(world_size)]
     for p in procs:
