@@ -26,12 +26,20 @@ def main(argv: list[str] | None = None) -> None:
         # The demo serves its adapters unless LoRA was configured by hand (engine.resolve_model).
         print_demo_banner(with_adapters=not server_args.enable_lora)
     from sglang.srt.entrypoints.http_server import launch_server
+    from sglang.srt.entrypoints.worker_node import run_worker_node
+    from sglang.srt.managers.scheduler_ranks import StartupError
 
     try:
-        launch_server(server_args)
+        if server_args.node_rank > 0:  # a multi-node TP group: node 0 serves, this node computes
+            run_worker_node(server_args)
+        else:
+            launch_server(server_args)
     except ValueError as e:  # a configuration the user can fix: no traceback needed
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
+    except StartupError as e:  # a scheduler rank failed to start: its own traceback is the story
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(1)
 
 
 if __name__ == "__main__":

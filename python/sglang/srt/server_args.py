@@ -124,6 +124,13 @@ class ServerArgs:
     # Kernels
     attention_backend: Optional[str] = None
 
+    # Tensor parallelism (DESIGN §11): one scheduler process per rank (NCCL on CUDA, gloo on CPU)
+    tp_size: int = 1
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_init_addr: Optional[str] = None  # HOST:PORT where the ranks meet; needed with nnodes > 1
+    dist_timeout: Optional[int] = None  # seconds a collective may wait; None = torch's default
+
     # LoRA
     enable_lora: Optional[bool] = None
     lora_paths: Optional[list[Any]] = None
@@ -239,6 +246,8 @@ class ServerArgs:
                 f"got {self.served_model_name!r}"
             )
 
+        self._validate_parallelism(positive)
+
         # LoRA
         positive("--max-loras-per-batch", self.max_loras_per_batch, allow_none=False)
         positive("--max-lora-rank", self.max_lora_rank)
@@ -288,6 +297,24 @@ class ServerArgs:
         ):
             for v in values or []:
                 positive(flag, v, allow_none=False)
+
+    def _validate_parallelism(self, positive: Any) -> None:
+        positive("--tp-size", self.tp_size, allow_none=False)
+        positive("--nnodes", self.nnodes, allow_none=False)
+        positive("--dist-timeout", self.dist_timeout)
+        if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), "
+                             f"got {self.node_rank!r}")
+        if self.tp_size % self.nnodes:
+            raise ValueError(f"--tp-size ({self.tp_size}) must be a multiple of --nnodes ({self.nnodes}): "
+                             "every node runs the same number of ranks")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, where "
+                             "the ranks meet)")
+        if self.dist_init_addr is not None:
+            from sglang.srt.distributed.rank_layout import parse_dist_init_addr
+
+            parse_dist_init_addr(self.dist_init_addr)
 
     # ------------------------------------------------------------------ derived settings
     def resolved_device(self) -> str:
@@ -439,6 +466,18 @@ class ServerArgs:
                             "reductions in cuBLAS GEMMs, so results depend less on batch shape).")
         g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
                        help="Default: triton on CUDA, torch_native on CPU.")
+
+        g = parser.add_argument_group("tensor parallelism")
+        g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=default("tp_size"),
+                       help="Ranks (GPUs) the model is split over; NCCL on CUDA, gloo on CPU.")
+        g.add_argument("--nnodes", type=int, default=default("nnodes"), help="Nodes the ranks span.")
+        g.add_argument("--node-rank", type=int, default=default("node_rank"),
+                       help="This node's index (node 0 serves HTTP; the others run their ranks only).")
+        g.add_argument("--dist-init-addr", default=None,
+                       help="HOST:PORT where the ranks meet (node 0's address); default: a free "
+                            "local port. Required with --nnodes > 1.")
+        g.add_argument("--dist-timeout", type=int, default=None,
+                       help="Seconds a collective may wait before it fails (default: torch's).")
 
         g = parser.add_argument_group("LoRA")
         g.add_argument("--enable-lora", action="store_true", default=None,

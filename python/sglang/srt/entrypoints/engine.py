@@ -19,6 +19,7 @@ import queue
 import threading
 from typing import Any, Iterator, Optional, Union
 
+from sglang.srt.distributed import check_tensor_parallel
 from sglang.srt.managers.generate_request import GenerateReqInput
 from sglang.srt.managers.scheduler_client import SchedulerClient
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
@@ -58,8 +59,14 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
 
 
 def launch_runtime(server_args: ServerArgs) -> TokenizerManager:
-    """Start the scheduler process and build the tokenizer manager in front of it."""
+    """Start the scheduler processes (one per TP rank) and build the tokenizer manager in front."""
     server_args = resolve_model(server_args)
+    if server_args.node_rank != 0:
+        raise ValueError(
+            f"--node-rank {server_args.node_rank}: only node 0 serves requests; start the other "
+            "nodes with `python -m sglang.launch_server ... --node-rank K`"
+        )
+    check_tensor_parallel(server_args)  # before any process starts
     client = SchedulerClient(server_args)
     info = client.start()
     try:

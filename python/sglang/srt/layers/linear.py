@@ -1,33 +1,53 @@
-"""Linear layers with fused projections and tensor-parallel-aware weight loading.
+"""Linear layers with fused projections, sharded for tensor parallelism.
 
 Every layer holds `weight` [output_size, input_size] (this rank's shard) and `bias` [output_size]
 or None, and `forward(x)` returns one tensor. `input_size` / `output_size` are this rank's sizes,
-i.e. the shape of `weight`; at tp_size == 1 (the only size built so far) they are the full sizes.
+i.e. the shape of `weight`; `full_input_size` / `full_output_size` are the unsharded ones.
 
-Each parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which copies a tensor
-of the Hugging Face checkpoint (always the full, unsharded tensor) into the right place: this rank's
-slice, and for fused layers the slice of the fused output named by `shard_id` ("q"/"k"/"v" for
-QKVParallelLinear, 0/1 = gate/up for MergedColumnParallelLinear). The LoRA wrappers read
-`input_size`, `output_size`, `weight`, `bias`, `q_proj_shard_size`, `kv_proj_shard_size` and
-`output_sizes`; keep them.
+Tensor parallelism (DESIGN §11): a layer belongs to a `TensorParallelGroup` (`tp_group`, with
+`tp_rank` / `tp_size`), given explicitly or taken at construction from `current_tp_group()`.
+- Column-parallel layers (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear)
+  split the output: each rank computes its slice of the output features, nothing is communicated.
+  QKV splits the heads; KV heads are replicated when there are fewer KV heads than ranks.
+- RowParallelLinear splits the input: each rank multiplies its slice of the input features by its
+  columns of the weight, and the partial outputs are summed over the ranks by an all-reduce.
+  `forward` = `forward_partial` (local matmul, bias added on rank 0 only) then `reduce`
+  (the all-reduce), two seams so that a LoRA wrapper adds its own partial delta between them.
+
+Each parameter carries `weight_loader(param, loaded_weight, shard_id=None)`, which copies this
+rank's slice of a full, unsharded checkpoint tensor into place: for fused layers the part of the
+fused output named by `shard_id` ("q"/"k"/"v" for QKVParallelLinear, 0/1 = gate/up for
+MergedColumnParallelLinear), or with `shard_id=None` a whole fused tensor (the layout of the
+unsharded parameter, as the dummy initialiser makes it). `loaded_weight` is a torch.Tensor or a
+lazy checkpoint slice (anything with `shape`, `narrow` and `materialize()`): loaders only narrow
+it, so a rank reads just its slice from disk. The LoRA wrappers read `input_size`, `output_size`,
+`weight`, `bias`, `q_proj_shard_size`, `kv_proj_shard_size`, `output_sizes`, `tp_rank`, `tp_size`
+and `tp_group`; keep them.
 """
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from sglang.srt.distributed import TensorParallelGroup, resolve_tp_group
+
 ShardId = Optional[Union[str, int]]
+# A torch.Tensor, or a lazy checkpoint slice with `shape`, `narrow(dim, start, length)` and
+# `materialize()` (model_loader.weight_utils.CheckpointTensor).
+LoadedWeight = Any
 
 
-def _check_shape(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
-    if tuple(param.shape) != tuple(loaded.shape):
+def load_into(dst: torch.Tensor, loaded: LoadedWeight, what: str) -> None:
+    """Check the shape, read the (possibly lazy) tensor and copy it into `dst`."""
+    if tuple(dst.shape) != tuple(loaded.shape):
         raise ValueError(
-            f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected {tuple(param.shape)}"
+            f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected {tuple(dst.shape)}"
         )
+    dst.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.materialize())
 
 
 class LinearBase(nn.Module):
@@ -36,28 +56,36 @@ class LinearBase(nn.Module):
         input_size: int,
         output_size: int,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_group: Optional[TensorParallelGroup] = None,
         params_dtype: Optional[torch.dtype] = None,
+        full_input_size: Optional[int] = None,
+        full_output_size: Optional[int] = None,
     ) -> None:
         super().__init__()
         self.input_size = input_size
         self.output_size = output_size
-        self.tp_rank = tp_rank
-        self.tp_size = tp_size
+        self.full_input_size = full_input_size or input_size
+        self.full_output_size = full_output_size or output_size
+        self.tp_group = tp_group if tp_group is not None else resolve_tp_group(None, None, None)
+        self.tp_rank = self.tp_group.rank
+        self.tp_size = self.tp_group.size
         dtype = params_dtype or torch.get_default_dtype()
         self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        # The unsharded parameter's shape: what the dummy initialiser generates and hands to the
+        # weight_loader (shard_id None), so every tp_size gets slices of the same tensors.
+        self.weight.full_shape = (self.full_output_size, self.full_input_size)
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
+            self.bias.full_shape = (self.full_output_size,)
         else:
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight, self.bias)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         raise NotImplementedError
 
     def extra_repr(self) -> str:
@@ -81,83 +109,138 @@ class ColumnParallelLinear(LinearBase):
         input_size: int,
         output_size: int,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: Optional[int] = None,
+        tp_size: Optional[int] = None,
         params_dtype: Optional[torch.dtype] = None,
+        *,
+        tp_group: Optional[TensorParallelGroup] = None,
     ) -> None:
-        self.full_output_size = output_size
+        group = resolve_tp_group(tp_group, tp_rank, tp_size)
         super().__init__(
-            input_size, _split(output_size, tp_size, "output size"), bias, tp_rank, tp_size, params_dtype
+            input_size, _split(output_size, group.size, "output size"), bias, group, params_dtype,
+            full_output_size=output_size,
         )
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def output_partition(self) -> list[tuple[int, int]]:
+        """(start, length) in the full, unsharded output of each block of rows this rank holds, in
+        the order of its local output features. A tensor laid out like the full fused output (a
+        checkpoint tensor, or a LoRA B stacked [q; k; v] / [gate; up]) is sharded with it."""
+        return [(self.tp_rank * self.output_size, self.output_size)]
+
+    def _load_full(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
+        """Load this rank's rows of a tensor laid out like the full (fused) output."""
+        what = type(self).__name__
+        if loaded.shape[0] != self.full_output_size:
+            raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected "
+                             f"{self.full_output_size} rows")
+        local = 0
+        for start, n in self.output_partition():
+            load_into(param.data.narrow(0, local, n), loaded.narrow(0, start, n), what)
+            local += n
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         assert shard_id is None, "ColumnParallelLinear has no shards"
-        n = param.shape[0]
-        loaded = loaded_weight.narrow(0, self.tp_rank * n, n) if self.tp_size > 1 else loaded_weight
-        _check_shape(param, loaded, type(self).__name__)
-        param.data.copy_(loaded)
+        self._load_full(param, loaded_weight)
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks (the partial outputs would be all-reduced under TP)."""
+    """Input features split across ranks; the partial outputs are summed by an all-reduce.
+
+    `forward(x)` = `reduce(forward_partial(x))`. The bias is added on rank 0 only, before the
+    all-reduce, so it is counted once. With `reduce_results=False` the caller does the all-reduce.
+    """
 
     def __init__(
         self,
         input_size: int,
         output_size: int,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: Optional[int] = None,
+        tp_size: Optional[int] = None,
         params_dtype: Optional[torch.dtype] = None,
+        *,
+        reduce_results: bool = True,
+        tp_group: Optional[TensorParallelGroup] = None,
     ) -> None:
-        self.full_input_size = input_size
+        group = resolve_tp_group(tp_group, tp_rank, tp_size)
+        self.reduce_results = reduce_results
         super().__init__(
-            _split(input_size, tp_size, "input size"), output_size, bias, tp_rank, tp_size, params_dtype
+            _split(input_size, group.size, "input size"), output_size, bias, group, params_dtype,
+            full_input_size=input_size,
         )
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.reduce(self.forward_partial(x))
+
+    def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
+        """This rank's partial output (x: [..., input_size], this rank's input slice): summed over
+        the ranks it is the full output."""
+        bias = self.bias if self.tp_rank == 0 else None
+        return F.linear(x, self.weight, bias)
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        """Sum the ranks' partial outputs, in place (identity at tp_size 1 or reduce_results=False)."""
+        if self.tp_size == 1 or not self.reduce_results:
+            return partial
+        return self.tp_group.all_reduce(partial)
+
+    def input_partition(self) -> tuple[int, int]:
+        """(start, length) of this rank's input features in the full input: the columns of a full
+        weight (or of a LoRA A) that it holds."""
+        return self.tp_rank * self.input_size, self.input_size
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         assert shard_id is None, "RowParallelLinear has no shards"
         loaded = loaded_weight
-        if self.tp_size > 1 and loaded_weight.dim() == 2:  # the bias is not split
-            n = param.shape[1]
-            loaded = loaded_weight.narrow(1, self.tp_rank * n, n)
-        _check_shape(param, loaded, type(self).__name__)
-        param.data.copy_(loaded)
+        if len(loaded_weight.shape) == 2:  # the bias is not split
+            loaded = loaded_weight.narrow(1, *self.input_partition())
+        load_into(param.data, loaded, type(self).__name__)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of the same input fused along the output: [gate, up]."""
+    """Several column-parallel projections of the same input fused along the output: [gate, up].
+    Rank r holds [gate_r, up_r], the r-th slice of each."""
 
     def __init__(
         self,
         input_size: int,
         output_sizes: list[int],
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: Optional[int] = None,
+        tp_size: Optional[int] = None,
         params_dtype: Optional[torch.dtype] = None,
+        *,
+        tp_group: Optional[TensorParallelGroup] = None,
     ) -> None:
-        self.output_sizes = [_split(s, tp_size, "output size") for s in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, tp_rank, tp_size, params_dtype)
+        group = resolve_tp_group(tp_group, tp_rank, tp_size)
+        self.full_output_sizes = list(output_sizes)
+        self.output_sizes = [_split(s, group.size, "output size") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, params_dtype=params_dtype, tp_group=group)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        if shard_id is None:  # an already fused checkpoint tensor
-            return ColumnParallelLinear.weight_loader(self, param, loaded_weight)
+    def output_partition(self) -> list[tuple[int, int]]:
+        offsets = [sum(self.full_output_sizes[:i]) for i in range(len(self.full_output_sizes))]
+        return [(off + self.tp_rank * n, n) for off, n in zip(offsets, self.output_sizes)]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
+        if shard_id is None:  # a whole fused [gate; up] tensor
+            return self._load_full(param, loaded_weight)
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"shard_id must be an index in 0..{len(self.output_sizes) - 1}, got {shard_id!r}")
         size = self.output_sizes[shard_id]
         offset = sum(self.output_sizes[:shard_id])
-        loaded = loaded_weight.narrow(0, self.tp_rank * size, size) if self.tp_size > 1 else loaded_weight
         dst = param.data.narrow(0, offset, size)
-        _check_shape(dst, loaded, f"{type(self).__name__} shard {shard_id}")
-        dst.copy_(loaded)
+        what = f"{type(self).__name__} shard {shard_id}"
+        if loaded_weight.shape[0] != self.full_output_sizes[shard_id]:
+            raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded_weight.shape)}, expected "
+                             f"{self.full_output_sizes[shard_id]} rows")
+        load_into(dst, loaded_weight.narrow(0, self.tp_rank * size, size), what)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
     """q, k and v projections fused along the output in the order [q, k, v].
 
     Query heads are split across ranks; KV heads too, or replicated when there are fewer KV heads
-    than ranks (each rank keeps the KV head its query heads attend to).
+    than ranks (rank r keeps KV head r // (tp_size / num_kv_heads), the one its query heads use).
     """
 
     def __init__(
@@ -167,20 +250,24 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: Optional[int] = None,
         bias: bool = False,
-        tp_rank: int = 0,
-        tp_size: int = 1,
+        tp_rank: Optional[int] = None,
+        tp_size: Optional[int] = None,
         params_dtype: Optional[torch.dtype] = None,
+        *,
+        tp_group: Optional[TensorParallelGroup] = None,
     ) -> None:
+        group = resolve_tp_group(tp_group, tp_rank, tp_size)
+        tp = group.size
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.head_size = head_size
         self.total_num_heads = total_num_heads
         self.total_num_kv_heads = total_num_kv_heads
-        self.num_heads = _split(total_num_heads, tp_size, "number of attention heads")
-        if tp_size >= total_num_kv_heads:
+        self.num_heads = _split(total_num_heads, tp, "number of attention heads")
+        if tp >= total_num_kv_heads:
             self.num_kv_heads = 1
-            self.num_kv_head_replicas = _split(tp_size, total_num_kv_heads, "tp_size over KV heads")
+            self.num_kv_head_replicas = _split(tp, total_num_kv_heads, "tp_size over KV heads")
         else:
-            self.num_kv_heads = _split(total_num_kv_heads, tp_size, "number of KV heads")
+            self.num_kv_heads = _split(total_num_kv_heads, tp, "number of KV heads")
             self.num_kv_head_replicas = 1
         self.q_proj_shard_size = self.num_heads * head_size
         self.kv_proj_shard_size = self.num_kv_heads * head_size
@@ -189,25 +276,37 @@ class QKVParallelLinear(ColumnParallelLinear):
             hidden_size,
             self.q_proj_shard_size + 2 * self.kv_proj_shard_size,
             bias,
-            tp_rank,
-            tp_size,
+            group,
             params_dtype,
+            full_output_size=(total_num_heads + 2 * total_num_kv_heads) * head_size,
         )
-        self.full_output_size = (total_num_heads + 2 * total_num_kv_heads) * head_size
         self.output_sizes = [self.q_proj_shard_size, self.kv_proj_shard_size, self.kv_proj_shard_size]
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
-        if shard_id is None:
-            raise ValueError("QKVParallelLinear loads q, k and v separately (shard_id 'q', 'k' or 'v')")
+    @property
+    def kv_head_rank(self) -> int:
+        """Which slice of the KV heads this rank holds (ranks sharing a replicated head agree)."""
+        return self.tp_rank // self.num_kv_head_replicas
+
+    def output_partition(self) -> list[tuple[int, int]]:
+        q_full, kv_full = self.total_num_heads * self.head_size, self.total_num_kv_heads * self.head_size
+        q, kv, kv_rank = self.q_proj_shard_size, self.kv_proj_shard_size, self.kv_head_rank
+        return [(self.tp_rank * q, q), (q_full + kv_rank * kv, kv), (q_full + kv_full + kv_rank * kv, kv)]
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
+        if shard_id is None:  # a whole fused [q; k; v] tensor
+            return self._load_full(param, loaded_weight)
         if shard_id == "q":
             offset, size, rank = 0, self.q_proj_shard_size, self.tp_rank
         elif shard_id in ("k", "v"):
             size = self.kv_proj_shard_size
             offset = self.q_proj_shard_size + (size if shard_id == "v" else 0)
-            rank = self.tp_rank // self.num_kv_head_replicas
+            rank = self.kv_head_rank
         else:
             raise ValueError(f"shard_id must be 'q', 'k' or 'v', got {shard_id!r}")
-        loaded = loaded_weight.narrow(0, rank * size, size) if self.tp_size > 1 else loaded_weight
         dst = param.data.narrow(0, offset, size)
-        _check_shape(dst, loaded, f"{type(self).__name__} shard {shard_id!r}")
-        dst.copy_(loaded)
+        what = f"{type(self).__name__} shard {shard_id!r}"
+        full = (self.total_num_heads if shard_id == "q" else self.total_num_kv_heads) * self.head_size
+        if loaded_weight.shape[0] != full:
+            raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded_weight.shape)}, expected "
+                             f"{full} rows")
+        load_into(dst, loaded_weight.narrow(0, rank * size, size), what)

@@ -67,8 +67,9 @@ class LogitsProcessor(nn.Module):
         self.vocab_size = vocab_size
 
     def compute_logits(self, hidden: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
-        """[N, H] -> float32 [N, V]; the matmul runs in the model dtype, like the HF reference."""
-        return torch.matmul(hidden, lm_head.weight.t()).float()
+        """[N, H] -> float32 [N, V]; the matmul runs in the model dtype, like the HF reference.
+        Under tensor parallelism the head gathers the full vocabulary on every rank."""
+        return lm_head.compute_logits(hidden).float()
 
     def forward(
         self,

@@ -5,7 +5,9 @@ protected by a running request's lock) or owned by a live request (free + cached
 no slot free twice, free and cached at once, or cached twice), the prefix cache's tree agrees with
 its counters and holds no lock once idle, the same accounting for request rows, no finished
 request still holds KV, no request is tracked while nothing waits or runs, and the LoRA pool's
-slot maps agree both ways with the base slot at rank 0 (`LoRAManager.integrity_report()`).
+slot maps agree both ways with the base slot at rank 0 (`LoRAManager.integrity_report()`), and
+under tensor parallelism every rank's scheduler state matches rank 0's (a collective: ranks check
+together).
 Tokenizer manager (main process), whenever its last request ends: no request state is left over
 and the adapter registry holds no in-flight reference.
 
@@ -143,7 +145,35 @@ def scheduler_problems(s: "Scheduler") -> tuple[list[Problem], dict[str, Any]]:
         problems.extend(("lora_pool", p) for p in report.problems)
         counts["lora_ok"] = report.ok
         counts["lora_resident_slots"] = len(report.resident)
+    if s.tp_group.size > 1:
+        lockstep = lockstep_problems(s.tp_group.all_gather_object(lockstep_digest(s, counts)))
+        problems.extend(lockstep)
+        counts["tp_ranks_agree"] = not lockstep
     return problems, counts
+
+
+def lockstep_digest(s: "Scheduler", counts: dict[str, Any]) -> dict[str, Any]:
+    """What every tensor-parallel rank's scheduler must agree on (they all make the same decisions
+    on the same messages, DESIGN §11)."""
+    lora = s.model_runner.lora_manager
+    return {
+        "arrivals": s.arrivals, "finished": s.stats["num_finished"], "decode_steps": s.decode_steps,
+        "waiting": [r.rid for r in s.waiting], "running": [r.rid for r in s._holders()],
+        "kv_free": counts["kv_free"], "rows_free": counts["rows_free"],
+        "lora_slots": None if lora is None else [repr(uid) for uid in lora.pool.slot_to_uid],
+    }
+
+
+def lockstep_problems(digests: list[dict[str, Any]]) -> list[Problem]:
+    """One problem per rank whose digest differs from rank 0's (naming the differing fields)."""
+    problems: list[Problem] = []
+    for rank, digest in enumerate(digests[1:], start=1):
+        diff = {k: (digests[0].get(k), v) for k, v in digest.items() if digests[0].get(k) != v}
+        if diff:
+            problems.append(("tp_lockstep", f"TP rank {rank} disagrees with rank 0 on "
+                                            + ", ".join(f"{k} (rank 0: {a!r}, rank {rank}: {b!r})"
+                                                        for k, (a, b) in diff.items())))
+    return problems
 
 
 def tokenizer_problems(tm: "TokenizerManager") -> tuple[list[Problem], dict[str, Any]]:

@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import bisect
 import logging
-import os
-import threading
 import time
 import traceback
 from typing import Any, Callable, Optional
 
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.managers.integrity import IntegrityLog, scheduler_problems
 from sglang.srt.managers.io_struct import (
     AbortReq,
@@ -30,8 +29,6 @@ from sglang.srt.managers.io_struct import (
     GetServerInfoReq,
     LoadLoRAAdapterReq,
     LoRAUpdateOutput,
-    SchedulerFailed,
-    SchedulerReady,
     ShutdownReq,
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReq,
@@ -40,6 +37,7 @@ from sglang.srt.managers.prefix_cache import PrefixCache
 from sglang.srt.managers.req import Req
 from sglang.srt.managers.schedule_batch import ScheduleBatch, release_kv
 from sglang.srt.managers.schedule_policy import GroupedLoRAAdmission, PrefillBudget, plan_prefill
+from sglang.srt.managers.scheduler_input import receive_messages
 from sglang.srt.managers.scheduler_output import (
     StopChecker,
     build_output,
@@ -59,13 +57,22 @@ IDLE_POLL_S = 1.0
 
 
 class Scheduler:
-    def __init__(self, server_args: ServerArgs, recv_conn: Any, send_conn: Any) -> None:
+    def __init__(
+        self,
+        server_args: ServerArgs,
+        recv_conn: Any,
+        send_conn: Any,
+        tp_group: TensorParallelGroup = SINGLE_RANK,
+        gpu_id: int = 0,
+    ) -> None:
         from sglang.srt.model_executor.model_runner import ModelRunner
 
         self.server_args = server_args
+        # Under tensor parallelism only rank 0 has pipes: it receives and broadcasts, and replies.
         self.recv_conn = recv_conn
         self.send_conn = send_conn
-        self.model_runner = ModelRunner(server_args)
+        self.tp_group = tp_group
+        self.model_runner = ModelRunner(server_args, gpu_id=gpu_id, tp_group=tp_group)
         mr = self.model_runner
         self.allocator = mr.token_to_kv_pool_allocator
         self.req_to_token_pool = mr.req_to_token_pool
@@ -196,14 +203,12 @@ class Scheduler:
 
     # ------------------------------------------------------------------ messages
     def send(self, msg: Any) -> None:
-        self.send_conn.send(msg)
+        if self.send_conn is not None:
+            self.send_conn.send(msg)
 
     def process_messages(self, block: bool) -> bool:
-        """Handle every pending message; False once asked to shut down."""
-        timeout = IDLE_POLL_S if block else 0.0
-        while self.recv_conn.poll(timeout):
-            timeout = 0.0
-            msg = self.recv_conn.recv()
+        """Handle every pending message (the same on every TP rank); False once asked to shut down."""
+        for msg in receive_messages(self.recv_conn, self.tp_group, IDLE_POLL_S if block else 0.0):
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.add_request(msg)
             elif isinstance(msg, AbortReq):
@@ -494,44 +499,3 @@ class Scheduler:
             stalled = batch is None
             if batch is not None:
                 self.run_batch(*batch)
-
-
-def _watch_parent(parent_pid: int) -> None:
-    """Exit when the parent process is gone, so the child never outlives it (even after a
-    SIGKILL of the parent, when nothing else would tell us)."""
-    while True:
-        if os.getppid() != parent_pid:
-            os._exit(1)
-        time.sleep(0.5)
-
-
-def run_scheduler_process(server_args: ServerArgs, recv_conn: Any, send_conn: Any, parent_pid: int) -> None:
-    import signal
-
-    from sglang.srt.utils import configure_logger
-
-    # Ctrl-C reaches the whole process group; the parent decides when we stop.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logger(server_args.log_level, prefix=" Scheduler")
-    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
-    try:
-        scheduler = Scheduler(server_args, recv_conn, send_conn)
-    except ValueError as e:
-        # A configuration the user can fix (e.g. a bad --lora-paths adapter): the message is the
-        # whole story, a traceback would only bury it.
-        logger.error("Scheduler start-up failed: %s", e)
-        logger.debug("%s", traceback.format_exc())
-        send_conn.send(SchedulerFailed(error=str(e), user_error=True))
-        return
-    except Exception:
-        logger.error("Scheduler start-up failed:\n%s", traceback.format_exc())
-        send_conn.send(SchedulerFailed(error=traceback.format_exc()))
-        return
-    send_conn.send(SchedulerReady(info=scheduler.ready_info()))
-    try:
-        scheduler.event_loop()
-    except (EOFError, OSError, BrokenPipeError):
-        pass  # the parent closed the pipes: it is gone or shutting down
-    except Exception:
-        logger.error("Scheduler crashed:\n%s", traceback.format_exc())
-        raise

@@ -22,6 +22,8 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
+from sglang.srt.distributed.tp_split import unsharded_model_test_hook
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
@@ -67,9 +69,10 @@ def batch_needs_lora(fb: ForwardBatch) -> bool:
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, gpu_id: int = 0) -> None:
+    def __init__(self, server_args: ServerArgs, gpu_id: int = 0, tp_group: TensorParallelGroup = SINGLE_RANK) -> None:
         self.server_args = server_args
         self.gpu_id = gpu_id
+        self.tp_group = tp_group
         device = server_args.resolved_device()
         self.device = torch.device(f"cuda:{gpu_id}" if device == "cuda" else device)
         if self.device.type == "cuda":
@@ -91,6 +94,8 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
             seed=server_args.random_seed,
+            # The test hook runs the whole model on every rank (process-layout tests).
+            tp_group=SINGLE_RANK if unsharded_model_test_hook(server_args) else tp_group,
         )
         if free_before is not None:
             logger.info("Weights use %.2f GiB", free_before - get_available_gpu_memory(gpu_id))
@@ -157,7 +162,8 @@ class ModelRunner:
             tokens = min(args.max_total_tokens or budget, budget)
         else:
             tokens = args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
-        self.max_total_num_tokens = int(tokens)
+        # Every TP rank must admit the same requests: all take the smallest rank's capacity.
+        self.max_total_num_tokens = self.tp_group.min_over_ranks(int(tokens))
         self.max_running_requests = self._default_max_running_requests(self.max_total_num_tokens)
         c = self.model_config
         # One extra row, reserved below as the padding row of graph replays: it maps every

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup, building_model, tp_split
 from sglang.srt.model_loader.weight_utils import (
     find_safetensors_files,
     init_dummy_weights,
@@ -43,25 +44,33 @@ def get_model(
     dtype: Optional[torch.dtype] = None,
     seed: int = 0,
     progress: bool = True,
+    tp_group: TensorParallelGroup = SINGLE_RANK,
 ) -> nn.Module:
     """Build `model_config`'s architecture and load its weights (`auto`/`safetensors`: stream the
-    checkpoint's safetensors files; `dummy`: random weights from the config alone)."""
+    checkpoint's safetensors files; `dummy`: random weights from the config alone).
+
+    Under tensor parallelism (`tp_group.size > 1`) the layers are built as this rank's shards and
+    each reads only its slice of every checkpoint tensor."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     model_cls = get_model_class(model_config.architectures)
+    if tp_group.size > 1:
+        tp_split(model_config, tp_group.size)  # a clear error for a model that cannot be split
+        if not getattr(model_cls, "supports_tensor_parallel", False):
+            raise ValueError(f"{model_cls.__name__} does not support --tp-size > 1 yet")
     dtype = dtype or model_config.dtype
     device = torch.device(device)
     # Resolve the files before allocating anything: a wrong path fails fast.
     files = None if load_format == "dummy" else find_safetensors_files(model_config.model_path)
 
     start = time.perf_counter()
-    with _default_dtype_and_device(dtype, device):
+    with _default_dtype_and_device(dtype, device), building_model(tp_group):
         model = model_cls(model_config)
     with torch.no_grad():
         if files is None:
             init_dummy_weights(model, seed=seed)
         else:
-            loaded = model.load_weights(safetensors_weights_iterator(files, progress=progress))
+            loaded = model.load_weights(safetensors_weights_iterator(files, progress=progress, lazy=True))
             missing = sorted(set(dict(model.named_parameters())) - loaded)
             if missing:
                 raise ValueError(
@@ -71,10 +80,11 @@ def get_model(
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "Loaded %s (%s weights, %.2f B params, %s) on %s in %.1f s",
+        "Loaded %s (%s weights, %.2f B params%s, %s) on %s in %.1f s",
         model_config.architecture,
         "dummy" if files is None else f"{len(files)} safetensors file(s)",
         n_params / 1e9,
+        f" in this rank's shard, tp {tp_group.rank}/{tp_group.size}" if tp_group.size > 1 else "",
         str(dtype).replace("torch.", ""),
         device,
         time.perf_counter() - start,

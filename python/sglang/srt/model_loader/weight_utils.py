@@ -1,11 +1,17 @@
-"""Finding and streaming checkpoint tensors, and dummy initialisation."""
+"""Finding and streaming checkpoint tensors, and dummy initialisation.
+
+Tensors are streamed as `CheckpointTensor`s: lazy views of a safetensors tensor that the layers'
+weight loaders narrow to this rank's slice before anything is read, so a tensor-parallel rank reads
+only its shard from disk and never holds a whole tensor in host memory.
+"""
 
 from __future__ import annotations
 
 import glob
 import json
 import os
-from typing import Iterator
+import zlib
+from typing import Any, Iterator, Optional, Union
 
 import torch
 from safetensors import safe_open
@@ -15,14 +21,54 @@ from tqdm.auto import tqdm
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
-def default_weight_loader(param: torch.Tensor, loaded_weight: torch.Tensor, shard_id=None) -> None:
+class CheckpointTensor:
+    """A lazy slice of one safetensors tensor: `narrow` only narrows the index ranges; the bytes are
+    read by `materialize()`, and only those of the slice (safetensors maps the file)."""
+
+    def __init__(self, st_slice: Any, name: str, ranges: Optional[tuple[tuple[int, int], ...]] = None) -> None:
+        self._slice = st_slice
+        self.name = name
+        self._ranges = ranges if ranges is not None else tuple((0, n) for n in st_slice.get_shape())
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size(stop - start for start, stop in self._ranges)
+
+    def dim(self) -> int:
+        return len(self._ranges)
+
+    def narrow(self, dim: int, start: int, length: int) -> "CheckpointTensor":
+        dim = dim % self.dim()
+        lo, hi = self._ranges[dim]
+        if start < 0 or length < 0 or lo + start + length > hi:
+            raise ValueError(f"{self.name}: narrow({dim}, {start}, {length}) is outside shape {tuple(self.shape)}")
+        ranges = list(self._ranges)
+        ranges[dim] = (lo + start, lo + start + length)
+        return CheckpointTensor(self._slice, self.name, tuple(ranges))
+
+    def materialize(self) -> torch.Tensor:
+        if not self._ranges:  # a scalar
+            return self._slice[...]
+        return self._slice[tuple(slice(lo, hi) for lo, hi in self._ranges)]
+
+    def __repr__(self) -> str:
+        return f"CheckpointTensor({self.name!r}, ranges={list(self._ranges)})"
+
+
+def as_tensor(loaded: Union[torch.Tensor, CheckpointTensor]) -> torch.Tensor:
+    return loaded if isinstance(loaded, torch.Tensor) else loaded.materialize()
+
+
+def default_weight_loader(
+    param: torch.Tensor, loaded_weight: Union[torch.Tensor, CheckpointTensor], shard_id=None
+) -> None:
     """Loader of parameters that are neither sharded nor fused (norms, unsplit biases)."""
     assert shard_id is None
     if tuple(param.shape) != tuple(loaded_weight.shape):
         raise ValueError(
             f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected {tuple(param.shape)}"
         )
-    param.data.copy_(loaded_weight)
+    param.data.copy_(as_tensor(loaded_weight))
 
 
 def find_safetensors_files(model_path: str) -> list[str]:
@@ -53,8 +99,11 @@ def find_safetensors_files(model_path: str) -> list[str]:
     )
 
 
-def safetensors_weights_iterator(files: list[str], progress: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (name, host tensor) one at a time, so host memory holds about one tensor."""
+def safetensors_weights_iterator(
+    files: list[str], progress: bool = True, lazy: bool = False
+) -> Iterator[tuple[str, Union[torch.Tensor, CheckpointTensor]]]:
+    """Yield (name, host tensor) one at a time, so host memory holds about one tensor; with `lazy`,
+    (name, CheckpointTensor) instead, valid until the next item."""
     total = 0
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -63,25 +112,39 @@ def safetensors_weights_iterator(files: list[str], progress: bool = True) -> Ite
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, f.get_tensor(name)
+                    yield name, CheckpointTensor(f.get_slice(name), name) if lazy else f.get_tensor(name)
                     bar.update(1)
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
 
 
 @torch.no_grad()
 def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
     """Random weights in place: N(0, std) matrices, zero biases, unit norm weights. A small std keeps
-    activations finite at any depth, which is all a benchmark needs."""
+    activations finite at any depth, which is all a benchmark needs.
+
+    Each matrix comes from its own generator, seeded by (seed, parameter name), and is drawn at its
+    unsharded shape (`param.full_shape`) and handed to the parameter's weight_loader like a
+    checkpoint tensor: a tensor-parallel rank holds exactly its slice of the tp_size-1 model, so
+    tp N and tp 1 can be compared on dummy weights too (on one device type: CPU and CUDA draw
+    different numbers from the same seed).
+    """
     from sglang.srt.layers.layernorm import RMSNorm  # local: keeps this module free of layer imports
 
     norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
-    generators: dict[torch.device, torch.Generator] = {}
     for name, param in model.named_parameters():
         if id(param) in norm_params:
             param.fill_(1.0)
         elif name.endswith(".bias"):
             param.zero_()
         else:
-            gen = generators.get(param.device)
-            if gen is None:
-                gen = generators[param.device] = torch.Generator(device=param.device).manual_seed(seed)
-            param.normal_(0.0, std, generator=gen)
+            gen = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
+            full_shape = tuple(getattr(param, "full_shape", param.shape))
+            if full_shape == tuple(param.shape):
+                param.normal_(0.0, std, generator=gen)
+                continue
+            full = torch.empty(full_shape, dtype=param.dtype, device=param.device).normal_(0.0, std, generator=gen)
+            param.weight_loader(param, full)
+            del full

@@ -1,0 +1,106 @@
+"""The entry point of a scheduler process: one per tensor-parallel rank (DESIGN §2, §11).
+
+Start-up: NVLink multicast off, join the TP group, build the Scheduler (and its ModelRunner, this
+rank's shard of the model), then report on `status_conn`: `SchedulerReady` with this rank's facts,
+or `SchedulerFailed` with the reason. A rank that crashes later reports `SchedulerFailed` with the
+traceback before it exits, so the parent can name the cause. Rank 0's status pipe is also the pipe
+that carries its replies; the other ranks have no request pipe (rank 0 broadcasts the messages).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+import traceback
+from typing import Any, Optional
+
+from sglang.srt.distributed import (
+    NVLINK_MULTICAST_OFF,
+    RankSpec,
+    destroy_tensor_parallel,
+    disable_nvlink_multicast,
+    init_tensor_parallel,
+)
+from sglang.srt.managers.io_struct import SchedulerFailed, SchedulerReady
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.utils import configure_logger
+
+logger = logging.getLogger(__name__)
+
+# Test hook (with --enable-test-hooks only): the TP rank named here fails during start-up.
+FAIL_AT_START_TEST_ENV = "SGLANG_TEST_TP_FAIL_AT_START"
+
+
+def _watch_parent(parent_pid: int) -> None:
+    """Exit when the parent process is gone, so the child never outlives it (even after a
+    SIGKILL of the parent, when nothing else would tell us)."""
+    while True:
+        if os.getppid() != parent_pid:
+            os._exit(1)
+        time.sleep(0.5)
+
+
+def _start_rank(server_args: ServerArgs, rank: RankSpec, recv_conn: Any, status_conn: Any) -> Any:
+    import torch
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    if server_args.enable_test_hooks and os.environ.get(FAIL_AT_START_TEST_ENV) == str(rank.tp_rank):
+        raise RuntimeError(f"injected start-up failure of TP rank {rank.tp_rank} ({FAIL_AT_START_TEST_ENV})")
+    if rank.backend == "gloo" and rank.tp_size > 1:
+        # The ranks of one CPU share its cores: without this each would start a thread per core.
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.tp_size))
+    tp_group = init_tensor_parallel(rank)
+    reply_conn = status_conn if rank.tp_rank == 0 else None
+    return Scheduler(server_args, recv_conn, reply_conn, tp_group=tp_group, gpu_id=rank.local_rank)
+
+
+def run_scheduler_process(
+    server_args: ServerArgs,
+    recv_conn: Optional[Any],
+    status_conn: Any,
+    parent_pid: int,
+    rank: Optional[RankSpec] = None,
+) -> None:
+    rank = rank or RankSpec(tp_rank=0, tp_size=1, local_rank=0, backend="gloo")
+    disable_nvlink_multicast()
+    # Ctrl-C reaches the whole process group; the parent decides when we stop.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    configure_logger(server_args.log_level, prefix=" Scheduler" + (f" TP{rank.tp_rank}" if rank.tp_size > 1 else ""))
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
+    try:
+        scheduler = _start_rank(server_args, rank, recv_conn, status_conn)
+    except ValueError as e:
+        # A configuration the user can fix (e.g. a bad --lora-paths adapter): the message is the
+        # whole story, a traceback would only bury it.
+        logger.error("Scheduler start-up failed: %s", e)
+        logger.debug("%s", traceback.format_exc())
+        status_conn.send(SchedulerFailed(error=str(e), user_error=True))
+        return
+    except Exception:
+        logger.error("Scheduler start-up failed:\n%s", traceback.format_exc())
+        status_conn.send(SchedulerFailed(error=traceback.format_exc()))
+        return
+    facts = {"tp_rank": rank.tp_rank, "pid": os.getpid(), "device": str(scheduler.model_runner.device),
+             "env": {k: os.environ.get(k) for k in NVLINK_MULTICAST_OFF}}
+    status_conn.send(SchedulerReady(info={**scheduler.ready_info(), "rank": facts}))
+    if rank.tp_rank != 0 and server_args.log_level != "debug":
+        # Every rank makes the same decisions: one copy of the batch logs (rank 0's) is enough.
+        logging.getLogger().setLevel(logging.WARNING)
+    try:
+        scheduler.event_loop()
+    except (EOFError, OSError, BrokenPipeError):
+        return  # the parent closed the pipes: it is gone or shutting down
+    except Exception:
+        logger.error("Scheduler crashed:\n%s", traceback.format_exc())
+        try:
+            status_conn.send(SchedulerFailed(error=traceback.format_exc()))
+        except (OSError, ValueError):
+            pass
+        raise
+    # A clean shutdown (every rank got the same ShutdownReq); after a failure a peer may be gone
+    # and tearing the group down could block, so only here.
+    destroy_tensor_parallel(scheduler.tp_group)
