@@ -8,6 +8,11 @@ Graph pitfall: the LoRA kernels run whenever LoRA info is set, never skipped bec
 of this batch has an adapter". Graphs are captured with all-base batches; a skip there would record
 a graph without the kernels, and adapter requests replaying it would silently lose their deltas.
 The kernels are no-ops for rank-0 slots, so the base path costs only their launches.
+
+Tensor parallelism (DESIGN §11): the pool holds this rank's part of every adapter (lora.py). A
+column-parallel wrapper adds its delta into its slice of the output (A whole, B's rows of that
+slice); a row-parallel wrapper adds the delta of its input slice (A's columns of it, B whole) into
+the base layer's partial output before the all-reduce, which then sums base and delta alike.
 """
 
 from __future__ import annotations
@@ -29,9 +34,6 @@ from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 class BaseLayerWithLoRA(nn.Module):
     def __init__(self, base_layer: nn.Module, lora_backend: BaseLoRABackend) -> None:
         super().__init__()
-        if getattr(base_layer, "tp_size", 1) != 1:
-            # Sharded LoRA weights (and the row-parallel all-reduce order) are not built yet.
-            raise ValueError("LoRA supports tp_size = 1 only")
         self.base_layer = base_layer
         self.lora_backend = lora_backend
         self.A_buffer: Optional[torch.Tensor] = None
@@ -84,7 +86,7 @@ class BaseLayerWithLoRA(nn.Module):
 
 
 class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
-    """One output slice (tp_size = 1: the output is not gathered)."""
+    """One output slice; under TP this rank's rows of it (the output stays sharded)."""
 
 
 class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
@@ -116,7 +118,14 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
 
 
 class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
-    """o_proj / down_proj. At tp_size = 1 the base matmul is complete, so shrink/expand follow it."""
+    """o_proj / down_proj: the delta joins the partial output before the all-reduce (identity at
+    tp 1, where this is the base output followed by shrink/expand, as before)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        partial = self.base_layer.forward_partial(x)
+        if self.lora_active:
+            self.apply_lora(partial.view(-1, partial.shape[-1]), x.reshape(-1, x.shape[-1]))
+        return self.base_layer.reduce(partial)
 
 
 def get_lora_layer(layer: nn.Module, lora_backend: BaseLoRABackend) -> BaseLayerWithLoRA:
