@@ -173,6 +173,33 @@ def test_engine_with_tp2_and_a_killed_rank(ckpt, monkeypatch) -> None:
         engine.shutdown()
 
 
+def test_a_batch_failing_on_one_rank_stops_every_rank(ckpt, monkeypatch) -> None:
+    """A decode step fails on rank 1 alone, while rank 0 goes on into the forward and waits in its
+    first all-reduce for a peer that will never join: rank 1 stops, the engine names it and the
+    cause, and rank 0 is not left hanging."""
+    from sglang import Engine
+
+    for key, value in server_env().items():
+        monkeypatch.setenv(key, value)
+    engine = Engine(model_path=ckpt, device="cpu", dtype="float32", tp_size=2, enable_test_hooks=True)
+    try:
+        pids = [r["pid"] for r in engine.get_server_info()["tp_ranks"]]
+        engine.tokenizer_manager.inject_fault("boom", where="decode", after_tokens=2, tp_rank=1)
+        start = time.monotonic()
+        out = engine.generate(input_ids=PROMPTS[1], rid="boom-1",
+                              sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert time.monotonic() - start < 60
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 500, reason
+        assert re.search(rf"TP rank 1 \(pid {pids[1]}\) exited unexpectedly \(exit code 1\): .*TP rank 1: a batch "
+                         r"of 1 request\(s\) failed on this rank \(RuntimeError: injected fault", reason["message"]), reason
+        with pytest.raises(RuntimeError, match="TP rank 1"):
+            engine.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 2})
+        assert all_gone(pids), "a rank outlived its failed peer"
+    finally:
+        engine.shutdown()
+
+
 def test_two_nodes_on_one_host(ckpt) -> None:
     """--nnodes 2: node 0 serves and runs rank 0, node 1 runs rank 1 and serves nothing; stopping
     node 0 shuts the whole group down, node 1 included."""
