@@ -39,7 +39,9 @@ def make_runner(ckpt: str, backend: str, paths: dict[str, str], group: TensorPar
                 lora_backend=backend, lora_paths=[f"a={paths['a']}", f"b={paths['b']}"], max_loras_per_batch=4,
                 max_lora_rank=8, lora_target_modules=["all"])
     args.update(overrides)
-    return ModelRunner(ServerArgs(**args), tp_group=group)
+    # Each rank's device is the one init_tensor_parallel made current (cuda:<local rank>).
+    gpu_id = torch.cuda.current_device() if args["device"] == "cuda" else 0
+    return ModelRunner(ServerArgs(**args), gpu_id=gpu_id, tp_group=group)
 
 
 def _logprobs(driver: Any, prompts: list[list[int]], loras: list[Optional[str]]) -> dict[str, Any]:
