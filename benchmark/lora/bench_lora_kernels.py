@@ -1,148 +1,124 @@
-"""Micro-benchmark of the LoRA kernels: shrink + expand of one decoder layer, triton vs csgmv.
+"""LoRA kernel designs side by side: GPU µs per decoder layer under CUDA-graph replay, host µs per launch.
 
-    python benchmark/lora/bench_lora_kernels.py [--rank 16] [--tokens 16 128 2048] [--adapters 1 4]
+    PYTHONPATH=$PWD/python python benchmark/lora/bench_lora_kernels.py [--model llama-3.1-8b|qwen3-4b]
+        [--tokens 1 16 128 2048] [--adapters 1 4] [--rank 16] [--out results.md]
+    PYTHONPATH=$PWD/python python benchmark/lora/bench_lora_kernels.py --cpu-dry-run   # tiny, interpreter
 
-Shapes are Qwen3-4B's (hidden 2560, q 4096, kv 1024, intermediate 9728), bf16. For each token
-count and adapter count the batch is split into requests (16 tokens: 16 decode requests; more:
-4 prefill requests) assigned round-robin to the adapters. Every row times the four LoRA calls of
-a layer (qkv, o, gate_up, down) with `triton.testing.do_bench` over a CUDA-graph replay of
-them (GPU time, without Python launch overhead); "eager" prepares the metadata for
-this batch alone, "graph" runs the same kernels with the static info a CUDA graph reads, captured
-on a bucket of exactly this batch's size with its launch dimensions frozen (decode: the decode
-info sized for 64 requests; prefill: the prefill info sized for an 8192-token largest bucket). The base-model GEMMs of the same four projections are timed
-for scale.
+Variants (lora_kernel_variants.py): today's `triton` and `csgmv` backends with their graph-static
+metadata, the token-major kernels `tok` (and `tok+pdl`), and a torch/cuBLAS-only `dense` design.
+Batches: 1 and 16 tokens are decode batches (one token per request); 128 and 2048 tokens are 4
+prefill requests. Slot 0 is the base model; n adapters occupy slots 1..n, requests round-robin.
+Every variant's LoRA deltas are first checked against an fp32 reference (column `check`: the
+worst relative Frobenius error over modules; bf16 rounding gives ~3e-3).
+
+Tables:
+  1. per-layer GPU µs (qkv + o + gate_up + down), a CUDA graph of REPS layers replayed; the
+     "×L" columns scale to the model's layers, the issue's targets (8B, rank 16): 128-token
+     prefill <= 0.6 ms, decode at batch 1 <= 0.4 ms. `base` = the four base GEMMs; `base+tok` =
+     base GEMMs and tok LoRA; `base+tok∥` = the same with each shrink on a side stream beside
+     its base GEMM (the shrink only needs the GEMM's input).
+  2. per-module GPU µs (1 adapter).
+  3. host µs, eager, 128-token prefill: `prepare` = metadata + launch plans for one batch;
+     `per launch` = one layer's LoRA calls / launches per layer (target <= 30).
+
+Arithmetic that bounds the answer (8B: h 4096, q 4096, kv 1024, I 14336, rank 16, bf16):
+  - Bytes per layer at 128 tokens: shrink inputs x 1 MB (twice), attn 1 MB, act 3.7 MB; expand
+    read-modify-writes of qkv 3.1 MB, o 2 MB, gate_up 14.7 MB, down 2 MB; adapter A+B 2.8 MB per
+    adapter. ~31 MB -> 7 µs at 4.3 TB/s, 0.23 ms per forward. FLOPs are negligible (14 µs total).
+  - So the budget (0.6 ms / 32 layers = 18.7 µs per layer for 8 kernels) is mostly latency: a
+    dependent kernel costs ~2 µs even when tiny, and today's triton graph grid launches 32 segment
+    slots x lanes x column tiles (14,336 programs for gate_up's expand, 448 with work), plus a
+    memset per split-K shrink (12 kernels per layer).
+  - Decode bs 1: bytes are the adapter's 2.8 MB per layer (0.65 µs): pure latency, 0.4 ms / 32 =
+    12.5 µs per layer for 8 launches -> shrink and expand must each be ~1.5 µs, or overlap (PDL,
+    or the shrink beside the base GEMM on a side stream).
+  - dense reads every slot's B: S x 1.38 MB per layer (S = 8 slots: 11 MB, 2.6 µs) and launches
+    14 kernels per layer; it wins only if cuBLAS's efficiency at 2048 tokens outweighs that.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
+import time
 from pathlib import Path
 
-import torch
-import triton
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "python"))
+sys.path.insert(0, str(HERE))
+if "--cpu-dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+import torch  # noqa: E402
 
+from lora_kernel_variants import (  # noqa: E402
+    MODULES,
+    BackendVariant,
+    Case,
+    DenseVariant,
+    Shapes,
+    TokenVariant,
+    reference_deltas,
+)
 from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend  # noqa: E402
 from sglang.srt.lora.backend.triton_backend import TritonLoRABackend  # noqa: E402
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode  # noqa: E402
+from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
-HIDDEN, Q, KV, INTER = 2560, 4096, 1024, 9728
-MLPB = 8
-PREFILL_MAX_BUCKET = 8192
-DECODE_MAX_BS = 64
-DEV = "cuda"
-DTYPE = torch.bfloat16
+MODELS = {"llama-3.1-8b": (Shapes(4096, 4096, 1024, 14336), 32), "qwen3-4b": (Shapes(2560, 4096, 1024, 9728), 36)}
+TINY = Shapes(64, 64, 32, 96)
+NUM_SLOTS = 8
+REPS = 10  # layers per captured graph
 
 
-def make_batch(seq_lens: list[int], mode: ForwardMode) -> ForwardBatch:
-    bs = len(seq_lens)
-    extend = mode.is_extend()
-    num_tokens = sum(seq_lens) if extend else bs
-    lens = torch.tensor(seq_lens, dtype=torch.int64)
-    return ForwardBatch(
-        forward_mode=mode,
-        batch_size=bs,
-        input_ids=torch.zeros(num_tokens, dtype=torch.int64, device=DEV),
-        positions=torch.zeros(num_tokens, dtype=torch.int64, device=DEV),
-        out_cache_loc=torch.zeros(num_tokens, dtype=torch.int64, device=DEV),
-        req_pool_indices=torch.arange(bs, device=DEV),
-        seq_lens=lens.to(DEV),
-        seq_lens_cpu=lens,
-        extend_seq_lens=lens.to(DEV) if extend else None,
-        extend_seq_lens_cpu=list(seq_lens) if extend else None,
-        extend_num_tokens=num_tokens if extend else None,
-    )
-
-
-def make_pool(rank: int) -> dict[str, torch.Tensor]:
-    def pool(c: int, out_dim: int, in_dim: int):
-        a = torch.randn(MLPB, c * rank, in_dim, device=DEV, dtype=DTYPE) / in_dim**0.5
-        b = torch.randn(MLPB, out_dim, rank, device=DEV, dtype=DTYPE) / rank**0.5
-        return a, b
-
+def make_weights(shapes: Shapes, R: int, dtype, device, gen) -> dict[str, torch.Tensor]:
+    """Pool-shaped A [S, c*R, in] and B [S, out, R] (every adapter at rank R: zero padding unused)."""
     w = {}
-    w["qkv_a"], w["qkv_b"] = pool(3, Q + 2 * KV, HIDDEN)
-    w["gate_up_a"], w["gate_up_b"] = pool(2, 2 * INTER, HIDDEN)
-    w["o_a"], w["o_b"] = pool(1, HIDDEN, Q)
-    w["down_a"], w["down_b"] = pool(1, HIDDEN, INTER)
+    for m in MODULES:
+        _, in_dim, c, slices = shapes.module(m)
+        out_dim = slices[-1][1]
+        w[f"{m}_a"] = (torch.randn(NUM_SLOTS, c * R, in_dim, generator=gen, device=device) / in_dim**0.5).to(dtype)
+        w[f"{m}_b"] = (torch.randn(NUM_SLOTS, out_dim, R, generator=gen, device=device) / R**0.5).to(dtype)
     return w
 
 
-def layer_fn(backend, io: dict[str, torch.Tensor], w: dict[str, torch.Tensor]):
-    def run():
-        backend.run_qkv_lora(io["x"], w["qkv_a"], w["qkv_b"], io["offsets"], max(Q, KV), io["qkv"])
-        backend.run_gate_up_lora(io["x"], w["gate_up_a"], w["gate_up_b"], io["gate_up"])
-        backend.run_lora_b_sgemm(backend.run_lora_a_sgemm(io["attn"], w["o_a"]), w["o_b"], io["o"])
-        backend.run_lora_b_sgemm(backend.run_lora_a_sgemm(io["act"], w["down_a"]), w["down_b"], io["down"])
-
-    return run
-
-
-def base_fn(io: dict[str, torch.Tensor], base_w: dict[str, torch.Tensor]):
-    def run():
-        torch.matmul(io["x"], base_w["qkv"].T)
-        torch.matmul(io["x"], base_w["gate_up"].T)
-        torch.matmul(io["attn"], base_w["o"].T)
-        torch.matmul(io["act"], base_w["down"].T)
-
-    return run
-
-
-def make_io(rows: int) -> dict[str, torch.Tensor]:
+def make_io(shapes: Shapes, rows: int, dtype, device, gen) -> dict[str, torch.Tensor]:
     def rnd(width):
-        return torch.randn(rows, width, device=DEV, dtype=DTYPE)
+        return torch.randn(rows, width, generator=gen, device=device).to(dtype)
 
-    return {
-        "x": rnd(HIDDEN),
-        "attn": rnd(Q),
-        "act": rnd(INTER),
-        "qkv": rnd(Q + 2 * KV),
-        "gate_up": rnd(2 * INTER),
-        "o": rnd(HIDDEN),
-        "down": rnd(HIDDEN),
-        "offsets": torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32, device=DEV),
-    }
+    s = shapes
+    return {"x": rnd(s.hidden), "attn": rnd(s.q), "act": rnd(s.inter),
+            "qkv": rnd(s.q + 2 * s.kv), "o": rnd(s.hidden), "gate_up": rnd(2 * s.inter), "down": rnd(s.hidden)}
 
 
-def split(num_tokens: int) -> tuple[list[int], ForwardMode]:
-    if num_tokens <= 16:
-        return [1] * num_tokens, ForwardMode.DECODE
-    return [num_tokens // 4] * 4, ForwardMode.EXTEND
-
-
-def prepare(backend, lens, mode, slots, ranks, scalings, graph: bool) -> int:
-    """Prepare metadata; returns the number of rows the kernels run over."""
-    fb = make_batch(lens, mode)
-    if not graph:
-        backend.prepare_lora_batch(fb, slots, ranks, scalings, use_cuda_graph=False)
-        return fb.num_tokens
-    # Captured on the bucket of this batch's size (as the graph runners do), statics sized for
-    # the largest bucket; then refreshed in place with the live batch.
-    rows = fb.num_tokens
-    if mode.is_decode():
-        backend.init_cuda_graph_batch_info(DECODE_MAX_BS, 1)
-        capture = make_batch([1] * rows, mode)
-        backend.prepare_lora_batch(capture, [0] * rows, [0] * MLPB, [0.0] * MLPB, True)
-        frozen = (backend.batch_info.bs, backend.batch_info.max_len)
-        backend.prepare_lora_batch(fb, slots, ranks, scalings, True)
+def make_case(tokens: int, adapters: int, R: int, device: str) -> Case:
+    if tokens <= 16:
+        lens, mode = [1] * tokens, ForwardMode.DECODE
     else:
-        backend.init_prefill_cuda_graph_batch_info(PREFILL_MAX_BUCKET)
-        capture = make_batch([rows], mode)
-        backend.prepare_lora_batch(capture, [0], [0] * MLPB, [0.0] * MLPB, False, True)
-        frozen = (backend.batch_info.bs, backend.batch_info.max_len)
-        backend.prepare_lora_batch(fb, slots, ranks, scalings, False, True)
-    backend.batch_info.bs, backend.batch_info.max_len = frozen  # the grid a replay would use
-    return rows
+        lens, mode = [tokens // 4] * 3 + [tokens - 3 * (tokens // 4)], ForwardMode.EXTEND
+    slots = [1 + i % adapters for i in range(len(lens))]
+    ranks = [0] + [R] * adapters + [0] * (NUM_SLOTS - 1 - adapters)
+    scalings = [0.0] + [0.5 + i for i in range(adapters)] + [0.0] * (NUM_SLOTS - 1 - adapters)
+    return Case(lens, slots, mode, ranks, scalings, device)
 
 
-REPS_PER_GRAPH = 10
+def check(variant, io, bases, w, ref) -> float:
+    """Worst relative error of the variant's deltas against the fp32 reference. `bases` are the
+    pristine base outputs (timing runs keep adding into io's, which would swamp bf16 deltas)."""
+    outs = {m: bases[m].clone() for m in MODULES}
+    variant.layer({**io, **outs}, w)
+    worst = 0.0
+    for m in MODULES:
+        delta = outs[m].float() - bases[m].float()
+        err = (delta - ref[m]).norm().item() / max(ref[m].norm().item(), 1e-30)
+        worst = max(worst, err if torch.isfinite(delta).all() else float("inf"))
+    return worst
 
 
 def gpu_time_us(fn) -> float:
-    """GPU time of one `fn`, from replays of a CUDA graph holding REPS_PER_GRAPH calls of it
-    (no Python launch overhead; the graph launch itself is amortised over the repetitions)."""
+    """GPU µs of one `fn`: a graph of REPS calls, replayed (no Python launch cost)."""
+    import triton
+
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -150,55 +126,148 @@ def gpu_time_us(fn) -> float:
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for _ in range(REPS_PER_GRAPH):
+        for _ in range(REPS):
             fn()
-    return triton.testing.do_bench(graph.replay) * 1e3 / REPS_PER_GRAPH
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=40) * 1e3 / REPS
+
+
+def host_us(fn, n: int) -> float:
+    fn()
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        fn()
+    t1 = time.perf_counter()
+    sync()
+    return (t1 - t0) * 1e6 / n
+
+
+def cell(fn) -> str:
+    try:
+        return f"{fn():.1f}"
+    except Exception as e:  # one failing design must not sink the run
+        print(f"    ! {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+        return "err"
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--tokens", type=int, nargs="+", default=[16, 128, 2048])
-    parser.add_argument("--adapters", type=int, nargs="+", default=[1, 4])
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("bench_lora_kernels needs a CUDA device")
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", choices=list(MODELS), default="llama-3.1-8b")
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 2048])
+    p.add_argument("--adapters", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--out", help="also write the tables to this markdown file")
+    p.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes, fp32, CPU interpreter, no timing")
+    args = p.parse_args()
 
-    torch.manual_seed(0)
-    w = make_pool(args.rank)
-    base_w = {
-        "qkv": torch.randn(Q + 2 * KV, HIDDEN, device=DEV, dtype=DTYPE),
-        "gate_up": torch.randn(2 * INTER, HIDDEN, device=DEV, dtype=DTYPE),
-        "o": torch.randn(HIDDEN, Q, device=DEV, dtype=DTYPE),
-        "down": torch.randn(HIDDEN, INTER, device=DEV, dtype=DTYPE),
-    }
-    backends = {
-        "triton": lambda: TritonLoRABackend(MLPB, DEV),
-        "csgmv": lambda: ChunkedSgmvLoRABackend(MLPB, DEV),
-        "csgmv/128": lambda: ChunkedSgmvLoRABackend(MLPB, DEV, max_lora_chunk_size=128),
-    }
-    print(f"# {torch.cuda.get_device_name()}  rank {args.rank}  Qwen3-4B shapes  bf16  "
-          f"torch {torch.__version__}  triton {triton.__version__}")
-    print("# GPU microseconds for the 4 LoRA calls of one layer (qkv, o, gate_up, down), graph replay")
-    header = f"{'tokens':>6} {'adapters':>8} {'base gemm':>10} " + " ".join(
-        f"{name + ' ' + kind:>17}" for name in backends for kind in ("eager", "graph")
-    )
-    print(header)
-    for num_tokens in args.tokens:
-        lens, mode = split(num_tokens)
-        for n_adapters in args.adapters:
-            slots = [1 + i % n_adapters for i in range(len(lens))]
-            ranks = [0] + [args.rank] * n_adapters + [0] * (MLPB - 1 - n_adapters)
-            scalings = [0.0] + [1.0] * n_adapters + [0.0] * (MLPB - 1 - n_adapters)
-            io = make_io(num_tokens)
-            cells = [f"{gpu_time_us(base_fn(io, base_w)):10.1f}"]
-            for make in backends.values():
-                for graph in (False, True):
-                    backend = make()
-                    rows = prepare(backend, lens, mode, slots, ranks, scalings, graph)
-                    assert rows == num_tokens
-                    cells.append(f"{gpu_time_us(layer_fn(backend, io, w)):17.1f}")
-            print(f"{num_tokens:>6} {n_adapters:>8} " + " ".join(cells))
+    dry = args.cpu_dry_run
+    if dry:
+        shapes, layers, device, dtype = TINY, 2, "cpu", torch.float32
+        args.tokens, args.adapters, tol = [1, 16, 40], [1, 3], 1e-4
+    else:
+        if not torch.cuda.is_available():
+            raise SystemExit("needs a CUDA device (or --cpu-dry-run)")
+        (shapes, layers), device, dtype, tol = MODELS[args.model], "cuda", torch.bfloat16, 3e-2
+    R = args.rank
+    gen = torch.Generator(device=device).manual_seed(0)
+    w = make_weights(shapes, R, dtype, device, gen)
+    base_w = {m: (torch.randn(shapes.module(m)[3][-1][1], shapes.module(m)[1], generator=gen, device=device)
+                  / shapes.module(m)[1] ** 0.5).to(dtype) for m in MODULES}
+    dense = DenseVariant(shapes, NUM_SLOTS, R, device, dtype)
+    dense.relayout(w)
+    variants = [
+        BackendVariant("triton", lambda: TritonLoRABackend(NUM_SLOTS, device), shapes, NUM_SLOTS, device),
+        BackendVariant("csgmv", lambda: ChunkedSgmvLoRABackend(NUM_SLOTS, device), shapes, NUM_SLOTS, device),
+        TokenVariant(shapes, NUM_SLOTS, R, device, dtype, use_pdl=False),
+        dense,
+    ]
+    if not dry:
+        variants.insert(3, TokenVariant(shapes, NUM_SLOTS, R, device, dtype, use_pdl=True))
+    tok = variants[2]
+    names = [v.name for v in variants]
+    time_it = (lambda fn: "-") if dry else (lambda fn: cell(lambda: gpu_time_us(fn)))
+    def emit(line: str) -> None:
+        lines.append(line)
+        print(line, flush=True)
+        if args.out:
+            Path(args.out).write_text("\n".join(lines) + "\n")
+
+    lines: list[str] = []
+    header = [f"# LoRA kernels, {'TINY (dry run)' if dry else args.model} shapes, rank {R}, {NUM_SLOTS} slots, "
+             f"{dtype}, torch {torch.__version__}"
+             + (f", {torch.cuda.get_device_name()}" if not dry else ""), ""]
+    for line in header:
+        emit(line)
+
+    # ---- 1. per layer -------------------------------------------------------------------------
+    head = ["tokens", "adapters", "base"] + names + ["base+tok", "base+tok∥", f"{tok.name} ×{layers} ms", "check"]
+    emit("| " + " | ".join(head) + " |")
+    emit("|" + "---:|" * len(head))
+    per_module: list[str] = []
+    for tokens in args.tokens:
+        for adapters in args.adapters:
+            case = make_case(tokens, adapters, R, device)
+            io = make_io(shapes, case.rows, dtype, device, gen)
+            ref = reference_deltas(case, shapes, io, w)
+            bases = {m: io[m].clone() for m in MODULES}
+            print(f"== {tokens} tokens, {adapters} adapter(s)", file=sys.stderr)
+            row = [str(tokens), str(adapters),
+                   time_it(lambda: [torch.matmul(io[shapes.module(m)[0]], base_w[m].T, out=io[m]) for m in MODULES])]
+            errs, per_layer = [], {}
+            for v in variants:
+                try:
+                    v.prepare(case, graph=True)
+                    errs.append(f"{v.name} {check(v, io, bases, w, ref):.0e}")
+                    per_layer[v.name] = time_it(lambda: v.layer(io, w))
+                except Exception as e:
+                    print(f"    ! {v.name}: {type(e).__name__}: {str(e)[:300]}", file=sys.stderr)
+                    errs.append(f"{v.name} err")
+                    per_layer[v.name] = "err"
+                row.append(per_layer[v.name])
+                if adapters == 1 and not dry and per_layer[v.name] != "err":
+                    mods = [time_it(lambda m=m: v.module(m, io, w)) for m in MODULES]
+                    per_module.append(f"| {tokens} | {v.name} | " + " | ".join(mods) + " |")
+            tok.prepare(case, graph=True)
+            if dry:  # the code path only: plain torch matmul + LoRA on the CPU
+                for m in MODULES:
+                    tok.module_with_base(m, io, w, base_w, None)
+                row += ["-", "-"]
+            else:
+                side = torch.cuda.Stream()
+                row.append(time_it(lambda: [tok.module_with_base(m, io, w, base_w, None) for m in MODULES]))
+                row.append(time_it(lambda: [tok.module_with_base(m, io, w, base_w, side) for m in MODULES]))
+            t = per_layer.get(tok.name, "err")
+            row.append(f"{float(t) * layers / 1e3:.2f}" if t not in ("err", "-") else t)
+            bad = [e for e in errs if e.endswith("err") or float(e.split()[-1]) > tol]
+            row.append("ok" if not bad else "FAIL: " + ", ".join(bad))
+            print("    " + "; ".join(errs), file=sys.stderr)
+            emit("| " + " | ".join(row) + " |")
+
+    # ---- 2. per module ------------------------------------------------------------------------
+    if per_module:
+        for line in ["", "GPU µs per module (1 adapter), graph replay", "",
+                     "| tokens | variant | " + " | ".join(MODULES) + " |", "|---:|---|" + "---:|" * len(MODULES)]:
+            emit(line)
+        for line in per_module:
+            emit(line)
+
+    # ---- 3. host time, eager ------------------------------------------------------------------
+    tokens = 128 if not dry else 40
+    case = make_case(tokens, 1, R, device)
+    io = make_io(shapes, case.rows, dtype, device, gen)
+    for line in ["", f"Host µs, eager, {tokens}-token prefill, 1 adapter", "",
+                 "| variant | prepare | layer | launches | per launch |", "|---|---:|---:|---:|---:|"]:
+        emit(line)
+    n = 3 if dry else 50
+    unbound = TokenVariant(shapes, NUM_SLOTS, R, device, dtype, use_pdl=False, bound=False)
+    for v in variants + [unbound]:
+        prep = cell(lambda: host_us(lambda: v.prepare(case, graph=False), n))
+        layer = cell(lambda: host_us(lambda: v.layer(io, w), n))
+        per = f"{float(layer) / v.launches_per_layer:.1f}" if layer != "err" else "err"
+        emit(f"| {v.name} | {prep} | {layer} | {v.launches_per_layer} | {per} |")
+    fast = sum(launch.bound.fast_launches for launch in list(tok.shrink.values()) + list(tok.expand.values()))
+    emit(f"\n(tok: {fast} launches took the bound fast path; 'prepare' includes allocating its buffers)")
 
 
 if __name__ == "__main__":

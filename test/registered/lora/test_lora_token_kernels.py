@@ -206,3 +206,88 @@ def test_shrink_then_expand_matches_dense_lora():
     xa = token_shrink(x, a, token_slots, RANKS_T, 1)
     got = token_expand(xa, b, token_slots, RANKS_T, SCALINGS_T, base.clone(), 1)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+# ---- launch plumbing --------------------------------------------------------------------------
+def test_bound_kernel_checks_its_signature():
+    from sglang.srt.lora.triton_ops.launch import BoundKernel
+    from sglang.srt.lora.triton_ops.token_shrink import _token_shrink_kernel
+
+    with pytest.raises(AssertionError):  # a constexpr missing
+        BoundKernel(_token_shrink_kernel, dict(STACK=1), num_warps=4)
+    plan = plan_shrink(16, IN_DIM, MAX_RANK, 4)
+    from sglang.srt.lora.triton_ops.token_lora import prepare_shrink
+
+    x, a = torch.zeros(16, IN_DIM), torch.zeros(len(RANKS), MAX_RANK, IN_DIM)
+    launch = prepare_shrink(plan, x, a, MAX_RANK, 1)
+    assert launch.bound.num_runtime_args == 7 + len(launch.ints)
+    with pytest.raises(AssertionError):  # an int that triton would pass as 64-bit
+        launch.bound.prepare(launch.grid, launch.ints[:-1] + (2**40,))
+
+
+def _compile_for_hopper(kernel, tensors: dict, ints: list[str], constexprs: dict, **options):
+    """Compile for sm_90 without a GPU (bundled ptxas), the way the JIT specialises real shapes:
+    16-byte aligned pointers and ints divisible by 16."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    import triton
+
+    sig = {**tensors, **{n: "i32" for n in ints}, **{k: "constexpr" for k in constexprs}}
+    names = list(sig)
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in list(tensors) + ints}
+    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+
+
+def hopper_ptx_flags(use_pdl: bool) -> dict[str, bool]:
+    """Compile both kernels for sm_90 and report PTX facts (run without TRITON_INTERPRET)."""
+    from sglang.srt.lora.triton_ops.token_expand import _token_expand_kernel
+    from sglang.srt.lora.triton_ops.token_shrink import _token_shrink_kernel
+
+    shrink = _compile_for_hopper(
+        _token_shrink_kernel,
+        {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
+         "token_slots_ptr": "*i32", "lora_ranks_ptr": "*i32"},
+        ["num_rows", "part_plane", "K", "k_per_split", "x_stride_t", "w_stride_s", "w_stride_n", "out_stride_t",
+         "n_tiles"],
+        dict(STACK=3, BLOCK_S=16, BLOCK_N=64, BLOCK_K=256, SPLIT=4, DOT_PREC="tf32", USE_PDL=use_pdl),
+        num_warps=4,
+    )
+    expand = _compile_for_hopper(
+        _token_expand_kernel,
+        {"xa_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "token_slots_ptr": "*i32",
+         "lora_ranks_ptr": "*i32", "scalings_ptr": "*fp32", "slice_offsets_ptr": "*i32"},
+        ["num_rows", "slice_width", "n_tiles", "xa_stride_t", "w_stride_s", "w_stride_n", "out_stride_t"],
+        dict(HAS_OFFSETS=True, OFFSET_ALIGN=16, BLOCK_S=64, BLOCK_N=128, BLOCK_R=16, DOT_PREC="tf32", USE_PDL=use_pdl),
+        num_warps=4,
+        launch_pdl=use_pdl,
+    )
+    return {
+        "ticket": "atom" in shrink,
+        "launch_dependents": "griddepcontrol.launch_dependents" in shrink,
+        "wait": "griddepcontrol.wait" in expand,
+        "vector_rmw": "st.global.v4" in expand,
+    }
+
+
+def test_token_kernels_compile_for_hopper():
+    """The interpreter skips what only the compiler checks (globals, types, PDL intrinsics); the
+    compiler needs the real @triton.jit objects, so this runs in a subprocess without
+    TRITON_INTERPRET (bundled ptxas, no GPU needed)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (
+        f"import sys, json; sys.path[:0] = {[here] + sys.path[:3]!r}; "
+        "import test_lora_token_kernels as t; print(json.dumps([t.hopper_ptx_flags(p) for p in (False, True)]))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, pdl = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert plain == {"ticket": True, "launch_dependents": False, "wait": False, "vector_rmw": True}, plain
+    assert pdl == {"ticket": True, "launch_dependents": True, "wait": True, "vector_rmw": True}, pdl

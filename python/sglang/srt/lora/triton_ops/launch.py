@@ -102,6 +102,11 @@ class PreparedLaunch:
                 )
                 bound.fast_launches += 1
                 return
-        result = bound.kernel[self.grid](*tensors, *self.ints, **bound.constexprs, **bound.options)
+        result = self.call_unbound(*tensors)
         if key is not None and hasattr(result, "packed_metadata"):
             bound._compiled[key] = result
+
+    def call_unbound(self, *tensors: torch.Tensor) -> Any:
+        """The ordinary `kernel[grid](...)` launch (first calls, CPU; benchmark and tests compare)."""
+        bound = self.bound
+        return bound.kernel[self.grid](*tensors, *self.ints, **bound.constexprs, **bound.options)

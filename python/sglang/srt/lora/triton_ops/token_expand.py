@@ -22,7 +22,8 @@ try:
 except ImportError:  # pragma: no cover - triton without grid dependency control
     gdc_wait = None
 
-_NO_SLOT_HIGH = 1 << 30
+# (a constexpr: jit code may read no other globals)
+_NO_SLOT_HIGH = tl.constexpr(1 << 30)
 
 
 @triton.jit

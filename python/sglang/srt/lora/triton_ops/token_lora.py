@@ -122,9 +122,9 @@ def plan_expand(
 
 @functools.lru_cache(maxsize=None)
 def _bound_shrink(stack: int, block_s: int, block_n: int, block_k: int, split: int, dot_prec: str, use_pdl: bool) -> BoundKernel:
+    # The shrink itself is launched normally (it does not wait for its predecessor); with use_pdl
+    # it only lets its dependent expand start early.
     options = {"num_warps": 4}
-    if use_pdl:
-        options["launch_pdl"] = True
     return BoundKernel(
         _token_shrink_kernel,
         dict(STACK=stack, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, DOT_PREC=dot_prec,

@@ -29,8 +29,9 @@ try:
 except ImportError:  # pragma: no cover - triton without grid dependency control
     gdc_launch_dependents = None
 
-# Slot ids above any real slot (for min/max over the active rows of a tile).
-_NO_SLOT_HIGH = 1 << 30
+# Slot ids above any real slot (for min/max over the active rows of a tile); a constexpr:
+# jit code may read no other globals.
+_NO_SLOT_HIGH = tl.constexpr(1 << 30)
 
 
 @triton.jit
