@@ -18,6 +18,7 @@ Tables:
      base GEMMs and tok LoRA; `base+tok∥` = the same with each shrink on a side stream beside
      its base GEMM (the shrink only needs the GEMM's input).
   2. per-module GPU µs (1 adapter).
+  4. tok's shrink by K split (1 and 128 tokens, qkv and down): tunes plan_shrink's target.
   3. host µs, eager, 128-token prefill: `prepare` = metadata + launch plans for one batch;
      `per launch` = one layer's LoRA calls / launches per layer (target <= 30).
 
@@ -69,6 +70,7 @@ MODELS = {"llama-3.1-8b": (Shapes(4096, 4096, 1024, 14336), 32), "qwen3-4b": (Sh
 TINY = Shapes(64, 64, 32, 96)
 NUM_SLOTS = 8
 REPS = 10  # layers per captured graph
+SWEEP_SPLITS = (1, 4, 8, 16, 32)
 
 
 def make_weights(shapes: Shapes, R: int, dtype, device, gen) -> dict[str, torch.Tensor]:
@@ -158,6 +160,7 @@ def main() -> None:
     p.add_argument("--tokens", type=int, nargs="+", default=[1, 16, 128, 2048])
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 4])
     p.add_argument("--out", help="also write the tables to this markdown file")
+    p.add_argument("--no-sweep", action="store_true", help="skip table 4 (shrink K-split sweep)")
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes, fp32, CPU interpreter, no timing")
     args = p.parse_args()
 
@@ -251,6 +254,27 @@ def main() -> None:
             emit(line)
         for line in per_module:
             emit(line)
+
+    # ---- 4 (printed before 3). tok's K split for the latency-bound shrinks ---------------------
+    if not args.no_sweep:
+        for line in ["", "tok: GPU µs of one module (shrink + expand) by the shrink's K split (1 adapter)", "",
+                     "| tokens | module | default split | " + " | ".join(f"split {s}" for s in SWEEP_SPLITS) + " |",
+                     "|---:|---|---:|" + "---:|" * len(SWEEP_SPLITS)]:
+            emit(line)
+        sweep = TokenVariant(shapes, NUM_SLOTS, R, device, dtype, use_pdl=False)
+        for tokens in (1, 40 if dry else 128):
+            case = make_case(tokens, 1, R, device)
+            io = make_io(shapes, case.rows, dtype, device, gen)
+            for m in ("qkv", "down"):
+                sweep.split = None
+                sweep.prepare(case, graph=True)
+                default = sweep.shrink[m].bound.constexprs["SPLIT"]
+                cells = []
+                for split in SWEEP_SPLITS:
+                    sweep.split = split
+                    sweep.prepare(case, graph=True)
+                    cells.append(time_it(lambda: sweep.module(m, io, w)))
+                emit(f"| {tokens} | {m} | {default} | " + " | ".join(cells) + " |")
 
     # ---- 3. host time, eager ------------------------------------------------------------------
     tokens = 128 if not dry else 40

@@ -20,7 +20,13 @@ from typing import Callable, Optional
 
 import torch
 
-from sglang.srt.lora.triton_ops.token_lora import plan_expand, plan_shrink, prepare_expand, prepare_shrink
+from sglang.srt.lora.triton_ops.token_lora import (
+    plan_expand,
+    plan_shrink,
+    prepare_expand,
+    prepare_shrink,
+    with_split,
+)
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 MODULES = ("qkv", "o", "gate_up", "down")
@@ -151,6 +157,7 @@ class TokenVariant(Variant):
     ) -> None:
         self.name = ("tok+pdl" if use_pdl else "tok") + ("" if bound else " (kernel[grid])")
         self.bound = bound  # False: every launch through triton's binder, for the host-time comparison
+        self.split: Optional[int] = None  # force the shrink's K split (the benchmark's sweep)
         self.shapes, self.num_slots, self.max_rank = shapes, num_slots, max_rank
         self.device, self.dtype, self.use_pdl = device, dtype, use_pdl
         self.offsets = torch.tensor([0, shapes.q, shapes.q + shapes.kv, shapes.q + 2 * shapes.kv],
@@ -168,6 +175,8 @@ class TokenVariant(Variant):
         for m in MODULES:
             _, in_dim, c, slices = self.shapes.module(m)
             sp = plan_shrink(rows, in_dim, c * R, elem)
+            if self.split is not None:
+                sp = with_split(sp, self.split)
             ws_numel, counters = max(ws_numel, sp.workspace_numel), max(counters, sp.num_counters)
             self.xa[m] = torch.empty(rows, c * R, dtype=self.dtype, device=dev)
             x_like = torch.empty(0, in_dim, dtype=self.dtype, device=dev)

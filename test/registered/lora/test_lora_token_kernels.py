@@ -17,6 +17,7 @@ from sglang.srt.lora.triton_ops.token_lora import (
     plan_shrink,
     token_expand,
     token_shrink,
+    with_split,
 )
 from test_lora_kernels import (  # noqa: E402 (conftest puts this directory on sys.path)
     IN_DIM,
@@ -108,9 +109,7 @@ def test_token_shrink_split_k_rearms_its_counters(layout, split):
     a = torch.randn(len(RANKS), 2 * MAX_RANK, in_dim, generator=gen)
     for slot, r in enumerate(RANKS):
         a[slot, 2 * r :] = float("nan")
-    plan = plan_shrink(rows, in_dim, 2 * MAX_RANK, x.element_size())
-    k_per_split = -(-in_dim // (split * plan.block_k)) * plan.block_k
-    plan = type(plan)(**{**plan.__dict__, "split": -(-in_dim // k_per_split), "k_per_split": k_per_split})
+    plan = with_split(plan_shrink(rows, in_dim, 2 * MAX_RANK, x.element_size()), split)
     assert plan.split == split
     workspace = torch.full((plan.workspace_numel,), float("nan"))
     counters = torch.zeros(plan.num_counters, dtype=torch.int32)

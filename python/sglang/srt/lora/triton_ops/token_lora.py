@@ -17,6 +17,7 @@ Tile choices (H200, 132 SMs; to be confirmed by benchmark/lora/bench_lora_kernel
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from dataclasses import dataclass
@@ -84,6 +85,13 @@ def plan_shrink(num_rows: int, in_dim: int, stacked_rank: int, elem_size: int) -
     k_per_split = triton.cdiv(k_blocks, split) * block_k
     split = triton.cdiv(in_dim, k_per_split)  # no empty splits
     return ShrinkPlan(num_rows, in_dim, stacked_rank, block_s, block_n, block_k, n_tiles, split, k_per_split)
+
+
+def with_split(plan: ShrinkPlan, split: int) -> ShrinkPlan:
+    """The same plan with K split `split` ways (fewer if K has fewer tiles): tuning and tests."""
+    k_blocks = triton.cdiv(plan.in_dim, plan.block_k)
+    k_per_split = triton.cdiv(k_blocks, max(1, min(split, k_blocks))) * plan.block_k
+    return dataclasses.replace(plan, split=triton.cdiv(plan.in_dim, k_per_split), k_per_split=k_per_split)
 
 
 @dataclass(frozen=True)
