@@ -161,6 +161,7 @@ def main() -> None:
     p.add_argument("--adapters", type=int, nargs="+", default=[1, 4])
     p.add_argument("--out", help="also write the tables to this markdown file")
     p.add_argument("--no-sweep", action="store_true", help="skip table 4 (shrink K-split sweep)")
+    p.add_argument("--no-pdl", action="store_true", help="leave out tok+pdl (programmatic dependent launch)")
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes, fp32, CPU interpreter, no timing")
     args = p.parse_args()
 
@@ -185,8 +186,8 @@ def main() -> None:
         TokenVariant(shapes, NUM_SLOTS, R, device, dtype, use_pdl=False),
         dense,
     ]
-    if not dry:
-        variants.insert(3, TokenVariant(shapes, NUM_SLOTS, R, device, dtype, use_pdl=True))
+    if not dry and not args.no_pdl:  # last: a failed PDL capture should spoil nothing before it
+        variants.append(TokenVariant(shapes, NUM_SLOTS, R, device, dtype, use_pdl=True))
     tok = variants[2]
     names = [v.name for v in variants]
     time_it = (lambda fn: "-") if dry else (lambda fn: cell(lambda: gpu_time_us(fn)))
