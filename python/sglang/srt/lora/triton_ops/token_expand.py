@@ -17,13 +17,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:
-    from triton.language.extra.cuda import gdc_wait
-except ImportError:  # pragma: no cover - triton without grid dependency control
-    gdc_wait = None
-
-# (a constexpr: jit code may read no other globals)
-_NO_SLOT_HIGH = tl.constexpr(1 << 30)
+from sglang.srt.lora.triton_ops._token_rows import gdc_wait, slot_range, tile_rows
 
 
 @triton.jit
@@ -100,10 +94,7 @@ def _token_expand_kernel(
         col_hi = col_lo + slice_width
     offs_n = col_lo + tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = offs_n < col_hi  # narrower slices (kv under GQA) have idle column tiles
-    offs_s = tile_t * BLOCK_S + tl.arange(0, BLOCK_S)
-    slot = tl.load(token_slots_ptr + offs_s, mask=offs_s < num_rows, other=-1)
-    rank = tl.load(lora_ranks_ptr + slot, mask=slot >= 0, other=0)
-    active = rank > 0
+    offs_s, slot, rank, active = tile_rows(token_slots_ptr, lora_ranks_ptr, tile_t, num_rows, BLOCK_S)
     rows = offs_s.to(tl.int64)
     mask = active[:, None] & col_mask[None, :]
     out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :]
@@ -112,8 +103,7 @@ def _token_expand_kernel(
     if USE_PDL:
         gdc_wait()
     if tl.max(mask.to(tl.int32)) > 0:
-        lo = tl.min(tl.where(active, slot, _NO_SLOT_HIGH), axis=0)
-        hi = tl.max(tl.where(active, slot, -1), axis=0)
+        lo, hi = slot_range(slot, active)
         if lo == hi:
             acc = _expand_one_slot(
                 xa_ptr, w_ptr, lo, tl.load(lora_ranks_ptr + lo), rows, active, slice_id, offs_n, col_mask,

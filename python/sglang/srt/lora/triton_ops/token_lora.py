@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +27,7 @@ import triton
 
 from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block
 from sglang.srt.lora.triton_ops.launch import BoundKernel, PreparedLaunch
+from sglang.srt.lora.triton_ops.sgemm_lora_b import qkv_offset_alignment
 from sglang.srt.lora.triton_ops.token_expand import _token_expand_kernel
 from sglang.srt.lora.triton_ops.token_shrink import _token_shrink_kernel
 
@@ -193,18 +193,6 @@ def prepare_expand(
         plan.num_rows, plan.slice_width, plan.n_tiles, xa_stride, weights.stride(0), weights.stride(1), out_stride,
     )
     return bound.prepare(plan.grid, ints)
-
-
-def qkv_offset_alignment(out_dim: int, max_slice_width: int) -> int:
-    """A power of two (<= 16) dividing every offset of [0, q, q+kv, q+2kv] (see sgemm_lora_b)."""
-    candidates = [out_dim, max_slice_width]
-    rest = out_dim - max_slice_width
-    if rest > 0 and rest % 2 == 0:
-        candidates.append(rest // 2)
-    if out_dim - 2 * max_slice_width > 0:
-        candidates.append(out_dim - 2 * max_slice_width)
-    g = math.gcd(*candidates)
-    return next(a for a in (16, 8, 4, 2, 1) if g % a == 0)
 
 
 # ---- one-call entry points (tests, benchmark; a backend keeps the prepared launches instead) ----

@@ -24,14 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents
-except ImportError:  # pragma: no cover - triton without grid dependency control
-    gdc_launch_dependents = None
-
-# Slot ids above any real slot (for min/max over the active rows of a tile); a constexpr:
-# jit code may read no other globals.
-_NO_SLOT_HIGH = tl.constexpr(1 << 30)
+from sglang.srt.lora.triton_ops._token_rows import gdc_launch_dependents, slot_range, tile_rows
 
 
 @triton.jit
@@ -105,19 +98,14 @@ def _token_shrink_kernel(
     tile = pid // SPLIT
     tile_n = tile % n_tiles
     tile_t = tile // n_tiles
-    offs_s = tile_t * BLOCK_S + tl.arange(0, BLOCK_S)
-    in_rows = offs_s < num_rows
     # Slot and rank first: base rows, padding and rows past the batch are never touched.
-    slot = tl.load(token_slots_ptr + offs_s, mask=in_rows, other=-1)
-    rank = tl.load(lora_ranks_ptr + slot, mask=slot >= 0, other=0)
-    active = rank > 0
+    offs_s, slot, rank, active = tile_rows(token_slots_ptr, lora_ranks_ptr, tile_t, num_rows, BLOCK_S)
     if tl.max(active.to(tl.int32), axis=0) > 0:
         rows = offs_s.to(tl.int64)
         offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
         k_lo = split * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
-        lo = tl.min(tl.where(active, slot, _NO_SLOT_HIGH), axis=0)
-        hi = tl.max(tl.where(active, slot, -1), axis=0)
+        lo, hi = slot_range(slot, active)
         if lo == hi:
             acc = _shrink_one_slot(
                 x_ptr, w_ptr, lo, tl.load(lora_ranks_ptr + lo), rows, active, offs_n, k_lo, k_hi,
