@@ -1,4 +1,5 @@
-"""Token-major LoRA kernels (token_shrink / token_expand) vs a torch reference (CPU interpreter, fp32).
+"""Token-major LoRA kernels (token_shrink / token_expand; shrink_pack in test_lora_fold.py) vs a torch
+reference (CPU interpreter, fp32).
 
 Same poisoning as test_lora_kernels.py: NaN past each adapter's compact prefix in A and B and past
 its columns in the shrink output, sentinels in rows that must stay untouched (base rows, padding).
@@ -109,10 +110,10 @@ def test_token_shrink_split_k_rearms_its_counters(layout, split):
     a = torch.randn(len(RANKS), 2 * MAX_RANK, in_dim, generator=gen)
     for slot, r in enumerate(RANKS):
         a[slot, 2 * r :] = float("nan")
-    plan = with_split(plan_shrink(rows, in_dim, 2 * MAX_RANK, x.element_size()), split)
+    plan = with_split(plan_shrink(in_dim, 2 * MAX_RANK, x.element_size()), split)
     assert plan.split == split
-    workspace = torch.full((plan.workspace_numel,), float("nan"))
-    counters = torch.zeros(plan.num_counters, dtype=torch.int32)
+    workspace = torch.full((plan.workspace_numel(rows),), float("nan"))
+    counters = torch.zeros(plan.num_counters(rows), dtype=torch.int32)
     outs = []
     for _ in range(2):
         out = torch.full((rows, 2 * MAX_RANK), SENTINEL)
@@ -124,12 +125,17 @@ def test_token_shrink_split_k_rearms_its_counters(layout, split):
     assert torch.equal(outs[0], outs[1])
 
 
-def test_plan_shrink_splits_only_short_batches():
-    decode = plan_shrink(1, 14336, 16, 2)
-    assert decode.split > 1 and decode.grid[0] <= 256 and decode.k_per_split % decode.block_k == 0
-    long = plan_shrink(2048, 4096, 48, 2)
-    assert long.block_s == 64 and long.split < decode.split
-    assert plan_shrink(8, 40, 16, 4).split == 1  # a single K tile cannot be split
+def test_plans_depend_on_static_shapes_only():
+    """Tiles and the K split decide each row's summation order: they must not follow the row count
+    (a graph replays a padded bucket, eager runs the live rows), only K and the widths."""
+    down = plan_shrink(14336, 16, 2)  # Llama-8B down_proj: K split in pieces of ~512
+    assert down.split == 28 and down.k_per_split == 512 and down.k_per_split % down.block_k == 0
+    qkv = plan_shrink(4096, 48, 2)
+    assert qkv.split == 8 and qkv.block_s == 16
+    assert plan_shrink(40, 16, 4).split == 1  # a single K tile cannot be split
+    assert [qkv.grid(n)[0] for n in (1, 16, 17, 2048)] == [8, 8, 16, 1024]  # only the grid grows
+    assert qkv.workspace_numel(32) == 8 * 32 * 64 and qkv.num_counters(32) == 2
+    assert plan_expand(6144, 3, 16, 4096).block_s == plan_expand(128, 1, 16).block_s
 
 
 def _shrunk(rows: int, stack: int, token_slots: torch.Tensor, gen) -> torch.Tensor:
@@ -184,7 +190,7 @@ def test_token_expand_bucket_sized_grid_with_padding():
     xa = _shrunk(rows, 1, token_slots, gen)
     b = _poisoned_b(PLAIN_OUT, gen)
     base = torch.full((rows, PLAIN_OUT), SENTINEL)
-    plan = plan_expand(rows, PLAIN_OUT, 1, MAX_RANK)
+    plan = plan_expand(PLAIN_OUT, 1, MAX_RANK)
     assert isinstance(plan, ExpandPlan) and plan.block_s == 64
     expected = ref_expand(xa, b, token_slots, base, [(0, PLAIN_OUT)])
     got = token_expand(xa, b, token_slots, RANKS_T, SCALINGS_T, base, 1, plan=plan)
@@ -214,11 +220,11 @@ def test_bound_kernel_checks_its_signature():
 
     with pytest.raises(AssertionError):  # a constexpr missing
         BoundKernel(_token_shrink_kernel, dict(STACK=1), num_warps=4)
-    plan = plan_shrink(16, IN_DIM, MAX_RANK, 4)
+    plan = plan_shrink(IN_DIM, MAX_RANK, 4)
     from sglang.srt.lora.triton_ops.token_lora import prepare_shrink
 
     x, a = torch.zeros(16, IN_DIM), torch.zeros(len(RANKS), MAX_RANK, IN_DIM)
-    launch = prepare_shrink(plan, x, a, MAX_RANK, 1)
+    launch = prepare_shrink(plan, 16, x, a, MAX_RANK, 1)
     assert launch.bound.num_runtime_args == 7 + len(launch.ints)
     with pytest.raises(AssertionError):  # an int that triton would pass as 64-bit
         launch.bound.prepare(launch.grid, launch.ints[:-1] + (2**40,))
@@ -262,11 +268,25 @@ def hopper_ptx_flags(use_pdl: bool) -> dict[str, bool]:
         num_warps=4,
         launch_pdl=use_pdl,
     )
+    from sglang.srt.lora.triton_ops.shrink_pack import _shrink_pack_kernel
+
+    pack = _compile_for_hopper(
+        _shrink_pack_kernel,
+        {"x_ptr": "*bf16", "w_ptr": "*bf16", "xaug_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
+         "token_slots_ptr": "*i32", "lora_ranks_ptr": "*i32", "scalings_ptr": "*fp32"},
+        ["num_rows", "part_plane", "K", "k_per_split", "x_stride_t", "w_stride_s", "w_stride_n", "xaug_stride_t",
+         "n_tiles"],
+        dict(STACK=3, MAX_RANK=16, E_COLS=432, BLOCK_S=16, BLOCK_N=64, BLOCK_K=256, BLOCK_E=128, SPLIT=8,
+             DOT_PREC="tf32", USE_PDL=use_pdl),
+        num_warps=4,
+        launch_pdl=use_pdl,
+    )
     return {
-        "ticket": "atom" in shrink,
+        "ticket": "atom" in shrink and "atom" in pack,
         "launch_dependents": "griddepcontrol.launch_dependents" in shrink,
-        "wait": "griddepcontrol.wait" in expand,
+        "wait": "griddepcontrol.wait" in expand and "griddepcontrol.wait" in pack,
         "vector_rmw": "st.global.v4" in expand,
+        "vector_copy": "st.global.v4" in pack,  # the copy of x into x_aug
     }
 
 
@@ -288,5 +308,6 @@ def test_token_kernels_compile_for_hopper():
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     plain, pdl = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert plain == {"ticket": True, "launch_dependents": False, "wait": False, "vector_rmw": True}, plain
-    assert pdl == {"ticket": True, "launch_dependents": True, "wait": True, "vector_rmw": True}, pdl
+    expected = {"ticket": True, "launch_dependents": False, "wait": False, "vector_rmw": True, "vector_copy": True}
+    assert plain == expected, plain
+    assert pdl == dict(expected, launch_dependents=True, wait=True), pdl
