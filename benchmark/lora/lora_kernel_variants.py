@@ -1,37 +1,37 @@
-"""The LoRA kernel designs that bench_lora_kernels.py compares, behind one small interface.
+"""The LoRA module designs that bench_lora_kernels.py compares: the engine's own backends, configured.
 
-Each variant owns its metadata and scratch buffers for one case (a batch of `rows` token rows) and
-runs the LoRA work of one decoder layer, module by module, adding into the base outputs in place:
+Every variant computes whole modules (base GEMM + LoRA) through `backend.run_module`, exactly as
+the LoRA layers call it, for the four modules of one decoder layer:
 
-  triton     today's `triton` backend: one segment per request (graph: 32 static segment slots)
-  csgmv      today's `csgmv` backend: adapter-sorted 16-token chunks (graph: worst-case chunks)
-  tok        token-major kernels (triton_ops/token_*.py): grid by rows only, split-K reduced by the
-             last program of a tile (no memset kernel), launched through PreparedLaunch
-  tok+pdl    the same, the expand launched as a programmatic dependent of the shrink (Hopper)
-  dense      torch/cuBLAS only: one GEMM shrinks for every slot ([T, c*S*R]), one multiply keeps
-             each token's own slot's columns (pre-scaled), one addmm per slice expands against
-             every slot's B stacked [N_k, S*R] (reads all slots' B; needs all ranks = R)
+  csgmv/unfold  `csgmv` with no module folded: base GEMM, then the chunked SGMV shrink and expand
+                (adapter-sorted 16-token chunks; what csgmv runs for modules over the fold bound)
+  tok+pdl       `triton` with no module folded: base GEMM, token-major shrink (split-K) and expand
+                (a programmatic dependent launch of the shrink, Hopper); triton's unfolded path
+  fold          `triton`, every module folded: shrink_pack writes [x | packed shrink], then ONE
+                cuBLAS GEMM over W_aug = [W | block-diagonal B of every slot]
+  fold+pdl      the same, shrink_pack launched as a programmatic dependent of its predecessor
+  auto          `triton` with lora/fold.py's rule per module (what `--lora-fold auto` picks)
+
+LoRA cost = (variant's four modules) - (the four base GEMMs alone), so designs that fold LoRA into
+the base GEMM and designs that add it afterwards compare on one scale.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Optional
 
 import torch
+import torch.nn.functional as F
+from torch import nn
 
-from sglang.srt.lora.triton_ops.token_lora import (
-    plan_expand,
-    plan_shrink,
-    prepare_expand,
-    prepare_shrink,
-    with_split,
-)
+from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend
+from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
+from sglang.srt.lora.fold import fold_extra_columns, fold_weight, should_fold
+from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 MODULES = ("qkv", "o", "gate_up", "down")
-PREFILL_MAX_BUCKET = 8192
-DECODE_MAX_BS = 64
 
 
 @dataclass(frozen=True)
@@ -41,15 +41,11 @@ class Shapes:
     kv: int
     inter: int
 
-    def module(self, name: str) -> tuple[str, int, int, list[tuple[int, int]]]:
-        """(input key, in_dim, stack c, output slices [(lo, hi)]) of a module."""
+    def module(self, name: str) -> tuple[str, int, tuple[int, ...]]:
+        """(input key, in_dim, output slice widths) of a module."""
         h, q, kv, i = self.hidden, self.q, self.kv, self.inter
-        return {
-            "qkv": ("x", h, 3, [(0, q), (q, q + kv), (q + kv, q + 2 * kv)]),
-            "o": ("attn", q, 1, [(0, h)]),
-            "gate_up": ("x", h, 2, [(0, i), (i, 2 * i)]),
-            "down": ("act", i, 1, [(0, h)]),
-        }[name]
+        return {"qkv": ("x", h, (q, kv, kv)), "o": ("attn", q, (h,)), "gate_up": ("x", h, (i, i)),
+                "down": ("act", i, (h,))}[name]
 
 
 @dataclass
@@ -67,16 +63,14 @@ class Case:
     def rows(self) -> int:
         return sum(self.lens) if self.mode.is_extend() else len(self.lens)
 
-    def token_slots(self) -> torch.Tensor:
+    def row_slots(self) -> list[int]:
         lens = self.lens if self.mode.is_extend() else [1] * len(self.lens)
-        per_row = [s for n, s in zip(lens, self.slots) for _ in range(n)]
-        return torch.tensor(per_row, dtype=torch.int32, device=self.device)
+        return [s for n, s in zip(lens, self.slots) for _ in range(n)]
 
-    def forward_batch(self, lens: Optional[list[int]] = None) -> ForwardBatch:
-        lens = self.lens if lens is None else lens
-        bs, extend = len(lens), self.mode.is_extend()
-        num_tokens = sum(lens) if extend else bs
-        t = torch.tensor(lens, dtype=torch.int64)
+    def forward_batch(self) -> ForwardBatch:
+        bs, extend = len(self.lens), self.mode.is_extend()
+        num_tokens = self.rows
+        t = torch.tensor(self.lens, dtype=torch.int64)
         dev = self.device
         return ForwardBatch(
             forward_mode=self.mode,
@@ -88,197 +82,158 @@ class Case:
             seq_lens=t.to(dev),
             seq_lens_cpu=t,
             extend_seq_lens=t.to(dev) if extend else None,
-            extend_seq_lens_cpu=list(lens) if extend else None,
+            extend_seq_lens_cpu=list(self.lens) if extend else None,
             extend_num_tokens=num_tokens if extend else None,
         )
 
 
-class Variant:
-    name = "?"
-    launches_per_layer = 8
+class _Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor) -> None:
+        super().__init__()
+        self.weight = weight
 
-    def prepare(self, case: Case, graph: bool) -> None:
-        raise NotImplementedError
-
-    def module(self, name: str, io: dict, w: dict) -> None:
-        raise NotImplementedError
-
-    def layer(self, io: dict, w: dict) -> None:
-        for m in MODULES:
-            self.module(m, io, w)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
 
 
-class BackendVariant(Variant):
-    """Today's backends through their public methods (what the LoRA layers call)."""
+class LayerWeights:
+    """One decoder layer: base weights W, pool-shaped adapters (A [S, c*R, in], B [S, out, R], every
+    adapter at rank R), and, made on first use, each module's W_aug with B folded in."""
 
-    def __init__(self, name: str, make: Callable, shapes: Shapes, num_slots: int, device: str) -> None:
-        self.name, self.make, self.shapes, self.num_slots, self.device = name, make, shapes, num_slots, device
-        self.backend = None
-        self.offsets = torch.tensor([0, shapes.q, shapes.q + shapes.kv, shapes.q + 2 * shapes.kv],
-                                    dtype=torch.int32, device=device)
-
-    def prepare(self, case: Case, graph: bool) -> None:
-        b = self.backend = self.make()
-        zeros_r, zeros_s = [0] * self.num_slots, [0.0] * self.num_slots
-        if not graph:
-            b.prepare_lora_batch(case.forward_batch(), case.slots, case.ranks, case.scalings, use_cuda_graph=False)
-            return
-        # As the graph runners do: capture on a bucket of exactly these rows with all ranks 0,
-        # then refresh in place with the live batch; a replay keeps the captured grid.
-        rows = case.rows
-        if case.mode.is_decode():
-            b.init_cuda_graph_batch_info(DECODE_MAX_BS, 1)
-            b.prepare_lora_batch(case.forward_batch([1] * rows), [0] * rows, zeros_r, zeros_s, True)
-            frozen = (b.batch_info.bs, b.batch_info.max_len)
-            b.prepare_lora_batch(case.forward_batch(), case.slots, case.ranks, case.scalings, True)
-        else:
-            b.init_prefill_cuda_graph_batch_info(PREFILL_MAX_BUCKET)
-            b.prepare_lora_batch(case.forward_batch([rows]), [0], zeros_r, zeros_s, False, True)
-            frozen = (b.batch_info.bs, b.batch_info.max_len)
-            b.prepare_lora_batch(case.forward_batch(), case.slots, case.ranks, case.scalings, False, True)
-        b.batch_info.bs, b.batch_info.max_len = frozen
-
-    def module(self, name: str, io: dict, w: dict) -> None:
-        b, s = self.backend, self.shapes
-        if name == "qkv":
-            b.run_qkv_lora(io["x"], w["qkv_a"], w["qkv_b"], self.offsets, max(s.q, s.kv), io["qkv"])
-        elif name == "gate_up":
-            b.run_gate_up_lora(io["x"], w["gate_up_a"], w["gate_up_b"], io["gate_up"])
-        else:
-            key = "attn" if name == "o" else "act"
-            b.run_lora_b_sgemm(b.run_lora_a_sgemm(io[key], w[f"{name}_a"]), w[f"{name}_b"], io[name])
-
-
-class TokenVariant(Variant):
-    """Token-major kernels with every launch prepared once per batch (what a backend would keep)."""
-
-    def __init__(
-        self, shapes: Shapes, num_slots: int, max_rank: int, device: str, dtype, use_pdl: bool, bound: bool = True
-    ) -> None:
-        self.name = ("tok+pdl" if use_pdl else "tok") + ("" if bound else " (kernel[grid])")
-        self.bound = bound  # False: every launch through triton's binder, for the host-time comparison
-        self.split: Optional[int] = None  # force the shrink's K split (the benchmark's sweep)
+    def __init__(self, shapes: Shapes, num_slots: int, max_rank: int, dtype, device, gen) -> None:
         self.shapes, self.num_slots, self.max_rank = shapes, num_slots, max_rank
-        self.device, self.dtype, self.use_pdl = device, dtype, use_pdl
-        self.offsets = torch.tensor([0, shapes.q, shapes.q + shapes.kv, shapes.q + 2 * shapes.kv],
-                                    dtype=torch.int32, device=device)
-
-    def prepare(self, case: Case, graph: bool, w: Optional[dict] = None) -> None:
-        # Graph or eager: the same launches (the grid depends on the rows only).
-        rows, dev, R = case.rows, self.device, self.max_rank
-        self.token_slots = case.token_slots()
-        self.ranks = torch.tensor(case.ranks, dtype=torch.int32, device=dev)
-        self.scalings = torch.tensor(case.scalings, dtype=torch.float32, device=dev)
-        self.shrink, self.expand, self.xa = {}, {}, {}
-        ws_numel = counters = 1
-        elem = torch.tensor([], dtype=self.dtype).element_size()
+        self.w, self.a, self.b = {}, {}, {}
         for m in MODULES:
-            _, in_dim, c, slices = self.shapes.module(m)
-            sp = plan_shrink(rows, in_dim, c * R, elem)
-            if self.split is not None:
-                sp = with_split(sp, self.split)
-            ws_numel, counters = max(ws_numel, sp.workspace_numel), max(counters, sp.num_counters)
-            self.xa[m] = torch.empty(rows, c * R, dtype=self.dtype, device=dev)
-            x_like = torch.empty(0, in_dim, dtype=self.dtype, device=dev)
-            a_like = torch.empty(self.num_slots, c * R, in_dim, dtype=self.dtype, device=dev)
-            self.shrink[m] = prepare_shrink(sp, x_like, a_like, c * R, c, self.use_pdl)
-            out_dim = slices[-1][1]
-            widths = {hi - lo for lo, hi in slices}
-            equal = len(widths) == 1
-            ep = plan_expand(rows, out_dim, len(slices), R, None if equal else max(widths))
-            b_like = torch.empty(self.num_slots, out_dim, R, dtype=self.dtype, device=dev)
-            self.expand[m] = prepare_expand(ep, b_like, c * R, out_dim, not equal, self.use_pdl)
-        self.workspace = torch.empty(ws_numel, dtype=torch.float32, device=dev)
-        self.counters = torch.zeros(counters, dtype=torch.int32, device=dev)
+            _, in_dim, slices = shapes.module(m)
+            out = sum(slices)
+            self.w[m] = (torch.randn(out, in_dim, generator=gen, device=device) / in_dim**0.5).to(dtype)
+            self.a[m] = (torch.randn(num_slots, len(slices) * max_rank, in_dim, generator=gen, device=device)
+                         / in_dim**0.5).to(dtype)
+            self.b[m] = (torch.randn(num_slots, out, max_rank, generator=gen, device=device) / max_rank**0.5).to(dtype)
+        self._folded: dict[str, tuple[torch.Tensor, object]] = {}
 
-    def module(self, name: str, io: dict, w: dict) -> None:
-        key = self.shapes.module(name)[0]
-        xa = self.xa[name]
-        shrink, expand = self.shrink[name], self.expand[name]
-        if not self.bound:
-            shrink, expand = shrink.call_unbound, expand.call_unbound
-        shrink(io[key], w[f"{name}_a"], xa, self.workspace, self.counters, self.token_slots, self.ranks)
-        offsets = self.offsets if name == "qkv" else self.token_slots
-        expand(xa, w[f"{name}_b"], io[name], self.token_slots, self.ranks, self.scalings, offsets)
+    def spec(self, m: str, folded: bool) -> LoRAModuleSpec:
+        _, in_dim, slices = self.shapes.module(m)
+        extra = fold_extra_columns(self.num_slots, len(slices), self.max_rank) if folded else 0
+        return LoRAModuleSpec(m, in_dim, slices, self.max_rank, extra)
 
-    def module_with_base(self, name: str, io: dict, w: dict, base_w: dict, side: Optional[torch.cuda.Stream]) -> None:
-        """Base GEMM + LoRA; with `side`, the shrink runs on it concurrently with the GEMM."""
-        key = self.shapes.module(name)[0]
-        xa = self.xa[name]
-        shrink_args = (io[key], w[f"{name}_a"], xa, self.workspace, self.counters, self.token_slots, self.ranks)
-        if side is None:
-            torch.matmul(io[key], base_w[name].T, out=io[name])
-            self.shrink[name](*shrink_args)
-        else:
-            main = torch.cuda.current_stream()
-            side.wait_stream(main)
-            with torch.cuda.stream(side):
-                self.shrink[name](*shrink_args)
-            torch.matmul(io[key], base_w[name].T, out=io[name])
-            main.wait_stream(side)
-        offsets = self.offsets if name == "qkv" else self.token_slots
-        self.expand[name](xa, w[f"{name}_b"], io[name], self.token_slots, self.ranks, self.scalings, offsets)
+    def folded(self, m: str) -> tuple[torch.Tensor, object]:
+        if m not in self._folded:
+            w_aug, sliced = fold_weight(self.w[m], self.shapes.module(m)[2], self.num_slots, self.max_rank)
+            for slot in range(self.num_slots):
+                sliced[slot].copy_(self.b[m][slot])
+            self._folded[m] = (w_aug, sliced)
+        return self._folded[m]
+
+    def module(self, m: str, folded: bool) -> tuple[LoRAModuleWeights, nn.Module]:
+        if not folded:
+            return LoRAModuleWeights(self.spec(m, False), self.a[m], self.b[m], None), _Linear(self.w[m])
+        w_aug, sliced = self.folded(m)
+        in_dim = self.shapes.module(m)[1]
+        return LoRAModuleWeights(self.spec(m, True), self.a[m], sliced, None, w_aug), _Linear(w_aug[:, :in_dim])
+
+    def auto_folds(self, m: str) -> bool:
+        _, _, slices = self.shapes.module(m)
+        extra = fold_extra_columns(self.num_slots, len(slices), self.max_rank)
+        return should_fold(sum(slices), extra, self.w[m].element_size())
 
 
-class DenseVariant(Variant):
-    """torch/cuBLAS only (see the module docstring). Weights are re-laid out once, outside timing."""
+class BackendVariant:
+    """A backend with every module of one layer registered, in one fold mode ("on", "off", "auto")."""
 
-    name = "dense"
+    def __init__(self, name: str, backend_cls, fold: str, use_pdl: bool, weights: LayerWeights) -> None:
+        self.name, self.backend_cls, self.fold_mode, self.use_pdl, self.weights = name, backend_cls, fold, use_pdl, weights
+        self.backend = None
 
-    def __init__(self, shapes: Shapes, num_slots: int, max_rank: int, device: str, dtype) -> None:
-        self.shapes, self.num_slots, self.R, self.device, self.dtype = shapes, num_slots, max_rank, device, dtype
-        self.launches_per_layer = sum(2 + len(shapes.module(m)[3]) for m in MODULES)
+    def folds(self, m: str) -> bool:
+        return self.fold_mode == "on" or (self.fold_mode == "auto" and self.weights.auto_folds(m))
 
-    def relayout(self, w: dict) -> None:
-        S, R = self.num_slots, self.R
-        self.a_cat, self.b_k = {}, {}
-        for m in MODULES:
-            _, in_dim, c, slices = self.shapes.module(m)
-            a = w[f"{m}_a"].view(S, c, R, in_dim).permute(1, 0, 2, 3)  # slice-major
-            self.a_cat[m] = a.reshape(c * S * R, in_dim).contiguous()
-            b = w[f"{m}_b"]  # [S, out, R]
-            self.b_k[m] = [b[:, lo:hi, :].permute(1, 0, 2).reshape(hi - lo, S * R).contiguous() for lo, hi in slices]
+    @property
+    def lora_launches_per_layer(self) -> int:
+        return sum(1 if self.folds(m) else 2 for m in MODULES)
 
     def prepare(self, case: Case, graph: bool) -> None:
-        assert all(r in (0, self.R) for r in case.ranks), "dense needs every adapter at the pool rank"
-        S, R, rows = self.num_slots, self.R, case.rows
-        own = torch.zeros(rows, S, dtype=torch.float32, device=self.device)
-        slots = case.token_slots().long()
-        scal = torch.tensor(case.scalings, dtype=torch.float32, device=self.device)
-        own[torch.arange(rows, device=self.device), slots] = scal[slots]
-        self.mask, self.xa = {}, {}
-        for m in MODULES:
-            c = self.shapes.module(m)[2]
-            per_slice = own[:, None, :, None].expand(rows, c, S, R)
-            self.mask[m] = per_slice.reshape(rows, c * S * R).to(self.dtype).contiguous()
-            self.xa[m] = torch.empty(rows, c * S * R, dtype=self.dtype, device=self.device)
+        """A fresh backend with this batch's metadata (graph: in the static buffers, sized for
+        exactly these rows, as a graph runner's bucket would be)."""
+        w = self.weights
+        dev = case.device
+        b = self.backend = self.backend_cls(w.num_slots, dev, use_pdl=self.use_pdl)
+        self.layer_modules = {m: w.module(m, self.folds(m)) for m in MODULES}
+        b.init_modules({m: lw.spec for m, (lw, _) in self.layer_modules.items()},
+                       torch.tensor(case.ranks, dtype=torch.int32, device=dev),
+                       torch.tensor(case.scalings, dtype=torch.float32, device=dev), w.w["qkv"].dtype)
+        decode = case.mode.is_decode()
+        if graph and decode:
+            b.init_cuda_graph_batch_info(case.rows, 1)
+        elif graph:
+            b.init_prefill_cuda_graph_batch_info(case.rows)
+        b.prepare_lora_batch(case.forward_batch(), case.slots, case.ranks, case.scalings,
+                             use_cuda_graph=graph and decode, use_prefill_cuda_graph=graph and not decode)
 
-    def module(self, name: str, io: dict, w: dict) -> None:
-        key, _, c, slices = self.shapes.module(name)
-        xa, SR = self.xa[name], self.num_slots * self.R
-        torch.matmul(io[key], self.a_cat[name].T, out=xa)
-        xa.mul_(self.mask[name])
-        out = io[name]
-        for k, (lo, hi) in enumerate(slices):
-            out[:, lo:hi].addmm_(xa[:, k * SR : (k + 1) * SR], self.b_k[name][k].T)
+    def module(self, name: str, io: dict) -> torch.Tensor:
+        lw, base = self.layer_modules[name]
+        return self.backend.run_module(lw, base, io[self.weights.shapes.module(name)[0]])
+
+    def layer(self, io: dict) -> dict[str, torch.Tensor]:
+        return {m: self.module(m, io) for m in MODULES}
 
 
-def reference_deltas(case: Case, shapes: Shapes, io: dict, w: dict) -> dict[str, torch.Tensor]:
-    """fp32 LoRA deltas per module, token by token from the pool weights."""
-    slots = case.token_slots().tolist()
+def make_variants(weights: LayerWeights, device: str, pdl: bool) -> list[BackendVariant]:
+    variants = [
+        BackendVariant("csgmv/unfold", ChunkedSgmvLoRABackend, "off", False, weights),
+        BackendVariant("tok+pdl" if pdl else "tok", TritonLoRABackend, "off", pdl, weights),
+        BackendVariant("fold", TritonLoRABackend, "on", False, weights),
+    ]
+    if pdl:
+        variants.append(BackendVariant("fold+pdl", TritonLoRABackend, "on", True, weights))
+    return variants
+
+
+def base_gemms(weights: LayerWeights, io: dict, strided: bool = False) -> dict[str, torch.Tensor]:
+    """The four base GEMMs alone; `strided`: through W_aug[:, :K] (a LoRA server's all-base batch)."""
     out = {}
     for m in MODULES:
-        key, _, c, slices = shapes.module(m)
+        key, in_dim, _ = weights.shapes.module(m)
+        w = weights.folded(m)[0][:, :in_dim] if strided else weights.w[m]
+        out[m] = F.linear(io[key], w)
+    return out
+
+
+def reference_deltas(case: Case, weights: LayerWeights, io: dict) -> dict[str, torch.Tensor]:
+    """fp32 LoRA deltas per module, slot by slot from the pool weights."""
+    slots = case.row_slots()
+    out = {}
+    for m in MODULES:
+        key, _, slices = weights.shapes.module(m)
         x = io[key].float()
-        delta = torch.zeros(case.rows, slices[-1][1], dtype=torch.float32, device=x.device)
+        c = len(slices)
+        delta = torch.zeros(case.rows, sum(slices), dtype=torch.float32, device=x.device)
         for s in sorted(set(slots)):
             r = case.ranks[s]
             if r == 0:
                 continue
             rows = torch.tensor([i for i, t in enumerate(slots) if t == s], device=x.device)
-            xa = x[rows] @ w[f"{m}_a"][s, : c * r].float().T
-            for k, (lo, hi) in enumerate(slices):
-                part = xa[:, k * r : (k + 1) * r] @ w[f"{m}_b"][s, lo:hi, :r].float().T
-                delta[rows, lo:hi] = case.scalings[s] * part
+            xa = x[rows] @ weights.a[m][s, : c * r].float().T
+            lo = 0
+            for k, width in enumerate(slices):
+                part = xa[:, k * r : (k + 1) * r] @ weights.b[m][s, lo : lo + width, :r].float().T
+                delta[rows, lo : lo + width] = case.scalings[s] * part
+                lo += width
         out[m] = delta
     return out
+
+
+def relative_error(got: dict, base: dict, ref: dict) -> float:
+    """Worst relative Frobenius error of the deltas (output - base) against the fp32 reference."""
+    worst = 0.0
+    for m in MODULES:
+        delta = got[m].float() - base[m].float()
+        if not torch.isfinite(delta).all():
+            return float("inf")
+        worst = max(worst, ((delta - ref[m]).norm() / ref[m].norm().clamp_min(1e-30)).item())
+    return worst
+
+
+def host_layer_launches(variant: Optional[BackendVariant]) -> int:
+    """Launches per layer: LoRA kernels plus the module GEMMs (4)."""
+    return 4 + (variant.lora_launches_per_layer if variant is not None else 0)
