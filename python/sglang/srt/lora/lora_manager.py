@@ -17,8 +17,9 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import LinearBase, MergedColumnParallelLinear, QKVParallelLinear
+from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from sglang.srt.lora.backend import get_backend_from_name
+from sglang.srt.lora.fold_model import fold_base_layers, foldable_modules
 from sglang.srt.lora.layers import BaseLayerWithLoRA, get_lora_layer
 from sglang.srt.lora.lora import LoRAAdapter, LoRAModelShapes, LoRAModuleShape
 from sglang.srt.lora.lora_config import SUPPORTED_LORA_MODULES, LoRAConfig, normalize_target_modules
@@ -236,44 +237,22 @@ class LoRAManager:
 
     # ------------------------------------------------------------------ folding (lora/fold.py)
     def _fold_candidates(self, target_modules: Iterable[str]) -> list[str]:
-        """Modules whose adapters may be folded into the base GEMM: the backend can, the user did
-        not turn it off, and every layer's base module is a plain `F.linear` of our dtype (the
-        folded GEMM replaces its forward)."""
+        """Modules whose adapters may be folded into the base GEMM (the pool applies the rule)."""
         if not self.lora_backend.supports_fold or self.server_args.lora_fold == "off":
             return []
-        found = find_lora_target_layers(self.base_model)
-        candidates = []
-        for module in sorted(target_modules):
-            layers = [self.base_model.get_submodule(n) for n in found.get(module, {}).values()]
-            layers = [l.base_layer if isinstance(l, BaseLayerWithLoRA) else l for l in layers]
-            if layers and all(type(l).forward is LinearBase.forward and l.weight.dtype == self.dtype for l in layers):
-                candidates.append(module)
-        return candidates
+        return foldable_modules(self.base_model, find_lora_target_layers(self.base_model), target_modules, self.dtype)
 
     def _fold_base_weights(self) -> None:
-        """Re-lay every folded module's base weight W [N, K] as W_aug [N, K + E] (the pool holds
-        it; its extra columns are the pool's B). The base layer's `weight` becomes the view
-        W_aug[:, :K], so whatever reads `.weight` keeps working and a batch without LoRA runs
-        F.linear on it unchanged. One layer at a time: the old W is freed as soon as it is copied.
-        Runs once, before any graph capture; W_aug is never reallocated."""
-        pool = self.pool
+        """Re-lay every folded module's base weight as W_aug (held by the pool; its extra columns
+        are the pool's B). Runs once, before any graph capture; W_aug is never reallocated."""
         found = find_lora_target_layers(self.base_model)
-        for module in pool.target_modules:
-            shape = self.shapes.modules[module]
-            if module not in pool.fold_modules:
+        for module in self.pool.target_modules:
+            if module not in self.pool.fold_modules:
                 logger.info("LoRA %s: separate shrink and expand kernels (not folded)", module)
                 continue
-            for layer_id, name in sorted(found[module].items()):
-                layer = self.base_model.get_submodule(name)
-                if isinstance(layer, BaseLayerWithLoRA):
-                    layer = layer.base_layer
-                w_aug = pool.fold_base_weight(module, layer_id, layer.weight.data)
-                weight = nn.Parameter(w_aug[:, : shape.in_dim], requires_grad=False)
-                loader = getattr(layer.weight, "weight_loader", None)
-                if loader is not None:
-                    weight.weight_loader = loader
-                layer.weight = weight
-            extra = pool.fold_extra_columns(module)
+            fold_base_layers(self.base_model, found[module], self.pool, module)
+            shape = self.shapes.modules[module]
+            extra = self.pool.fold_extra_columns(module)
             mib = shape.out_dim * extra * torch.empty((), dtype=self.dtype).element_size() / 2**20
             logger.info(
                 "LoRA %s: folded into the base GEMM, W_aug [%d, %d + %d] (+%.1f MiB read per layer and forward)",

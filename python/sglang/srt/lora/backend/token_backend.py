@@ -54,6 +54,10 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 _LAUNCH_CACHE_SIZE = 512  # distinct row counts kept (decode sizes, prefill buckets, live eager sizes)
+# Programmatic dependent launch where the GPU has it (Hopper+): shrink_pack may start while the
+# kernel before it drains (it waits before reading x), the unfolded expand while its shrink runs.
+# The first H200 run measured tok+pdl ~15% faster than tok; set False to launch everything plainly.
+USE_PDL_BY_DEFAULT = True
 
 
 @dataclass
@@ -91,7 +95,9 @@ class TokenLoRABackend(BaseLoRABackend):
     ) -> None:
         super().__init__(max_loras_per_batch, device, max_lora_chunk_size)
         # Hopper programmatic dependent launch: shrink_pack may start while its predecessor drains.
-        self.use_pdl = pdl_available(self.device) if use_pdl is None else use_pdl
+        if use_pdl is None:
+            use_pdl = USE_PDL_BY_DEFAULT and pdl_available(self.device)
+        self.use_pdl = use_pdl
         self.specs: dict[str, LoRAModuleSpec] = {}
         self.dtype: Optional[torch.dtype] = None
         self._slot_ranks: Optional[torch.Tensor] = None
