@@ -213,7 +213,7 @@ def test_prefill_graph_replay_matches_eager(backend_cls, fold):
         assert_close_rel(static_out, live_eager.run(inputs), rows, rel=1e-2)
         if all(ranks[s] == 0 for s in slots):  # all base: exactly the base layers' outputs
             for name, (w, base) in layer.modules.items():
-                torch.testing.assert_close(static_out[name][:rows], base(inputs[INPUT_OF[name]]), rtol=0, atol=1e-2)
+                torch.testing.assert_close(static_out[name][:rows], base(inputs[INPUT_OF[name]]), rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.parametrize("backend_cls,fold", CONFIGS)

@@ -37,7 +37,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang.srt.lora.triton_ops._token_rows import gdc_wait, slot_range, tile_rows
+from sglang.srt.lora.triton_ops._token_rows import gdc_wait, slot_range, split_k_finish, tile_rows
 
 
 @triton.jit
@@ -140,18 +140,8 @@ def _shrink_pack_kernel(
         if SPLIT > 1:
             # Workspace [SPLIT, num_rows, n_tiles * BLOCK_N]; part_plane = num_rows * that width.
             part_ptrs = part_ptr + (rows[:, None] * (n_tiles * BLOCK_N) + offs_n[None, :])
-            tl.store(part_ptrs + split * part_plane, acc, mask=value_mask)
-            # Every thread's partial is written before the ticket is taken (release at GPU scope).
-            tl.debug_barrier()
-            ticket = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            finisher = ticket == SPLIT - 1
-            if finisher:
-                # All other partials are visible (acquire): sum in fixed order, bypassing L1, and
-                # re-arm the counter for the next launch.
-                tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
-                acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-                for p in range(SPLIT):
-                    acc += tl.load(part_ptrs + p * part_plane, mask=value_mask, other=0.0, cache_modifier=".cg")
+            finisher, acc = split_k_finish(acc, part_ptrs, part_plane, counter_ptr, tile, split, value_mask, SPLIT,
+                                           BLOCK_S, BLOCK_N)
         if finisher:
             # Compact column n = k*r + j of the shrink goes to slice k's column k*R + j of the block.
             r_div = tl.where(rank > 0, rank, 1)[:, None]

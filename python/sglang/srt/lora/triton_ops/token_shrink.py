@@ -24,7 +24,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang.srt.lora.triton_ops._token_rows import gdc_launch_dependents, slot_range, tile_rows
+from sglang.srt.lora.triton_ops._token_rows import gdc_launch_dependents, slot_range, split_k_finish, tile_rows
 
 
 @triton.jit
@@ -128,15 +128,7 @@ def _token_shrink_kernel(
         else:
             # Workspace [SPLIT, num_rows, n_tiles * BLOCK_N]; part_plane = num_rows * that width.
             part_ptrs = part_ptr + (rows[:, None] * (n_tiles * BLOCK_N) + offs_n[None, :])
-            tl.store(part_ptrs + split * part_plane, acc, mask=mask)
-            # Every thread's partial is written before the ticket is taken (release at GPU scope).
-            tl.debug_barrier()
-            ticket = tl.atomic_add(counter_ptr + tile, 1, sem="acq_rel", scope="gpu")
-            if ticket == SPLIT - 1:
-                # The last of the tile: all other partials are visible (acquire). Sum them in
-                # fixed order, bypassing L1 (written by other SMs), and re-arm the counter.
-                tl.atomic_xchg(counter_ptr + tile, 0, sem="relaxed", scope="gpu")
-                total = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-                for p in range(SPLIT):
-                    total += tl.load(part_ptrs + p * part_plane, mask=mask, other=0.0, cache_modifier=".cg")
+            finisher, total = split_k_finish(acc, part_ptrs, part_plane, counter_ptr, tile, split, mask, SPLIT,
+                                             BLOCK_S, BLOCK_N)
+            if finisher:
                 tl.store(out_ptrs, total.to(out_ptr.dtype.element_ty), mask=mask)
