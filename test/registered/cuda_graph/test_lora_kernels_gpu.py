@@ -134,8 +134,12 @@ def _reference(layer: Layer, lens, slots, ranks, mode, inputs):
     return layer.reference(lens, slots, ranks, mode).run({k: v.float() for k, v in inputs.items()})
 
 
-@pytest.mark.parametrize("max_rank", [16, 64])
-@pytest.mark.parametrize("backend_cls,fold", CONFIGS)
+# Each backend and layout once at rank 16 and once at 64 between them (compiles cost GPU time).
+PARITY = [(TritonLoRABackend, True, 16), (ChunkedSgmvLoRABackend, True, 64), (TritonLoRABackend, False, 64),
+          (ChunkedSgmvLoRABackend, False, 16)]
+
+
+@pytest.mark.parametrize("backend_cls,fold,max_rank", PARITY)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
 def test_bf16_parity_real_shapes(max_rank, backend_cls, fold, mode):
     ranks = SLOTS_RANKS[max_rank]
