@@ -177,8 +177,11 @@ def test_pool_loads_into_w_aug_and_leaves_no_residue():
     small = make_adapter("small", r=3, modules=["qkv_proj"], seed=2)
     ads = {"big": big, "small": small}
     pool.prepare_lora_batch({"big"}, ads)
-    pool.prepare_lora_batch({"small", None}, ads)  # evicts big; small takes its slot or the other
+    big_slot = pool.get_slot("big")
+    pool.free("big")
+    pool.prepare_lora_batch({"small"}, ads)  # the first free slot: big's
     slot = pool.get_slot("small")
+    assert slot == big_slot
     assert pool.slot_ranks_device.tolist() == pool.slot_ranks and pool.slot_scalings_device.tolist() == pool.slot_scalings
     for layer in range(SHAPES.num_layers):
         for m in pool.fold_modules:
@@ -210,7 +213,8 @@ def test_manager_folds_and_logs(caplog):
     plain = make_runner(ckpt)
     with caplog.at_level(logging.INFO, logger="sglang.srt.lora.lora_manager"):
         folded = make_runner(ckpt, **args)
-    assert "gate_up_proj: folded into the base GEMM" in caplog.text
+    for module in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        assert f"{module}: folded into the base GEMM" in caplog.text
     layer = folded.model.model.layers[0].mlp.gate_up_proj
     assert layer.weight.data_ptr() == layer.lora.folded.data_ptr() and not layer.weight.is_contiguous()
     assert torch.equal(layer.weight, plain.model.model.layers[0].mlp.gate_up_proj.weight)

@@ -1,7 +1,8 @@
 """The model's side of folding (lora/fold.py): which base layers can fold, and re-laying their weights.
 
 A folded module's forward becomes `F.linear(x_aug, W_aug, bias)` in the LoRA backend, so only base
-layers whose own forward is exactly `F.linear(x, weight, bias)` (LinearBase) qualify. Re-laying
+layers whose own forward is exactly `F.linear(x, weight, bias)` qualify: LinearBase's, and a
+row-parallel layer's at tp_size 1 (its reduction is then the identity). Re-laying
 makes the base layer's `weight` the view W_aug[:, :K]: whatever reads `.weight` keeps working, a
 batch without LoRA runs the base layer unchanged (a strided weight, the same GEMM), and the old
 W is freed layer by layer as soon as it is copied.
@@ -14,7 +15,7 @@ from typing import TYPE_CHECKING, Iterable
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.linear import LinearBase, RowParallelLinear
 
 if TYPE_CHECKING:
     from sglang.srt.lora.mem_pool import LoRAMemoryPool
@@ -24,6 +25,15 @@ def _base(layer: nn.Module) -> nn.Module:
     return getattr(layer, "base_layer", layer)  # a LoRA wrapper of an earlier manager
 
 
+def _plain_linear(layer: nn.Module, dtype: torch.dtype) -> bool:
+    forward = type(layer).forward
+    return (
+        getattr(layer, "tp_size", 1) == 1
+        and (forward is LinearBase.forward or forward is RowParallelLinear.forward)
+        and layer.weight.dtype == dtype
+    )
+
+
 def foldable_modules(
     model: nn.Module, found: dict[str, dict[int, str]], target_modules: Iterable[str], dtype: torch.dtype
 ) -> list[str]:
@@ -31,7 +41,7 @@ def foldable_modules(
     out = []
     for module in sorted(target_modules):
         layers = [_base(model.get_submodule(name)) for name in found.get(module, {}).values()]
-        if layers and all(type(l).forward is LinearBase.forward and l.weight.dtype == dtype for l in layers):
+        if layers and all(_plain_linear(layer, dtype) for layer in layers):
             out.append(module)
     return out
 
