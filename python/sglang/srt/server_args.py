@@ -36,6 +36,7 @@ ATTENTION_BACKENDS = ("triton", "torch_native")
 LORA_BACKENDS = ("csgmv", "triton", "torch_native")
 LORA_EVICTION_POLICIES = ("lru", "fifo")
 LORA_CHUNK_SIZES = (16, 32, 64, 128)
+LORA_FOLD_MODES = ("auto", "on", "off")
 LORA_TARGET_MODULES = (
     "q_proj",
     "k_proj",
@@ -141,6 +142,7 @@ class ServerArgs:
     lora_eviction_policy: str = "lru"
     lora_backend: str = "csgmv"
     max_lora_chunk_size: int = 16
+    lora_fold: str = "auto"
     # Bound, in scheduler turns, on how long a request whose adapter does not fit may wait before
     # requests for other adapters are held back until it fits (anti-starvation). Adapters rotate
     # through the slots before that (GroupedLoRAAdmission); a larger bound lets rotation, rather
@@ -225,6 +227,7 @@ class ServerArgs:
         choice("--lora-backend", self.lora_backend, LORA_BACKENDS)
         choice("--lora-eviction-policy", self.lora_eviction_policy, LORA_EVICTION_POLICIES)
         choice("--max-lora-chunk-size", self.max_lora_chunk_size, LORA_CHUNK_SIZES)
+        choice("--lora-fold", self.lora_fold, LORA_FOLD_MODES)
         choice("--schedule-policy", self.schedule_policy, ("fcfs",))
         if not (0.0 < self.mem_fraction_static < 1.0):
             raise ValueError(
@@ -498,6 +501,9 @@ class ServerArgs:
         g.add_argument("--lora-backend", default=default("lora_backend"), choices=LORA_BACKENDS)
         g.add_argument("--max-lora-chunk-size", type=int, default=default("max_lora_chunk_size"),
                        choices=LORA_CHUNK_SIZES, help="csgmv only.")
+        g.add_argument("--lora-fold", default=default("lora_fold"), choices=LORA_FOLD_MODES,
+                       help="triton/csgmv: fold each module's adapters into its base GEMM (one GEMM over "
+                            "[x | shrink] and [W | B]); auto folds where the extra weight bytes are small.")
         g.add_argument("--lora-max-wait-turns", type=int, default=default("lora_max_wait_turns"),
                        help="Scheduler turns a request may wait for an adapter slot before requests "
                             "for other adapters are held back until it fits.")

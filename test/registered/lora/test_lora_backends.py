@@ -1,10 +1,11 @@
-"""LoRA backends end to end (prepare_lora_batch + run_*) against `torch_native` (CPU, interpreter).
+"""LoRA backends end to end (prepare_lora_batch + run_module) against `torch_native` (CPU, interpreter).
 
-The batch mixes adapter A, the base model, adapter B and adapter A again, with different ranks.
-Static (graph) infos are checked the way a graph uses them: the launch dimensions recorded at
-"capture" (the Python ints of the info at that time) are restored before the kernels run, inputs
-are padded to the captured size, and results must equal an eager run, also after a larger batch
-left its segments in the static buffers.
+Every token-major backend runs both module layouts: folded (W_aug, one GEMM over [x | shrink]) and
+unfolded (base GEMM + shrink + expand; csgmv's chunked kernels). The batch mixes adapter A, the
+base model, adapter B and adapter A again, with different ranks. Static (graph) infos are checked
+the way a graph uses them: the launches recorded at "capture" (an all-base batch of the bucket's
+rows) run on inputs padded to the bucket after each in-place refresh, and must give what an eager
+run gives, also after a larger batch left its metadata in the static buffers.
 """
 
 from __future__ import annotations
@@ -13,19 +14,25 @@ import contextlib
 
 import pytest
 import torch
+import torch.nn.functional as F
+from torch import nn
 
 from sglang.srt.lora.backend import get_backend_from_name
-from sglang.srt.lora.backend.chunked_backend import MIN_CHUNK_SIZE, ChunkedSgmvLoRABackend, build_chunked_segments
+from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend, build_chunked_segments
 from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
-from sglang.srt.lora.backend.triton_backend import PREFILL_CUDA_GRAPH_LORA_SEGMENTS, TritonLoRABackend
+from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
+from sglang.srt.lora.fold import fold_weight
+from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
 HIDDEN, Q, KV, INTER, MAX_RANK = 32, 32, 16, 24, 16
-MLPB = 4
+NUM_SLOTS = 4
 # Slot 0: base (rank 0); slot 1: adapter A (rank 8); slot 2: adapter B (rank 16); slot 3: empty.
 RANKS = [0, 8, 16, 0]
 SCALINGS = [0.0, 2.0, 0.5, 0.0]
 A_SLOT, BASE_SLOT, B_SLOT = 1, 0, 2
+MODULES = {"qkv_proj": (HIDDEN, (Q, KV, KV)), "gate_up_proj": (HIDDEN, (INTER, INTER)), "down_proj": (INTER, (HIDDEN,))}
+MAX_ROWS = 128
 
 
 def make_batch(seq_lens: list[int], mode: ForwardMode = ForwardMode.EXTEND, pad_to: int = 0) -> ForwardBatch:
@@ -52,50 +59,87 @@ def make_batch(seq_lens: list[int], mode: ForwardMode = ForwardMode.EXTEND, pad_
     )
 
 
-def make_weights(seed: int = 0) -> dict[str, torch.Tensor]:
-    """Pool-shaped weights; everything past an adapter's compact prefix is NaN (must never be read)."""
-    gen = torch.Generator().manual_seed(seed)
+class _Linear(nn.Module):
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor) -> None:
+        super().__init__()
+        self.weight, self.bias = weight, bias
 
-    def pool(c: int, out_dim: int, in_dim: int):
-        a = torch.randn(MLPB, c * MAX_RANK, in_dim, generator=gen) * 0.5
-        b = torch.randn(MLPB, out_dim, MAX_RANK, generator=gen) * 0.5
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class Module:
+    """One module's base weights and pool-shaped adapters, laid out for a backend as the pool
+    would: plain buffers (NaN past each adapter's prefix: never read) or folded into W_aug (zero
+    there, the pool's invariant), with A's NaN poison either way."""
+
+    def __init__(self, name: str, gen: torch.Generator) -> None:
+        in_dim, slices = MODULES[name]
+        c, out = len(slices), sum(slices)
+        self.spec = LoRAModuleSpec(name, in_dim, slices, MAX_RANK)
+        self.weight = torch.randn(out, in_dim, generator=gen) * 0.3
+        self.bias = torch.randn(out, generator=gen) * 0.1
+        self.a = torch.randn(NUM_SLOTS, c * MAX_RANK, in_dim, generator=gen) * 0.5
+        self.b = torch.randn(NUM_SLOTS, out, MAX_RANK, generator=gen) * 0.5
         for slot, r in enumerate(RANKS):
-            a[slot, c * r :] = float("nan")
-            b[slot, :, r:] = float("nan")
-        return a, b
+            self.a[slot, c * r :] = float("nan")
+            self.b[slot, :, r:] = float("nan")
 
-    w = {}
-    w["qkv_a"], w["qkv_b"] = pool(3, Q + 2 * KV, HIDDEN)
-    w["gate_up_a"], w["gate_up_b"] = pool(2, 2 * INTER, HIDDEN)
-    w["down_a"], w["down_b"] = pool(1, HIDDEN, INTER)
-    return w
+    def plain(self) -> tuple[LoRAModuleWeights, nn.Module]:
+        return LoRAModuleWeights(self.spec, self.a, self.b, self.bias), _Linear(self.weight, self.bias)
 
-
-MAX_ROWS = 128
-OUTPUT_OFFSET = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32)
-
-
-def run_layers(backend, x: torch.Tensor, w: dict[str, torch.Tensor], base_seed: int = 1) -> dict[str, torch.Tensor]:
-    """The three calls a decoder layer makes, on fresh base outputs."""
-    num_tokens = x.shape[0]
-
-    def base(width: int, seed: int) -> torch.Tensor:
-        # Row t gets the same values whatever the row count (padded replays compare row-wise).
-        gen = torch.Generator().manual_seed(base_seed * 100 + seed)
-        return torch.randn(MAX_ROWS, width, generator=gen)[:num_tokens].clone()
-
-    qkv, gate_up, down, inter = base(Q + 2 * KV, 0), base(2 * INTER, 1), base(HIDDEN, 2), base(INTER, 3)
-    return {
-        "qkv": backend.run_qkv_lora(x, w["qkv_a"], w["qkv_b"], OUTPUT_OFFSET, max(Q, KV), qkv),
-        "gate_up": backend.run_gate_up_lora(x, w["gate_up_a"], w["gate_up_b"], gate_up),
-        "down": backend.run_lora_b_sgemm(backend.run_lora_a_sgemm(inter, w["down_a"]), w["down_b"], down),
-    }
+    def folded(self) -> tuple[LoRAModuleWeights, nn.Module]:
+        w_aug, sliced = fold_weight(self.weight, self.spec.slice_sizes, NUM_SLOTS, MAX_RANK)
+        for slot, r in enumerate(RANKS):
+            sliced[slot][:, :r].copy_(self.b[slot, :, :r])
+        spec = LoRAModuleSpec(self.spec.name, self.spec.in_dim, self.spec.slice_sizes, MAX_RANK,
+                              w_aug.shape[1] - self.spec.in_dim)
+        base = _Linear(w_aug[:, : self.spec.in_dim], self.bias)
+        return LoRAModuleWeights(spec, self.a, sliced, self.bias, w_aug), base
 
 
-def reference(slots: list[int], seq_lens: list[int], x, w, mode=ForwardMode.EXTEND):
-    ref = TorchNativeLoRABackend(MLPB, "cpu")
-    ref.prepare_lora_batch(make_batch(seq_lens, mode), slots, RANKS, SCALINGS, use_cuda_graph=False)
-    return run_layers(ref, x, w)
+@pytest.fixture(scope="module")
+def modules() -> dict[str, Module]:
+    gen = torch.Generator().manual_seed(0)
+    return {name: Module(name, gen) for name in MODULES}
+
+
+SLOT_RANKS = torch.tensor(RANKS, dtype=torch.int32)
+SLOT_SCALINGS = torch.tensor(SCALINGS, dtype=torch.float32)
+
+
+class Setup:
+    """A backend with its module kinds registered, and each module's weights in its layout."""
+
+    def __init__(self, backend, modules: dict[str, Module], fold: bool) -> None:
+        self.backend = backend
+        self.layers = {n: (m.folded() if fold else m.plain()) for n, m in modules.items()}
+        backend.init_modules({n: w.spec for n, (w, _) in self.layers.items()}, SLOT_RANKS, SLOT_SCALINGS,
+                             torch.float32)
+
+    def run(self, x: torch.Tensor, inter: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The module calls of a decoder layer (qkv and gate_up read x, down reads inter)."""
+        return {n: self.backend.run_module(w, base, inter if n == "down_proj" else x) for n, (w, base) in self.layers.items()}
+
+
+BACKENDS = {"triton": TritonLoRABackend, "csgmv": ChunkedSgmvLoRABackend}
+CONFIGS = [(name, fold) for name in BACKENDS for fold in (True, False)]
+
+
+def make(name: str, fold: bool, modules) -> Setup:
+    return Setup(BACKENDS[name](NUM_SLOTS, "cpu"), modules, fold)
+
+
+def inputs(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    # Row t gets the same values whatever the row count (padded replays compare row-wise).
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(MAX_ROWS, HIDDEN, generator=gen)[:rows].clone(), torch.randn(MAX_ROWS, INTER, generator=gen)[:rows].clone()
+
+
+def reference(modules, slots, seq_lens, x, inter, mode=ForwardMode.EXTEND):
+    ref = Setup(TorchNativeLoRABackend(NUM_SLOTS, "cpu"), modules, fold=False)
+    ref.backend.prepare_lora_batch(make_batch(seq_lens, mode), slots, RANKS, SCALINGS, use_cuda_graph=False)
+    return ref.run(x, inter)
 
 
 def assert_outputs_close(got, expected, rows: int | None = None):
@@ -104,77 +148,56 @@ def assert_outputs_close(got, expected, rows: int | None = None):
         torch.testing.assert_close(g, expected[name][: g.shape[0]], rtol=1e-4, atol=1e-4, msg=name)
 
 
-@contextlib.contextmanager
-def frozen_launch_dims(backend, dims: tuple[int, int]):
-    """Replay: the grid is the one recorded at capture, whatever the refresh set in Python."""
-    info = backend.batch_info
-    live = (info.bs, info.max_len)
-    info.bs, info.max_len = dims
-    try:
-        yield
-    finally:
-        info.bs, info.max_len = live
-
-
 MIXED_SLOTS = [A_SLOT, BASE_SLOT, B_SLOT, A_SLOT]
-MIXED_LENS = [5, 3, 50, 9]  # 67 tokens: csgmv with max chunk 32 picks 32
-BACKENDS = {
-    "triton": lambda: TritonLoRABackend(MLPB, "cpu"),
-    "csgmv": lambda: ChunkedSgmvLoRABackend(MLPB, "cpu"),
-    "csgmv_chunk32": lambda: ChunkedSgmvLoRABackend(MLPB, "cpu", max_lora_chunk_size=32),
-}
+MIXED_LENS = [5, 3, 50, 9]
 
 
-@pytest.mark.parametrize("name", list(BACKENDS))
+@pytest.mark.parametrize("name,fold", CONFIGS)
 @pytest.mark.parametrize("mode", [ForwardMode.EXTEND, ForwardMode.DECODE])
-def test_eager_matches_torch_native(name, mode):
-    w = make_weights()
+def test_eager_matches_torch_native(name, fold, mode, modules):
     lens = MIXED_LENS if mode.is_extend() else [1] * 4
-    x = torch.randn(sum(lens), HIDDEN, generator=torch.Generator().manual_seed(2))
-    backend = BACKENDS[name]()
-    backend.prepare_lora_batch(make_batch(lens, mode), MIXED_SLOTS, RANKS, SCALINGS, use_cuda_graph=False)
-    got = run_layers(backend, x, w)
-    expected = reference(MIXED_SLOTS, lens, x, w, mode)
+    x, inter = inputs(sum(lens), seed=2)
+    setup = make(name, fold, modules)
+    setup.backend.prepare_lora_batch(make_batch(lens, mode), MIXED_SLOTS, RANKS, SCALINGS, use_cuda_graph=False)
+    got = setup.run(x, inter)
+    expected = reference(modules, MIXED_SLOTS, lens, x, inter, mode)
     assert_outputs_close(got, expected)
     # The adapters did something and the base request did not.
-    plain = run_layers(_all_base(), x, w)
+    plain = reference(modules, [BASE_SLOT] * 4, lens, x, inter, mode)
     base_rows = slice(lens[0], lens[0] + lens[1])
-    assert torch.equal(got["qkv"][base_rows], plain["qkv"][base_rows])
-    assert not torch.allclose(got["qkv"][: lens[0]], plain["qkv"][: lens[0]])
+    torch.testing.assert_close(got["qkv_proj"][base_rows], plain["qkv_proj"][base_rows], rtol=0, atol=1e-5)
+    assert not torch.allclose(got["qkv_proj"][: lens[0]], plain["qkv_proj"][: lens[0]])
 
 
-def _all_base():
-    b = TorchNativeLoRABackend(MLPB, "cpu")
-    b.prepare_lora_batch(make_batch([1]), [BASE_SLOT], RANKS, SCALINGS, use_cuda_graph=False)
-    return b
-
-
-def test_csgmv_eager_all_base_launches_nothing():
-    backend = ChunkedSgmvLoRABackend(MLPB, "cpu")
-    backend.prepare_lora_batch(make_batch([4, 2]), [BASE_SLOT, 3], RANKS, SCALINGS, use_cuda_graph=False)
-    assert backend.batch_info.bs == 0
-    x = torch.randn(6, HIDDEN)
-    w = make_weights()
-    assert_outputs_close(run_layers(backend, x, w), reference([BASE_SLOT, 3], [4, 2], x, w))
+def test_csgmv_unfolded_all_base_launches_nothing(modules):
+    setup = make("csgmv", False, modules)
+    setup.backend.prepare_lora_batch(make_batch([4, 2]), [BASE_SLOT, 3], RANKS, SCALINGS, use_cuda_graph=False)
+    assert setup.backend.batch_info.bs == 0
+    x, inter = inputs(6, seed=3)
+    assert_outputs_close(setup.run(x, inter), reference(modules, [BASE_SLOT, 3], [4, 2], x, inter))
 
 
 # ---- static infos -----------------------------------------------------------------------------
-def _padded(x: torch.Tensor, rows: int, seed: int = 9) -> torch.Tensor:
-    pad = torch.randn(rows - x.shape[0], x.shape[1], generator=torch.Generator().manual_seed(seed))
-    return torch.cat([x, pad])
-
-
-def _prefill_capture(backend, bucket: int) -> tuple[int, int]:
-    """What the prefill runner does before capture: an all-base batch of `bucket` tokens."""
-    backend.prepare_lora_batch(
-        make_batch([bucket]), [BASE_SLOT], [0] * MLPB, [0.0] * MLPB, use_cuda_graph=False, use_prefill_cuda_graph=True
-    )
+@contextlib.contextmanager
+def replaying(backend, captured):
+    """What a graph replay runs: the launches (and csgmv's segment grid) recorded at capture, on
+    the static metadata as the latest refresh left it."""
     info = backend.batch_info
-    assert info is backend.prefill_cuda_graph_batch_info and info.use_cuda_graph
-    return info.bs, info.max_len
+    live = (info.num_rows, info.bs, info.max_len, backend._launches)
+    info.num_rows, info.bs, info.max_len, backend._launches = captured
+    try:
+        yield
+    finally:
+        info.num_rows, info.bs, info.max_len, backend._launches = live
 
 
-# A large batch first (fills many segments), then smaller ones: stale tails must not re-apply.
+def capture(backend, fb) -> tuple:
+    info = backend.batch_info
+    assert info.use_cuda_graph
+    return info.num_rows, info.bs, info.max_len, backend._launches
+
+
+# A large batch first (fills many rows / segments), then smaller ones: stale tails must not re-apply.
 PREFILL_SEQUENCE = [
     ([A_SLOT, B_SLOT, BASE_SLOT, B_SLOT, A_SLOT, A_SLOT, B_SLOT], [9, 17, 4, 6, 11, 2, 7]),
     (MIXED_SLOTS, [5, 3, 10, 4]),
@@ -183,64 +206,82 @@ PREFILL_SEQUENCE = [
 ]
 
 
-@pytest.mark.parametrize("name", ["triton", "csgmv"])
-def test_prefill_static_info_matches_eager(name):
+@pytest.mark.parametrize("name,fold", CONFIGS)
+def test_prefill_static_info_matches_eager(name, fold, modules):
     bucket = 64
-    w = make_weights(3)
-    backend = BACKENDS[name]()
+    setup, eager = make(name, fold, modules), make(name, fold, modules)
+    backend = setup.backend
     backend.init_prefill_cuda_graph_batch_info(max_num_tokens=bucket)
-    assert backend.prefill_cuda_graph_max_tokens == bucket
-    dims = _prefill_capture(backend, bucket)
+    assert backend.prefill_cuda_graph_max_tokens == backend.prefill_cuda_graph_max_bs == bucket
+    zeros = [0] * NUM_SLOTS
+    backend.prepare_lora_batch(make_batch([bucket]), [BASE_SLOT], zeros, [0.0] * NUM_SLOTS, False, True)
+    captured = capture(backend, None)
     for step, (slots, lens) in enumerate(PREFILL_SEQUENCE):
-        live_tokens = sum(lens)
-        x = torch.randn(live_tokens, HIDDEN, generator=torch.Generator().manual_seed(step))
-        backend.prepare_lora_batch(
-            make_batch(lens), slots, RANKS, SCALINGS, use_cuda_graph=False, use_prefill_cuda_graph=True
-        )
+        live = sum(lens)
+        x, inter = inputs(live, seed=10 + step)
+        backend.prepare_lora_batch(make_batch(lens), slots, RANKS, SCALINGS, False, True)
         assert backend.batch_info is backend.prefill_cuda_graph_batch_info
-        expected = reference(slots, lens, x, w)
-        # Eager consumption of the in-place info is valid too.
-        assert_outputs_close(run_layers(backend, x, w), expected)
-        with frozen_launch_dims(backend, dims):
-            replayed = run_layers(backend, _padded(x, bucket), w)
-        assert_outputs_close(replayed, expected, rows=live_tokens)
-        # Padded rows are outside every segment: the base outputs there are untouched.
-        untouched = run_layers(_all_base(), _padded(x, bucket), w)
+        eager.backend.prepare_lora_batch(make_batch(lens), slots, RANKS, SCALINGS, False)
+        expected = eager.run(x, inter)
+        assert_outputs_close(expected, reference(modules, slots, lens, x, inter))
+        # Eager consumption of the in-place info is valid too, and adds the same bits.
+        in_place = setup.run(x, inter)
+        for key in expected:
+            assert torch.equal(in_place[key], expected[key]), key
+        padded_x, padded_inter = inputs(bucket, seed=10 + step)
+        with replaying(backend, captured):
+            replayed = setup.run(padded_x, padded_inter)
+        assert_outputs_close(replayed, expected, rows=live)
+        # Padding rows (slot -1) get nothing added: the base output.
+        untouched = reference(modules, [BASE_SLOT], [bucket], padded_x, padded_inter)
         for key in replayed:
-            assert torch.equal(replayed[key][live_tokens:], untouched[key][live_tokens:]), key
+            torch.testing.assert_close(replayed[key][live:], untouched[key][live:], rtol=0, atol=1e-5, msg=key)
 
 
-@pytest.mark.parametrize("name", ["triton", "csgmv"])
-def test_decode_static_info_matches_eager(name):
+@pytest.mark.parametrize("name,fold", CONFIGS)
+def test_decode_static_info_matches_eager(name, fold, modules):
     max_bs = 8
-    w = make_weights(4)
-    backend = BACKENDS[name]()
+    setup = make(name, fold, modules)
+    backend = setup.backend
     backend.init_cuda_graph_batch_info(max_bs, 1)
     assert backend.max_bs_in_cuda_graph == max_bs
-    # Capture at the largest bucket with an all-base batch.
-    backend.prepare_lora_batch(
-        make_batch([1] * max_bs, ForwardMode.DECODE), [BASE_SLOT] * max_bs, [0] * MLPB, [0.0] * MLPB, use_cuda_graph=True
-    )
-    dims = (backend.batch_info.bs, backend.batch_info.max_len)
+    batch = make_batch([1] * max_bs, ForwardMode.DECODE)
+    backend.prepare_lora_batch(batch, [BASE_SLOT] * max_bs, [0] * NUM_SLOTS, [0.0] * NUM_SLOTS, use_cuda_graph=True)
+    captured = capture(backend, batch)
     for slots in ([A_SLOT, B_SLOT, A_SLOT, BASE_SLOT, B_SLOT, B_SLOT, A_SLOT, A_SLOT], [B_SLOT, BASE_SLOT, A_SLOT], [BASE_SLOT]):
         bs = len(slots)
-        x = torch.randn(bs, HIDDEN, generator=torch.Generator().manual_seed(bs))
+        x, inter = inputs(bs, seed=bs)
         backend.prepare_lora_batch(make_batch([1] * bs, ForwardMode.DECODE), slots, RANKS, SCALINGS, use_cuda_graph=True)
         assert backend.batch_info is backend.cuda_graph_batch_info
-        expected = reference(slots, [1] * bs, x, w, ForwardMode.DECODE)
-        assert_outputs_close(run_layers(backend, x, w), expected)
-        with frozen_launch_dims(backend, dims):
-            replayed = run_layers(backend, _padded(x, max_bs), w)
-        # Padded decode rows may run with stale slot ids (their outputs are discarded).
+        expected = reference(modules, slots, [1] * bs, x, inter, ForwardMode.DECODE)
+        assert_outputs_close(setup.run(x, inter), expected)
+        with replaying(backend, captured):
+            replayed = setup.run(*inputs(max_bs, seed=bs))
         assert_outputs_close(replayed, expected, rows=bs)
 
 
-def test_csgmv_static_tail_is_neutralised():
-    backend = ChunkedSgmvLoRABackend(MLPB, "cpu")
+def test_token_major_static_slots_and_no_request_cap(modules):
+    setup = make("triton", True, modules)
+    backend = setup.backend
     backend.init_prefill_cuda_graph_batch_info(max_num_tokens=64)
     info = backend.prefill_cuda_graph_batch_info
-    assert info.bs == max(-(-64 // MIN_CHUNK_SIZE) + MLPB, 16) and info.max_len == MIN_CHUNK_SIZE
-    assert backend.prefill_cuda_graph_max_bs == 64
+    assert info.token_slots.numel() == 64 and info.use_cuda_graph
+    assert info.lora_ranks is SLOT_RANKS and info.scalings is SLOT_SCALINGS  # the pool's tensors, not copies
+    backend.prepare_lora_batch(make_batch([3, 2], pad_to=16), [A_SLOT, B_SLOT], RANKS, SCALINGS, False, True)
+    assert info.num_rows == 16
+    assert info.token_slots.tolist() == [A_SLOT] * 3 + [B_SLOT] * 2 + [-1] * 59
+    # 48 one-token requests fit a 64-token bucket (the old triton backend stopped at 32).
+    backend.prepare_lora_batch(make_batch([1] * 48), [A_SLOT, BASE_SLOT] * 24, RANKS, SCALINGS, False, True)
+    assert info.token_slots.tolist() == [A_SLOT, BASE_SLOT] * 24 + [-1] * 16
+    x, inter = inputs(48, seed=5)
+    assert_outputs_close(setup.run(x, inter), reference(modules, [A_SLOT, BASE_SLOT] * 24, [1] * 48, x, inter))
+
+
+def test_csgmv_static_tail_is_neutralised(modules):
+    backend = make("csgmv", False, modules).backend
+    backend.init_prefill_cuda_graph_batch_info(max_num_tokens=64)
+    info = backend.prefill_cuda_graph_batch_info
+    assert info.bs == max(-(-64 // 16) + NUM_SLOTS, 16) and info.max_len == 16
     slots, lens = PREFILL_SEQUENCE[0]
     backend.prepare_lora_batch(make_batch(lens), slots, RANKS, SCALINGS, False, True)
     big = info.num_segments
@@ -250,30 +291,25 @@ def test_csgmv_static_tail_is_neutralised():
     indptr = info.seg_indptr.tolist()
     assert indptr[:2] == [0, 3] and set(indptr[2:]) == {3}
     assert all(RANKS[s] == 0 for s in info.weight_indices.tolist()[1:])
-
-
-def test_triton_prefill_static_layout_and_cap():
-    backend = TritonLoRABackend(MLPB, "cpu")
-    backend.init_prefill_cuda_graph_batch_info(max_num_tokens=128)
-    info = backend.prefill_cuda_graph_batch_info
-    n = PREFILL_CUDA_GRAPH_LORA_SEGMENTS
-    assert (info.bs, info.seg_lens.numel(), info.seg_indptr.numel(), info.weight_indices.numel()) == (n, n, n + 1, n)
-    assert info.lora_ranks.numel() == MLPB and info.use_cuda_graph
-    assert backend.prefill_cuda_graph_max_bs == n and backend.prefill_cuda_graph_max_tokens == 128
-    backend.prepare_lora_batch(make_batch([3, 2], pad_to=16), [A_SLOT, B_SLOT], RANKS, SCALINGS, False, True)
-    assert info.bs == n and info.num_segments == 2 and info.max_len == 16  # max_len = padded rows
-    assert info.seg_lens.tolist() == [3, 2] + [0] * (n - 2)
-    assert info.seg_indptr.tolist() == [0, 3] + [5] * (n - 1)
-    with pytest.raises(AssertionError):
-        backend.prepare_lora_batch(make_batch([1] * (n + 1)), [A_SLOT] * (n + 1), RANKS, SCALINGS, False, True)
+    # Folded modules only: no segment metadata at all.
+    folded = make("csgmv", True, modules).backend
+    folded.init_prefill_cuda_graph_batch_info(max_num_tokens=64)
+    assert folded.prefill_cuda_graph_batch_info.seg_indptr is None
 
 
 # ---- host-side pieces -------------------------------------------------------------------------
-def test_chunk_size_rule():
-    assert ChunkedSgmvLoRABackend(MLPB, "cpu", 16).chunk_size(4096) == 16
-    b = ChunkedSgmvLoRABackend(MLPB, "cpu", 128)
-    assert [b.chunk_size(n) for n in (1, 63, 64, 255, 256, 10_000)] == [16, 16, 32, 32, 128, 128]
-    assert ChunkedSgmvLoRABackend(MLPB, "cpu", 64).chunk_size(10_000) == 64
+def test_csgmv_chunks_are_the_same_eagerly_and_under_graphs(modules):
+    backend = ChunkedSgmvLoRABackend(NUM_SLOTS, "cpu", max_lora_chunk_size=32)
+    Setup(backend, modules, fold=False)
+    backend.prepare_lora_batch(make_batch(MIXED_LENS), MIXED_SLOTS, RANKS, SCALINGS, use_cuda_graph=False)
+    info = backend.batch_info
+    assert info.max_len == 32
+    # A: 5 + 9 = 14 tokens -> 1 chunk; B: 50 tokens -> 2 chunks; base: none.
+    assert info.weight_indices.tolist() == [A_SLOT, B_SLOT, B_SLOT]
+    assert info.seg_indptr.tolist() == [0, 14, 46, 64]
+    assert info.bs == info.num_segments == 3
+    backend.init_prefill_cuda_graph_batch_info(max_num_tokens=128)
+    assert backend.prefill_cuda_graph_batch_info.max_len == 32
 
 
 def test_build_chunked_segments_sorts_stably_and_skips_base():
@@ -290,22 +326,12 @@ def test_registry_and_capabilities():
     assert get_backend_from_name("csgmv") is ChunkedSgmvLoRABackend
     assert get_backend_from_name("torch_native") is TorchNativeLoRABackend
     assert TritonLoRABackend.supports_prefill_cuda_graph and ChunkedSgmvLoRABackend.supports_prefill_cuda_graph
-    assert not TorchNativeLoRABackend.supports_prefill_cuda_graph
+    assert TritonLoRABackend.supports_fold and ChunkedSgmvLoRABackend.supports_fold
+    assert not TorchNativeLoRABackend.supports_prefill_cuda_graph and not TorchNativeLoRABackend.supports_fold
     with pytest.raises(ValueError, match="csgmv, torch_native, triton"):
         get_backend_from_name("punica")
-    native = TorchNativeLoRABackend(MLPB, "cpu")
+    native = TorchNativeLoRABackend(NUM_SLOTS, "cpu")
     with pytest.raises(ValueError):
         native.prepare_lora_batch(make_batch([2]), [A_SLOT], RANKS, SCALINGS, False, True)
     with pytest.raises(NotImplementedError):
         native.init_prefill_cuda_graph_batch_info(64)
-
-
-def test_csgmv_eager_chunking_follows_the_token_count():
-    backend = ChunkedSgmvLoRABackend(MLPB, "cpu", max_lora_chunk_size=32)
-    backend.prepare_lora_batch(make_batch(MIXED_LENS), MIXED_SLOTS, RANKS, SCALINGS, use_cuda_graph=False)
-    info = backend.batch_info
-    assert info.max_len == 32
-    # A: 5 + 9 = 14 tokens -> 1 chunk; B: 50 tokens -> 2 chunks; base: none.
-    assert info.weight_indices.tolist() == [A_SLOT, B_SLOT, B_SLOT]
-    assert info.seg_indptr.tolist() == [0, 14, 46, 64]
-    assert info.bs == info.num_segments == 3

@@ -226,6 +226,19 @@ def test_wrong_shapes_name_tensor_and_both_shapes(tmp_path):
     assert "layers.0" in msg or "layers.1" in msg
 
 
+def test_non_finite_weights_refused(adapters, tmp_path):
+    """A folded GEMM multiplies every slot's B by the other rows' zeros: inf/NaN must never load."""
+    from safetensors.torch import load_file, save_file
+
+    path = copy_adapter(adapters["qv"], tmp_path)
+    file = f"{path}/adapter_model.safetensors"
+    tensors = load_file(file)
+    name = next(n for n in sorted(tensors) if "v_proj.lora_B" in n)
+    tensors[name][0, 0] = float("inf")
+    save_file(tensors, file)
+    _refused(path, name, "inf or NaN")
+
+
 def test_tensor_outside_config_targets_refused(adapters, tmp_path):
     path = copy_adapter(adapters["qv"], tmp_path)
     edit_adapter_config(path, target_modules=["q_proj"])

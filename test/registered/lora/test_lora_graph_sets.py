@@ -75,7 +75,7 @@ def decode(mr, lora_ids):
 
 
 def snapshot(info) -> list[torch.Tensor]:
-    return [t.clone() for t in (info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings)]
+    return [t.clone() for t in (info.token_slots, info.lora_ranks, info.scalings)]
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
@@ -132,5 +132,7 @@ def test_eager_all_base_batch_matches_a_server_without_lora(assets):
     ref = plain.forward_logits(extend(plain, lens, [None, None])).next_token_logits
     assert torch.equal(base, ref)
     mixed = mr.forward_logits(extend(mr, lens, [a, None])).next_token_logits
-    assert torch.equal(mixed[1], ref[1])  # the base request of a mixed batch: untouched
+    # The base request of a mixed batch: untouched, up to the summation order of the folded GEMM
+    # (its row of [x | 0] times [W | B] adds exact zeros, in a longer reduction).
+    torch.testing.assert_close(mixed[1], ref[1], rtol=0, atol=1e-4)
     assert (mixed[0] - ref[0]).abs().max() > 1e-3  # the adapter request: moved

@@ -1,4 +1,6 @@
-"""LoRA Triton kernels vs a plain torch reference (CPU, TRITON_INTERPRET=1, float32, tiny shapes).
+"""csgmv's chunked SGMV kernels vs a plain torch reference (CPU, TRITON_INTERPRET=1, float32, tiny
+shapes). (The token-major kernels: test_lora_token_kernels.py; their constants and poisoning come
+from here.)
 
 Every case poisons what a kernel must not touch or read: rows outside segments and rows of rank-0
 segments (sentinel values that must survive bit for bit), shrink-output columns past stack*rank,
@@ -10,14 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang.srt.lora.triton_ops import (
-    chunked_sgmv_lora_expand_forward,
-    chunked_sgmv_lora_shrink_forward,
-    gate_up_lora_b_fwd,
-    qkv_lora_b_fwd,
-    sgemm_lora_a_fwd,
-    sgemm_lora_b_fwd,
-)
+from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward, chunked_sgmv_lora_shrink_forward
 from sglang.srt.lora.utils import LoRABatchInfo
 
 IN_DIM = 40  # not a multiple of the K tile
@@ -50,6 +45,8 @@ def _make_info(seg_lens: list[int], slots: list[int], max_len: int, perm=None) -
     for n in seg_lens:
         indptr.append(indptr[-1] + n)
     return LoRABatchInfo(
+        num_rows=sum(seg_lens),
+        token_slots=None,
         bs=len(seg_lens),
         num_segments=len(seg_lens),
         max_len=max_len,
@@ -106,49 +103,6 @@ def _poison_shrunk(xa: torch.Tensor, info: LoRABatchInfo, stack: int) -> torch.T
     return xa
 
 
-# Segment layouts: (seg_lens, slots, trailing rows outside every segment).
-# Uneven lengths, an empty segment, a rank-0 segment, a slot used twice, a segment longer than
-# one token tile, and padded rows at the end.
-TRITON_LAYOUTS = {
-    "mixed": ([5, 0, 9, 3, 4], [1, 2, 0, 3, 2], 3),
-    "long": ([40, 1, 7], [2, 3, 1], 2),  # max_len 40: 64-row token tiles, partial tile
-    "decode": ([1, 1, 1, 1, 1, 1], [1, 0, 2, 3, 2, 1], 0),
-}
-
-
-def _triton_info(name: str):
-    seg_lens, slots, pad = TRITON_LAYOUTS[name]
-    info = _make_info(seg_lens, slots, max_len=max(seg_lens))
-    return info, sum(seg_lens) + pad
-
-
-@pytest.mark.parametrize("layout", list(TRITON_LAYOUTS))
-@pytest.mark.parametrize("stack", [1, 2, 3])
-def test_sgemm_lora_a(layout, stack):
-    gen = torch.Generator().manual_seed(stack)
-    info, num_tokens = _triton_info(layout)
-    x = torch.randn(num_tokens, IN_DIM, generator=gen)
-    a = _poisoned_a(stack, gen)
-    out = _shrink_output(num_tokens, stack)
-    got = sgemm_lora_a_fwd(x, a, info, stack_num=stack, out=out)
-    assert got.data_ptr() == out.data_ptr()
-    torch.testing.assert_close(got, ref_shrink(x, a, info, stack, _shrink_output(num_tokens, stack)), rtol=1e-5, atol=1e-5)
-
-
-@pytest.mark.parametrize("layout", list(TRITON_LAYOUTS))
-def test_sgemm_lora_b(layout):
-    gen = torch.Generator().manual_seed(11)
-    info, num_tokens = _triton_info(layout)
-    xa = _poison_shrunk(_shrunk_input(num_tokens, 1, gen), info, 1)
-    b = _poisoned_b(PLAIN_OUT, gen)
-    base = torch.full((num_tokens, PLAIN_OUT), SENTINEL)
-    expected = ref_expand(xa, b, info, base, [(0, PLAIN_OUT)])
-    got = sgemm_lora_b_fwd(xa, b, info, base)
-    assert got.data_ptr() == base.data_ptr()  # in place
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-    _assert_untouched_rows(got, info, num_tokens)
-
-
 def _assert_untouched_rows(out: torch.Tensor, info: LoRABatchInfo, num_tokens: int) -> None:
     touched = torch.zeros(num_tokens, dtype=torch.bool)
     for rows, _, r in _segments(info):
@@ -156,54 +110,6 @@ def _assert_untouched_rows(out: torch.Tensor, info: LoRABatchInfo, num_tokens: i
             touched[rows] = True
     assert (~touched).any(), "layout must leave some rows untouched"
     assert torch.equal(out[~touched], torch.full_like(out[~touched], SENTINEL))
-
-
-@pytest.mark.parametrize("layout", ["mixed", "decode"])
-def test_qkv_lora_b_gqa(layout):
-    gen = torch.Generator().manual_seed(5)
-    info, num_tokens = _triton_info(layout)
-    xa = _poison_shrunk(_shrunk_input(num_tokens, 3, gen), info, 3)
-    b = _poisoned_b(Q + 2 * KV, gen)
-    offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32)
-    base = torch.full((num_tokens, Q + 2 * KV), SENTINEL)
-    bounds = [(0, Q), (Q, Q + KV), (Q + KV, Q + 2 * KV)]
-    expected = ref_expand(xa, b, info, base, bounds)
-    got = qkv_lora_b_fwd(xa, b, info, offsets, max(Q, KV), base)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-    _assert_untouched_rows(got, info, num_tokens)
-    # Every slice really moved (a slice dropped by the grid would leave its columns at SENTINEL).
-    active_row = 0  # segment 0 of every layout uses an adapter
-    for lo, hi in bounds:
-        assert not torch.equal(got[active_row, lo:hi], torch.full((hi - lo,), SENTINEL))
-
-
-@pytest.mark.parametrize("layout", ["mixed", "long"])
-def test_gate_up_lora_b(layout):
-    gen = torch.Generator().manual_seed(6)
-    info, num_tokens = _triton_info(layout)
-    xa = _poison_shrunk(_shrunk_input(num_tokens, 2, gen), info, 2)
-    b = _poisoned_b(2 * INTER, gen)
-    base = torch.full((num_tokens, 2 * INTER), SENTINEL)
-    expected = ref_expand(xa, b, info, base, [(0, INTER), (INTER, 2 * INTER)])
-    got = gate_up_lora_b_fwd(xa, b, info, INTER, base)
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-    _assert_untouched_rows(got, info, num_tokens)
-
-
-def test_shrink_then_expand_matches_dense_lora():
-    """End to end through both kernels against the textbook formula s * x @ A^T @ B^T."""
-    gen = torch.Generator().manual_seed(8)
-    info, num_tokens = _triton_info("mixed")
-    x = torch.randn(num_tokens, IN_DIM, generator=gen)
-    a = _poisoned_a(1, gen)
-    b = _poisoned_b(PLAIN_OUT, gen)
-    base = torch.randn(num_tokens, PLAIN_OUT, generator=gen)
-    expected = base.clone()
-    for rows, slot, r in _segments(info):
-        if r > 0:
-            expected[rows] += SCALINGS[slot] * (x[rows] @ a[slot, :r].T @ b[slot, :, :r].T)
-    got = sgemm_lora_b_fwd(sgemm_lora_a_fwd(x, a, info), b, info, base.clone())
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
 # ---- chunked SGMV -----------------------------------------------------------------------------
@@ -273,65 +179,43 @@ def test_chunked_sgmv_expand(num_slices, bounds, chunk):
 def test_all_rank_zero_is_a_noop():
     """The capture-time state of every static info: kernels launch, nothing changes."""
     gen = torch.Generator().manual_seed(3)
-    info, num_tokens = _triton_info("mixed")
+    info, num_tokens = _csgmv_info(16, seed=3)
     info.lora_ranks = torch.zeros_like(info.lora_ranks)
     x = torch.randn(num_tokens, IN_DIM, generator=gen)
     out = _shrink_output(num_tokens, 3)
-    sgemm_lora_a_fwd(x, _poisoned_a(3, gen), info, 3, out=out)
+    chunked_sgmv_lora_shrink_forward(x, _poisoned_a(3, gen), info, 3, out=out)
     assert torch.equal(out, _shrink_output(num_tokens, 3))
     base = torch.randn(num_tokens, Q + 2 * KV, generator=gen)
     before = base.clone()
     offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32)
-    qkv_lora_b_fwd(torch.full((num_tokens, 3 * MAX_RANK), float("nan")), _poisoned_b(Q + 2 * KV, gen), info, offsets, Q, base)
+    nan_xa = torch.full((num_tokens, 3 * MAX_RANK), float("nan"))
+    chunked_sgmv_lora_expand_forward(nan_xa, _poisoned_b(Q + 2 * KV, gen), info, base, 3, offsets, Q)
     assert torch.equal(base, before)
 
 
-@pytest.mark.parametrize("permuted", [False, True])
-@pytest.mark.parametrize("split_k", [None, 2, 3])
-def test_shrink_split_k(permuted, split_k):
-    """Split-K partial sums (atomically added into a zeroed fp32 output) equal the plain shrink."""
-    gen = torch.Generator().manual_seed(21)
-    in_dim = 300 if split_k else 512  # None: the heuristic splits a 4-block K for this tiny batch
-    if permuted:
-        info, num_tokens = _csgmv_info(16, seed=4)
-        shrink = chunked_sgmv_lora_shrink_forward
-    else:
-        info, num_tokens = _triton_info("mixed")
-        shrink = sgemm_lora_a_fwd
-    x = torch.randn(num_tokens, in_dim, generator=gen)
-    a = torch.randn(len(RANKS), 2 * MAX_RANK, in_dim, generator=gen)
-    for slot, r in enumerate(RANKS):
-        a[slot, 2 * r :] = float("nan")
-    got = shrink(x, a, info, 2, split_k=split_k)
-    assert got.dtype == torch.float32
-    expected = ref_shrink(x, a, info, 2, torch.zeros(num_tokens, 2 * MAX_RANK))
-    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-
-
 @pytest.mark.parametrize("programs_per_segment", [1, 2])
-def test_token_lanes_walk_whole_segments(monkeypatch, programs_per_segment):
-    """With fewer lanes than token tiles, each lane loops over its tiles (the graph-mode case:
-    a segment may be as long as the bucket while the grid holds a fixed number of lanes)."""
+def test_token_lanes_walk_whole_chunks(monkeypatch, programs_per_segment):
+    """With fewer lanes than token tiles, each lane loops over its tiles (a chunk of 128 tokens
+    walked by one or two lanes of 16-row shrink tiles / 64-row expand tiles)."""
     from sglang.srt.lora.triton_ops import _tiles
 
     monkeypatch.setattr(_tiles, "PROGRAMS_PER_SEGMENT", programs_per_segment)
     gen = torch.Generator().manual_seed(31)
-    info, num_tokens = _triton_info("long")  # a 40-token segment: 3 shrink tiles of 16
-    x = torch.randn(num_tokens, IN_DIM, generator=gen)
-    a = _poisoned_a(3, gen)
-    out = _shrink_output(num_tokens, 3)
-    sgemm_lora_a_fwd(x, a, info, 3, out=out)
-    torch.testing.assert_close(out, ref_shrink(x, a, info, 3, _shrink_output(num_tokens, 3)), rtol=1e-5, atol=1e-5)
-
-    # A bucket-sized token axis (4 expand tiles of 64): lanes loop over them.
-    long_info = _make_info([150, 7, 0, 33], [2, 0, 1, 3], max_len=200)
     rows = 150 + 7 + 33 + 2
-    xa = _poison_shrunk(_shrunk_input(rows, 3, gen), long_info, 3)
+    perm = torch.randperm(rows, generator=gen)
+    info = _make_info([128, 22, 7, 33], [2, 2, 0, 3], max_len=128, perm=perm)
+    x = torch.randn(rows, IN_DIM, generator=gen)
+    a = _poisoned_a(3, gen)
+    out = _shrink_output(rows, 3)
+    chunked_sgmv_lora_shrink_forward(x, a, info, 3, out=out)
+    torch.testing.assert_close(out, ref_shrink(x, a, info, 3, _shrink_output(rows, 3)), rtol=1e-5, atol=1e-5)
+
+    xa = _poison_shrunk(_shrunk_input(rows, 3, gen), info, 3)
     b = _poisoned_b(Q + 2 * KV, gen)
     base = torch.full((rows, Q + 2 * KV), SENTINEL)
     bounds = [(0, Q), (Q, Q + KV), (Q + KV, Q + 2 * KV)]
-    expected = ref_expand(xa, b, long_info, base, bounds)
+    expected = ref_expand(xa, b, info, base, bounds)
     offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32)
-    got = qkv_lora_b_fwd(xa, b, long_info, offsets, max(Q, KV), base)
+    got = chunked_sgmv_lora_expand_forward(xa, b, info, base, 3, offsets, max(Q, KV))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
-    _assert_untouched_rows(got, long_info, rows)
+    _assert_untouched_rows(got, info, rows)

@@ -68,8 +68,14 @@ def test_startup_infers_rank_and_targets_and_wraps_modules(setup):
     assert isinstance(layer.self_attn.o_proj, RowParallelLinearWithLoRA)
     assert not hasattr(layer.mlp.gate_up_proj, "lora_backend")  # not a pool target: left alone
     qkv = layer.self_attn.qkv_proj
-    assert qkv.output_offset.dtype == torch.int32 and qkv.output_offset.tolist() == [0, 64, 96, 128]
+    assert qkv.lora.spec.slice_sizes == (64, 32, 32) and qkv.lora.spec.max_rank == 8
     assert qkv.A_buffer.data_ptr() == mgr.pool.A_buffer["qkv_proj"][1].data_ptr()
+    # Folded (the tiny model's W_aug is far under the byte bound): the base weight is a view of
+    # W_aug, whose extra columns hold the pool's B.
+    w_aug = mgr.pool.folded_weight["qkv_proj"][1]
+    assert qkv.lora.folded is w_aug and w_aug.shape == (128, 64 + mgr.pool.fold_extra_columns("qkv_proj"))
+    assert qkv.weight.data_ptr() == w_aug.data_ptr() and qkv.weight.shape == (128, 64)
+    assert qkv.B_buffer is mgr.pool.B_buffer["qkv_proj"][1]
 
     runner = runner_for(setup, lora_backend="triton", max_lora_rank=32, lora_target_modules=["all"])
     mgr = runner.lora_manager
@@ -195,7 +201,7 @@ def test_can_use_prefill_cuda_graph_predicate(setup):
     assert not mgr.can_use_prefill_cuda_graph(fb)  # not initialised
     assert mgr.prefill_cuda_graph_max_bs is None
     mgr.init_prefill_cuda_graph_batch_info(16)
-    assert mgr.prefill_cuda_graph_max_bs == 32
+    assert mgr.prefill_cuda_graph_max_bs == 16  # token-major metadata: the token count caps requests
     assert mgr.can_use_prefill_cuda_graph(fb)
     assert not mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [9, 8], [a, a]))  # 17 > 16 tokens
     assert mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [1] * 16, [None] * 16))
@@ -207,9 +213,8 @@ def test_can_use_prefill_cuda_graph_predicate(setup):
     runner = runner_for(setup, lora_backend="triton")
     mgr = runner.lora_manager
     mgr.init_prefill_cuda_graph_batch_info(64)
-    assert mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [1] * 32, [None] * 32))
-    # More requests than the 32 segment slots: eager, although the tokens fit.
-    assert not mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [1] * 33, [None] * 33))
+    # No request cap below the tokens (the old triton backend had 32 segment slots).
+    assert mgr.can_use_prefill_cuda_graph(_extend_batch(runner, [1] * 48, [a, None] * 24))
     fb.extend_num_tokens = None
     assert not mgr.can_use_prefill_cuda_graph(fb)
     row = runner.req_to_token_pool.alloc(1)[0]
@@ -233,7 +238,7 @@ def test_flags_pick_the_metadata_and_static_prefill_info_matches_eager(setup, ba
     mgr.init_prefill_cuda_graph_batch_info(32)
     mgr.init_cuda_graph_batch_info(8)
     static = backend_obj.prefill_cuda_graph_batch_info
-    addresses = (static.weight_indices.data_ptr(), static.seg_indptr.data_ptr(), static.lora_ranks.data_ptr())
+    addresses = (static.token_slots.data_ptr(), static.lora_ranks.data_ptr(), static.scalings.data_ptr())
 
     def body(lora_ids, lens, prefill_graph):
         fb = _extend_batch(runner, lens, lora_ids)
@@ -245,12 +250,8 @@ def test_flags_pick_the_metadata_and_static_prefill_info_matches_eager(setup, ba
     for lora_ids, lens in (([a, None, b, a], [5, 3, 6, 4]), ([None, None], [4, 4]), ([b], [9])):
         eager = body(lora_ids, lens, False)
         graph_meta = body(lora_ids, lens, True)
-        torch.testing.assert_close(graph_meta, eager, rtol=0, atol=1e-5)
-    assert addresses == (
-        static.weight_indices.data_ptr(),
-        static.seg_indptr.data_ptr(),
-        static.lora_ranks.data_ptr(),
-    )
+        assert torch.equal(graph_meta, eager)  # the same kernels and plans: the same bits
+    assert addresses == (static.token_slots.data_ptr(), static.lora_ranks.data_ptr(), static.scalings.data_ptr())
 
     row = runner.req_to_token_pool.alloc(1)[0]
     dec = build_decode_batch(

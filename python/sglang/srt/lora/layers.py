@@ -1,23 +1,28 @@
 """LoRA wrappers around the model's fused linear layers.
 
-They replace the modules after the model is built (models/ never imports lora/). Each computes the
-base output, then lets the backend add `scaling * (x @ A^T) @ B^T` of every token's adapter slot
-into it in place. The A/B views come from the memory pool once (`set_lora_info`) and never change.
+They replace the modules after the model is built (models/ never imports lora/). Each hands its
+input to the backend, which returns the base output with `scaling * (x @ A^T) @ B^T` of every
+token's adapter slot added: for a folded module in ONE GEMM over [x | shrink] and the augmented
+weight W_aug (lora/fold.py), otherwise the base layer's GEMM plus a shrink and an expand. The
+pool's views (`LoRAModuleWeights`) are set once (`set_lora_info`) and never change.
 
-Graph pitfall: the LoRA kernels run whenever LoRA info is set, never skipped because "no request
-of this batch has an adapter". Graphs are captured with all-base batches; a skip there would record
-a graph without the kernels, and adapter requests replaying it would silently lose their deltas.
-The kernels are no-ops for rank-0 slots, so the base path costs only their launches.
+Graph pitfall: the LoRA path runs whenever the backend has batch info, never skipped because "no
+request of this batch has an adapter". Graphs are captured with all-base batches; a skip there
+would record a graph without the kernels, and adapter requests replaying it would silently lose
+their deltas. The kernels add nothing for rank-0 slots. (A batch that should run no LoRA kernels at
+all clears the backend's batch info: then every wrapper is its base layer, reading the base weight
+`W_aug[:, :K]` of a folded module at the same cost.)
 
 Tensor parallelism (DESIGN §11): the pool holds this rank's part of every adapter (lora.py). A
 column-parallel wrapper adds its delta into its slice of the output (A whole, B's rows of that
-slice); a row-parallel wrapper adds the delta of its input slice (A's columns of it, B whole) into
-the base layer's partial output before the all-reduce, which then sums base and delta alike.
+slice). A row-parallel wrapper hands the backend the base layer's *partial* product (its input
+slice, the bias on rank 0 only) with A's columns of that slice and B whole, and all-reduces the
+sum: folded, that is [x_shard | partial shrink] @ [W_shard | B]^T, then the all-reduce.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -29,6 +34,7 @@ from sglang.srt.layers.linear import (
     RowParallelLinear,
 )
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
+from sglang.srt.lora.utils import LoRAModuleWeights
 
 
 class BaseLayerWithLoRA(nn.Module):
@@ -36,8 +42,7 @@ class BaseLayerWithLoRA(nn.Module):
         super().__init__()
         self.base_layer = base_layer
         self.lora_backend = lora_backend
-        self.A_buffer: Optional[torch.Tensor] = None
-        self.B_buffer: Optional[torch.Tensor] = None
+        self.lora: Optional[LoRAModuleWeights] = None
 
     # The rest of the engine may read the wrapped layer's attributes through the wrapper.
     @property
@@ -56,33 +61,38 @@ class BaseLayerWithLoRA(nn.Module):
     def output_size(self) -> int:
         return self.base_layer.output_size
 
-    def set_lora_info(self, A_buffer: torch.Tensor, B_buffer: torch.Tensor) -> None:
-        """A [slots, c*R, in], B [slots, out, R]: this layer's views of the pool (fixed addresses)."""
-        self.A_buffer = A_buffer
-        self.B_buffer = B_buffer
+    @property
+    def backend_bias(self) -> Optional[torch.Tensor]:
+        """The bias the backend's module call adds (a folded GEMM adds it itself)."""
+        return self.base_layer.bias
+
+    def set_lora_info(self, weights: LoRAModuleWeights) -> None:
+        """This layer's views of the pool (fixed addresses) and, when folded, its W_aug."""
+        self.lora = weights
+
+    @property
+    def A_buffer(self) -> Optional[torch.Tensor]:
+        return None if self.lora is None else self.lora.A
+
+    @property
+    def B_buffer(self) -> Any:
+        return None if self.lora is None else self.lora.B
 
     @property
     def lora_active(self) -> bool:
-        # batch_info is None only before the first prepare_lora_batch (e.g. a memory-profiling
-        # forward); it never depends on which adapters the batch uses.
-        return self.A_buffer is not None and self.lora_backend.batch_info is not None
+        # batch_info is None before the first prepare_lora_batch (e.g. a memory-profiling forward)
+        # and for batches that run without LoRA; it never depends on which adapters a batch uses.
+        return self.lora is not None and self.lora_backend.batch_info is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base_out = self.base_layer(x)
-        if self.lora_active:
-            x2 = x.reshape(-1, x.shape[-1])
-            out2 = base_out.view(-1, base_out.shape[-1])  # a view: in-place adds reach base_out
-            self.apply_lora(out2, x2)
-        return base_out
-
-    def apply_lora(self, base_out: torch.Tensor, x: torch.Tensor) -> None:
-        """One output slice: shrink, then expand added in place into base_out. The fused qkv and
-        gate_up wrappers override this with their multi-slice kernels."""
-        shrunk = self.lora_backend.run_lora_a_sgemm(x, self.A_buffer, 1)
-        self.lora_backend.run_lora_b_sgemm(shrunk, self.B_buffer, base_out)
+        if not self.lora_active:
+            return self.base_layer(x)
+        out = self.lora_backend.run_module(self.lora, self.base_layer, x.reshape(-1, x.shape[-1]))
+        return out.view(*x.shape[:-1], out.shape[-1])
 
     def extra_repr(self) -> str:
-        return f"lora_set={self.A_buffer is not None}"
+        folded = self.lora is not None and self.lora.folded is not None
+        return f"lora_set={self.lora is not None}, folded={folded}"
 
 
 class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
@@ -90,42 +100,27 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
 
 
 class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
-    def __init__(self, base_layer: QKVParallelLinear, lora_backend: BaseLoRABackend) -> None:
-        super().__init__(base_layer, lora_backend)
-        q, kv = base_layer.q_proj_shard_size, base_layer.kv_proj_shard_size
-        # Created once: a CUDA graph records this tensor's address.
-        self.output_offset = torch.tensor(
-            [0, q, q + kv, q + 2 * kv], dtype=torch.int32, device=base_layer.weight.device
-        )
-        self.max_qkv_out_dim = max(q, kv)
-
-    def apply_lora(self, base_out: torch.Tensor, x: torch.Tensor) -> None:
-        self.lora_backend.run_qkv_lora(
-            x, self.A_buffer, self.B_buffer, self.output_offset, self.max_qkv_out_dim, base_out
-        )
+    """q, k, v: three output slices (widths from the manager's shapes)."""
 
 
 class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
-    def __init__(self, base_layer: MergedColumnParallelLinear, lora_backend: BaseLoRABackend) -> None:
-        super().__init__(base_layer, lora_backend)
-        sizes = list(base_layer.output_sizes)
-        # The gate_up kernels split B's output rows into two equal halves.
-        if len(sizes) != 2 or sizes[0] != sizes[1]:
-            raise ValueError(f"gate_up_proj LoRA needs two equal output halves, got {sizes}")
-
-    def apply_lora(self, base_out: torch.Tensor, x: torch.Tensor) -> None:
-        self.lora_backend.run_gate_up_lora(x, self.A_buffer, self.B_buffer, base_out)
+    """gate, up: two output slices."""
 
 
 class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
-    """o_proj / down_proj: the delta joins the partial output before the all-reduce (identity at
-    tp 1, where this is the base output followed by shrink/expand, as before)."""
+    """o_proj / down_proj: base partial product plus this rank's partial delta, then the all-reduce
+    (at tp 1 the partial product is the whole output and the reduction the identity)."""
+
+    @property
+    def backend_bias(self) -> Optional[torch.Tensor]:
+        return self.base_layer.partial_bias  # rank 0's alone: the all-reduce must count it once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        partial = self.base_layer.forward_partial(x)
-        if self.lora_active:
-            self.apply_lora(partial.view(-1, partial.shape[-1]), x.reshape(-1, x.shape[-1]))
-        return self.base_layer.reduce(partial)
+        if not self.lora_active:
+            return self.base_layer(x)
+        base = self.base_layer
+        partial = self.lora_backend.run_module(self.lora, base.forward_partial, x.reshape(-1, x.shape[-1]))
+        return base.reduce(partial).view(*x.shape[:-1], partial.shape[-1])
 
 
 def get_lora_layer(layer: nn.Module, lora_backend: BaseLoRABackend) -> BaseLayerWithLoRA:

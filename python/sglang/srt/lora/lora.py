@@ -212,6 +212,10 @@ class LoRAAdapter:
                 raise ValueError(
                     f"LoRA adapter at {path!r}: tensor {name!r} has shape {tuple(tensor.shape)}, expected a matrix"
                 )
+            if not bool(torch.isfinite(tensor).all()):
+                # A folded GEMM multiplies every slot's B by the zeros of the other rows: one
+                # inf or NaN would reach every request of the batch, not only this adapter's.
+                raise ValueError(f"LoRA adapter at {path!r}: tensor {name!r} holds inf or NaN values")
             slot = parts.setdefault((layer, proj), {})
             if ab in slot:
                 raise ValueError(f"LoRA adapter at {path!r}: tensors {slot[ab][0]!r} and {name!r} collide")

@@ -18,11 +18,13 @@ import torch
 from torch import nn
 
 from sglang.srt.lora.backend import get_backend_from_name
+from sglang.srt.lora.fold_model import fold_base_layers, foldable_modules
 from sglang.srt.lora.layers import BaseLayerWithLoRA, get_lora_layer
 from sglang.srt.lora.lora import LoRAAdapter, LoRAModelShapes, LoRAModuleShape, module_shape
 from sglang.srt.lora.lora_config import SUPPORTED_LORA_MODULES, LoRAConfig, normalize_target_modules
 from sglang.srt.lora.lora_registry import make_lora_ref
 from sglang.srt.lora.mem_pool import EMPTY, LoRAMemoryPool
+from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
 from sglang.srt.managers.io_struct import LoRARef, LoRAUpdateOutput
 
 if TYPE_CHECKING:
@@ -137,7 +139,10 @@ class LoRAManager:
             dtype,
             self.device,
             server_args.lora_eviction_policy,
+            fold_candidates=self._fold_candidates(target_modules),
+            fold_mode=server_args.lora_fold,
         )
+        self._fold_base_weights()
         self.lora_modules: dict[int, dict[str, BaseLayerWithLoRA]] = {}
         self._wrap_modules()
 
@@ -195,7 +200,15 @@ class LoRAManager:
 
     def _wrap_modules(self) -> None:
         found = find_lora_target_layers(self.base_model)
-        for module in self.pool.target_modules:
+        pool = self.pool
+        specs: dict[str, LoRAModuleSpec] = {}
+        for module in pool.target_modules:
+            shape = self.shapes.modules[module]
+            folded = module in pool.fold_modules
+            spec = specs[module] = LoRAModuleSpec(
+                module, shape.in_dim, tuple(shape.out_sizes), pool.max_lora_rank,
+                pool.fold_extra_columns(module) if folded else 0,
+            )
             for layer_id, name in sorted(found.get(module, {}).items()):
                 parent_name, _, child = name.rpartition(".")
                 parent = self.base_model.get_submodule(parent_name) if parent_name else self.base_model
@@ -204,10 +217,41 @@ class LoRAManager:
                     current = current.base_layer
                 wrapper = get_lora_layer(current, self.lora_backend)
                 wrapper.set_lora_info(
-                    self.pool.A_buffer[module][layer_id], self.pool.B_buffer[module][layer_id]
+                    LoRAModuleWeights(
+                        spec,
+                        pool.A_buffer[module][layer_id],
+                        pool.B_buffer[module][layer_id],
+                        wrapper.backend_bias,
+                        pool.folded_weight[module][layer_id] if folded else None,
+                    )
                 )
                 setattr(parent, child, wrapper)
                 self.lora_modules.setdefault(layer_id, {})[module] = wrapper
+        self.lora_backend.init_modules(specs, pool.slot_ranks_device, pool.slot_scalings_device, self.dtype)
+
+    # ------------------------------------------------------------------ folding (lora/fold.py)
+    def _fold_candidates(self, target_modules: Iterable[str]) -> list[str]:
+        """Modules whose adapters may be folded into the base GEMM (the pool applies the rule)."""
+        if not self.lora_backend.supports_fold or self.server_args.lora_fold == "off":
+            return []
+        return foldable_modules(self.base_model, find_lora_target_layers(self.base_model), target_modules, self.dtype)
+
+    def _fold_base_weights(self) -> None:
+        """Re-lay every folded module's base weight as W_aug (held by the pool; its extra columns
+        are the pool's B). Runs once, before any graph capture; W_aug is never reallocated."""
+        found = find_lora_target_layers(self.base_model)
+        for module in self.pool.target_modules:
+            if module not in self.pool.fold_modules:
+                logger.info("LoRA %s: separate shrink and expand kernels (not folded)", module)
+                continue
+            fold_base_layers(self.base_model, found[module], self.pool, module)
+            shape = self.shapes.modules[module]
+            extra = self.pool.fold_extra_columns(module)
+            mib = shape.out_dim * extra * torch.empty((), dtype=self.dtype).element_size() / 2**20
+            logger.info(
+                "LoRA %s: folded into the base GEMM, W_aug [%d, %d + %d] (+%.1f MiB read per layer and forward)",
+                module, shape.out_dim, shape.in_dim, extra, mib,
+            )
 
     # ------------------------------------------------------------------ adapters
     def loaded_adapters(self) -> dict[str, str]:

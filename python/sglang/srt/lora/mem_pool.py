@@ -16,16 +16,28 @@ and add nothing. The base model therefore never takes, nor waits for, an adapter
 Copies into a slot go through the `SlotLoader` (a side stream on CUDA); `wait_for` makes the
 forward's stream wait for the slots a batch uses, and `prefetch` loads adapters that waiting
 requests will need while the current forward runs.
+
+Folded modules (lora/fold.py): their B lives inside the augmented base weight W_aug [N, K + E] that
+the module's one GEMM reads. `fold_base_weight` builds W_aug from the base weight (the manager calls
+it for every layer before wrapping), and `B_buffer[module][layer]` is a `SlicedB` over its
+block-diagonal columns: indexed and written like a plain [slots, out, R] buffer, so loading is the
+same for both layouts. Everything a slot write does not reach stays zero.
+
+Slot ranks and scalings also live on the device (`slot_ranks_device`, `slot_scalings_device`),
+written by `_publish_slot` whenever a slot changes (load or free), never per forward: the
+kernels read them directly.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 
+from sglang.srt.lora.backend._staging import copy_into
 from sglang.srt.lora.eviction_policy import get_eviction_policy
+from sglang.srt.lora.fold import fold_extra_columns, fold_weight, should_fold
 from sglang.srt.lora.lora_config import LoRAConfig, get_stacked_multiply
 from sglang.srt.lora.slot_loader import SlotLoader
 
@@ -62,6 +74,8 @@ class LoRAMemoryPool:
         dtype: torch.dtype,
         device: torch.device | str,
         eviction_policy: str = "lru",
+        fold_candidates: Iterable[str] = (),
+        fold_mode: str = "auto",
     ) -> None:
         if max_loras_per_batch < 1:
             raise ValueError("--max-loras-per-batch must be >= 1")
@@ -80,28 +94,15 @@ class LoRAMemoryPool:
         self.device = torch.device(device)
         self.eviction_policy = get_eviction_policy(eviction_policy)
 
-        # A_buffer[module][layer]: [slots, c*R, in]; B_buffer[module][layer]: [slots, out, R].
-        # Zero-initialised so no slot ever holds non-finite garbage a kernel could touch.
-        self.A_buffer: dict[str, list[torch.Tensor]] = {}
-        self.B_buffer: dict[str, list[torch.Tensor]] = {}
-        R = max_lora_rank
-        for module in self.target_modules:
-            shape = shapes.modules[module]
-            c = get_stacked_multiply(module)
-            self.A_buffer[module] = [
-                torch.zeros(self.num_slots, c * R, shape.in_dim, dtype=dtype, device=self.device)
-                for _ in range(shapes.num_layers)
-            ]
-            self.B_buffer[module] = [
-                torch.zeros(self.num_slots, shape.out_dim, R, dtype=dtype, device=self.device)
-                for _ in range(shapes.num_layers)
-            ]
+        self._allocate(self._choose_folded(fold_candidates, fold_mode))
 
         self.slot_to_uid: list[object] = [EMPTY] * self.num_adapter_slots + [None]  # uid (str | None) or EMPTY
         self.uid_to_slot: dict[Optional[str], int] = {None: self.base_slot}
         # Rank and scaling of each slot's occupant (0 for EMPTY and the base model).
         self.slot_ranks: list[int] = [0] * self.num_slots
         self.slot_scalings: list[float] = [0.0] * self.num_slots
+        self.slot_ranks_device = torch.zeros(self.num_slots, dtype=torch.int32, device=self.device)
+        self.slot_scalings_device = torch.zeros(self.num_slots, dtype=torch.float32, device=self.device)
         # Per slot and module, the rank whose prefix holds non-zero weights (0: all zero).
         self._written_rank: list[dict[str, int]] = [{} for _ in range(self.num_slots)]
         self.loader = SlotLoader(self.device)
@@ -110,6 +111,72 @@ class LoRAMemoryPool:
         self.num_adapter_loads = 0
         self.num_evictions = 0
         self.num_prefetches = 0
+
+    # ------------------------------------------------------------------ layout
+    def _choose_folded(self, candidates: Iterable[str], mode: str) -> list[str]:
+        """Which candidate modules (those whose backend and base layer can fold) get W_aug:
+        all of them with mode "on", those under fold.should_fold's byte bound with "auto"."""
+        assert mode in ("auto", "on", "off"), mode
+        if mode == "off":
+            return []
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return [
+            m
+            for m in sorted(set(candidates))
+            if mode == "on" or should_fold(self.shapes.modules[m].out_dim, self.fold_extra_columns(m), elem)
+        ]
+
+    def _allocate(self, fold_modules: Iterable[str]) -> None:
+        """A_buffer[module][layer]: [slots, c*R, in]; B_buffer[module][layer]: [slots, out, R]
+        (a SlicedB over W_aug for folded modules, set by fold_base_weight). Zero-initialised, so no
+        slot ever holds non-finite garbage a kernel or the folded GEMM could touch."""
+        self.fold_modules: list[str] = sorted(set(fold_modules))
+        unknown = set(self.fold_modules) - set(self.target_modules)
+        assert not unknown, f"cannot fold modules outside the pool: {unknown}"
+        self.A_buffer: dict[str, list[torch.Tensor]] = {}
+        self.B_buffer: dict[str, list[Any]] = {}
+        # W_aug per folded module and layer (None until fold_base_weight).
+        self.folded_weight: dict[str, list[Optional[torch.Tensor]]] = {}
+        R, n = self.max_lora_rank, self.shapes.num_layers
+        for module in self.target_modules:
+            shape = self.shapes.modules[module]
+            c = get_stacked_multiply(module)
+            self.A_buffer[module] = [
+                torch.zeros(self.num_slots, c * R, shape.in_dim, dtype=self.dtype, device=self.device)
+                for _ in range(n)
+            ]
+            if module in self.fold_modules:
+                self.B_buffer[module] = [None] * n
+                self.folded_weight[module] = [None] * n
+            else:
+                self.B_buffer[module] = [
+                    torch.zeros(self.num_slots, shape.out_dim, R, dtype=self.dtype, device=self.device)
+                    for _ in range(n)
+                ]
+
+    def fold_extra_columns(self, module: str) -> int:
+        """E of a folded module (every slot's c*R block, padded)."""
+        return fold_extra_columns(self.num_slots, get_stacked_multiply(module), self.max_lora_rank)
+
+    @torch.no_grad()
+    def fold_base_weight(self, module: str, layer: int, weight: torch.Tensor) -> torch.Tensor:
+        """Build W_aug for one folded module and layer from its base weight [N, K] and return it;
+        this layer's B becomes the SlicedB over W_aug's extra columns. Once per layer, at start-up."""
+        assert module in self.fold_modules and self.folded_weight[module][layer] is None, (module, layer)
+        shape = self.shapes.modules[module]
+        assert tuple(weight.shape) == (shape.out_dim, shape.in_dim), (module, tuple(weight.shape))
+        w_aug, b = fold_weight(
+            weight.to(self.dtype), shape.out_sizes, self.num_slots, self.max_lora_rank, self.fold_extra_columns(module)
+        )
+        self.folded_weight[module][layer] = w_aug
+        self.B_buffer[module][layer] = b
+        return w_aug
+
+    def _publish_slot(self, slot: int) -> None:
+        """Copy one slot's rank and scaling to the device tensors the kernels read (on the
+        current stream; the loading path calls it where it writes the slot's weights)."""
+        copy_into(self.slot_ranks_device[slot : slot + 1], [self.slot_ranks[slot]])
+        copy_into(self.slot_scalings_device[slot : slot + 1], [self.slot_scalings[slot]])
 
     # ------------------------------------------------------------------ compatibility
     def incompatibility(self, config: LoRAConfig) -> Optional[str]:
@@ -227,10 +294,12 @@ class LoRAMemoryPool:
         self.slot_to_uid[slot] = EMPTY
         self.slot_ranks[slot] = 0
         self.slot_scalings[slot] = 0.0
+        self._publish_slot(slot)
 
     @torch.no_grad()
     def _load(self, uid: str, slot: int, adapter: "LoRAAdapter") -> None:
         assert self.slot_to_uid[slot] is EMPTY and slot != self.base_slot, "loading into an occupied slot"
+        assert all(b is not None for m in self.fold_modules for b in self.B_buffer[m]), "fold_base_weight missing"
         r = adapter.rank
         present = adapter.modules
         written = self._written_rank[slot]
@@ -257,10 +326,11 @@ class LoRAMemoryPool:
                         a_slot[c * new : c * old].zero_()
                         b_slot[:, new:old].zero_()
                 written[module] = new
+            self.slot_ranks[slot] = r
+            self.slot_scalings[slot] = float(adapter.scaling)
+            self._publish_slot(slot)  # on the loader's stream, after the weights
         self.slot_to_uid[slot] = uid
         self.uid_to_slot[uid] = slot
-        self.slot_ranks[slot] = r
-        self.slot_scalings[slot] = float(adapter.scaling)
         self.num_adapter_loads += 1
 
     # ------------------------------------------------------------------ checks

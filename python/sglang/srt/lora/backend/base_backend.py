@@ -1,16 +1,18 @@
-"""The LoRA backend interface: kernels that apply adapters, and the batch metadata they read.
+"""The LoRA backend interface: how a wrapped module computes base output plus LoRA, and the batch
+metadata its kernels read.
 
-Weights (owned by the memory pool, never reallocated):
+Weights (owned by the memory pool, never reallocated; `LoRAModuleWeights`, lora/utils.py):
   A: [num_slots, c * R, in_dim]   shrink weights, c = 3 (qkv), 2 (gate_up), 1 (others)
-  B: [num_slots, out_dim, R]      expand weights
+  B: [num_slots, out_dim, R]      expand weights (inside W_aug for folded modules, lora/fold.py)
 An adapter of rank r <= R occupies the compact prefix of its slot: slice k of A is rows
 [k*r, (k+1)*r), B uses columns [0, r).
 
-Kernel semantics, for each token row t in a segment using slot s with rank r = lora_ranks[s] > 0:
-  shrink:  out[t, :c*r] = x[t] @ A[s, :c*r].T                 (no scaling; columns >= c*r untouched)
-  expand:  base_output[t, off_k:off_k+1] += scalings[s] * out[t, k*r:(k+1)*r] @ B[s, off_k:off_k+1, :r].T
-Rows of segments whose slot has rank 0, rows of zero-length segments and rows outside every
-segment are not touched at all, so base requests and padded tokens cost only the launch.
+`run_module(weights, base_layer, x)` returns, for every token row t whose slot s has rank r > 0,
+  base_layer(x)[t] + scalings[s] * (x[t] @ A[s, k*r:(k+1)*r].T) @ B[s, slice k, :r].T  (per slice k)
+and base_layer(x)[t] for every other row (base requests, rank-0 slots, padding). How is the
+backend's: folded modules run one GEMM over [x | shrink] and W_aug, others add a shrink/expand.
+`base_layer` is only called: a row-parallel wrapper under tensor parallelism passes the layer's
+partial product (`forward_partial`) and all-reduces the result itself.
 
 Metadata (`LoRABatchInfo`, lora/utils.py) is prepared by `prepare_lora_batch` before each forward,
 in one of three places, chosen by the caller (ModelRunner decides once per forward):
@@ -24,8 +26,9 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Optional
 
 import torch
+from torch import nn
 
-from sglang.srt.lora.utils import LoRABatchInfo
+from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -35,6 +38,8 @@ class BaseLoRABackend:
     name: str = "base"
     # Whether this backend can serve the prefill CUDA graph from static, in-place metadata.
     supports_prefill_cuda_graph: bool = False
+    # Whether modules may be folded into their base GEMM (W_aug, lora/fold.py).
+    supports_fold: bool = False
     # MoE LoRA is not supported by this engine; kept for the eligibility predicate.
     is_moe_lora: bool = False
 
@@ -47,6 +52,7 @@ class BaseLoRABackend:
         self.max_loras_per_batch = max_loras_per_batch
         self.device = torch.device(device)
         self.max_lora_chunk_size = max_lora_chunk_size
+        self.specs: dict[str, LoRAModuleSpec] = {}
         # The info the kernels read in the current forward (one of the three below).
         self.batch_info: Optional[LoRABatchInfo] = None
         # Decode graph static info (init_cuda_graph_batch_info).
@@ -57,40 +63,20 @@ class BaseLoRABackend:
         self.prefill_cuda_graph_max_bs: Optional[int] = None
         self.prefill_cuda_graph_max_tokens: Optional[int] = None
 
-    # ---- kernels ---------------------------------------------------------------------------
-    def run_lora_a_sgemm(self, x: torch.Tensor, weights: torch.Tensor, stack_num: int = 1) -> torch.Tensor:
-        """Shrink: x [T, in] -> [T, stack_num * R]."""
-        raise NotImplementedError
-
-    def run_lora_b_sgemm(
-        self, x: torch.Tensor, weights: torch.Tensor, base_output: torch.Tensor
-    ) -> torch.Tensor:
-        """Expand one slice: base_output [T, out] += scale * x[:, :r] @ B[:, :r].T. Returns base_output."""
-        raise NotImplementedError
-
-    def run_qkv_lora(
+    # ---- modules ---------------------------------------------------------------------------
+    def init_modules(
         self,
-        x: torch.Tensor,
-        qkv_lora_a: torch.Tensor,
-        qkv_lora_b: torch.Tensor,
-        output_offset: torch.Tensor,
-        max_qkv_out_dim: int,
-        base_output: torch.Tensor,
-    ) -> torch.Tensor:
-        """Shrink with A [slots, 3R, in] then expand the q, k, v slices into base_output [T, q+2kv].
+        specs: dict[str, LoRAModuleSpec],
+        slot_ranks: torch.Tensor,
+        slot_scalings: torch.Tensor,
+        dtype: torch.dtype,
+    ) -> None:
+        """Once, after the manager wrapped the model: every module kind, and the pool's per-slot
+        rank/scaling device tensors (fixed addresses, updated by the pool on load and free)."""
+        self.specs = dict(specs)
 
-        `output_offset` is an int32 device tensor [0, q, q+kv, q+2kv]; `max_qkv_out_dim` = max(q, kv).
-        """
-        raise NotImplementedError
-
-    def run_gate_up_lora(
-        self,
-        x: torch.Tensor,
-        gate_up_lora_a: torch.Tensor,
-        gate_up_lora_b: torch.Tensor,
-        base_output: torch.Tensor,
-    ) -> torch.Tensor:
-        """Shrink with A [slots, 2R, in] then expand the gate and up halves into base_output [T, 2I]."""
+    def run_module(self, weights: LoRAModuleWeights, base_layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """x [T, in] -> base output [T, out] with every row's adapter delta added."""
         raise NotImplementedError
 
     # ---- metadata --------------------------------------------------------------------------

@@ -7,13 +7,14 @@ structure if captured, so it runs eagerly only (no decode or prefill graph suppo
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from sglang.srt.lora.backend._staging import to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
-from sglang.srt.lora.utils import LoRABatchInfo
+from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleWeights
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -42,62 +43,21 @@ class TorchNativeLoRABackend(BaseLoRABackend):
         # Only segments with rank > 0; consecutive requests of one slot are merged.
         self._segments: list[_HostSegment] = []
 
-    # ---- kernels ---------------------------------------------------------------------------
-    def run_lora_a_sgemm(self, x: torch.Tensor, weights: torch.Tensor, stack_num: int = 1) -> torch.Tensor:
-        out = torch.zeros((x.shape[0], weights.shape[1]), dtype=x.dtype, device=x.device)
+    # ---- the module call ---------------------------------------------------------------------
+    def run_module(self, weights: LoRAModuleWeights, base_layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        out = base_layer(x)
+        spec = weights.spec
+        assert isinstance(weights.B, torch.Tensor), "torch_native reads plain pool buffers (never folded)"
+        offsets = spec.slice_offsets
         for seg in self._segments:
-            cols = stack_num * seg.rank
-            rows = slice(seg.start, seg.end)
-            shrunk = x[rows].float() @ weights[seg.slot, :cols].float().T
-            out[rows, :cols] = shrunk.to(out.dtype)
+            rows, r = slice(seg.start, seg.end), seg.rank
+            # The shrink result in x's dtype, as a separate shrink kernel would store it.
+            xa = (x[rows].float() @ weights.A[seg.slot, : spec.stack * r].float().T).to(x.dtype).float()
+            for k in range(spec.stack):
+                lo, hi = offsets[k], offsets[k + 1]
+                delta = xa[:, k * r : (k + 1) * r] @ weights.B[seg.slot, lo:hi, :r].float().T
+                out[rows, lo:hi] = (out[rows, lo:hi].float() + seg.scaling * delta).to(out.dtype)
         return out
-
-    def _expand(
-        self,
-        x: torch.Tensor,
-        weights: torch.Tensor,
-        base_output: Optional[torch.Tensor],
-        slice_bounds: list[tuple[int, int]],
-    ) -> torch.Tensor:
-        if base_output is None:
-            base_output = torch.zeros((x.shape[0], weights.shape[1]), dtype=x.dtype, device=x.device)
-        for seg in self._segments:
-            rows = slice(seg.start, seg.end)
-            r = seg.rank
-            for k, (lo, hi) in enumerate(slice_bounds):
-                delta = x[rows, k * r : (k + 1) * r].float() @ weights[seg.slot, lo:hi, :r].float().T
-                updated = base_output[rows, lo:hi].float() + seg.scaling * delta
-                base_output[rows, lo:hi] = updated.to(base_output.dtype)
-        return base_output
-
-    def run_lora_b_sgemm(
-        self, x: torch.Tensor, weights: torch.Tensor, base_output: Optional[torch.Tensor]
-    ) -> torch.Tensor:
-        return self._expand(x, weights, base_output, [(0, weights.shape[1])])
-
-    def run_qkv_lora(
-        self,
-        x: torch.Tensor,
-        qkv_lora_a: torch.Tensor,
-        qkv_lora_b: torch.Tensor,
-        output_offset: torch.Tensor,
-        max_qkv_out_dim: int,
-        base_output: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        off = [int(v) for v in output_offset.tolist()]  # a sync; acceptable for the reference
-        shrunk = self.run_lora_a_sgemm(x, qkv_lora_a, stack_num=3)
-        return self._expand(shrunk, qkv_lora_b, base_output, [(off[i], off[i + 1]) for i in range(3)])
-
-    def run_gate_up_lora(
-        self,
-        x: torch.Tensor,
-        gate_up_lora_a: torch.Tensor,
-        gate_up_lora_b: torch.Tensor,
-        base_output: Optional[torch.Tensor],
-    ) -> torch.Tensor:
-        half = gate_up_lora_b.shape[1] // 2
-        shrunk = self.run_lora_a_sgemm(x, gate_up_lora_a, stack_num=2)
-        return self._expand(shrunk, gate_up_lora_b, base_output, [(0, half), (half, 2 * half)])
 
     # ---- metadata --------------------------------------------------------------------------
     def prepare_lora_batch(
@@ -146,13 +106,14 @@ class TorchNativeLoRABackend(BaseLoRABackend):
             indptr.append(indptr[-1] + n)
         dev = self.device
         self.batch_info = LoRABatchInfo(
+            num_rows=forward_batch.num_tokens,
+            token_slots=None,
+            lora_ranks=to_device(lora_ranks, torch.int32, dev),
+            scalings=to_device(scalings, torch.float32, dev),
             bs=len(seg_slots),
             num_segments=len(seg_slots),
             max_len=max(seg_lens, default=0),
             seg_indptr=to_device(indptr, torch.int32, dev),
             weight_indices=to_device(seg_slots, torch.int32, dev),
-            lora_ranks=to_device(lora_ranks, torch.int32, dev),
-            scalings=to_device(scalings, torch.float32, dev),
             seg_lens=to_device(seg_lens, torch.int32, dev),
-            use_cuda_graph=False,
         )

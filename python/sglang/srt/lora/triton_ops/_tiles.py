@@ -1,4 +1,4 @@
-"""Launch-shape helpers shared by the LoRA kernels (tuned on an H200, see bench_lora_kernels.py).
+"""Launch-shape helpers of the segmented (chunked SGMV) kernels, shared with the token-major ones.
 
 Everything here is a pure function of launch dimensions that are frozen under CUDA graphs
 (`batch_info.bs`, `batch_info.max_len`), of weight shapes, or of the row count of x (a static
@@ -8,9 +8,8 @@ is valid for every later batch whose metadata is refreshed in place.
 The token axis of a grid is a number of *lanes* per segment: lane i handles token tiles
 i, i + lanes, ..., i + (LANE_ITERS - 1) * lanes of its segment, skipping those past the segment
 end. Together they cover max_len rows, so every segment no longer than max_len is covered, while
-the grid need not hold max_len / BLOCK_S programs for every segment slot (for the triton prefill
-graph's 32 slots that mostly launched programs that only exit). Lanes are sized so that one long
-segment alone still fills the GPU.
+the grid need not hold max_len / BLOCK_S programs for every segment slot. Lanes are sized so that
+one long segment alone still fills the GPU.
 
 Every loop in the kernels has a constexpr trip count (masked or skipped past the live bound):
 Triton 3.6's interpreter cannot take a runtime value as a loop bound under NumPy >= 2.4, and the

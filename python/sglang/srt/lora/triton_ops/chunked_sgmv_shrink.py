@@ -7,8 +7,6 @@ from different requests. Results land in token order (row permutation[p]).
 
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 
 from sglang.srt.lora.triton_ops.sgemm_lora_a import segmented_shrink
@@ -19,9 +17,8 @@ def chunked_sgmv_lora_shrink_forward(
     x: torch.Tensor,
     weights: torch.Tensor,
     batch_info: LoRABatchInfo,
-    num_slices: int = 1,
-    out: Optional[torch.Tensor] = None,
-    split_k: Optional[int] = None,
+    num_slices: int,
+    out: torch.Tensor,
 ) -> torch.Tensor:
-    """x [T, in] @ A[slot, :num_slices*r].T -> [T, num_slices * R] (unscaled); see segmented_shrink."""
-    return segmented_shrink(x, weights, batch_info, num_slices, permuted=True, out=out, split_k=split_k)
+    """out [T, num_slices * R] <- x [T, in] @ A[slot, :num_slices*r].T (unscaled); see segmented_shrink."""
+    return segmented_shrink(x, weights, batch_info, num_slices, permuted=True, out=out)

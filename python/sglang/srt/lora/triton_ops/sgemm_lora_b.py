@@ -210,13 +210,3 @@ def qkv_offset_alignment(out_dim: int, max_slice_width: int) -> int:
         candidates.append(out_dim - 2 * max_slice_width)  # q when kv is the wider slice
     g = math.gcd(*candidates)
     return next(a for a in (16, 8, 4, 2, 1) if g % a == 0)
-
-
-def sgemm_lora_b_fwd(
-    x: torch.Tensor,
-    weights: torch.Tensor,
-    batch_info: LoRABatchInfo,
-    base_output: Optional[torch.Tensor] = None,
-) -> torch.Tensor:
-    """Expand one slice for the `triton` backend: base_output [T, out] += s * x[:, :r] @ B[:, :r].T."""
-    return segmented_expand(x, weights, batch_info, base_output, num_slices=1, permuted=False)

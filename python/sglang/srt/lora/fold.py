@@ -1,0 +1,129 @@
+"""Folding LoRA into the base GEMM: the augmented weight W_aug and the pool's views of B inside it.
+
+For a module with base weight W [N, K], c output slices and a pool of S slots of rank R:
+
+    W_aug [N, K + E],  E = S*c*R rounded up to EXTRA_COLS_ALIGN
+    columns [0, K)                W (the base layer's `weight` becomes the view W_aug[:, :K])
+    slot s, slice k, rank j < R   column K + s*c*R + k*R + j; in the rows of slice k it holds
+                                  B_k[slot s][:, j], in the rows of every other slice zero
+    columns past S*c*R            zero (alignment padding)
+
+so `[x | packed shrink] @ W_aug.T` is the base output plus every row's own adapter delta in one
+GEMM (triton_ops/shrink_pack.py writes the packed rows). Only the block-diagonal parts are ever
+written after allocation (`SlicedB` exposes nothing else), so the off-diagonal blocks and the
+padding stay zero; rank columns j >= r of a slot are zeroed by the pool when an adapter of smaller
+rank moves in.
+
+The cost: every forward reads E*N extra weight elements and does 2*T*N*E extra FLOPs, whatever
+the number of adapters the batch uses. `should_fold` bounds the extra bytes (see its docstring for
+the arithmetic); modules over the bound keep separate shrink and expand kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+EXTRA_COLS_ALIGN = 16  # W_aug's row stride stays 32-byte aligned (bf16) for cuBLAS
+# The fold saves one dependent kernel (the expand, its launch and its read-modify-write of the
+# output): ~5 µs per module at decode on an H200 (first run of bench_lora_kernels: tok+pdl's
+# expand half of 5.5-9.5 µs per module). The extra weight read costs E*N*2 bytes / 4.3 TB/s; 20 MiB
+# is ~4.9 µs. At long prefills the extra FLOPs (2*T*N*E) stay below the expand's read-modify-write
+# (4*T*N bytes) while E < 2*PEAK/BW ~ 370, which the same bound gives for the widest module
+# (gate_up of Llama-8B, N = 28672: E <= 365).
+FOLD_MAX_EXTRA_BYTES = 20 * 2**20
+
+
+def fold_extra_columns(num_slots: int, stack: int, max_rank: int) -> int:
+    """E: the extra columns of W_aug / x_aug for this module."""
+    e = num_slots * stack * max_rank
+    return -(-e // EXTRA_COLS_ALIGN) * EXTRA_COLS_ALIGN
+
+
+def should_fold(out_dim: int, extra_cols: int, elem_size: int) -> bool:
+    """The `auto` rule: fold while the extra weight bytes every forward reads stay small."""
+    return out_dim * extra_cols * elem_size <= FOLD_MAX_EXTRA_BYTES
+
+
+Index = Union[int, slice, tuple]
+
+
+class SlicedB:
+    """The pool's B of one folded module and layer, [S, out, R], or of one slot, [out, R].
+
+    It reads and writes W_aug in place through one strided view per output slice (the slices
+    live in different column blocks, so no single tensor view can hold them). It offers what
+    the pool's loading path does with a plain B buffer: `B[slot]`, `B[slot][:, cols]`,
+    `.copy_(src)`, `.zero_()`, `.shape`, plus `.dense()` (a plain copy, for tests and the
+    reference backend) and `.data_ptr()` (the pool's fixed-address check).
+    """
+
+    def __init__(self, parts: Sequence[tuple[int, int, torch.Tensor]]) -> None:
+        # (first row, end row, view [S, rows, R'] or [rows, R']) per slice, in row order.
+        self.parts = list(parts)
+
+    @property
+    def ndim(self) -> int:
+        return self.parts[0][2].dim()
+
+    @property
+    def shape(self) -> torch.Size:
+        view = self.parts[0][2]
+        out = self.parts[-1][1]
+        return torch.Size((view.shape[0], out, view.shape[2]) if self.ndim == 3 else (out, view.shape[1]))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.parts[0][2].dtype
+
+    def data_ptr(self) -> int:
+        return self.parts[0][2].data_ptr()
+
+    def __getitem__(self, index: Index) -> "SlicedB":
+        if self.ndim == 3:
+            if isinstance(index, tuple):
+                slot, rest = index[0], index[1:]
+                return self[slot][rest] if rest else self[slot]
+            assert isinstance(index, int), f"index a folded B by slot first, got {index!r}"
+            return SlicedB([(lo, hi, v[index]) for lo, hi, v in self.parts])
+        index = index if isinstance(index, tuple) else (index,)
+        rows, cols = (index + (slice(None), slice(None)))[:2]
+        assert len(index) <= 2 and rows == slice(None), "a folded B slot is indexed by columns: B[slot][:, cols]"
+        return SlicedB([(lo, hi, v[:, cols]) for lo, hi, v in self.parts])
+
+    @torch.no_grad()
+    def copy_(self, src: torch.Tensor, non_blocking: bool = False) -> "SlicedB":
+        assert self.ndim == 2 and src.shape == self.shape, (tuple(src.shape), tuple(self.shape))
+        for lo, hi, v in self.parts:
+            v.copy_(src[lo:hi], non_blocking=non_blocking)
+        return self
+
+    @torch.no_grad()
+    def zero_(self) -> "SlicedB":
+        for _, _, v in self.parts:
+            v.zero_()
+        return self
+
+    def dense(self) -> torch.Tensor:
+        """A plain tensor of the same shape and values (a copy)."""
+        return torch.cat([v for _, _, v in self.parts], dim=self.ndim - 2)
+
+
+def fold_weight(
+    weight: torch.Tensor, slice_sizes: Sequence[int], num_slots: int, max_rank: int, extra_cols: Optional[int] = None
+) -> tuple[torch.Tensor, SlicedB]:
+    """W_aug [N, K + E] holding `weight` [N, K] and zero B blocks, and the SlicedB view of them."""
+    n, k = weight.shape
+    assert sum(slice_sizes) == n, (slice_sizes, n)
+    c = len(slice_sizes)
+    e = extra_cols if extra_cols is not None else fold_extra_columns(num_slots, c, max_rank)
+    assert e >= num_slots * c * max_rank, (e, num_slots, c, max_rank)
+    w_aug = torch.zeros(n, k + e, dtype=weight.dtype, device=weight.device)
+    w_aug[:, :k].copy_(weight)
+    blocks = w_aug[:, k : k + num_slots * c * max_rank].view(n, num_slots, c, max_rank)
+    parts, lo = [], 0
+    for kk, size in enumerate(slice_sizes):
+        parts.append((lo, lo + size, blocks[lo : lo + size, :, kk, :].permute(1, 0, 2)))  # [S, rows, R]
+        lo += size
+    return w_aug, SlicedB(parts)

@@ -1,0 +1,248 @@
+"""LoRA folded into the base GEMM (lora/fold.py, triton_ops/shrink_pack.py, the pool's W_aug layout).
+
+CPU, TRITON_INTERPRET=1, float32. The kernel is checked against a torch reference of the whole
+x_aug row by row (every column is written: NaN poison in the output must disappear), with slots
+mixed within a tile, rank-0 and padding rows (slot -1), ranks below R, alignment padding of E, and
+split-K (counters re-armed: a second launch is bit-identical). The pool tests check that loading
+writes only the diagonal blocks, that a smaller adapter moving into a slot leaves no residue in
+W_aug, and that the base weight is a view of W_aug. PEFT parity through the whole model runs
+with the fold forced on and off.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from sglang.srt.lora.fold import FOLD_MAX_EXTRA_BYTES, fold_extra_columns, fold_weight, should_fold
+from sglang.srt.lora.triton_ops.token_lora import plan_pack, shrink_pack, with_split
+
+S, R = 4, 16
+RANKS = [0, 8, 16, 5]  # slot 0: the base model; slot 3: a rank not a multiple of 16
+SCALINGS = [0.0, 0.5, 2.0, 1.25]
+RANKS_T = torch.tensor(RANKS, dtype=torch.int32)
+SCALINGS_T = torch.tensor(SCALINGS)
+# Per-row slots: whole tiles of one slot, a tile mixing three slots and a base row, padding (-1).
+ROW_SLOTS = [1] * 5 + [2] * 11 + [2] * 3 + [0] * 3 + [3] * 4 + [1, 0, 3, 2, 1] + [-1] * 4
+
+
+def _poisoned_a(stack: int, in_dim: int, gen) -> torch.Tensor:
+    a = torch.randn(S, stack * R, in_dim, generator=gen)
+    for slot, r in enumerate(RANKS):
+        a[slot, stack * r :] = float("nan")  # past the adapter's compact prefix: never read
+    return a
+
+
+def ref_x_aug(x, a, slots, stack, extra) -> torch.Tensor:
+    """[x | packed pre-scaled shrink]: slot s's block at s*c*R, slice k's rank columns at k*R."""
+    rows, in_dim = x.shape
+    out = torch.zeros(rows, in_dim + extra)
+    out[:, :in_dim] = x
+    for t, s in enumerate(slots):
+        if s < 0 or RANKS[s] == 0:
+            continue
+        r = RANKS[s]
+        xa = SCALINGS[s] * (x[t] @ a[s, : stack * r].T)
+        for k in range(stack):
+            col = in_dim + s * stack * R + k * R
+            out[t, col : col + r] = xa[k * r : (k + 1) * r]
+    return out
+
+
+@pytest.mark.parametrize("stack", [1, 2, 3])
+@pytest.mark.parametrize("in_dim,split", [(40, 1), (300, 2), (300, 3)])
+def test_shrink_pack_writes_every_column(stack, in_dim, split):
+    gen = torch.Generator().manual_seed(10 * stack + split)
+    slots = torch.tensor(ROW_SLOTS, dtype=torch.int32)
+    rows = slots.numel()
+    x = torch.randn(rows, in_dim, generator=gen)
+    a = _poisoned_a(stack, in_dim, gen)
+    extra = fold_extra_columns(S, stack, R) + 16  # more alignment padding than the pool would add
+    plan = plan_pack(in_dim, stack, R, extra, 4)
+    plan = dataclasses.replace(plan, shrink=with_split(plan.shrink, split))
+    assert plan.shrink.split == split
+    workspace = torch.full((max(plan.shrink.workspace_numel(rows), 1),), float("nan"))
+    counters = torch.zeros(max(plan.shrink.num_counters(rows), 1), dtype=torch.int32)
+    expected = ref_x_aug(x, a, ROW_SLOTS, stack, extra)
+    outs = []
+    for _ in range(2):
+        x_aug = torch.full((rows, in_dim + extra), float("nan"))
+        shrink_pack(x, a, x_aug, slots, RANKS_T, SCALINGS_T, stack, R, workspace, counters, plan)
+        assert torch.equal(counters, torch.zeros_like(counters))  # re-armed for the next launch
+        outs.append(x_aug)
+    assert not torch.isnan(outs[0]).any()
+    assert torch.equal(outs[0][:, :in_dim], x)  # the copy is exact
+    torch.testing.assert_close(outs[0], expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_shrink_pack_rows_do_not_depend_on_the_row_count():
+    """A graph replays the bucket's rows (padding -1 after the live ones), eager runs the live rows
+    only: each live row of x_aug must be the same bits (the plan ignores the row count)."""
+    gen = torch.Generator().manual_seed(3)
+    live = torch.tensor(ROW_SLOTS[:-4], dtype=torch.int32)
+    bucket = torch.cat([live, torch.full((37,), -1, dtype=torch.int32)])
+    x = torch.randn(bucket.numel(), 1100, generator=gen)
+    a = _poisoned_a(3, 1100, gen)
+    extra = fold_extra_columns(S, 3, R)
+    eager = torch.empty(live.numel(), 1100 + extra)
+    shrink_pack(x[: live.numel()], a, eager, live, RANKS_T, SCALINGS_T, 3, R)
+    replay = torch.empty(bucket.numel(), 1100 + extra)
+    shrink_pack(x, a, replay, bucket, RANKS_T, SCALINGS_T, 3, R)
+    assert plan_pack(1100, 3, R, extra, 4).shrink.split > 1  # split-K on both paths
+    assert torch.equal(replay[: live.numel()], eager)
+    assert torch.equal(replay[live.numel() :, 1100:], torch.zeros(37, extra))
+
+
+def test_folded_gemm_is_base_plus_lora():
+    """F.linear(x_aug, W_aug) = x W^T + each row's scaling * (x A_k^T) B_k^T in slice k."""
+    gen = torch.Generator().manual_seed(4)
+    slices = (32, 16, 16)  # q, k, v under GQA
+    in_dim, out_dim = 40, sum(slices)
+    w = torch.randn(out_dim, in_dim, generator=gen)
+    a = _poisoned_a(3, in_dim, gen)
+    b = torch.randn(S, out_dim, R, generator=gen)
+    w_aug, sliced = fold_weight(w, slices, S, R)
+    for slot, r in enumerate(RANKS):
+        sliced[slot][:, :r].copy_(b[slot, :, :r])
+    slots = torch.tensor(ROW_SLOTS, dtype=torch.int32)
+    x = torch.randn(slots.numel(), in_dim, generator=gen)
+    x_aug = torch.empty(slots.numel(), w_aug.shape[1])
+    out = F.linear(shrink_pack(x, a, x_aug, slots, RANKS_T, SCALINGS_T, 3, R), w_aug)
+    expected = x @ w.T
+    bounds = [(0, 32), (32, 48), (48, 64)]
+    for t, s in enumerate(ROW_SLOTS):
+        if s >= 0 and RANKS[s] > 0:
+            r = RANKS[s]
+            xa = x[t] @ a[s, : 3 * r].T
+            for k, (lo, hi) in enumerate(bounds):
+                expected[t, lo:hi] += SCALINGS[s] * (xa[k * r : (k + 1) * r] @ b[s, lo:hi, :r].T)
+    torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_sliced_b_views_write_only_diagonal_blocks():
+    gen = torch.Generator().manual_seed(5)
+    slices = (6, 2, 2)
+    w = torch.randn(10, 8, generator=gen)
+    w_aug, sliced = fold_weight(w, slices, 3, 4)
+    assert w_aug.shape == (10, 8 + fold_extra_columns(3, 3, 4)) and (w_aug.shape[1] - 8) % 16 == 0
+    assert torch.equal(w_aug[:, :8], w) and sliced.shape == (3, 10, 4) and sliced[1].shape == (10, 4)
+    b = torch.randn(10, 3, generator=gen)
+    sliced[1][:, :3].copy_(b)
+    assert torch.equal(sliced[1].dense()[:, :3], b) and torch.equal(sliced[1].dense()[:, 3:], torch.zeros(10, 1))
+    extra = w_aug[:, 8:]
+    block = extra[:, 12:24]  # slot 1: c * R = 12 columns
+    assert torch.equal(block[:6, 0:3], b[:6]) and torch.equal(block[6:8, 4:7], b[6:8]) and torch.equal(block[8:, 8:11], b[8:])
+    expected_nonzero = 6 * 3 + 2 * 3 + 2 * 3
+    assert int(torch.count_nonzero(extra)) == int(torch.count_nonzero(b)) <= expected_nonzero
+    sliced[1][:, 1:3].zero_()
+    assert int(torch.count_nonzero(extra)) == int(torch.count_nonzero(b[:, :1]))
+    with pytest.raises(AssertionError):
+        sliced[1][2:4, :]  # rows cross the slices' separate views
+
+
+def test_fold_rule_bounds_the_extra_bytes():
+    # Llama-8B, 9 slots, rank 16: every module folds; rank 64 leaves gate_up (and qkv) unfolded.
+    e16 = {m: fold_extra_columns(9, c, 16) for m, c in (("qkv", 3), ("gate_up", 2), ("o", 1))}
+    assert should_fold(6144, e16["qkv"], 2) and should_fold(28672, e16["gate_up"], 2) and should_fold(4096, e16["o"], 2)
+    assert not should_fold(28672, fold_extra_columns(9, 2, 64), 2)
+    assert not should_fold(6144, fold_extra_columns(9, 3, 64), 2) and should_fold(4096, fold_extra_columns(9, 1, 64), 2)
+    assert 28672 * 365 * 2 <= FOLD_MAX_EXTRA_BYTES < 28672 * 366 * 2
+
+
+# ---- the pool's folded layout -----------------------------------------------------------------
+def test_pool_loads_into_w_aug_and_leaves_no_residue():
+    from test_mem_pool import SHAPES, make_adapter
+
+    from sglang.srt.lora.mem_pool import LoRAMemoryPool
+
+    modules = ["qkv_proj", "gate_up_proj", "o_proj"]
+    pool = LoRAMemoryPool(SHAPES, modules, 2, 8, torch.float32, "cpu", fold_candidates=["qkv_proj", "gate_up_proj"])
+    assert pool.fold_modules == ["gate_up_proj", "qkv_proj"]  # tiny shapes: under the byte bound
+    gen = torch.Generator().manual_seed(6)
+    bases = {}
+    for m in pool.fold_modules:
+        for layer in range(SHAPES.num_layers):
+            shape = SHAPES.modules[m]
+            w = torch.randn(shape.out_dim, shape.in_dim, generator=gen)
+            bases[m, layer] = w
+            w_aug = pool.fold_base_weight(m, layer, w)
+            assert torch.equal(w_aug[:, : shape.in_dim], w)
+    assert isinstance(pool.B_buffer["o_proj"][0], torch.Tensor)  # not a candidate: plain buffer
+    ptrs = pool.data_ptrs()
+    big = make_adapter("big", r=8, modules=modules, seed=1)
+    small = make_adapter("small", r=3, modules=["qkv_proj"], seed=2)
+    ads = {"big": big, "small": small}
+    pool.prepare_lora_batch({"big"}, ads)
+    big_slot = pool.get_slot("big")
+    pool.free("big")
+    pool.prepare_lora_batch({"small"}, ads)  # the first free slot: big's
+    slot = pool.get_slot("small")
+    assert slot == big_slot
+    assert pool.slot_ranks_device.tolist() == pool.slot_ranks and pool.slot_scalings_device.tolist() == pool.slot_scalings
+    for layer in range(SHAPES.num_layers):
+        for m in pool.fold_modules:
+            shape = SHAPES.modules[m]
+            c = len(shape.out_sizes)
+            w_aug = pool.folded_weight[m][layer]
+            assert torch.equal(w_aug[:, : shape.in_dim], bases[m, layer])  # loading never touches W
+            # Rebuild the whole extra part from scratch: only small's diagonal blocks are non-zero.
+            expected = torch.zeros_like(w_aug[:, shape.in_dim :])
+            if m == "qkv_proj":
+                _, b = small.layers[layer][m]
+                lo = 0
+                for k, size in enumerate(shape.out_sizes):
+                    col = slot * c * 8 + k * 8
+                    expected[lo : lo + size, col : col + 3] = b[lo : lo + size]
+                    lo += size
+            assert torch.equal(w_aug[:, shape.in_dim :], expected), (m, layer)
+    assert pool.data_ptrs() == ptrs and pool.integrity_problems() == []
+
+
+def test_manager_folds_and_logs(caplog):
+    """The manager re-lays the base weights (the model's outputs do not change) and says what it did."""
+    import logging
+
+    from helpers import make_runner, tiny_checkpoint
+
+    ckpt = tiny_checkpoint("llama", hidden_size=64, intermediate_size=128)
+    args = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"], lora_backend="triton")
+    plain = make_runner(ckpt)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.lora.lora_manager"):
+        folded = make_runner(ckpt, **args)
+    for module in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
+        assert f"{module}: folded into the base GEMM" in caplog.text
+    layer = folded.model.model.layers[0].mlp.gate_up_proj
+    assert layer.weight.data_ptr() == layer.lora.folded.data_ptr() and not layer.weight.is_contiguous()
+    assert torch.equal(layer.weight, plain.model.model.layers[0].mlp.gate_up_proj.weight)
+    off = make_runner(ckpt, lora_fold="off", **args)
+    assert off.lora_manager.pool.fold_modules == [] and off.model.model.layers[0].mlp.gate_up_proj.lora.folded is None
+    native = make_runner(ckpt, **dict(args, lora_backend="torch_native", lora_fold="on"))
+    assert native.lora_manager.pool.fold_modules == []  # the reference backend never folds
+
+
+# ---- through the model ------------------------------------------------------------------------
+@pytest.mark.parametrize("backend", ["triton", "csgmv"])
+@pytest.mark.parametrize("fold", ["on", "off"])
+def test_peft_parity_folded_and_not(backend, fold, tmp_path):
+    """The tiny model folds by default; `off` runs the separate kernels: both match HF + PEFT."""
+    from helpers import EngineDriver, hf_model, hf_prompt_logprobs, make_runner, tiny_checkpoint
+    from lora_testlib import write_peft_adapter
+    from peft import PeftModel
+
+    ckpt = tiny_checkpoint("qwen3", hidden_size=64, intermediate_size=128)
+    path = write_peft_adapter(str(tmp_path / "a"), r=8, base_model=hf_model(ckpt), seed=7)
+    runner = make_runner(ckpt, lora_paths=[f"a={path}"], lora_backend=backend, lora_fold=fold, max_lora_rank=16)
+    assert bool(runner.lora_manager.pool.fold_modules) == (fold == "on")
+    lora_id = next(iter(runner.lora_manager.refs))
+    prompts = [[5, 9, 13, 200, 7, 3, 99], [11, 4, 250]]
+    driver = EngineDriver(runner)
+    seqs = [driver.add(p, lora_id=i) for p, i in zip(prompts, [lora_id, None])]
+    out = driver.extend(seqs, logprob_start=0)
+    peft = PeftModel.from_pretrained(hf_model(ckpt), path).eval()
+    refs = [hf_prompt_logprobs(peft, prompts[0]), hf_prompt_logprobs(hf_model(ckpt), prompts[1])]
+    for got, ref in zip(out.input_token_logprobs, refs):
+        torch.testing.assert_close(torch.tensor(got), ref, rtol=0, atol=1e-4)
