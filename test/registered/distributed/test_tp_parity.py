@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(HERE), "lora"))
 
 import tp_model_checks as checks  # noqa: E402
 from lora_server_testlib import PROMPTS, tiny_lora_checkpoint, write_adapter  # noqa: E402
+from server_helpers import tiny_checkpoint  # noqa: E402
 from tp_testlib import run_on_ranks  # noqa: E402
 
 TOL = 1e-4
@@ -44,6 +45,10 @@ def worst(got: list, want: list) -> float:
 def results(tmp_path_factory) -> list[dict]:
     root = tmp_path_factory.mktemp("tp-parity")
     ckpts = {arch: tiny_lora_checkpoint(arch) for arch in checks.ARCHS}
+    # Llama with a bias on every projection: the row-parallel ones (o_proj, down_proj) must add
+    # theirs once, on rank 0, folded or not.
+    ckpts["llama"] = tiny_checkpoint("llama", hidden_size=64, intermediate_size=128, attention_bias=True,
+                                     mlp_bias=True)
     adapters = {}
     for arch, ckpt in ckpts.items():
         adapters[arch] = {
@@ -83,6 +88,9 @@ def test_tp2_logprobs_equal_tp1(results, arch, backend) -> None:
     assert shapes["qkv_proj"][1][1] < full["qkv_proj"][1][1]  # B: this rank's output rows
     assert shapes["o_proj"][0][2] * 2 == full["o_proj"][0][2]  # A: half the input columns
     assert shapes["o_proj"][1] == full["o_proj"][1]  # B whole
+    # csgmv ran every module folded into its base GEMM ([x_shard | partial shrink] @ [W_shard | B]^T
+    # for o_proj / down_proj, before the all-reduce); the others ran separate LoRA kernels.
+    assert ranks[0]["folded"] == (["down_proj", "gate_up_proj", "o_proj", "qkv_proj"] if backend == "csgmv" else [])
 
 
 def test_a_load_failing_on_one_rank_fails_on_all(results) -> None:
@@ -106,7 +114,9 @@ def test_every_rank_takes_the_same_graph_decisions(results) -> None:
     assert r0["decisions"] == r1["decisions"]
     paths = [path for path, _ in r0["decisions"]]
     assert paths[:5] == ["decode_graph"] * 3 + ["eager"] * 2  # 101 requests exceed the decode graphs
-    assert {"prefill_graph", "eager"} <= set(paths[5:])
+    # 2200 tokens: within the LoRA set's buckets (8192), beyond the base set's (2048).
+    assert paths[5:] == ["prefill_graph"] * 6 + ["eager"]
+    assert [lora for _, lora in r0["decisions"]] == [False, True, True, True, False, True, False, True, True, False, True, False]
 
 
 def test_ranks_that_planned_different_graphs_refuse_to_capture(results) -> None:

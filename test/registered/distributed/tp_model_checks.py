@@ -29,6 +29,9 @@ from sglang.srt.server_args import ServerArgs
 # (architecture, LoRA backend) cases of the tp-2 runs: every backend on Llama, every architecture.
 CASES = [("llama", "torch_native"), ("llama", "triton"), ("llama", "csgmv"), ("mistral", "torch_native"),
          ("qwen2", "torch_native"), ("qwen3", "torch_native")]
+# The Triton backends' two layouts: csgmv folds every module into its base GEMM (the default,
+# --lora-fold auto, at these sizes), triton keeps separate shrink and expand kernels.
+FOLD = {"csgmv": "on", "triton": "off", "torch_native": "off"}
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
 
@@ -72,6 +75,7 @@ def scenario(mr: ModelRunner, prompts: list[list[int]], paths: dict[str, str],
                                               [None, ids["a"], ids["b"], ids["a"]])}
     got["pool_shapes"] = {m: [tuple(lora.pool.A_buffer[m][0].shape), tuple(lora.pool.B_buffer[m][0].shape)]
                           for m in lora.pool.target_modules}
+    got["folded"] = list(lora.pool.fold_modules)
     if not adapter_updates:
         got["slots"] = [repr(uid) for uid in lora.pool.slot_to_uid]
         return got
@@ -126,7 +130,7 @@ def graph_decisions(group: TensorParallelGroup, ckpt: str, paths: dict[str, str]
 
     batches = [decode(1, None), decode(1, a), decode(100, a), decode(101, a), decode(101, None),
                extend([5], a), extend([5], None), extend([60, 70], a), extend([2] * 40, a), extend([2] * 40, None),
-               extend([900], a), extend([900], None)]
+               extend([1100, 1100], a), extend([1100, 1100], None)]
     decisions = []
     for fb in batches:
         plan = mr.choose_forward_path(fb)
@@ -153,7 +157,7 @@ def all_checks(group: TensorParallelGroup, ckpts: dict[str, str], prompts: list[
     torch.manual_seed(0)
     out: dict[str, Any] = {"tp1": tp1_references(group, ckpts, prompts, adapters), "tp2": {}}
     for arch, backend in CASES:
-        mr = make_runner(ckpts[arch], backend, adapters[arch], group)
+        mr = make_runner(ckpts[arch], backend, adapters[arch], group, lora_fold=FOLD[backend])
         out["tp2"][f"{arch}/{backend}"] = scenario(mr, prompts, adapters[arch], group,
                                                    adapter_updates=backend == "torch_native")
     out["graph_decisions"] = graph_decisions(group, ckpts["llama"], adapters["llama"])
