@@ -64,7 +64,7 @@ def test_bf16_tp2_tracks_tp1(results) -> None:
     assert results[0]["tp2_bf16"] == results[1]["tp2_bf16"]  # the same gathered logits on every rank
 
 
-@pytest.mark.parametrize("config", [f"{b}/{p}/{d}" for b, p, d in checks.GRAPH_CONFIGS])
+@pytest.mark.parametrize("config", [f"{b}/{p}/{d}/fold-{f}" for b, p, d, f in checks.GRAPH_CONFIGS])
 def test_tp2_graphs_equal_eager_with_lora(results, config) -> None:
     for rank, res in enumerate(results):
         got = res[config]
@@ -76,4 +76,5 @@ def test_tp2_graphs_equal_eager_with_lora(results, config) -> None:
         assert all(used), f"rank {rank}: decode steps ran eagerly: {used}"
         assert tokens == got["eager_greedy"], (rank, config)
         assert got["graph_stats"]["decode_graph_replays"] >= checks.DECODE_STEPS
+        assert bool(got["folded"]) == config.endswith("fold-auto"), got["folded"]
     assert results[0][config]["graph_greedy"] == results[1][config]["graph_greedy"]

@@ -76,6 +76,7 @@ def test_tp2_logprobs_equal_tp1(results, arch, backend) -> None:
                 diff = worst(got[phase][key], want[phase][key])
                 assert diff < TOL, f"{arch}/{backend} rank {rank} {phase}/{key}: tp 2 differs from tp 1 by {diff:.2e}"
             assert got[phase]["decode_ids"] == ranks[0][phase]["decode_ids"]  # rank 0's tokens everywhere
+            assert got[phase]["prompt"] == ranks[0][phase]["prompt"]  # the same gathered logits everywhere
         assert ranks[0][phase]["first_ids"] == want[phase]["first_ids"]
     # The adapter does move the logprobs (otherwise the comparison above proves little).
     mixed = want["mixed"]["prompt"]

@@ -3,7 +3,7 @@
   - bf16 tracking: a mixed batch's prompt logprobs at tp 2 against the float32 tp-1 reference may
     be off by at most twice what tp 1's own bf16 run is off, plus 0.05 nats (mean: plus 0.02), the
     bf16 rule of the PEFT parity test; the adapter must still move the logprobs at this precision.
-  - graphs: for (LoRA backend, prefill graph, decode graph) in GRAPH_CONFIGS a tp-2 runner with
+  - graphs: for (LoRA backend, prefill graph, decode graph, --lora-fold) in GRAPH_CONFIGS a tp-2 runner with
     CUDA graphs (the all-reduces captured inside them) against a tp-2 eager runner: prompt
     logprobs within 1e-2 with every prefill replayed, and a mixed-adapter batch's greedy tokens
     equal over DECODE_STEPS steps, every step replayed.
@@ -21,7 +21,8 @@ import torch
 from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from tp_model_checks import make_runner
 
-GRAPH_CONFIGS = [("csgmv", "breakable", "breakable"), ("triton", "full", "full")]
+# csgmv folded into the base GEMMs (the default at these sizes), triton with separate kernels.
+GRAPH_CONFIGS = [("csgmv", "breakable", "breakable", "auto"), ("triton", "full", "full", "off")]
 PREFILL_BUCKETS = [16, 64, 256]
 DECODE_BUCKETS = [1, 2, 4, 8]
 DECODE_STEPS = 12
@@ -38,12 +39,12 @@ NAMES = [None, "a", "b", "a"]  # the first prompt with and without an adapter
 
 
 def _runner(ckpt: str, paths: dict[str, str], group: TensorParallelGroup, backend: str, dtype: str,
-            graphs: Optional[tuple[str, str]] = None, device: str = "cuda"):
-    extra: dict[str, Any] = dict(disable_cuda_graph=True)
+            graphs: Optional[tuple[str, str]] = None, device: str = "cuda", fold: str = "auto"):
+    extra: dict[str, Any] = dict(disable_cuda_graph=True, lora_fold=fold)
     if device != "cuda":  # the dry run
         dtype = "float32"
     elif graphs is not None:
-        extra = dict(disable_cuda_graph=False, cuda_graph_backend_prefill=graphs[0],
+        extra = dict(disable_cuda_graph=False, lora_fold=fold, cuda_graph_backend_prefill=graphs[0],
                      cuda_graph_backend_decode=graphs[1], cuda_graph_bs_prefill=PREFILL_BUCKETS,
                      cuda_graph_bs_decode=DECODE_BUCKETS)
     return make_runner(ckpt, backend, paths, group, device=device, dtype=dtype,
@@ -97,14 +98,14 @@ def gpu_checks(group: TensorParallelGroup, ckpt: str, paths: dict[str, str], dev
     out["tp1_bf16"], _ = prompt_logprobs(_runner(ckpt, paths, SINGLE_RANK, "csgmv", "bfloat16", device=device))
     out["tp2_bf16"], _ = prompt_logprobs(_runner(ckpt, paths, group, "csgmv", "bfloat16", device=device))
     _free(device)
-    for backend, prefill, decode in GRAPH_CONFIGS:
-        key = f"{backend}/{prefill}/{decode}"
-        eager = _runner(ckpt, paths, group, backend, "bfloat16", device=device)
-        graph = _runner(ckpt, paths, group, backend, "bfloat16", graphs=(prefill, decode), device=device)
+    for backend, prefill, decode, fold in GRAPH_CONFIGS:
+        key = f"{backend}/{prefill}/{decode}/fold-{fold}"
+        eager = _runner(ckpt, paths, group, backend, "bfloat16", device=device, fold=fold)
+        graph = _runner(ckpt, paths, group, backend, "bfloat16", graphs=(prefill, decode), device=device, fold=fold)
         out[key] = {
             "eager_prompt": prompt_logprobs(eager)[0], "graph_prompt": prompt_logprobs(graph),
             "eager_greedy": greedy(eager)[0], "graph_greedy": greedy(graph),
-            "graph_stats": graph.graph_stats(),
+            "graph_stats": graph.graph_stats(), "folded": list(graph.lora_manager.pool.fold_modules),
         }
         del eager, graph
         _free(device)
