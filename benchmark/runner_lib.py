@@ -16,6 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
 
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup  # noqa: E402
 from sglang.srt.lora.lora_config import PEFT_PROJECTIONS  # noqa: E402
 from sglang.srt.model_executor.batch_builder import (  # noqa: E402
     DecodeRequest,
@@ -63,10 +64,12 @@ def build_runner(
     adapters: dict[str, str],
     prefill_buckets: list[int],
     decode_buckets: list[int],
+    tp_group: Optional[TensorParallelGroup] = None,
     **overrides: Any,
 ) -> ModelRunner:
     """A bf16 ModelRunner on dummy weights, triton attention, breakable prefill graphs and full
-    decode graphs at exactly the given buckets; LoRA (rank 16) when `lora_backend` is set."""
+    decode graphs at exactly the given buckets; LoRA (rank 16) when `lora_backend` is set; this
+    rank's shard when given a tensor-parallel group."""
     kwargs: dict[str, Any] = dict(
         model_path=ckpt, load_format="dummy", dtype="bfloat16", attention_backend="triton",
         max_total_tokens=65536, max_running_requests=64, chunked_prefill_size=8192,
@@ -77,7 +80,10 @@ def build_runner(
         kwargs.update(lora_paths=[f"{n}={p}" for n, p in adapters.items()], lora_backend=lora_backend,
                       max_loras_per_batch=len(adapters), max_lora_rank=16)
     kwargs.update(overrides)
-    return ModelRunner(ServerArgs(**kwargs))
+    group = tp_group or SINGLE_RANK
+    kwargs["tp_size"] = group.size
+    gpu_id = torch.cuda.current_device() if group.size > 1 and torch.cuda.is_available() else 0
+    return ModelRunner(ServerArgs(**kwargs), gpu_id=gpu_id, tp_group=group)
 
 
 def use_prefill_graphs(runner: ModelRunner, sets: tuple) -> None:

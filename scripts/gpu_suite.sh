@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_serving",
-# "profile", "prefix_cache", "soak").
+# "profile", "prefix_cache", "soak", and "tp" on a machine with 2 GPUs).
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by ../shared/device/wheels.sh into ./.whl
 # are installed into ./.site first when the machine lacks them (it has no network).
@@ -170,6 +170,31 @@ if [[ " $PARTS " == *" prefix_cache "* ]]; then
     || status=1
   say "prefix_cache: $(( $(date +%s) - start ))s"
   cat "$OUT/prefix_cache.md" 2>/dev/null | tee -a "$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" tp "* ]]; then
+  # Issue 13 on two GPUs (nvidia-h200-x2; skipped with fewer), NVLink multicast off everywhere:
+  # the tp GPU tests (bf16 tp 2 tracks tp 1; graphs == eager at tp 2 with LoRA; the sharded
+  # layers' all-reduces inside graphs), test_bcg_with_lora.py at --tp-size 2, then bench_tp.py
+  # (8B shape tp 1 vs tp 2; a 70B-shaped LoRA server on 2 GPUs: decode at batch 1 vs its floor,
+  # bench_serving with adapters). GPU_SUITE_TP_BENCH_PARTS picks bench_tp parts ("forward serve70b").
+  say "== tensor parallelism (2 GPUs)"
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  start=$(date +%s)
+  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE test/registered/distributed/test_tp_gpu.py \
+    test/registered/distributed/test_tp_nccl_gpu.py >"$OUT/tp_tests.log" 2>&1
+  rc=$?
+  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE -k tp2 \
+    test/registered/cuda_graph/breakable/test_bcg_with_lora.py >>"$OUT/tp_tests.log" 2>&1
+  rc2=$?
+  [ $rc -ne 0 ] || [ $rc2 -ne 0 ] && status=1
+  say "tp tests: rc=$rc/$rc2, $(( $(date +%s) - start ))s"
+  grep -E "passed|failed|skipped|^(FAILED|ERROR)" "$OUT/tp_tests.log" | head -20 | tee -a "$SUMMARY"
+  start=$(date +%s)
+  $PY benchmark/bench_tp.py --parts ${GPU_SUITE_TP_BENCH_PARTS:-forward serve70b} --out "$OUT/tp.md" \
+    --log-dir "$OUT/tp_bench" >"$OUT/tp_bench.log" 2>&1 || status=1
+  say "bench_tp: $(( $(date +%s) - start ))s"
+  cat "$OUT/tp.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
 say "== done (status=$status)"

@@ -53,24 +53,18 @@ def test_why_a_model_cannot_be_split_is_spelled_out() -> None:
         tp_split(config(intermediate_size=90), 4)
 
 
-def test_check_tensor_parallel_refuses_models_without_sharding(monkeypatch) -> None:
-    from sglang.srt.models.registry import get_model_class
+def test_check_tensor_parallel_splits_the_model_or_says_why(monkeypatch) -> None:
+    from sglang.srt.models.registry import MODEL_REGISTRY
 
-    args = ServerArgs(model_path="unused", device="cpu", tp_size=2)
     assert check_tensor_parallel(ServerArgs(model_path="unused", device="cpu"), config()) is None
-    model_cls = get_model_class(["LlamaForCausalLM"])
-    if getattr(model_cls, "supports_tensor_parallel", False):
-        assert check_tensor_parallel(args, config()).num_heads == 4
-    else:
-        with pytest.raises(ValueError, match="LlamaForCausalLM does not support --tp-size > 1 yet"):
-            check_tensor_parallel(args, config())
-    # The test hook (tests of the process layout) runs the whole model on every rank instead.
-    monkeypatch.setenv("SGLANG_TEST_TP_UNSHARDED_MODEL", "1")
-    hooked = ServerArgs(model_path="unused", device="cpu", tp_size=2, enable_test_hooks=True)
-    assert check_tensor_parallel(hooked, config()).num_heads == 4
+    assert check_tensor_parallel(ServerArgs(model_path="unused", device="cpu", tp_size=2), config()).num_heads == 4
     with pytest.raises(ValueError, match="not divisible by 3"):
-        check_tensor_parallel(ServerArgs(model_path="unused", device="cpu", tp_size=3, enable_test_hooks=True),
-                              config())
+        check_tensor_parallel(ServerArgs(model_path="unused", device="cpu", tp_size=3), config())
+    # Every served architecture shards; a model class that did not would be refused up front.
+    assert all(getattr(cls, "supports_tensor_parallel", False) for cls in MODEL_REGISTRY.values())
+    monkeypatch.setattr(MODEL_REGISTRY["LlamaForCausalLM"], "supports_tensor_parallel", False)
+    with pytest.raises(ValueError, match="LlamaForCausalLM does not support --tp-size > 1 yet"):
+        check_tensor_parallel(ServerArgs(model_path="unused", device="cpu", tp_size=2), config())
 
 
 @pytest.mark.parametrize("kwargs, match", [

@@ -1,115 +1,127 @@
 """Tensor parallelism end to end on the CPU: tp 2 (two gloo ranks, each holding its shard of the
 model and of every adapter) gives the prompt logprobs of tp 1 within 1e-4 in float32, for a mixed
-batch of adapters and base requests, with each LoRA backend and every architecture, and adapters
-loaded and unloaded at run time act on both ranks (issue #13, "Done when").
+batch of adapters and base requests, with each LoRA backend and every architecture; adapters
+loaded and unloaded at run time act on both ranks, and a load that fails on one rank fails on all;
+every rank plans the same CUDA graphs and takes the same graph-or-eager decision for every batch
+(issue #13, "Done when").
 
-Skipped until the models shard their layers (phase 2 of #13 sets `supports_tensor_parallel` on the
-model classes and wires LoRA under TP).
+One spawn of the two ranks runs every check (tp_model_checks.all_checks, the tp-1 references
+included); the tests below read its results. The served path (scheduler processes, HTTP, Engine)
+is test_tp_server.py's.
 """
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import Optional
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lora"))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(os.path.dirname(HERE), "lora"))
 
+import tp_model_checks as checks  # noqa: E402
 from lora_server_testlib import PROMPTS, tiny_lora_checkpoint, write_adapter  # noqa: E402
-from server_helpers import server_env  # noqa: E402
-from sglang.srt.models.registry import MODEL_REGISTRY  # noqa: E402
+from server_helpers import tiny_checkpoint  # noqa: E402
+from tp_testlib import run_on_ranks  # noqa: E402
 
-ARCH_CLASS = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-              "qwen3": "Qwen3ForCausalLM"}
 TOL = 1e-4
 
 
-def sharded(arch: str) -> bool:
-    return bool(getattr(MODEL_REGISTRY[ARCH_CLASS[arch]], "supports_tensor_parallel", False))
+def worst(got: list, want: list) -> float:
+    assert len(got) == len(want)
+    diffs = []
+    for g, w in zip(got, want):
+        if isinstance(g, list):
+            assert len(g) == len(w) and g, (g, w)
+            diffs.extend(abs(a - b) for a, b in zip(g, w))
+        else:
+            diffs.append(abs(g - w))
+    return max(diffs)
 
 
-CASES = [
-    pytest.param(arch, backend, marks=pytest.mark.skipif(
-        not sharded(arch), reason=f"{ARCH_CLASS[arch]} does not shard its layers yet (phase 2 of #13)"))
-    for arch, backend in [("llama", "torch_native"), ("llama", "triton"), ("llama", "csgmv"),
-                          ("mistral", "torch_native"), ("qwen2", "torch_native"), ("qwen3", "torch_native")]
-]
-
-
-@pytest.fixture(autouse=True)
-def _env(monkeypatch):
-    for key, value in server_env().items():
-        monkeypatch.setenv(key, value)
-
-
-_adapters: dict[str, dict[str, str]] = {}
-
-
-def adapters_of(arch: str, tmp_path_factory) -> dict[str, str]:
-    """Three PEFT adapters of the arch's tiny checkpoint, written once per test session."""
-    if arch not in _adapters:
-        root = tmp_path_factory.mktemp(f"tp-parity-{arch}")
-        ckpt = tiny_lora_checkpoint(arch)
-        _adapters[arch] = {
-            "a": write_adapter(ckpt, str(root / "a"), r=8, target_modules="all-linear", seed=71),
-            "b": write_adapter(ckpt, str(root / "b"), r=4, target_modules=["q_proj", "v_proj", "down_proj"], seed=72),
-            "c": write_adapter(ckpt, str(root / "c"), r=8, target_modules=["o_proj", "gate_proj"], seed=73),
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    root = tmp_path_factory.mktemp("tp-parity")
+    ckpts = {arch: tiny_lora_checkpoint(arch) for arch in checks.ARCHS}
+    # Llama with a bias on every projection: the row-parallel ones (o_proj, down_proj) must add
+    # theirs once, on rank 0, folded or not.
+    ckpts["llama"] = tiny_checkpoint("llama", hidden_size=64, intermediate_size=128, attention_bias=True,
+                                     mlp_bias=True)
+    adapters = {}
+    for arch, ckpt in ckpts.items():
+        adapters[arch] = {
+            "a": write_adapter(ckpt, str(root / arch / "a"), r=8, target_modules="all-linear", seed=71),
+            "b": write_adapter(ckpt, str(root / arch / "b"), r=4, target_modules=["q_proj", "v_proj", "down_proj"],
+                               seed=72),
+            "c": write_adapter(ckpt, str(root / arch / "c"), r=8, target_modules=["o_proj", "gate_proj"], seed=73),
+            "broken": str(root / arch / "missing"),  # no adapter here
         }
-    return _adapters[arch]
+    return run_on_ranks(checks.all_checks, ckpts, PROMPTS, adapters, world_size=2, timeout=600)
 
 
-def engine(arch: str, backend: str, tp_size: int, paths: dict[str, str]):
-    from sglang import Engine
-
-    return Engine(model_path=tiny_lora_checkpoint(arch), device="cpu", dtype="float32", tp_size=tp_size,
-                  lora_backend=backend, lora_paths=[f"a={paths['a']}", f"b={paths['b']}"], max_loras_per_batch=4,
-                  max_lora_rank=8, lora_target_modules=["all"], random_seed=0)
+def reference(results: list[dict], arch: str) -> dict:
+    return next(r["tp1"][arch] for r in results if arch in r["tp1"])
 
 
-def prompt_logprobs(eng, loras: list[Optional[str]], prompts: Optional[list[list[int]]] = None) -> list[list[float]]:
-    outs = eng.generate(input_ids=prompts or PROMPTS[: len(loras)], lora_path=loras, return_logprob=True,
-                        logprob_start_len=0, sampling_params={"max_new_tokens": 0})
-    return [[e[0] for e in o["meta_info"]["input_token_logprobs"][1:]] for o in outs]
-
-
-def run_scenario(eng, paths: dict[str, str]) -> dict[str, list[list[float]]]:
-    """A mixed batch (one prompt with and without an adapter); then c loaded at run time and used
-    beside a; then a unloaded."""
-    got = {"mixed": prompt_logprobs(eng, [None, "a", "b", "a"], [PROMPTS[0], PROMPTS[0], PROMPTS[1], PROMPTS[2]])}
-    assert eng.load_lora_adapter("c", paths["c"])["success"]
-    got["with_c"] = prompt_logprobs(eng, ["c", None, "a"])
-    assert eng.unload_lora_adapter("a")["success"]
-    got["after_unload"] = prompt_logprobs(eng, ["b", "c"])
-    with pytest.raises(ValueError, match="not loaded"):
-        prompt_logprobs(eng, ["a"])
-    return got
-
-
-_reference: dict[str, dict] = {}
-
-
-def reference(arch: str, paths: dict[str, str]) -> dict:
-    if arch not in _reference:
-        with engine(arch, "torch_native", 1, paths) as eng:
-            _reference[arch] = run_scenario(eng, paths)
-    return _reference[arch]
-
-
-@pytest.mark.parametrize("arch, backend", CASES)
-def test_tp2_prompt_logprobs_equal_tp1(arch, backend, tmp_path_factory) -> None:
-    paths = adapters_of(arch, tmp_path_factory)
-    want = reference(arch, paths)
-    with engine(arch, backend, 2, paths) as eng:
-        assert eng.get_server_info()["tp_size"] == 2
-        got = run_scenario(eng, paths)
-        info = eng.get_server_info()
-    assert info["last_integrity_check"].get("tp_ranks_agree", True), info["last_integrity_check"]
-    for key, rows in want.items():
-        for i, (g, w) in enumerate(zip(got[key], rows)):
-            assert len(g) == len(w)
-            worst = max(abs(a - b) for a, b in zip(g, w))
-            assert worst < TOL, f"{arch}/{backend} {key}[{i}]: tp 2 differs from tp 1 by {worst:.2e}"
+@pytest.mark.parametrize("arch, backend", checks.CASES)
+def test_tp2_logprobs_equal_tp1(results, arch, backend) -> None:
+    want = reference(results, arch)
+    ranks = [r["tp2"][f"{arch}/{backend}"] for r in results]
+    phases = ("mixed", "with_c", "after_unload") if backend == "torch_native" else ("mixed",)
+    for phase in phases:
+        for rank, got in enumerate(ranks):
+            for key in ("prompt", "decode"):
+                diff = worst(got[phase][key], want[phase][key])
+                assert diff < TOL, f"{arch}/{backend} rank {rank} {phase}/{key}: tp 2 differs from tp 1 by {diff:.2e}"
+            assert got[phase]["decode_ids"] == ranks[0][phase]["decode_ids"]  # rank 0's tokens everywhere
+            assert got[phase]["prompt"] == ranks[0][phase]["prompt"]  # the same gathered logits everywhere
+        assert ranks[0][phase]["first_ids"] == want[phase]["first_ids"]
     # The adapter does move the logprobs (otherwise the comparison above proves little).
-    assert max(abs(a - b) for a, b in zip(want["mixed"][0], want["mixed"][1])) > 1e-2
+    mixed = want["mixed"]["prompt"]
+    assert max(abs(a - b) for a, b in zip(mixed[0], mixed[1])) > 1e-2
+    # Adapter slots in lockstep; each rank's pool holds its shard (qkv: B rows; o_proj: A columns).
+    assert ranks[0]["slots"] == ranks[1]["slots"]
+    shapes = ranks[0]["pool_shapes"]
+    full = want["pool_shapes"]
+    assert shapes["qkv_proj"][0] == full["qkv_proj"][0]  # A whole
+    assert shapes["qkv_proj"][1][1] < full["qkv_proj"][1][1]  # B: this rank's output rows
+    assert shapes["o_proj"][0][2] * 2 == full["o_proj"][0][2]  # A: half the input columns
+    assert shapes["o_proj"][1] == full["o_proj"][1]  # B whole
+    # csgmv ran every module folded into its base GEMM ([x_shard | partial shrink] @ [W_shard | B]^T
+    # for o_proj / down_proj, before the all-reduce); the others ran separate LoRA kernels.
+    assert ranks[0]["folded"] == (["down_proj", "gate_up_proj", "o_proj", "qkv_proj"] if backend == "csgmv" else [])
+
+
+def test_a_load_failing_on_one_rank_fails_on_all(results) -> None:
+    for res in results:
+        for case, got in res["tp2"].items():
+            if not case.endswith("torch_native"):
+                continue  # the Triton backends run the mixed batch only
+            failure = got["one_rank_failure"]
+            assert not failure["success"], case
+            assert "(on TP rank 1; the adapter is loaded on no rank)" in failure["error"], failure
+            assert "d" not in failure["loaded"] and {"a", "b", "c"} <= set(failure["loaded"]), failure
+
+
+def test_every_rank_takes_the_same_graph_decisions(results) -> None:
+    r0, r1 = (r["graph_decisions"] for r in results)
+    # Rank 1 had room for 100 requests, rank 0 for 512: both plan for the smaller.
+    assert r0["max_running_requests"] == r1["max_running_requests"] == 100
+    assert r0["plans"] == r1["plans"]
+    decode_plans = [p for p in r0["plans"] if p["kind"] == "decode"]
+    assert decode_plans and all(p["max_bs"] == 100 for p in decode_plans)
+    assert r0["decisions"] == r1["decisions"]
+    paths = [path for path, _ in r0["decisions"]]
+    assert paths[:5] == ["decode_graph"] * 3 + ["eager"] * 2  # 101 requests exceed the decode graphs
+    # 2200 tokens: within the LoRA set's buckets (8192), beyond the base set's (2048).
+    assert paths[5:] == ["prefill_graph"] * 6 + ["eager"]
+    assert [lora for _, lora in r0["decisions"]] == [False, True, True, True, False, True, False, True, True, False, True, False]
+
+
+def test_ranks_that_planned_different_graphs_refuse_to_capture(results) -> None:
+    for res in results:
+        msg = res["mismatched_graph_plans"]
+        assert msg.startswith("The tensor-parallel ranks planned different CUDA graphs"), msg
+        assert "TP rank 1's decode graphs differ: buckets (rank 0: [1, 2, 4], rank 1: [1, 2, 8])" in msg, msg

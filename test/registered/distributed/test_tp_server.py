@@ -1,11 +1,7 @@
 """The tensor-parallel process layout end to end on the CPU (2 gloo ranks): a real server and a
 real Engine, each rank a scheduler process; rank 0 receives and broadcasts, every rank schedules
-the same batches, rank 0 alone replies (DESIGN §11).
-
-Until the models shard their layers (phase 2 of #13), the serving tests run with the test hook
-SGLANG_TEST_TP_UNSHARDED_MODEL: every rank runs the whole model, while everything else (the group,
-the broadcasts, the lockstep check, adapters on every rank, the faults) is the real thing. The
-start-up errors need no hook.
+the same batches, rank 0 alone replies (DESIGN §11). Each rank holds its shard of the model and of
+every adapter.
 """
 
 from __future__ import annotations
@@ -24,9 +20,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 
 from lora_server_testlib import PROMPTS, greedy, load_adapter, tiny_lora_checkpoint, unload_adapter, write_adapter  # noqa: E402
 from server_helpers import PYTHON_DIR, free_port, kill_server, popen_launch_server, read_log, server_env  # noqa: E402
-
-HOOK_ENV = {"SGLANG_TEST_TP_UNSHARDED_MODEL": "1"}
-
 
 def pid_alive(pid: int) -> bool:
     try:
@@ -84,7 +77,7 @@ def test_bad_tp_size_is_a_clear_startup_error(ckpt) -> None:
 
 def test_a_rank_failing_at_start_is_named(ckpt) -> None:
     out = run_cli(["--model-path", ckpt, "--tp-size", "2", "--enable-test-hooks"],
-                  {**HOOK_ENV, "SGLANG_TEST_TP_FAIL_AT_START": "1"})
+                  {"SGLANG_TEST_TP_FAIL_AT_START": "1"})
     assert out.returncode == 1, out.stderr[-3000:]
     assert re.search(r"error: TP rank 1 \(pid \d+\): The scheduler failed to start:", out.stderr), out.stderr[-3000:]
     assert "RuntimeError: injected start-up failure of TP rank 1" in out.stderr
@@ -99,7 +92,7 @@ def server(ckpt, tmp_path_factory):
         "--device", "cpu", "--dtype", "float32", "--tp-size", "2", "--enable-test-hooks",
         "--lora-backend", "torch_native", "--lora-paths", f"a={adapters['a']}", "--max-loras-per-batch", "3",
         "--max-lora-rank", "8", "--lora-target-modules", "all",
-    ], env={**server_env(), **HOOK_ENV})
+    ], env=server_env())
     yield proc, url, adapters
     kill_server(proc)
 
@@ -156,7 +149,7 @@ def test_ranks_serve_in_lockstep_and_stop_on_sigint(server) -> None:
 def test_engine_with_tp2_and_a_killed_rank(ckpt, monkeypatch) -> None:
     from sglang import Engine
 
-    for key, value in {**HOOK_ENV, **server_env()}.items():
+    for key, value in server_env().items():
         monkeypatch.setenv(key, value)
     engine = Engine(model_path=ckpt, device="cpu", dtype="float32", tp_size=2, enable_test_hooks=True)
     try:
@@ -180,17 +173,44 @@ def test_engine_with_tp2_and_a_killed_rank(ckpt, monkeypatch) -> None:
         engine.shutdown()
 
 
+def test_a_batch_failing_on_one_rank_stops_every_rank(ckpt, monkeypatch) -> None:
+    """A decode step fails on rank 1 alone, while rank 0 goes on into the forward and waits in its
+    first all-reduce for a peer that will never join: rank 1 stops, the engine names it and the
+    cause, and rank 0 is not left hanging."""
+    from sglang import Engine
+
+    for key, value in server_env().items():
+        monkeypatch.setenv(key, value)
+    engine = Engine(model_path=ckpt, device="cpu", dtype="float32", tp_size=2, enable_test_hooks=True)
+    try:
+        pids = [r["pid"] for r in engine.get_server_info()["tp_ranks"]]
+        engine.tokenizer_manager.inject_fault("boom", where="decode", after_tokens=2, tp_rank=1)
+        start = time.monotonic()
+        out = engine.generate(input_ids=PROMPTS[1], rid="boom-1",
+                              sampling_params={"max_new_tokens": 8, "temperature": 0, "ignore_eos": True})
+        assert time.monotonic() - start < 60
+        reason = out["meta_info"]["finish_reason"]
+        assert reason["type"] == "abort" and reason["status_code"] == 500, reason
+        assert re.search(rf"TP rank 1 \(pid {pids[1]}\) exited unexpectedly \(exit code 1\): .*TP rank 1: a batch "
+                         r"of 1 request\(s\) failed on this rank \(RuntimeError: injected fault", reason["message"]), reason
+        with pytest.raises(RuntimeError, match="TP rank 1"):
+            engine.generate(input_ids=PROMPTS[0], sampling_params={"max_new_tokens": 2})
+        assert all_gone(pids), "a rank outlived its failed peer"
+    finally:
+        engine.shutdown()
+
+
 def test_two_nodes_on_one_host(ckpt) -> None:
     """--nnodes 2: node 0 serves and runs rank 0, node 1 runs rank 1 and serves nothing; stopping
     node 0 shuts the whole group down, node 1 included."""
     addr = f"127.0.0.1:{free_port()}"
     common = ["--device", "cpu", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", addr, "--enable-test-hooks"]
-    env = {**os.environ, "PYTHONPATH": PYTHON_DIR, **server_env(), **HOOK_ENV}
+    env = {**os.environ, "PYTHONPATH": PYTHON_DIR, **server_env()}
     node1 = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--model-path", ckpt, *common,
                               "--node-rank", "1"], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                              text=True, start_new_session=True)
     try:
-        node0, url = popen_launch_server(ckpt, [*common, "--node-rank", "0"], env={**server_env(), **HOOK_ENV})
+        node0, url = popen_launch_server(ckpt, [*common, "--node-rank", "0"], env=server_env())
         try:
             assert greedy(url, PROMPTS[0], None, n=3)["ids"]
             assert [r["tp_rank"] for r in server_info(url)["tp_ranks"]] == [0]  # node 0's own ranks

@@ -2,8 +2,8 @@
 
 A small TP body (vocab-parallel embedding -> QKV -> o_proj all-reduce -> gate_up -> down
 all-reduce, twice) is captured the two ways the engine captures a body: whole, with
-`capture_graph(breakable=False)` (the decode and full prefill graphs, `torch.cuda.graph`'s default
-capture mode), and as a `BreakableCUDAGraph` with an eager break in the middle (the breakable
+`capture_graph(breakable=False)` (the decode and full prefill graphs, thread_local capture mode),
+and as a `BreakableCUDAGraph` with an eager break in the middle (the breakable
 prefill graph, thread_local capture mode). Each replay with fresh inputs must equal the eager body
 bit for bit, on every rank. `capture=False` runs only the eager parts (the CPU dry run).
 """

@@ -291,6 +291,7 @@ def misc_cases() -> list[Case]:
         Case("/abort_request", {"rid": "not-running"}, 200, ""),  # nothing to abort: a no-op
         Case("/debug/inject_fault", {}, 400, "rid_substring"),
         Case("/debug/inject_fault", {"rid_substring": "zz-never", "where": "nowhere"}, 400, "'where' must be one of"),
+        Case("/debug/inject_fault", {"rid_substring": "zz-never", "tp_rank": "one"}, 400, "'tp_rank' an integer"),
         Case("/generate", None, 405, "not allowed", method="GET"),
         Case("/v1/nothing-here", {}, 404, "Not found"),
         Case("/get_server_info", None, 405, "not allowed", method="POST"),

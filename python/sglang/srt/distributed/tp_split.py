@@ -12,17 +12,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
-from sglang.srt.utils import cdiv, env_flag
+from sglang.srt.utils import cdiv
 
 if TYPE_CHECKING:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.server_args import ServerArgs
-
-# Test hook (with --enable-test-hooks only): every rank runs the whole, unsharded model, so the
-# process layout (broadcast, lockstep scheduling, faults) is testable with models that do not shard
-# yet. Never a production mode: it spends N devices on one model's work.
-UNSHARDED_MODEL_TEST_ENV = "SGLANG_TEST_TP_UNSHARDED_MODEL"
-
 
 @dataclass(frozen=True)
 class TPSplit:
@@ -78,10 +72,6 @@ def tp_split(config: "ModelConfig", tp_size: int) -> TPSplit:
     )
 
 
-def unsharded_model_test_hook(server_args: "ServerArgs") -> bool:
-    return bool(server_args.enable_test_hooks) and env_flag(UNSHARDED_MODEL_TEST_ENV)
-
-
 def check_tensor_parallel(server_args: "ServerArgs", config: Optional["ModelConfig"] = None) -> Optional[TPSplit]:
     """Everything about --tp-size that can be known from the config: the split itself, and whether
     the architecture's model class shards its layers. None at tp_size 1."""
@@ -93,7 +83,7 @@ def check_tensor_parallel(server_args: "ServerArgs", config: Optional["ModelConf
     config = config or ModelConfig.from_pretrained(server_args.model_path, server_args)
     split = tp_split(config, server_args.tp_size)
     model_cls = get_model_class(config.architectures)
-    if not getattr(model_cls, "supports_tensor_parallel", False) and not unsharded_model_test_hook(server_args):
+    if not getattr(model_cls, "supports_tensor_parallel", False):
         raise ValueError(
             f"{model_cls.__name__} does not support --tp-size > 1 yet (its layers are not wired for "
             "tensor parallelism); run it with --tp-size 1"

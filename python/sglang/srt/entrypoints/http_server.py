@@ -250,10 +250,13 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         async def inject_fault(request: Request) -> Response:
             data = await json_object(request)
             sub, where, after = data.get("rid_substring"), data.get("where", "forward"), data.get("after_tokens", 0)
-            if not isinstance(sub, str) or not sub or not isinstance(where, str) or type(after) is not int:
-                raise InvalidRequestError("'rid_substring' (a non-empty string) is required; 'where' is a string "
-                                          "and 'after_tokens' an integer", param="rid_substring")
-            tm.inject_fault(sub, where, after)
+            tp_rank = data.get("tp_rank")
+            if (not isinstance(sub, str) or not sub or not isinstance(where, str) or type(after) is not int
+                    or (tp_rank is not None and type(tp_rank) is not int)):
+                raise InvalidRequestError("'rid_substring' (a non-empty string) is required; 'where' is a string, "
+                                          "'after_tokens' an integer and 'tp_rank' an integer or null",
+                                          param="rid_substring")
+            tm.inject_fault(sub, where, after, tp_rank)
             return Response(status_code=200)
 
     return app

@@ -172,11 +172,15 @@ class RowParallelLinear(LinearBase):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(self.forward_partial(x))
 
+    @property
+    def partial_bias(self) -> Optional[torch.Tensor]:
+        """The bias this rank's partial output carries: the whole bias on rank 0, none elsewhere."""
+        return self.bias if self.tp_rank == 0 else None
+
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial output (x: [..., input_size], this rank's input slice): summed over
         the ranks it is the full output."""
-        bias = self.bias if self.tp_rank == 0 else None
-        return F.linear(x, self.weight, bias)
+        return F.linear(x, self.weight, self.partial_bias)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial outputs, in place (identity at tp_size 1 or reduce_results=False)."""

@@ -1,8 +1,10 @@
 """The model's side of folding (lora/fold.py): which base layers can fold, and re-laying their weights.
 
 A folded module's forward becomes `F.linear(x_aug, W_aug, bias)` in the LoRA backend, so only base
-layers whose own forward is exactly `F.linear(x, weight, bias)` qualify: LinearBase's, and a
-row-parallel layer's at tp_size 1 (its reduction is then the identity). Re-laying
+layers whose own forward is exactly that GEMM qualify: LinearBase's (the column-parallel layers at
+any tp_size: each rank's output rows, nothing reduced), and a row-parallel layer's, whose LoRA
+wrapper folds the rank's partial product (its input slice, rank 0's bias) and all-reduces the
+folded GEMM's output, as the base layer all-reduces its own (lora/layers.py). Re-laying
 makes the base layer's `weight` the view W_aug[:, :K]: whatever reads `.weight` keeps working, a
 batch without LoRA runs the base layer unchanged (a strided weight, the same GEMM), and the old
 W is freed layer by layer as soon as it is copied.
@@ -27,11 +29,7 @@ def _base(layer: nn.Module) -> nn.Module:
 
 def _plain_linear(layer: nn.Module, dtype: torch.dtype) -> bool:
     forward = type(layer).forward
-    return (
-        getattr(layer, "tp_size", 1) == 1
-        and (forward is LinearBase.forward or forward is RowParallelLinear.forward)
-        and layer.weight.dtype == dtype
-    )
+    return (forward is LinearBase.forward or forward is RowParallelLinear.forward) and layer.weight.dtype == dtype
 
 
 def foldable_modules(

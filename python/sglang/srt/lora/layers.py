@@ -12,6 +12,12 @@ would record a graph without the kernels, and adapter requests replaying it woul
 their deltas. The kernels add nothing for rank-0 slots. (A batch that should run no LoRA kernels at
 all clears the backend's batch info: then every wrapper is its base layer, reading the base weight
 `W_aug[:, :K]` of a folded module at the same cost.)
+
+Tensor parallelism (DESIGN §11): the pool holds this rank's part of every adapter (lora.py). A
+column-parallel wrapper adds its delta into its slice of the output (A whole, B's rows of that
+slice). A row-parallel wrapper hands the backend the base layer's *partial* product (its input
+slice, the bias on rank 0 only) with A's columns of that slice and B whole, and all-reduces the
+sum: folded, that is [x_shard | partial shrink] @ [W_shard | B]^T, then the all-reduce.
 """
 
 from __future__ import annotations
@@ -34,9 +40,6 @@ from sglang.srt.lora.utils import LoRAModuleWeights
 class BaseLayerWithLoRA(nn.Module):
     def __init__(self, base_layer: nn.Module, lora_backend: BaseLoRABackend) -> None:
         super().__init__()
-        if getattr(base_layer, "tp_size", 1) != 1:
-            # Sharded LoRA weights (and the row-parallel all-reduce order) are not built yet.
-            raise ValueError("LoRA supports tp_size = 1 only")
         self.base_layer = base_layer
         self.lora_backend = lora_backend
         self.lora: Optional[LoRAModuleWeights] = None
@@ -57,6 +60,11 @@ class BaseLayerWithLoRA(nn.Module):
     @property
     def output_size(self) -> int:
         return self.base_layer.output_size
+
+    @property
+    def backend_bias(self) -> Optional[torch.Tensor]:
+        """The bias the backend's module call adds (a folded GEMM adds it itself)."""
+        return self.base_layer.bias
 
     def set_lora_info(self, weights: LoRAModuleWeights) -> None:
         """This layer's views of the pool (fixed addresses) and, when folded, its W_aug."""
@@ -88,7 +96,7 @@ class BaseLayerWithLoRA(nn.Module):
 
 
 class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
-    """One output slice (tp_size = 1: the output is not gathered)."""
+    """One output slice; under TP this rank's rows of it (the output stays sharded)."""
 
 
 class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
@@ -100,7 +108,19 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
 
 
 class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
-    """o_proj / down_proj (tp_size = 1: the base matmul is complete, no all-reduce to order)."""
+    """o_proj / down_proj: base partial product plus this rank's partial delta, then the all-reduce
+    (at tp 1 the partial product is the whole output and the reduction the identity)."""
+
+    @property
+    def backend_bias(self) -> Optional[torch.Tensor]:
+        return self.base_layer.partial_bias  # rank 0's alone: the all-reduce must count it once
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not self.lora_active:
+            return self.base_layer(x)
+        base = self.base_layer
+        partial = self.lora_backend.run_module(self.lora, base.forward_partial, x.reshape(-1, x.shape[-1]))
+        return base.reduce(partial).view(*x.shape[:-1], partial.shape[-1])
 
 
 def get_lora_layer(layer: nn.Module, lora_backend: BaseLoRABackend) -> BaseLayerWithLoRA:

@@ -9,6 +9,13 @@ A projection the adapter lacks inside a fused module is zero (its slice then add
 is exactly PEFT's behaviour for an untargeted projection. Every tensor is checked against the base
 model's shapes here, on the host, so a bad adapter fails at load with a message and never reaches
 the GPU pool.
+
+Tensor parallelism (DESIGN §11): the adapter is checked against the full, unsharded module shapes,
+then each rank keeps its part: column-parallel modules (qkv_proj, gate_up_proj) keep A whole and
+the rows of B that match the base layer's output rows (its `output_partition()`, blocks of the
+stacked [q; k; v] / [gate; up] layout); row-parallel modules (o_proj, down_proj) keep the columns
+of A that match the base layer's input slice (`input_partition()`) and B whole, and their wrapper
+adds the partial delta before the all-reduce.
 """
 
 from __future__ import annotations
@@ -20,6 +27,7 @@ from typing import Any, Optional
 
 import torch
 
+from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.lora.lora_config import FUSED_MODULES, PROJ_TO_FUSED, LoRAConfig
 
 # `...layers.<i>.<...>.<proj>.lora_<A|B>[.<adapter>].weight`
@@ -28,10 +36,18 @@ _TENSOR_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?([^.]+)\.lora_([AB])
 
 @dataclass(frozen=True)
 class LoRAModuleShape:
-    """A fused linear module as LoRA sees it: input width and the output width of each slice."""
+    """A fused linear module as LoRA sees it on this rank: input width and the output width of each
+    slice (what the pool holds), plus, under tensor parallelism, the full module's sizes (what an
+    adapter file holds) and where this rank's part lies in them."""
 
     in_dim: int
     out_sizes: tuple[int, ...]  # in output order, e.g. (q, kv, kv) for qkv_proj
+    full_in_dim: Optional[int] = None  # None: as in_dim
+    full_out_sizes: Optional[tuple[int, ...]] = None  # None: as out_sizes
+    # Column-parallel: (start, length) row blocks of the full fused output this rank holds.
+    out_partition: Optional[tuple[tuple[int, int], ...]] = None
+    # Row-parallel: (start, length) of this rank's input columns.
+    in_partition: Optional[tuple[int, int]] = None
 
     @property
     def out_dim(self) -> int:
@@ -41,10 +57,26 @@ class LoRAModuleShape:
     def num_slices(self) -> int:
         return len(self.out_sizes)
 
+    @property
+    def checkpoint_in_dim(self) -> int:
+        return self.full_in_dim or self.in_dim
+
+    @property
+    def checkpoint_out_sizes(self) -> tuple[int, ...]:
+        return self.full_out_sizes or self.out_sizes
+
+    def shard(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This rank's part of a full fused (A [c*r, in], B [out, r]) (the tensors themselves at tp 1)."""
+        if self.in_partition is not None:
+            a = a.narrow(1, *self.in_partition)
+        if self.out_partition is not None:
+            b = torch.cat([b.narrow(0, start, n) for start, n in self.out_partition])
+        return a.contiguous(), b.contiguous()
+
 
 @dataclass
 class LoRAModelShapes:
-    """The base model's shapes for every module LoRA may target (tp_size = 1)."""
+    """The base model's shapes for every module LoRA may target (this rank's, under TP)."""
 
     num_layers: int
     modules: dict[str, LoRAModuleShape]
@@ -66,6 +98,26 @@ class LoRAModelShapes:
                 "down_proj": LoRAModuleShape(inter, (hidden,)),
             },
         )
+
+
+def module_shape(layer: torch.nn.Module) -> LoRAModuleShape:
+    """A built linear layer's LoRA shape on this rank: local sizes for the pool, full sizes and
+    this rank's partition for slicing adapters (DESIGN §11)."""
+    if isinstance(layer, QKVParallelLinear):
+        q, kv = layer.q_proj_shard_size, layer.kv_proj_shard_size
+        full_q, full_kv = layer.total_num_heads * layer.head_size, layer.total_num_kv_heads * layer.head_size
+        local, full = (q, kv, kv), (full_q, full_kv, full_kv)
+    elif isinstance(layer, MergedColumnParallelLinear):
+        local, full = tuple(layer.output_sizes), tuple(layer.full_output_sizes)
+    else:
+        local, full = (layer.output_size,), (layer.full_output_size,)
+    if getattr(layer, "tp_size", 1) == 1:
+        return LoRAModuleShape(layer.input_size, local)
+    if isinstance(layer, RowParallelLinear):
+        return LoRAModuleShape(layer.input_size, local, layer.full_input_size, full,
+                               in_partition=layer.input_partition())
+    return LoRAModuleShape(layer.input_size, local, layer.full_input_size, full,
+                           out_partition=tuple(layer.output_partition()))
 
 
 def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
@@ -222,19 +274,20 @@ class LoRAAdapter:
             # One A shared by all slices (trained on a fused checkpoint): copy it per slice so the
             # kernels see the same [slice0; slice1; ...] layout as a split adapter.
             (a_name, a), (b_name, b) = parts[(layer, fused)]["A"], parts[(layer, fused)]["B"]
-            self._check(a_name, a, (r, shape.in_dim), f"lora_A of {fused}: [r, in]")
-            self._check(b_name, b, (shape.out_dim, r), f"lora_B of {fused}: [out, r]")
-            return a.repeat(len(projs), 1).contiguous(), b.contiguous()
+            self._check(a_name, a, (r, shape.checkpoint_in_dim), f"lora_A of {fused}: [r, in]")
+            self._check(b_name, b, (sum(shape.checkpoint_out_sizes), r), f"lora_B of {fused}: [out, r]")
+            return shape.shard(a.repeat(len(projs), 1), b)
 
         a_parts, b_parts = [], []
         dtype = next(t for p in projs if (layer, p) in parts for _, t in parts[(layer, p)].values()).dtype
-        for proj, out_k in zip(projs, shape.out_sizes):
+        in_dim = shape.checkpoint_in_dim
+        for proj, out_k in zip(projs, shape.checkpoint_out_sizes):
             got = parts.get((layer, proj))
             if got is None:
-                a_parts.append(torch.zeros(r, shape.in_dim, dtype=dtype))
+                a_parts.append(torch.zeros(r, in_dim, dtype=dtype))
                 b_parts.append(torch.zeros(out_k, r, dtype=dtype))
                 continue
             (a_name, a), (b_name, b) = got["A"], got["B"]
-            a_parts.append(self._check(a_name, a, (r, shape.in_dim), f"lora_A of {proj}: [r, in]").to(dtype))
+            a_parts.append(self._check(a_name, a, (r, in_dim), f"lora_A of {proj}: [r, in]").to(dtype))
             b_parts.append(self._check(b_name, b, (out_k, r), f"lora_B of {proj}: [out, r]").to(dtype))
-        return torch.cat(a_parts, 0).contiguous(), torch.cat(b_parts, 0).contiguous()
+        return shape.shard(torch.cat(a_parts, 0), torch.cat(b_parts, 0))

@@ -17,11 +17,10 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 import torch
 from torch import nn
 
-from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear
 from sglang.srt.lora.backend import get_backend_from_name
 from sglang.srt.lora.fold_model import fold_base_layers, foldable_modules
 from sglang.srt.lora.layers import BaseLayerWithLoRA, get_lora_layer
-from sglang.srt.lora.lora import LoRAAdapter, LoRAModelShapes, LoRAModuleShape
+from sglang.srt.lora.lora import LoRAAdapter, LoRAModelShapes, LoRAModuleShape, module_shape
 from sglang.srt.lora.lora_config import SUPPORTED_LORA_MODULES, LoRAConfig, normalize_target_modules
 from sglang.srt.lora.lora_registry import make_lora_ref
 from sglang.srt.lora.mem_pool import EMPTY, LoRAMemoryPool
@@ -62,13 +61,7 @@ def model_shapes(model: nn.Module, num_layers: Optional[int] = None) -> LoRAMode
             layer = model.get_submodule(name)
             if isinstance(layer, BaseLayerWithLoRA):
                 layer = layer.base_layer
-            if isinstance(layer, QKVParallelLinear):
-                q, kv = layer.q_proj_shard_size, layer.kv_proj_shard_size
-                shapes.add(LoRAModuleShape(layer.input_size, (q, kv, kv)))
-            elif isinstance(layer, MergedColumnParallelLinear):
-                shapes.add(LoRAModuleShape(layer.input_size, tuple(layer.output_sizes)))
-            else:
-                shapes.add(LoRAModuleShape(layer.input_size, (layer.output_size,)))
+            shapes.add(module_shape(layer))
         assert len(shapes) == 1, f"{kind} differs across layers: {shapes}"
         modules[kind] = shapes.pop()
     return LoRAModelShapes(num_layers=n, modules=modules)
@@ -228,7 +221,7 @@ class LoRAManager:
                         spec,
                         pool.A_buffer[module][layer_id],
                         pool.B_buffer[module][layer_id],
-                        current.bias,
+                        wrapper.backend_bias,
                         pool.folded_weight[module][layer_id] if folded else None,
                     )
                 )

@@ -79,11 +79,13 @@ class FlushCacheReq:
 class FaultInjectionReq:
     """Test-only (--enable-test-hooks): make the next forward containing `rid_substring` raise
     ("forward"; "decode": a decode step of such a request once it has `after_tokens` output
-    tokens). The tokenizer manager keeps "tokenize" / "detokenize" faults to itself."""
+    tokens). The tokenizer manager keeps "tokenize" / "detokenize" faults to itself. `tp_rank`:
+    only that tensor-parallel rank fails (None: every rank)."""
 
     rid_substring: str
     where: str = "forward"
     after_tokens: int = 0
+    tp_rank: Optional[int] = None
 
 
 @dataclass
@@ -140,3 +142,5 @@ class SchedulerFailed:
     error: str
     # True for a configuration error the user can fix (the message says how); False for a crash.
     user_error: bool = False
+    # time.time() of the failure: when several ranks fail, the first is the cause.
+    failed_at: float = 0.0

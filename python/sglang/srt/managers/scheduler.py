@@ -7,7 +7,9 @@ queue (they give their KV back and are prefilled again later, resuming where the
 With the prefix cache (managers/prefix_cache.py, on unless --disable-radix-cache), admission
 reuses cached prefixes, every prefill pass and every finished or retracted request leaves its KV
 in the cache, and cached KV is evicted (least recently used first) before anything is retracted.
-A forward that raises fails only the requests of its batch; the loop keeps serving.
+A forward that raises fails only the requests of its batch; the loop keeps serving. Under tensor
+parallelism it is fatal instead (`RankFailure`): the other ranks may already wait in a collective
+this rank will never join, so the rank exits and the parent brings the server down naming it.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReq,
 )
+from sglang.srt.managers.scheduler_lora import lora_server_info, prefetch_adapters, update_adapters
 from sglang.srt.managers.prefix_cache import PrefixCache
 from sglang.srt.managers.req import Req
 from sglang.srt.managers.schedule_batch import ScheduleBatch, release_kv
@@ -54,6 +57,10 @@ INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1
 NEW_TOKEN_RATIO_DECAY = 0.0015  # per decode step
 IDLE_POLL_S = 1.0
+
+
+class RankFailure(RuntimeError):
+    """A batch failed on this tensor-parallel rank: the rank stops (see the module doc)."""
 
 
 class Scheduler:
@@ -150,31 +157,7 @@ class Scheduler:
         }
 
     def lora_info(self) -> dict[str, Any]:
-        """The adapters as the scheduler sees them: loaded, pinned, and resident in the pool's
-        adapter slots (a slot shows its adapter's name, or None when empty; the base model has a
-        slot of its own and is not listed)."""
-        lora = self.model_runner.lora_manager
-        if lora is None:
-            return {}
-        from sglang.srt.lora.mem_pool import EMPTY
-
-        names = {lora_id: ref.lora_name for lora_id, ref in lora.refs.items()}
-        pool = lora.pool
-        slots = [None if uid is EMPTY else names.get(uid, uid) for uid in pool.slot_to_uid[: pool.num_adapter_slots]]
-        return {
-            "lora": {
-                "loaded_adapters": lora.loaded_adapters(),
-                "pinned_adapters": sorted(names[i] for i in lora.pinned_ids),
-                "resident_adapters": sorted(s for s in slots if s is not None),
-                "pool_slots": slots,
-                "max_lora_rank": lora.pool.max_lora_rank,
-                "target_modules": list(lora.pool.target_modules),
-                "backend": lora.lora_backend.name,
-                "num_adapter_loads": lora.pool.num_adapter_loads,
-                "num_evictions": lora.pool.num_evictions,
-                "num_prefetches": lora.pool.num_prefetches,
-            }
-        }
+        return lora_server_info(self.model_runner.lora_manager)
 
     def _holders(self) -> list[Req]:
         return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
@@ -216,7 +199,8 @@ class Scheduler:
             elif isinstance(msg, GetServerInfoReq):
                 self.send(GetServerInfoOut(info=self.live_info()))
             elif isinstance(msg, FaultInjectionReq):
-                if self.server_args.enable_test_hooks:
+                # A fault may target one TP rank only: the case of a failure the others never see.
+                if self.server_args.enable_test_hooks and msg.tp_rank in (None, self.tp_group.rank):
                     self.faults.append(msg)
             elif isinstance(msg, (LoadLoRAAdapterReq, UnloadLoRAAdapterReq)):
                 self.send(self.update_lora(msg))
@@ -249,12 +233,8 @@ class Scheduler:
 
     def update_lora(self, msg: Any) -> LoRAUpdateOutput:
         lora = self.model_runner.lora_manager
-        if lora is None:
-            return LoRAUpdateOutput(success=False, error_message="LoRA is not enabled on this server")
-        if isinstance(msg, LoadLoRAAdapterReq):
-            return lora.load_lora_adapter(msg.lora_ref)
-        out = lora.unload_lora_adapter(msg.lora_ref)
-        if out.success and self.prefix_cache is not None:
+        out = update_adapters(lora, msg, self.tp_group)
+        if isinstance(msg, UnloadLoRAAdapterReq) and out.success and self.prefix_cache is not None:
             # Adapter ids are unique per load: nothing can match the unloaded one's entries again.
             if self.prefix_cache.drop_namespaces(lambda ns: ns.lora_id is not None and ns.lora_id not in lora.refs):
                 self._recheck_if_idle()
@@ -372,7 +352,13 @@ class Scheduler:
                 self.process_extend(batch, out)
             else:
                 self.process_decode(batch, out)
-        except Exception as e:  # a failed forward fails its batch, never the server
+        except Exception as e:  # a failed forward fails its batch, never the server (at tp 1)
+            if self.tp_group.size > 1:
+                raise RankFailure(
+                    f"TP rank {self.tp_group.rank}: a batch of {len(reqs)} request(s) failed on this rank "
+                    f"({type(e).__name__}: {e}); under tensor parallelism this stops the server, since "
+                    "the other ranks would wait for this one forever"
+                ) from e
             self.stats["num_forward_failures"] += 1
             logger.error("Forward failed for %d request(s): %s\n%s", len(reqs), e, traceback.format_exc())
             message = f"internal error while running the model: {type(e).__name__}: {e}"
@@ -385,15 +371,10 @@ class Scheduler:
             self.send(news)
 
     def _prefetch_adapters(self, reqs: list[Req]) -> None:
-        """Start copying the adapters waiting requests want into slots the running requests do not
-        need; on a GPU the copies run on a side stream while this forward runs."""
-        lora = self.model_runner.lora_manager
-        if lora is None or not self.waiting:
+        if self.model_runner.lora_manager is None or not self.waiting:
             return
         protected = {r.lora_id for r in self._holders()} | {r.lora_id for r in reqs}
-        wanted = self.lora_admission.wanted_adapters(self.waiting, protected)
-        if wanted:
-            lora.prefetch(wanted, protected)
+        prefetch_adapters(self.model_runner.lora_manager, self.lora_admission, self.waiting, protected)
 
     @property
     def _evict(self) -> Optional[Callable[[int], int]]:

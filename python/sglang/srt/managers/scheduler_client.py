@@ -80,7 +80,7 @@ class SchedulerClient:
                 except (EOFError, OSError):
                     return  # rank 0 is gone; the watchdog reports why
                 if isinstance(msg, SchedulerFailed):  # rank 0's crash report, just before it exits
-                    self.ranks.note_crash(0, msg.error)
+                    self.ranks.note_crash(0, msg.error, msg.failed_at)
                     continue
                 try:
                     on_message(msg)

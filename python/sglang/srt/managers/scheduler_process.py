@@ -97,9 +97,15 @@ def run_scheduler_process(
     except Exception:
         logger.error("Scheduler crashed:\n%s", traceback.format_exc())
         try:
-            status_conn.send(SchedulerFailed(error=traceback.format_exc()))
+            status_conn.send(SchedulerFailed(error=traceback.format_exc(), failed_at=time.time()))
         except (OSError, ValueError):
             pass
+        if rank.tp_size > 1:
+            # Exit now: the interpreter's shutdown would tear down a process group whose peers
+            # may be stuck in a collective with us, and could block. The parent sees the exit,
+            # names this rank and stops the others.
+            logging.shutdown()
+            os._exit(1)
         raise
     # A clean shutdown (every rank got the same ShutdownReq); after a failure a peer may be gone
     # and tearing the group down could block, so only here.

@@ -75,6 +75,7 @@ class RankProcess:
     status: Connection  # rank -> parent; rank 0's also carries its replies
     info: Optional[dict[str, Any]] = None
     crash: Optional[str] = None  # the traceback of a crash report
+    failed_at: float = float("inf")  # when it crashed (time.time()), from its report
 
     @property
     def label(self) -> str:
@@ -212,13 +213,15 @@ class SchedulerRanks:
                 msg = conn.recv()
                 if isinstance(msg, SchedulerFailed):
                     rank.crash = msg.error
+                    rank.failed_at = msg.failed_at or rank.failed_at
         except (EOFError, OSError):
             del reports[conn]  # the rank closed its end; its exit shows through the sentinel
 
-    def note_crash(self, tp_rank: int, error: str) -> None:
+    def note_crash(self, tp_rank: int, error: str, failed_at: float = 0.0) -> None:
         for rank in self.ranks:
             if rank.spec.tp_rank == tp_rank:
                 rank.crash = error
+                rank.failed_at = failed_at or rank.failed_at
 
     def _report_failure(self, dead: list[RankProcess], on_failure: Callable[[str], None]) -> None:
         with self._lock:
@@ -226,8 +229,9 @@ class SchedulerRanks:
                 return
             for rank in dead:
                 rank.proc.join(1.0)
-            # Prefer a rank killed by a signal: the others' errors are usually its consequence.
-            first = min(dead, key=lambda r: ((r.proc.exitcode or 0) >= 0, r.spec.tp_rank))
+            # Prefer a rank killed by a signal, then the rank that failed first: the others'
+            # errors are usually the consequence (a collective whose peer is gone).
+            first = min(dead, key=lambda r: ((r.proc.exitcode or 0) >= 0, r.failed_at, r.spec.tp_rank))
             reason = f"{first.label} exited unexpectedly ({describe_exit(first.proc.exitcode)})"
             if first.crash:
                 reason += f": {last_line(first.crash)}"

@@ -22,8 +22,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
-from sglang.srt.distributed.tp_split import unsharded_model_test_hook
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup, tp_split
 from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
@@ -94,9 +93,10 @@ class ModelRunner:
             device=self.device,
             dtype=self.dtype,
             seed=server_args.random_seed,
-            # The test hook runs the whole model on every rank (process-layout tests).
-            tp_group=SINGLE_RANK if unsharded_model_test_hook(server_args) else tp_group,
+            tp_group=tp_group,
         )
+        # Under tensor parallelism each rank's KV pool holds its own KV heads only.
+        self.num_kv_heads = tp_split(self.model_config, tp_group.size).num_kv_heads
         if free_before is not None:
             logger.info("Weights use %.2f GiB", free_before - get_available_gpu_memory(gpu_id))
         self.sampler = Sampler()
@@ -125,7 +125,7 @@ class ModelRunner:
     # ------------------------------------------------------------------ setup
     def _kv_bytes_per_token(self) -> int:
         c = self.model_config
-        return MHATokenToKVPool.bytes_per_token(self.dtype, c.num_key_value_heads, c.head_dim, c.num_hidden_layers)
+        return MHATokenToKVPool.bytes_per_token(self.dtype, self.num_kv_heads, c.head_dim, c.num_hidden_layers)
 
     def profile_max_num_tokens(self) -> int:
         """KV capacity on CUDA: `mem_fraction_static` of the device for weights + KV (the weights
@@ -175,7 +175,7 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             self.max_total_num_tokens,
             self.dtype,
-            c.num_key_value_heads,
+            self.num_kv_heads,
             c.head_dim,
             c.num_hidden_layers,
             self.device,
@@ -261,21 +261,13 @@ class ModelRunner:
         )
 
     def _capture_graph_sets(self, prefill: Backend, decode: Backend, lora_kernels: bool) -> None:
-        from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
-        from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
+        from sglang.srt.model_executor.runner.graph_sets import agree_on_graph_plans, plan_graph_sets
 
-        lora = self.lora_manager
         with torch.no_grad():
-            if prefill != Backend.DISABLED:
-                if lora is None or lora_kernels:
-                    self.prefill_graph_runner = PrefillCudaGraphRunner(self, prefill, capture_lora=lora_kernels)
-                if lora is not None:
-                    self.base_prefill_graph_runner = PrefillCudaGraphRunner(self, prefill, capture_lora=False)
-            if decode != Backend.DISABLED:
-                if lora is None or lora_kernels:
-                    self.decode_graph_runner = CudaGraphRunner(self, decode, capture_lora=lora_kernels)
-                if lora is not None:
-                    self.base_decode_graph_runner = CudaGraphRunner(self, decode, capture_lora=False)
+            runners = plan_graph_sets(self, prefill, decode, lora_kernels)
+            agree_on_graph_plans(self.tp_group, runners)  # before any capture: TP ranks pair up
+            for runner in runners:
+                runner.capture()
 
     def _graph_runners(
         self, lora: bool
@@ -378,6 +370,10 @@ class ModelRunner:
             return_logprob=fb.return_logprob,
             top_logprobs_nums=fb.top_logprobs_nums,
         )
+        # Every rank holds the same gathered logits, but a sampled row draws noise from the rank's
+        # own generator: rank 0's choice is everyone's, or the ranks' stop decisions (and with
+        # them the collectives they run) would drift apart.
+        self.tp_group.broadcast(sample.next_token_ids, src=0)
         return self._to_host(fb, logits_out, sample, used_cuda_graph)
 
     @staticmethod

@@ -63,15 +63,24 @@ class LlamaAttention(nn.Module):
         self, config: ModelConfig, layer_id: int, layout: AttentionLayout, rotary_emb: RotaryEmbedding
     ) -> None:
         super().__init__()
-        self.num_heads = config.num_attention_heads
-        self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
-        self.q_size = self.num_heads * self.head_dim
-        self.kv_size = self.num_kv_heads * self.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads, bias=layout.qkv_bias
+            config.hidden_size,
+            self.head_dim,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            bias=layout.qkv_bias,
         )
-        self.o_proj = RowParallelLinear(self.q_size, config.hidden_size, bias=layout.o_bias)
+        # This rank's heads (all of them at tp 1), as the built layer split them: the fused RoPE
+        # kernel, attention and the KV pool see only the local heads.
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.qkv_proj.q_proj_shard_size
+        self.kv_size = self.qkv_proj.kv_proj_shard_size
+        # o_proj takes the full attention width; it keeps the input columns of this rank's heads.
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=layout.o_bias
+        )
         self.qk_norm = layout.qk_norm
         if self.qk_norm:
             self.q_norm = RMSNorm(self.head_dim, eps=config.rms_norm_eps)
@@ -164,6 +173,10 @@ STACKED_PARAMS = (
 
 
 class LlamaForCausalLM(nn.Module):
+    # The layers shard over a TP group (DESIGN §11): attention by heads, the MLP by the
+    # intermediate size, embedding and head by the vocabulary; loading reads only a rank's slices.
+    supports_tensor_parallel = True
+
     @staticmethod
     def attention_layout(config: ModelConfig) -> AttentionLayout:
         return AttentionLayout(qkv_bias=config.attention_bias, o_bias=config.attention_bias)

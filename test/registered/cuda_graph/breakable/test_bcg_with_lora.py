@@ -11,6 +11,8 @@ PEFT adapter, --max-loras-per-batch 2. Checked:
   - decode graph: 32 greedy tokens with mixed adapters equal eager;
   - a batch of 40 adapter requests (~1160 tokens, under the 2048-token top bucket): eager on
     triton (32 segment slots) and full (16 request slots), replayed on csgmv breakable; correct.
+With two GPUs the same checks run at --tp-size 2 (the all-reduces captured inside the graphs) for
+the default configuration, csgmv with the breakable prefill graph, against an eager tp-2 server.
 """
 
 from __future__ import annotations
@@ -154,8 +156,8 @@ def _collect(proc, base_url: str, probe: bool) -> dict:
 _CACHE: dict[tuple[str, str], dict] = {}
 
 
-def _server_results(lora_backend: str, prefill_backend: str) -> dict:
-    key = (lora_backend, prefill_backend)
+def _server_results(lora_backend: str, prefill_backend: str, tp_size: int = 1) -> dict:
+    key = (lora_backend, prefill_backend, tp_size)
     if key not in _CACHE:
         ckpt, adapter = _assets()
         args = [
@@ -163,7 +165,7 @@ def _server_results(lora_backend: str, prefill_backend: str) -> dict:
             "--lora-backend", lora_backend, "--dtype", "bfloat16", "--disable-radix-cache",
             "--random-seed", "42", "--enable-deterministic-inference",
             "--cuda-graph-max-bs-prefill", "2048", "--cuda-graph-max-bs-decode", "8",
-            "--mem-fraction-static", "0.3",
+            "--mem-fraction-static", "0.3", "--tp-size", str(tp_size),
         ]
         if prefill_backend == "disabled":
             args += ["--disable-cuda-graph"]
@@ -182,41 +184,47 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max()) if a.numel() else 0.0
 
 
-@pytest.mark.parametrize("prefill_backend", ["breakable", "full"])
-@pytest.mark.parametrize("lora_backend", ["triton", "csgmv"])
+_TWO_GPUS = pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+CONFIGS = [
+    *[(1, lora, prefill) for lora in ("triton", "csgmv") for prefill in ("breakable", "full")],
+    pytest.param(2, "csgmv", "breakable", marks=_TWO_GPUS, id="tp2-csgmv-breakable"),
+]
+
+
+@pytest.mark.parametrize("tp_size, lora_backend, prefill_backend", CONFIGS)
 class TestLoRAUnderPrefillGraph:
-    def test_prefill_graph_replay_logged(self, lora_backend, prefill_backend):
-        res = _server_results(lora_backend, prefill_backend)
+    def test_prefill_graph_replay_logged(self, tp_size, lora_backend, prefill_backend):
+        res = _server_results(lora_backend, prefill_backend, tp_size)
         assert GRAPH_LINE.search(res["log"]), "no prefill batch was served by the graph"
 
-    def test_lone_lora_request_replays_prefill_graph(self, lora_backend, prefill_backend):
-        lines = _server_results(lora_backend, prefill_backend)["probe_lines"]
+    def test_lone_lora_request_replays_prefill_graph(self, tp_size, lora_backend, prefill_backend):
+        lines = _server_results(lora_backend, prefill_backend, tp_size)["probe_lines"]
         assert lines, "the probe request produced no prefill log line"
         assert any(GRAPH_LINE.search(ln) for ln in lines), f"LoRA request ran eagerly: {lines}"
 
     @pytest.mark.parametrize("kind", ["lora", "base", "mixed"])
-    def test_prefill_logprobs_match_eager(self, lora_backend, prefill_backend, kind):
-        graph = _server_results(lora_backend, prefill_backend)[kind]
-        eager = _server_results(lora_backend, "disabled")[kind]
+    def test_prefill_logprobs_match_eager(self, tp_size, lora_backend, prefill_backend, kind):
+        graph = _server_results(lora_backend, prefill_backend, tp_size)[kind]
+        eager = _server_results(lora_backend, "disabled", tp_size)[kind]
         diffs = [_max_diff(g, e) for g, e in zip(graph, eager)]
         print(f"{lora_backend}/{prefill_backend}/{kind} max |graph - eager| per prompt: {diffs}")
         assert max(diffs) < GRAPH_VS_EAGER_TOLERANCE, diffs
 
-    def test_lora_is_applied_under_graph(self, lora_backend, prefill_backend):
-        res = _server_results(lora_backend, prefill_backend)
+    def test_lora_is_applied_under_graph(self, tp_size, lora_backend, prefill_backend):
+        res = _server_results(lora_backend, prefill_backend, tp_size)
         effects = [_max_diff(a, b) for a, b in zip(res["lora"], res["base"])]
         print(f"{lora_backend}/{prefill_backend} max |lora - base| per prompt: {effects}")
         assert min(effects) > LORA_EFFECT_THRESHOLD, effects
 
-    def test_decode_graph_greedy_matches_eager(self, lora_backend, prefill_backend):
-        graph = _server_results(lora_backend, prefill_backend)["decode"]
-        eager = _server_results(lora_backend, "disabled")["decode"]
+    def test_decode_graph_greedy_matches_eager(self, tp_size, lora_backend, prefill_backend):
+        graph = _server_results(lora_backend, prefill_backend, tp_size)["decode"]
+        eager = _server_results(lora_backend, "disabled", tp_size)["decode"]
         assert all(len(g) == 32 for g in graph)
         assert graph == eager
 
-    def test_batch_of_40_adapter_requests(self, lora_backend, prefill_backend):
-        res = _server_results(lora_backend, prefill_backend)
-        eager = _server_results(lora_backend, "disabled")["batch40"]
+    def test_batch_of_40_adapter_requests(self, tp_size, lora_backend, prefill_backend):
+        res = _server_results(lora_backend, prefill_backend, tp_size)
+        eager = _server_results(lora_backend, "disabled", tp_size)["batch40"]
         diffs = [_max_diff(g, e) for g, e in zip(res["batch40"], eager)]
         assert max(diffs) < GRAPH_VS_EAGER_TOLERANCE, diffs
         lines = res["batch40_lines"]

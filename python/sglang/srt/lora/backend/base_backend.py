@@ -11,6 +11,8 @@ An adapter of rank r <= R occupies the compact prefix of its slot: slice k of A 
   base_layer(x)[t] + scalings[s] * (x[t] @ A[s, k*r:(k+1)*r].T) @ B[s, slice k, :r].T  (per slice k)
 and base_layer(x)[t] for every other row (base requests, rank-0 slots, padding). How is the
 backend's: folded modules run one GEMM over [x | shrink] and W_aug, others add a shrink/expand.
+`base_layer` is only called: a row-parallel wrapper under tensor parallelism passes the layer's
+partial product (`forward_partial`) and all-reduces the result itself.
 
 Metadata (`LoRABatchInfo`, lora/utils.py) is prepared by `prepare_lora_batch` before each forward,
 in one of three places, chosen by the caller (ModelRunner decides once per forward):

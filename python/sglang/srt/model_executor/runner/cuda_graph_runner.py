@@ -15,7 +15,7 @@ request row, write their K/V to slot 0 and are dropped before the eager tail.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -73,13 +73,20 @@ class CudaGraphRunner:
         self.break_outputs = BreakOutputs()
         self.num_replays = 0
         if capture:
-            self._capture_all()
+            self.capture()
 
     def can_run(self, fb: ForwardBatch) -> bool:
         return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
 
+    def graph_plan(self) -> dict[str, Any]:
+        """Everything `can_run` and the capture depend on (the same on every TP rank)."""
+        return {"kind": "decode", "backend": self.backend.value, "capture_lora": self.capture_lora,
+                "max_bs": self.max_bs, "buckets": list(self.buckets)}
+
     # ---------------------------------------------------------------------------- capture
-    def _capture_all(self) -> None:
+    def capture(self) -> None:
+        """Capture every bucket's graph (largest first). Every TP rank captures the same buckets
+        in the same order: the all-reduces inside the body pair up across ranks."""
         mr = self.model_runner
         bar = tqdm(sorted(self.buckets, reverse=True), desc="Capturing decode CUDA graphs", unit="bs")
         for bs in bar:

@@ -40,7 +40,10 @@ def capture_graph(
             fb.graph_breaker = None
     else:
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
+        # thread_local, like the breakable graph's segments: a body with tensor-parallel
+        # all-reduces records NCCL kernels, and ProcessGroupNCCL's watchdog thread queries CUDA
+        # events meanwhile, which the default ("global") mode would turn into a failed capture.
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode="thread_local"):
             run()
     torch.cuda.synchronize()
     return graph

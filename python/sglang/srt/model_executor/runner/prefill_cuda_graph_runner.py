@@ -26,7 +26,7 @@ batches for the LoRA set), less any bucket no batch could fill (request slots x 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from tqdm import tqdm
@@ -123,11 +123,21 @@ class PrefillCudaGraphRunner:
         self.break_outputs = BreakOutputs()
         self.num_replays = 0
         if capture:
-            self._capture_all()
+            self.capture()
 
     @property
     def capture_lora(self) -> bool:
         return self._capture_lora
+
+    def graph_plan(self) -> dict[str, Any]:
+        """Everything `can_run_graph` and the capture depend on (the same on every TP rank)."""
+        lora = self.model_runner.lora_manager if self._capture_lora else None
+        return {
+            "kind": "prefill", "backend": self.backend.value, "capture_lora": self._capture_lora,
+            "buckets": list(self.buckets), "capture_req_slots": self._capture_req_slots,
+            "lora_max_bs": lora.prefill_cuda_graph_max_bs if lora else None,
+            "lora_max_tokens": lora.lora_backend.prefill_cuda_graph_max_tokens if lora else None,
+        }
 
     # ---------------------------------------------------------------------------- eligibility
     def can_run_graph(self, fb: ForwardBatch) -> bool:
@@ -146,7 +156,9 @@ class PrefillCudaGraphRunner:
         return True
 
     # ---------------------------------------------------------------------------- capture
-    def _capture_all(self) -> None:
+    def capture(self) -> None:
+        """Capture every bucket's graph (largest first). Every TP rank captures the same buckets
+        in the same order: the all-reduces inside the body pair up across ranks."""
         mr = self.model_runner
         stream = mr.graph_capture_stream
         bar = tqdm(
