@@ -26,6 +26,12 @@ PYTHON_DIR = os.path.join(ROOT, "python")
 DEFAULT_TIMEOUT_S = 180.0
 
 
+def _has_cuda() -> bool:
+    import torch  # local: the helper is imported by tests that may never start a server
+
+    return torch.cuda.is_available()
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -53,7 +59,8 @@ def popen_launch_server(
         cmd += ["--api-key", api_key]
     run_env = dict(os.environ)
     run_env["PYTHONPATH"] = PYTHON_DIR + os.pathsep + run_env.get("PYTHONPATH", "")
-    run_env.setdefault("TRITON_INTERPRET", "1")
+    if not _has_cuda():  # a GPU server must compile its kernels (the H200 run of 2026-11-30 interpreted them)
+        run_env.setdefault("TRITON_INTERPRET", "1")
     run_env.update(env or {})
     log_dir = log_dir or tempfile.mkdtemp(prefix="sglang-server-")
     out_path = os.path.join(log_dir, "stdout.log")

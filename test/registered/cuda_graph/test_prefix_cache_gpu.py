@@ -1,11 +1,16 @@
 """Prefix-cache hits served by the prefill CUDA graphs, with LoRA (GPU only).
 
-One in-process Scheduler per prefill graph backend (breakable, full): the peaked tiny Qwen3 of
-test_graph_runners_gpu.py, its two PEFT adapters, bf16, triton attention, csgmv LoRA. For the base
+One in-process Scheduler per prefill graph backend (breakable, full) and dtype: the peaked tiny
+Qwen3 of test_graph_runners_gpu.py, its two PEFT adapters, triton attention, csgmv LoRA. For the base
 model and each adapter, a request over a 200-token system prompt and a 40-token question runs
 uncached, then again with the system prompt from the cache (its prompt logprobs start at the
 question, so the hit stops there), alone and in a mixed batch:
-  - cached and uncached prompt logprobs agree within 1e-2;
+  - cached and uncached prompt logprobs agree within 1e-2 in float32 (no tf32 anywhere: cuBLAS,
+    attention and LoRA dots are ieee fp32). In bf16 the two paths run GEMMs of other row counts
+    (241 rows against 41), which cuBLAS rounds differently; this model's logits reach ~35, where a
+    bf16 ulp is 0.25, and the H200 run of 2026-11-30 measured 0.155 (one logit ulp) against an
+    exact 0 on the CPU. So bf16 allows 2 ulps at the row's largest |logprob| (about 0.5 here): a
+    wrong prefix or adapter moves this peaked model's logprobs by whole nats;
   - the adapter still moves the logprobs (> 5e-2) on the cached path;
   - the log shows `cuda graph: True` for prefill batches with `#cached-token` > 0 (so the graph,
     not an eager fallback, served the hits), and the KV accounting is clean at the end.
@@ -37,10 +42,10 @@ HIT_LINE = re.compile(r"Prefill batch, .*#cached-token: [1-9]\d*, .*cuda graph: 
 
 
 @functools.lru_cache(maxsize=None)
-def harness(prefill: str) -> Harness:
+def harness(prefill: str, dtype: str) -> Harness:
     ckpt, adapters = assets()
     return Harness(
-        ckpt, device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=16384,
+        ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
         max_running_requests=32, lora_paths=[f"{n}={p}" for n, p in adapters.items()], max_loras_per_batch=3,
         lora_backend="csgmv", disable_cuda_graph=False, cuda_graph_backend_prefill=prefill,
         cuda_graph_backend_decode="full", cuda_graph_bs_prefill=PREFILL_BUCKETS, cuda_graph_bs_decode=DECODE_BUCKETS,
@@ -66,10 +71,18 @@ def prompt_lp(rec: dict) -> torch.Tensor:
     return torch.tensor([lp for lp, _ in rec["in_lp"]], dtype=torch.float64)
 
 
+def allowed(a: torch.Tensor, b: torch.Tensor, dtype: str) -> float:
+    if dtype == "float32":
+        return TOL
+    scale = float(torch.maximum(a.abs().max(), b.abs().max()))
+    return TOL + 2 * scale * 2.0 ** -7  # two bf16 ulps at the largest logprob's magnitude
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("prefill", ["breakable", "full"])
-def test_cached_prefix_under_the_prefill_graph(prefill, caplog):
+def test_cached_prefix_under_the_prefill_graph(prefill, dtype, caplog):
     caplog.set_level("INFO", logger="sglang.srt.managers.scheduler")
-    h = harness(prefill)
+    h = harness(prefill, dtype)
     assert h.sched.flush_cache().success
     names = [None, "a", "b"]
     cold, warm = {}, {}
@@ -87,15 +100,15 @@ def test_cached_prefix_under_the_prefill_graph(prefill, caplog):
     for n in names:
         c, w = cold[f"cold-{n}"], warm[f"warm-{n}"]
         assert c["cached"] == 0 and w["cached"] == len(SYSTEM), (n, c["cached"], w["cached"])
-        diff = float((prompt_lp(c) - prompt_lp(w)).abs().max())
-        print(f"{prefill} {n}: max |uncached - cached| prompt logprob {diff:.2e}")
-        assert diff < TOL, (n, diff)
+        diff, bound = float((prompt_lp(c) - prompt_lp(w)).abs().max()), allowed(prompt_lp(c), prompt_lp(w), dtype)
+        print(f"{prefill} {dtype} {n}: max |uncached - cached| prompt logprob {diff:.2e} (allowed {bound:.2e})")
+        assert diff < bound, (n, diff, bound)
     for rid, _, n in mix:
         m, mc = mixed[rid], mixed_cold[f"cold-{rid}"]
         assert m["cached"] == len(SYSTEM) and mc["cached"] == 0
-        diff = float((prompt_lp(m) - prompt_lp(mc)).abs().max())
-        print(f"{prefill} mixed {n}: max |uncached - cached| {diff:.2e}")
-        assert diff < TOL, (n, diff)
+        diff, bound = float((prompt_lp(m) - prompt_lp(mc)).abs().max()), allowed(prompt_lp(m), prompt_lp(mc), dtype)
+        print(f"{prefill} {dtype} mixed {n}: max |uncached - cached| {diff:.2e} (allowed {bound:.2e})")
+        assert diff < bound, (n, diff, bound)
     effect = float((prompt_lp(warm["warm-a"]) - prompt_lp(warm["warm-None"])).abs().max())
     assert effect > LORA_EFFECT, effect
 
