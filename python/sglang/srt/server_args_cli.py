@@ -1,0 +1,139 @@
+"""launch_server's command line: the flags of every ServerArgs field, grouped as SGLang groups them
+(model, memory and scheduling, tensor parallelism, LoRA, CUDA graphs, HTTP server)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from typing import Any
+
+from sglang.srt.model_executor.cuda_graph_config import DECODE_BACKENDS, PREFILL_BACKENDS
+from sglang.srt.server_args import (
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    LOG_LEVELS,
+    LORA_BACKENDS,
+    LORA_CHUNK_SIZES,
+    LORA_EVICTION_POLICIES,
+    LORA_FOLD_MODES,
+    LORA_TARGET_MODULES,
+    ServerArgs,
+)
+
+
+def add_cli_args(parser: argparse.ArgumentParser) -> None:
+    d = ServerArgs.__dataclass_fields__
+
+    def default(name: str) -> Any:
+        f = d[name]
+        return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+
+    g = parser.add_argument_group("model")
+    g.add_argument("--model-path", "--model", default=default("model_path"),
+                   help="HF checkpoint folder; 'demo' (the default) serves a tiny built-in demo model.")
+    g.add_argument("--tokenizer-path", default=None, help="Defaults to --model-path.")
+    g.add_argument("--load-format", default=default("load_format"), choices=LOAD_FORMATS,
+                   help="'dummy' builds random weights from config.json alone.")
+    g.add_argument("--dtype", default=default("dtype"), choices=DTYPES)
+    g.add_argument("--context-length", type=int, default=None)
+    g.add_argument("--device", default=default("device"), choices=DEVICES)
+    g.add_argument("--random-seed", type=int, default=default("random_seed"))
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--skip-tokenizer-init", action="store_true",
+                   help="Accept and return token ids only.")
+    g.add_argument("--trust-remote-code", action="store_true")
+
+    g = parser.add_argument_group("memory and scheduling")
+    g.add_argument("--mem-fraction-static", type=float, default=default("mem_fraction_static"),
+                   help="Fraction of GPU memory for weights + KV cache.")
+    g.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens.")
+    g.add_argument("--max-running-requests", type=int, default=None)
+    g.add_argument("--max-prefill-tokens", type=int, default=default("max_prefill_tokens"))
+    g.add_argument("--chunked-prefill-size", type=int, default=default("chunked_prefill_size"),
+                   help="Split prompts longer than this into chunks; -1 turns chunking off.")
+    g.add_argument("--disable-radix-cache", action="store_true",
+                   help="Turn the prefix cache off: every prompt is computed in full and no KV "
+                        "is kept after a request ends.")
+    g.add_argument("--schedule-policy", default=default("schedule_policy"), choices=("fcfs",))
+    g.add_argument("--decode-log-interval", type=int, default=default("decode_log_interval"))
+    g.add_argument("--enable-deterministic-inference", action="store_true",
+                   help="Prefer reproducible numerics over speed (no reduced-precision "
+                        "reductions in cuBLAS GEMMs, so results depend less on batch shape).")
+    g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
+                   help="Default: triton on CUDA, torch_native on CPU.")
+
+    g = parser.add_argument_group("tensor parallelism")
+    g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=default("tp_size"),
+                   help="Ranks (GPUs) the model is split over; NCCL on CUDA, gloo on CPU.")
+    g.add_argument("--nnodes", type=int, default=default("nnodes"), help="Nodes the ranks span.")
+    g.add_argument("--node-rank", type=int, default=default("node_rank"),
+                   help="This node's index (node 0 serves HTTP; the others run their ranks only).")
+    g.add_argument("--dist-init-addr", default=None,
+                   help="HOST:PORT where the ranks meet (node 0's address); default: a free "
+                        "local port. Required with --nnodes > 1.")
+    g.add_argument("--dist-timeout", type=int, default=None,
+                   help="Seconds a collective may wait before it fails (default: torch's).")
+
+    g = parser.add_argument_group("LoRA")
+    g.add_argument("--enable-lora", action="store_true", default=None,
+                   help="Serve LoRA adapters (implied by --lora-paths).")
+    g.add_argument("--lora-paths", nargs="*", default=None,
+                   help="Adapters to load at start: PATH, NAME=PATH, or JSON "
+                        '{"lora_name": ..., "lora_path": ..., "pinned": bool}.')
+    g.add_argument("--max-loras-per-batch", type=int, default=default("max_loras_per_batch"),
+                   help="GPU adapter slots: adapters one batch may use (the base model needs no slot).")
+    g.add_argument("--max-lora-rank", type=int, default=None,
+                   help="Pool rank; defaults to the largest rank of --lora-paths.")
+    g.add_argument("--lora-target-modules", nargs="*", default=None, choices=LORA_TARGET_MODULES,
+                   help="Modules the pool covers; defaults to the union of --lora-paths.")
+    g.add_argument("--max-loaded-loras", type=int, default=None,
+                   help="Adapters kept in host memory (default unlimited).")
+    g.add_argument("--lora-eviction-policy", default=default("lora_eviction_policy"),
+                   choices=LORA_EVICTION_POLICIES)
+    g.add_argument("--lora-backend", default=default("lora_backend"), choices=LORA_BACKENDS)
+    g.add_argument("--max-lora-chunk-size", type=int, default=default("max_lora_chunk_size"),
+                   choices=LORA_CHUNK_SIZES, help="csgmv only.")
+    g.add_argument("--lora-fold", default=default("lora_fold"), choices=LORA_FOLD_MODES,
+                   help="triton/csgmv: fold each module's adapters into its base GEMM (one GEMM over "
+                        "[x | shrink] and [W | B]); auto folds where the extra weight bytes are small.")
+    g.add_argument("--lora-max-wait-turns", type=int, default=default("lora_max_wait_turns"),
+                   help="Scheduler turns a request may wait for an adapter slot before requests "
+                        "for other adapters are held back until it fits.")
+
+    g = parser.add_argument_group("CUDA graphs")
+    g.add_argument("--cuda-graph-config", default=None,
+                   help='JSON, e.g. {"prefill": {"backend": "breakable", "max_bs": 1024}}.')
+    g.add_argument("--cuda-graph-backend-prefill", default=None,
+                   choices=[b.value for b in PREFILL_BACKENDS])
+    g.add_argument("--cuda-graph-backend-decode", default=None,
+                   choices=[b.value for b in DECODE_BACKENDS])
+    g.add_argument("--cuda-graph-max-bs-prefill", type=int, default=None,
+                   help="Largest prefill capture bucket, in tokens.")
+    g.add_argument("--cuda-graph-max-bs-decode", type=int, default=None,
+                   help="Largest decode capture batch size.")
+    g.add_argument("--cuda-graph-bs-prefill", type=int, nargs="+", default=None,
+                   help="Explicit prefill buckets (tokens).")
+    g.add_argument("--cuda-graph-bs-decode", type=int, nargs="+", default=None,
+                   help="Explicit decode buckets (batch sizes).")
+    g.add_argument("--disable-prefill-cuda-graph", action="store_true")
+    g.add_argument("--disable-decode-cuda-graph", action="store_true")
+    g.add_argument("--disable-cuda-graph", action="store_true", help="Both phases.")
+
+    g = parser.add_argument_group("HTTP server")
+    g.add_argument("--host", default=default("host"))
+    g.add_argument("--port", type=int, default=default("port"))
+    g.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer <key>'.")
+    g.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS)
+    g.add_argument("--max-top-logprobs", type=int, default=default("max_top_logprobs"))
+    g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
+
+
+def prepare_server_args(argv: list[str]) -> ServerArgs:
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang.launch_server",
+        description="Serve a Hugging Face checkpoint with many LoRA adapters under CUDA graphs.",
+    )
+    add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))
