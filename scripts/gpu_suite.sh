@@ -181,7 +181,7 @@ if [[ " $PARTS " == *" tp "* ]]; then
   say "== tensor parallelism (2 GPUs)"
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   start=$(date +%s)
-  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE test/registered/distributed/test_tp_gpu.py \
+  $PY -m pytest -q -s -m gpu -p no:cacheprovider -o addopts="" -rfE test/registered/distributed/test_tp_gpu.py \
     test/registered/distributed/test_tp_nccl_gpu.py >"$OUT/tp_tests.log" 2>&1
   rc=$?
   $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE -k tp2 \

@@ -14,6 +14,8 @@ runners run eagerly), for the plumbing only.
 
 from __future__ import annotations
 
+import sys
+import time
 from typing import Any, Optional
 
 import torch
@@ -90,18 +92,29 @@ def greedy(mr) -> tuple[list[list[int]], list[bool]]:
             driver.release(seq)
 
 
+def _progress(group: TensorParallelGroup, start: float, stage: str) -> None:
+    # Streamed to stderr (run pytest with -s): the first H200 run of these checks was cut off by
+    # its time limit after 218 s with nothing to show where it was.
+    print(f"[tp_gpu_checks rank {group.rank}] {time.monotonic() - start:6.1f} s: {stage}", file=sys.stderr, flush=True)
+
+
 @torch.no_grad()
 def gpu_checks(group: TensorParallelGroup, ckpt: str, paths: dict[str, str], device: str = "cuda") -> dict[str, Any]:
     out: dict[str, Any] = {}
+    start = time.monotonic()
     # Both ranks compute the tp-1 runs (side by side on their own GPUs: no collectives).
     out["ref32"], _ = prompt_logprobs(_runner(ckpt, paths, SINGLE_RANK, "torch_native", "float32", device=device))
+    _progress(group, start, "tp 1 float32 reference")
     out["tp1_bf16"], _ = prompt_logprobs(_runner(ckpt, paths, SINGLE_RANK, "csgmv", "bfloat16", device=device))
+    _progress(group, start, "tp 1 bf16")
     out["tp2_bf16"], _ = prompt_logprobs(_runner(ckpt, paths, group, "csgmv", "bfloat16", device=device))
+    _progress(group, start, "tp 2 bf16")
     _free(device)
     for backend, prefill, decode, fold in GRAPH_CONFIGS:
         key = f"{backend}/{prefill}/{decode}/fold-{fold}"
         eager = _runner(ckpt, paths, group, backend, "bfloat16", device=device, fold=fold)
         graph = _runner(ckpt, paths, group, backend, "bfloat16", graphs=(prefill, decode), device=device, fold=fold)
+        _progress(group, start, f"{key}: eager and graph runners built (graphs captured)")
         out[key] = {
             "eager_prompt": prompt_logprobs(eager)[0], "graph_prompt": prompt_logprobs(graph),
             "eager_greedy": greedy(eager)[0], "graph_greedy": greedy(graph),
@@ -109,6 +122,7 @@ def gpu_checks(group: TensorParallelGroup, ckpt: str, paths: dict[str, str], dev
         }
         del eager, graph
         _free(device)
+        _progress(group, start, f"{key}: compared")
     return out
 
 
