@@ -167,16 +167,23 @@ class EngineDriver:
 
     def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Prefill all prompts in one batch, then decode them together; returns new tokens."""
-        seqs = [self.add(p) for p in prompts]
+        return self.greedy(prompts, max_new_tokens)[0]
+
+    def greedy(
+        self, prompts: list[list[int]], steps: int, lora_ids: Optional[list[Optional[str]]] = None
+    ) -> tuple[list[list[int]], list[bool]]:
+        """One prefill of all prompts, then `steps` decode passes of them together: the `steps`
+        greedy tokens of each prompt, and per decode pass whether it replayed a CUDA graph."""
+        seqs = [self.add(p, lid) for p, lid in zip(prompts, lora_ids or [None] * len(prompts))]
+        used = []
         try:
             out = self.extend(seqs)
-            for _ in range(max_new_tokens - 1):
+            for _ in range(steps):
                 for seq, t in zip(seqs, out.next_token_ids.tolist()):
                     seq.tokens.append(t)
                 out = self.decode(seqs)
-            for seq, t in zip(seqs, out.next_token_ids.tolist()):
-                seq.tokens.append(t)
-            return [seq.tokens[len(p):] for seq, p in zip(seqs, prompts)]
+                used.append(out.used_cuda_graph)
+            return [seq.tokens[len(p):] for seq, p in zip(seqs, prompts)], used
         finally:
             for seq in seqs:
                 self.release(seq)

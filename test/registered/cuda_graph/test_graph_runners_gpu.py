@@ -93,20 +93,7 @@ def prompt_logprobs(r, prompts, names) -> tuple[list[torch.Tensor], bool]:
 
 
 def greedy(r, prompts, names, steps: int) -> tuple[list[list[int]], list[bool]]:
-    drv = EngineDriver(r)
-    seqs = [drv.add(p, lora_id(r, n)) for p, n in zip(prompts, names)]
-    used = []
-    try:
-        out = drv.extend(seqs)
-        for _ in range(steps):
-            for s, t in zip(seqs, out.next_token_ids.tolist()):
-                s.tokens.append(t)
-            out = drv.decode(seqs)
-            used.append(out.used_cuda_graph)
-        return [s.tokens[len(p):] for s, p in zip(seqs, prompts)], used
-    finally:
-        for s in seqs:
-            drv.release(s)
+    return EngineDriver(r).greedy(prompts, steps, [lora_id(r, n) for n in names])
 
 
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:

@@ -76,20 +76,7 @@ def prompt_logprobs(mr) -> tuple[list[list[float]], bool]:
 def greedy(mr) -> tuple[list[list[int]], list[bool]]:
     from helpers import EngineDriver
 
-    driver = EngineDriver(mr)
-    seqs = [driver.add(p, lora_id=lid) for p, lid in zip(PROMPTS, _ids(mr))]
-    used = []
-    try:
-        out = driver.extend(seqs)
-        for _ in range(DECODE_STEPS):
-            for seq, token in zip(seqs, out.next_token_ids.tolist()):
-                seq.tokens.append(token)
-            out = driver.decode(seqs)
-            used.append(out.used_cuda_graph)
-        return [seq.tokens[len(p):] for seq, p in zip(seqs, PROMPTS)], used
-    finally:
-        for seq in seqs:
-            driver.release(seq)
+    return EngineDriver(mr).greedy(PROMPTS, DECODE_STEPS, _ids(mr))
 
 
 def _progress(group: TensorParallelGroup, start: float, stage: str) -> None:
