@@ -108,7 +108,8 @@ def weight_bytes_per_rank(config: dict[str, Any], tp: int) -> float:
 
 
 def part_serve70b(args: argparse.Namespace, root: str) -> str:
-    from bench_lora_serving import Config, launch, server_info, stop
+    from bench_lora_serving import Config, launch
+    from server_lib import server_info, stop_server
 
     from sglang.bench_serving import main as bench_main
     from sglang.srt.tools.make_adapter import make_adapters
@@ -143,7 +144,7 @@ def part_serve70b(args: argparse.Namespace, root: str) -> str:
                                     "--random-input-len", "512", "--random-output-len", "128",
                                     "--lora-name", *adapters])
     finally:
-        stop(proc)
+        stop_server(proc)
     floor_ms = weight_bytes_per_rank(config, 2) / HBM_BYTES_PER_S * 1e3
     graphs = info.get("graph_stats", {})
     lines = [f"### {shape} shape, --tp-size 2, csgmv, 4 rank-16 adapters, dummy weights", "",

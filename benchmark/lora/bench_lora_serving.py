@@ -33,9 +33,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-import requests
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+from server_lib import server_info, start_server, stop_server  # noqa: E402
+
 NUM_ADAPTERS = 8
 
 
@@ -89,47 +91,13 @@ def make_assets(root: str, dry_run: bool) -> tuple[str, dict[str, str]]:
 
 def launch(ckpt: str, cfg: Config, adapters: dict[str, str], port: int, log_path: str, dry_run: bool,
            timeout: float) -> tuple[subprocess.Popen, float]:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", ckpt, "--port", str(port),
-           "--host", "127.0.0.1", "--decode-log-interval", "200"]
-    cmd += ["--device", "cpu", "--dtype", "float32"] if dry_run else ["--load-format", "dummy", "--attention-backend", "triton"]
+    args = ["--model-path", ckpt, "--decode-log-interval", "200"]
+    args += ["--device", "cpu", "--dtype", "float32"] if dry_run else ["--load-format", "dummy", "--attention-backend", "triton"]
     if cfg.server:
-        cmd += ["--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], *cfg.server]
+        args += ["--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], *cfg.server]
         if dry_run:
-            cmd[cmd.index("--lora-backend") + 1] = "torch_native"  # the Triton backends need a GPU
-    env = {**os.environ, "PYTHONPATH": os.path.join(ROOT, "python") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    start = time.perf_counter()
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    url = f"http://127.0.0.1:{port}"
-    while time.perf_counter() - start < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode} (log: {log_path})")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc, time.perf_counter() - start
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    stop(proc)
-    raise RuntimeError(f"the server was not healthy after {timeout:.0f} s (log: {log_path})")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    import signal
-
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-
-
-def server_info(url: str) -> dict[str, Any]:
-    r = requests.get(f"{url}/get_server_info", timeout=60)
-    r.raise_for_status()
-    return r.json()
+            args[args.index("--lora-backend") + 1] = "torch_native"  # the Triton backends need a GPU
+    return start_server(args, port, log_path, timeout)
 
 
 def counters(info: dict[str, Any]) -> dict[str, float]:
@@ -182,7 +150,7 @@ def bench_server(ckpt: str, configs: list[Config], adapters: dict[str, str], arg
             except Exception as e:  # noqa: BLE001 - one failed load must not lose the others
                 row.error = f"{type(e).__name__}: {e}"
     finally:
-        stop(proc)
+        stop_server(proc)
     return rows
 
 

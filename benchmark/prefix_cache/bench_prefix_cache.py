@@ -19,19 +19,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from typing import Any, Optional
-
-import requests
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PYTHON_DIR = os.path.join(REPO, "python")
 sys.path.insert(0, PYTHON_DIR)
+sys.path.insert(0, os.path.join(REPO, "benchmark"))
 
 from sglang import bench_serving  # noqa: E402
+from server_lib import server_info, start_server, stop_server  # noqa: E402
 
 FULL = dict(preset="qwen3-4b", adapters=8, rank=16, groups=16, per_group=16, system=2048, question=64, output=32,
             concurrency=64)
@@ -60,42 +58,14 @@ def write_assets(root: str, cfg: dict) -> tuple[str, dict[str, str]]:
     return ckpt, adapters
 
 
-def launch(ckpt: str, adapters: dict[str, str], rank: int, cache: bool, port: int, dry: bool, log: str,
-           extra: list[str]) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", ckpt, "--load-format", "dummy",
-           "--port", str(port), "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()],
-           "--max-loras-per-batch", str(len(adapters) + 1), "--max-lora-rank", str(rank),
-           "--lora-target-modules", "all"]
-    cmd += ["--device", "cpu", "--max-total-tokens", "4096"] if dry else ["--attention-backend", "triton"]
+def server_args(ckpt: str, adapters: dict[str, str], rank: int, cache: bool, dry: bool, extra: list[str]) -> list[str]:
+    args = ["--model-path", ckpt, "--load-format", "dummy", "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()],
+            "--max-loras-per-batch", str(len(adapters) + 1), "--max-lora-rank", str(rank),
+            "--lora-target-modules", "all"]
+    args += ["--device", "cpu", "--max-total-tokens", "4096"] if dry else ["--attention-backend", "triton"]
     if not cache:
-        cmd.append("--disable-radix-cache")
-    cmd += extra
-    env = {**os.environ, "PYTHONPATH": PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    with open(log, "ab") as f:
-        return subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, timeout: float) -> float:
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode}")
-        try:
-            if requests.get(f"{url}/health", timeout=2).status_code == 200:
-                return time.monotonic() - t0
-        except requests.RequestException:
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"the server did not start in {timeout:.0f} s")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
-    try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait(10)
+        args.append("--disable-radix-cache")
+    return args + extra
 
 
 def run_bench(url: str, cfg: dict, adapters: Optional[list[str]]) -> dict[str, Any]:
@@ -150,16 +120,16 @@ def main(argv: Optional[list[str]] = None) -> None:
     startup: dict[str, float] = {}
     for cache in ("on", "off"):
         log = os.path.join(os.path.dirname(os.path.abspath(args.out)), f"prefix_cache_server_{cache}.log")
-        proc = launch(ckpt, adapters, cfg["rank"], cache == "on", args.port, args.dry_run, log, args.server_args.split())
+        flags = server_args(ckpt, adapters, cfg["rank"], cache == "on", args.dry_run, args.server_args.split())
+        proc, startup[cache] = start_server(flags, args.port, log, args.startup_timeout)
         try:
-            startup[cache] = wait_healthy(proc, url, args.startup_timeout)
             for workload, names in (("base", None), ("lora", list(adapters))):
                 results[(workload, cache)] = run_bench(url, cfg, names)
                 if cache == "on":
-                    info = requests.get(f"{url}/get_server_info", timeout=60).json()
+                    info = server_info(url)
                     print(f"[{workload}] prefix cache: {info['prefix_cache']}; graphs: {info['graph_stats']}")
         finally:
-            stop(proc)
+            stop_server(proc)
         with open(args.out, "w") as f:  # after each server, so a run cut short keeps what it measured
             f.write(table(results, cfg, startup))
     print(open(args.out).read())
