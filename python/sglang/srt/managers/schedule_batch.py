@@ -42,13 +42,17 @@ def release_kv(req: Req, model_runner: "ModelRunner") -> None:
     req.kv_len = 0
 
 
-def alloc_kv(model_runner: "ModelRunner", n: int, evict: Optional[Callable[[int], int]]) -> Optional[torch.Tensor]:
-    """n free KV slots, evicting cached prefixes first (`evict`, with a prefix cache) if short."""
-    allocator = model_runner.token_to_kv_pool_allocator
-    short = n - allocator.available_size()
+def make_room(model_runner: "ModelRunner", n: int, evict: Optional[Callable[[int], int]]) -> None:
+    """Evict cached prefixes (`evict`, with a prefix cache) until n KV slots are free, if short."""
+    short = n - model_runner.token_to_kv_pool_allocator.available_size()
     if short > 0 and evict is not None:
         evict(short)
-    return allocator.alloc(n)
+
+
+def alloc_kv(model_runner: "ModelRunner", n: int, evict: Optional[Callable[[int], int]]) -> Optional[torch.Tensor]:
+    """n free KV slots, evicting cached prefixes first if short."""
+    make_room(model_runner, n, evict)
+    return model_runner.token_to_kv_pool_allocator.alloc(n)
 
 
 def sampling_info_for(reqs: list[Req], device: torch.device | str) -> SamplingBatchInfo:
@@ -87,13 +91,14 @@ class ScheduleBatch:
         pool = model_runner.req_to_token_pool
         items: list[ExtendRequest] = []
         targets: list[list[int]] = []
+        make_room(model_runner, sum(req.extend_len for req in reqs), evict)  # one eviction pass
         for req in reqs:
             if req.req_pool_idx is None:
                 rows = pool.alloc(1)
                 assert rows is not None, "admission let in more requests than there are rows"
                 req.req_pool_idx = rows[0]
             n = req.extend_len
-            locs = alloc_kv(model_runner, n, evict)
+            locs = model_runner.token_to_kv_pool_allocator.alloc(n)
             assert locs is not None, "admission let in more tokens than there are free KV slots"
             start = req.kv_len
             rel, tgt = req.prompt_logprob_targets(start, n) if req.return_logprob else (n, [])

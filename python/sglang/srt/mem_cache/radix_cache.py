@@ -204,9 +204,10 @@ class RadixCache:
                 if not n.children and not n.is_root and n.lock_ref == 0]
         heapq.heapify(heap)
         freed = 0
+        values: list[torch.Tensor] = []
         while freed < num_tokens and heap:
             _, _, node = heapq.heappop(heap)
-            self.free_slots(node.value)
+            values.append(node.value)
             freed += len(node.key)
             parent = node.parent
             del parent.children[node.key[0]]
@@ -215,6 +216,8 @@ class RadixCache:
                     del self.roots[parent.namespace]
             elif not parent.children and parent.lock_ref == 0:
                 heapq.heappush(heap, (parent.last_access, id(parent), parent))
+        if values:  # one call: the allocator's free concatenates its whole free list each time
+            self.free_slots(torch.cat(values))
         self.total_size -= freed
         self.evictable_size -= freed
         self.stats_counts.evicted_tokens += freed
