@@ -142,7 +142,11 @@ class BreakableCUDAGraph(GraphBreaker):
             return fn(self._ctx, *tensors)
         self._end_segment()
         out = self.outputs.hold(fn(self._ctx, *tensors))
-        self.breaks.append(_Break(fn=fn, args=tuple(borrow(t) for t in tensors), out=out))
+        # The shared output buffer is passed as itself (it outlives the graph anyway): the break
+        # then returns `brk.out` at replay and nothing is copied. A borrowed alias of it would be
+        # another tensor object, and `copy_` onto the same address still costs a host-side copy.
+        args = tuple(t if self.outputs.owns(t) else borrow(t) for t in tensors)
+        self.breaks.append(_Break(fn=fn, args=args, out=out))
         self._begin_segment()
         return out
 
