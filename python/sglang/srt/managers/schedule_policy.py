@@ -125,7 +125,7 @@ class GroupedLoRAAdmission(LoRAAdmission):
     def begin(self, active: Iterable[Optional[str]], waiting: Iterable[Req], running: Iterable[Req] = ()) -> None:
         waiting = list(waiting)
         super().begin(active, waiting)
-        self._demand = self.demand(waiting)
+        self._demand = self.demand(waiting) if self.enabled else {}
         if not self.enabled or self.allowed is not None:
             self.retiring = _NOBODY  # a request starves: LoRAAdmission's drain decides
             return
@@ -156,8 +156,8 @@ class GroupedLoRAAdmission(LoRAAdmission):
     def order(self, waiting: list[Req]) -> list[Req]:
         """`waiting` (FCFS) in the order admission should consider it (see the class docstring)."""
         if not self.enabled:
-            return list(waiting)
-        demand = self._demand or self.demand(waiting)
+            return waiting
+        demand = self._demand
 
         def key(r: Req) -> tuple:
             if r.lora_id is None or r.lora_id in self.active:
