@@ -157,7 +157,7 @@ def lockstep_digest(s: "Scheduler", counts: dict[str, Any]) -> dict[str, Any]:
     on the same messages, DESIGN §11)."""
     lora = s.model_runner.lora_manager
     return {
-        "arrivals": s.arrivals, "finished": s.stats["num_finished"], "decode_steps": s.decode_steps,
+        "arrivals": s.arrivals, "finished": s.stats["num_finished"], "decode_steps": s.stats["decode_steps"],
         "waiting": [r.rid for r in s.waiting], "running": [r.rid for r in s._holders()],
         "kv_free": counts["kv_free"], "rows_free": counts["rows_free"],
         "lora_slots": None if lora is None else [repr(uid) for uid in lora.pool.slot_to_uid],

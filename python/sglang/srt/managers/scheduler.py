@@ -112,7 +112,6 @@ class Scheduler:
         # benchmark reads the change over its run).
         self.stats = {"num_retractions": 0, "num_forward_failures": 0, "num_finished": 0, "decode_steps": 0,
                       "decode_reqs": 0, "prefill_batches": 0, "prefill_tokens": 0}
-        self.decode_steps = 0
         self.decode_tokens_since_log = 0
         self.last_decode_log = time.monotonic()
         self.last_gen_throughput = 0.0
@@ -430,11 +429,10 @@ class Scheduler:
         for i, req in enumerate(batch.reqs):
             self._append_token(req, out, i, next_ids[i])
         self.new_token_ratio = max(MIN_NEW_TOKEN_RATIO, self.new_token_ratio - NEW_TOKEN_RATIO_DECAY)
-        self.decode_steps += 1
         self.stats["decode_steps"] += 1
         self.stats["decode_reqs"] += len(batch.reqs)
         self.decode_tokens_since_log += len(batch.reqs)
-        if self.decode_steps % self.server_args.decode_log_interval == 0:
+        if self.stats["decode_steps"] % self.server_args.decode_log_interval == 0:
             self._log_decode(len(batch.reqs), out.used_cuda_graph)
 
     # ------------------------------------------------------------------ logs
