@@ -63,9 +63,8 @@ def run_scheduler_process(
     recv_conn: Optional[Any],
     status_conn: Any,
     parent_pid: int,
-    rank: Optional[RankSpec] = None,
+    rank: RankSpec,
 ) -> None:
-    rank = rank or RankSpec(tp_rank=0, tp_size=1, local_rank=0, backend="gloo")
     disable_nvlink_multicast()
     # Ctrl-C reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
