@@ -222,7 +222,7 @@ class LoRAMemoryPool:
         for uid in wanted:
             if uid not in adapters:
                 raise ValueError(f"LoRA adapter id {uid!r} is not loaded")
-        pinned = set(pinned_uids)
+        keep = set(wanted) | set(pinned_uids)  # the batch's adapters and the pinned ones stay
         # Sorted only so that policy order and slot assignment are reproducible.
         ordered = sorted(wanted)
         for uid in ordered:
@@ -230,7 +230,8 @@ class LoRAMemoryPool:
         for uid in ordered:
             if uid in self.uid_to_slot:
                 continue
-            slot = self._free_slot(wanted, pinned)
+            slot = self._free_slot(keep)
+            assert slot is not None
             self._load(uid, slot, adapters[uid])
         self.loader.wait_for(self.uid_to_slot[u] for u in wanted)
 
@@ -250,27 +251,25 @@ class LoRAMemoryPool:
         for uid in wanted:
             if uid in self.uid_to_slot or uid not in adapters:
                 continue
-            slot = next((s for s in range(self.num_adapter_slots) if self.slot_to_uid[s] is EMPTY), None)
+            slot = self._free_slot(keep, required=False)
             if slot is None:
-                victims = [u for u in self.uid_to_slot if u is not None and u not in keep]
-                if not victims:
-                    break
-                victim = self.eviction_policy.select_victim(victims)
-                slot = self.uid_to_slot[victim]
-                self.free(victim)
-                self.num_evictions += 1
+                break
             self._load(uid, slot, adapters[uid])
             self.eviction_policy.mark_used(uid)  # about to be used: not the next victim
             self.num_prefetches += 1
             loaded.append(uid)
         return loaded
 
-    def _free_slot(self, cur_uids: set[Optional[str]], pinned: set[str]) -> int:
+    def _free_slot(self, keep: set[Optional[str]], required: bool = True) -> Optional[int]:
+        """An empty adapter slot, else the slot of an evicted adapter not in `keep`. None when
+        every slot holds one of `keep`, or a ValueError if the slot is `required`."""
         for slot in range(self.num_adapter_slots):
             if self.slot_to_uid[slot] is EMPTY:
                 return slot
-        candidates = [u for u in self.uid_to_slot if u is not None and u not in cur_uids and u not in pinned]
+        candidates = [u for u in self.uid_to_slot if u is not None and u not in keep]
         if not candidates:
+            if not required:
+                return None
             raise ValueError(
                 f"No LoRA pool slot can be freed: all {self.num_adapter_slots} adapter slots hold adapters "
                 "of the current batch or pinned adapters (the scheduler's admission must prevent this)"
