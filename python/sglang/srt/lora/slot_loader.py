@@ -26,12 +26,10 @@ class SlotLoader:
         self.device = device
         self.stream: Optional[torch.cuda.Stream] = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._pending: dict[int, torch.cuda.Event] = {}  # slot -> its last load's completion
-        self.num_loads = 0
 
     @contextmanager
     def writing(self, slot: int) -> Iterator[None]:
         """The context in which a slot's copies are issued (the side stream on CUDA)."""
-        self.num_loads += 1
         if self.stream is None:
             yield
             return

@@ -88,6 +88,16 @@ class BaseLoRABackend:
         """Allocate the prefill graph's static info once, sized for the largest token bucket."""
         raise NotImplementedError(f"LoRA backend {self.name} does not support the prefill CUDA graph.")
 
+    @staticmethod
+    def _request_lens(forward_batch: "ForwardBatch") -> list[int]:
+        """Tokens per request of this forward (host ints)."""
+        if not forward_batch.forward_mode.is_extend():
+            return [1] * forward_batch.batch_size
+        if forward_batch.extend_seq_lens_cpu is not None:
+            return [int(n) for n in forward_batch.extend_seq_lens_cpu]
+        # Every builder in this engine sets the host copy; without it we must fetch (one sync).
+        return forward_batch.extend_seq_lens.tolist()
+
     def prepare_lora_batch(
         self,
         forward_batch: "ForwardBatch",

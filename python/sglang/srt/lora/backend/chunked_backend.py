@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
@@ -32,9 +32,6 @@ from sglang.srt.lora.backend._staging import copy_into, to_device
 from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches
 from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward, chunked_sgmv_lora_shrink_forward
 from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights
-
-if TYPE_CHECKING:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 @dataclass
@@ -129,11 +126,9 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
     def _prepare_segments(
         self,
         info: LoRABatchInfo,
-        forward_batch: "ForwardBatch",
         lens: list[int],
         weight_indices: list[int],
         lora_ranks: list[int],
-        scalings: list[float],
         static: bool,
     ) -> None:
         if not self._has_unfolded:
@@ -153,7 +148,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
             info.weight_indices = packed[num_tokens + n + 1 :]
             return
         meta, max_tokens = self._static_meta[id(info)]
-        num_rows = forward_batch.num_tokens
+        num_rows = info.num_rows
         assert num_tokens <= num_rows <= max_tokens, (num_tokens, num_rows, max_tokens)
         cap = self._segment_capacity(max_tokens)
         assert n <= cap, (n, cap)

@@ -181,8 +181,8 @@ class TokenLoRABackend(BaseLoRABackend):
         use_prefill_cuda_graph: bool = False,
     ) -> None:
         """Fill `self.batch_info`: the rows' slots, where the chosen path reads them, and the
-        launches of every module kind for this row count. `lora_ranks`/`scalings` (host lists) are
-        read only by subclasses' segment metadata: the kernels read the pool's device tensors."""
+        launches of every module kind for this row count. `lora_ranks` (host list) is read only by
+        subclasses' segment metadata; `scalings` not at all: the kernels read the pool's device tensors."""
         assert self.specs, "init_modules must run before the first batch"
         bs = forward_batch.batch_size
         assert len(weight_indices) == bs, (len(weight_indices), bs)
@@ -212,20 +212,10 @@ class TokenLoRABackend(BaseLoRABackend):
                                  self._slot_scalings)
         self._scratch = scratch
         self._launches = self._launches_for(num_rows)
-        self._prepare_segments(info, forward_batch, lens, weight_indices, lora_ranks, scalings,
-                               use_cuda_graph or use_prefill_cuda_graph)
+        self._prepare_segments(info, lens, weight_indices, lora_ranks, use_cuda_graph or use_prefill_cuda_graph)
         self.batch_info = info
 
-    @staticmethod
-    def _request_lens(forward_batch: "ForwardBatch") -> list[int]:
-        if not forward_batch.forward_mode.is_extend():
-            return [1] * forward_batch.batch_size
-        if forward_batch.extend_seq_lens_cpu is not None:
-            return [int(n) for n in forward_batch.extend_seq_lens_cpu]
-        # Every builder in this engine sets the host copy; without it we must fetch (one sync).
-        return forward_batch.extend_seq_lens.tolist()
-
-    def _prepare_segments(self, info, forward_batch, lens, weight_indices, lora_ranks, scalings, static) -> None:
+    def _prepare_segments(self, info, lens, weight_indices, lora_ranks, static) -> None:
         """Subclass hook: extra metadata for unfolded modules' own kernels (csgmv)."""
 
     def _eager_scratch_for(self, rows: int) -> _Scratch:

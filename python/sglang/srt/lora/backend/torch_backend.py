@@ -75,12 +75,7 @@ class TorchNativeLoRABackend(BaseLoRABackend):
             )
         bs = forward_batch.batch_size
         assert len(weight_indices) == bs, (len(weight_indices), bs)
-        if forward_batch.forward_mode.is_extend():
-            lens = forward_batch.extend_seq_lens_cpu
-            if lens is None:
-                lens = forward_batch.extend_seq_lens.tolist()
-        else:
-            lens = [1] * bs
+        lens = self._request_lens(forward_batch)
 
         segments: list[_HostSegment] = []
         seg_lens: list[int] = []
