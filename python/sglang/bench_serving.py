@@ -109,10 +109,8 @@ def build_requests(args: argparse.Namespace, vocab_size: int) -> list[RequestSpe
             specs.append(RequestSpec(body, out_len))
     else:
         for _ in range(args.num_prompts):
-            lo = max(1, int(args.random_input_len * args.random_range_ratio))
-            in_len = rng.randint(lo, args.random_input_len)
-            lo = max(1, int(args.random_output_len * args.random_range_ratio))
-            out_len = rng.randint(lo, args.random_output_len)
+            in_len = _length(rng, args.random_input_len, args.random_range_ratio)
+            out_len = _length(rng, args.random_output_len, args.random_range_ratio)
             if args.prompt_format == "ids":
                 body = {"input_ids": [rng.randrange(10, vocab_size) for _ in range(in_len)]}
             else:

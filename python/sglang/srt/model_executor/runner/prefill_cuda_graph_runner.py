@@ -41,6 +41,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakOutputs
 from sglang.srt.model_executor.runner.graph_capture import AnyGraph, capture_graph
 from sglang.srt.model_executor.runner.graph_buffers import GraphInputBuffers, prefill_replay_bucket
+from sglang.srt.utils import cdiv
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -49,10 +50,6 @@ logger = logging.getLogger(__name__)
 
 # Full backend: request slots captured per bucket, unless the config says otherwise.
 DEFAULT_FULL_PREFILL_REQ_SLOTS = 16
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 class PrefillCudaGraphRunner:
@@ -106,7 +103,7 @@ class PrefillCudaGraphRunner:
         if backend == Backend.FULL:
             self._capture_req_slots = max_reqs
         else:
-            self._capture_req_slots = _ceil_div(self.max_num_tokens, self.max_req_tokens)
+            self._capture_req_slots = cdiv(self.max_num_tokens, self.max_req_tokens)
 
         self.buffers = GraphInputBuffers.allocate(
             self.max_num_tokens, self._capture_req_slots, model_runner.device, model_runner.padding_req_pool_index
@@ -183,7 +180,7 @@ class PrefillCudaGraphRunner:
 
     def _capture_batch(self, n: int) -> ForwardBatch:
         mr = self.model_runner
-        reqs = self._capture_req_slots if self.backend == Backend.FULL else _ceil_div(n, self.max_req_tokens)
+        reqs = self._capture_req_slots if self.backend == Backend.FULL else cdiv(n, self.max_req_tokens)
         fb = self.buffers.capture_extend_batch(n, reqs, self.enable_lora, self.max_req_tokens)
         mr.attach_pools(fb)
         if self.backend == Backend.FULL:
