@@ -50,6 +50,12 @@ def load_into(dst: torch.Tensor, loaded: LoadedWeight, what: str) -> None:
     dst.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.materialize())
 
 
+def check_rows(loaded: LoadedWeight, rows: int, what: str) -> None:
+    """A checkpoint tensor sliced by rows must hold the layer's full (unsharded) row count."""
+    if loaded.shape[0] != rows:
+        raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected {rows} rows")
+
+
 class LinearBase(nn.Module):
     def __init__(
         self,
@@ -130,9 +136,7 @@ class ColumnParallelLinear(LinearBase):
     def _load_full(self, param: nn.Parameter, loaded: LoadedWeight) -> None:
         """Load this rank's rows of a tensor laid out like the full (fused) output."""
         what = type(self).__name__
-        if loaded.shape[0] != self.full_output_size:
-            raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected "
-                             f"{self.full_output_size} rows")
+        check_rows(loaded, self.full_output_size, what)
         local = 0
         for start, n in self.output_partition():
             load_into(param.data.narrow(0, local, n), loaded.narrow(0, start, n), what)
@@ -234,9 +238,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         offset = sum(self.output_sizes[:shard_id])
         dst = param.data.narrow(0, offset, size)
         what = f"{type(self).__name__} shard {shard_id}"
-        if loaded_weight.shape[0] != self.full_output_sizes[shard_id]:
-            raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded_weight.shape)}, expected "
-                             f"{self.full_output_sizes[shard_id]} rows")
+        check_rows(loaded_weight, self.full_output_sizes[shard_id], what)
         load_into(dst, loaded_weight.narrow(0, self.tp_rank * size, size), what)
 
 
@@ -310,7 +312,5 @@ class QKVParallelLinear(ColumnParallelLinear):
         dst = param.data.narrow(0, offset, size)
         what = f"{type(self).__name__} shard {shard_id!r}"
         full = (self.total_num_heads if shard_id == "q" else self.total_num_kv_heads) * self.head_size
-        if loaded_weight.shape[0] != full:
-            raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded_weight.shape)}, expected "
-                             f"{full} rows")
+        check_rows(loaded_weight, full, what)
         load_into(dst, loaded_weight.narrow(0, rank * size, size), what)
