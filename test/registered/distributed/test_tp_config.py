@@ -138,7 +138,7 @@ def test_checkpoint_tensor_narrows_lazily(tmp_path) -> None:
 
     full = torch.arange(24.0).view(4, 6)
     save_file({"w": full}, str(tmp_path / "m.safetensors"))
-    (name, t), = safetensors_weights_iterator([str(tmp_path / "m.safetensors")], progress=False, lazy=True)
+    (name, t), = safetensors_weights_iterator([str(tmp_path / "m.safetensors")], progress=False)
     assert isinstance(t, CheckpointTensor) and t.shape == (4, 6) and t.dim() == 2
     part = t.narrow(0, 1, 2).narrow(1, 3, 3).narrow(0, 1, 1)
     assert part.shape == (1, 3) and torch.equal(part.materialize(), full[2:3, 3:6])

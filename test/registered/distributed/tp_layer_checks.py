@@ -247,7 +247,7 @@ def lazy_loading(group: TensorParallelGroup, path: str, kv_heads: int) -> dict[s
     targets = {"q": (qkv.weight, "q"), "k": (qkv.weight, "k"), "v": (qkv.weight, "v"), "o": (o.weight, None),
                "gate": (gate_up.weight, 0), "up": (gate_up.weight, 1), "down": (down.weight, None),
                "embed": (emb.weight, None)}
-    for name, tensor in safetensors_weights_iterator([path], progress=False, lazy=True):
+    for name, tensor in safetensors_weights_iterator([path], progress=False):
         assert isinstance(tensor, CheckpointTensor)
         if name == "norm":
             default_weight_loader(norm, tensor)

@@ -70,7 +70,7 @@ def get_model(
         if files is None:
             init_dummy_weights(model, seed=seed)
         else:
-            loaded = model.load_weights(safetensors_weights_iterator(files, progress=progress, lazy=True))
+            loaded = model.load_weights(safetensors_weights_iterator(files, progress=progress))
             missing = sorted(set(dict(model.named_parameters())) - loaded)
             if missing:
                 raise ValueError(

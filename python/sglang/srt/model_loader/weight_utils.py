@@ -18,6 +18,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm.auto import tqdm
 
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.layers.linear import load_into
+
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 
 
@@ -55,20 +58,12 @@ class CheckpointTensor:
         return f"CheckpointTensor({self.name!r}, ranges={list(self._ranges)})"
 
 
-def as_tensor(loaded: Union[torch.Tensor, CheckpointTensor]) -> torch.Tensor:
-    return loaded if isinstance(loaded, torch.Tensor) else loaded.materialize()
-
-
 def default_weight_loader(
     param: torch.Tensor, loaded_weight: Union[torch.Tensor, CheckpointTensor], shard_id=None
 ) -> None:
     """Loader of parameters that are neither sharded nor fused (norms, unsplit biases)."""
     assert shard_id is None
-    if tuple(param.shape) != tuple(loaded_weight.shape):
-        raise ValueError(
-            f"checkpoint tensor has shape {tuple(loaded_weight.shape)}, expected {tuple(param.shape)}"
-        )
-    param.data.copy_(as_tensor(loaded_weight))
+    load_into(param.data, loaded_weight, "an unsharded parameter")
 
 
 def find_safetensors_files(model_path: str) -> list[str]:
@@ -99,11 +94,9 @@ def find_safetensors_files(model_path: str) -> list[str]:
     )
 
 
-def safetensors_weights_iterator(
-    files: list[str], progress: bool = True, lazy: bool = False
-) -> Iterator[tuple[str, Union[torch.Tensor, CheckpointTensor]]]:
-    """Yield (name, host tensor) one at a time, so host memory holds about one tensor; with `lazy`,
-    (name, CheckpointTensor) instead, valid until the next item."""
+def safetensors_weights_iterator(files: list[str], progress: bool = True) -> Iterator[tuple[str, CheckpointTensor]]:
+    """Yield (name, CheckpointTensor) one at a time, each valid until the next item: host memory
+    holds at most the slice a weight loader reads."""
     total = 0
     for path in files:
         with safe_open(path, framework="pt", device="cpu") as f:
@@ -112,7 +105,7 @@ def safetensors_weights_iterator(
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
                 for name in f.keys():
-                    yield name, CheckpointTensor(f.get_slice(name), name) if lazy else f.get_tensor(name)
+                    yield name, CheckpointTensor(f.get_slice(name), name)
                     bar.update(1)
 
 
@@ -131,8 +124,6 @@ def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> No
     tp N and tp 1 can be compared on dummy weights too (on one device type: CPU and CUDA draw
     different numbers from the same seed).
     """
-    from sglang.srt.layers.layernorm import RMSNorm  # local: keeps this module free of layer imports
-
     norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
     for name, param in model.named_parameters():
         if id(param) in norm_params:
