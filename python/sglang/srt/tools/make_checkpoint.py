@@ -55,6 +55,14 @@ _TINY = dict(
     tie_word_embeddings=False,
 )
 # Public shapes of released checkpoints (config only, for --load-format dummy).
+# What the Llama-3.1 sizes share (KV heads, context, rope scaling, vocabulary).
+_LLAMA_31 = dict(
+    num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+    tie_word_embeddings=False, vocab_size=128256,
+    rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                      original_max_position_embeddings=8192),
+)
+
 PRESETS: dict[str, dict[str, Any]] = {
     "tiny": dict(arch="qwen3", config_only=False, shape=_TINY),
     "qwen2.5-0.5b": dict(
@@ -78,25 +86,13 @@ PRESETS: dict[str, dict[str, Any]] = {
     "llama-3.1-8b": dict(
         arch="llama",
         config_only=True,
-        shape=dict(
-            hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-            num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-            rope_theta=500000.0, tie_word_embeddings=False, vocab_size=128256,
-            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                              high_freq_factor=4.0, original_max_position_embeddings=8192),
-        ),
+        shape=dict(_LLAMA_31, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32),
     ),
     # 141 GB in bf16: more than one H200 holds (tensor-parallel benchmarks, --tp-size 2).
     "llama-3.1-70b": dict(
         arch="llama",
         config_only=True,
-        shape=dict(
-            hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
-            num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5,
-            rope_theta=500000.0, tie_word_embeddings=False, vocab_size=128256,
-            rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0,
-                              high_freq_factor=4.0, original_max_position_embeddings=8192),
-        ),
+        shape=dict(_LLAMA_31, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64),
     ),
 }
 # Qwen3's explicit head_dim differs from hidden/heads: keep the tiny model that way too.
