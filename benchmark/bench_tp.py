@@ -109,20 +109,13 @@ def weight_bytes_per_rank(config: dict[str, Any], tp: int) -> float:
 
 def part_serve70b(args: argparse.Namespace, root: str) -> str:
     from bench_lora_serving import Config, launch
+    from runner_lib import write_assets
     from server_lib import server_info, stop_server
 
     from sglang.bench_serving import main as bench_main
-    from sglang.srt.tools.make_adapter import make_adapters
-    from sglang.srt.tools.make_checkpoint import make_checkpoint
 
     shape = "tiny" if args.dry_run else "llama-3.1-70b"
-    ckpt = os.path.join(root, shape)
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        make_checkpoint(ckpt, arch="qwen3" if args.dry_run else "llama", preset=shape, with_weights=args.dry_run)
-    adapters_dir = os.path.join(root, f"adapters-{shape}")
-    adapters = {f"lora{i}": os.path.join(adapters_dir, f"lora{i}") for i in range(4)}
-    if not all(os.path.exists(os.path.join(path, "adapter_config.json")) for path in adapters.values()):
-        adapters = make_adapters(ckpt, adapters_dir, num=4, rank=16, alpha=32, seed=100)
+    ckpt, adapters = write_assets(root, shape, 4)
     with open(os.path.join(ckpt, "config.json")) as f:
         config = json.load(f)
     server = ("--lora-backend", "csgmv", "--max-loras-per-batch", "4", "--max-lora-rank", "16", "--tp-size", "2",

@@ -30,7 +30,8 @@ from sglang.srt.tools.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E
 from sglang.srt.tools.make_checkpoint import make_checkpoint  # noqa: E402
 
 # make_checkpoint preset -> architecture.
-SHAPES = {"qwen3-4b": "qwen3", "llama-3.1-8b": "llama", "qwen2.5-0.5b": "qwen2", "tiny": "qwen3"}
+SHAPES = {"qwen3-4b": "qwen3", "llama-3.1-8b": "llama", "llama-3.1-70b": "llama", "qwen2.5-0.5b": "qwen2",
+          "tiny": "qwen3"}
 DECODE_CONTEXT = 256  # tokens of (garbage) KV each decode request attends to
 
 
