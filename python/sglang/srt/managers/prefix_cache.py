@@ -38,6 +38,7 @@ class PrefixHit:
     cost: int  # evictable tokens its lock would protect (they leave the admission budget)
     node: Optional[TreeNode]
     slots: torch.Tensor
+    probe: tuple[CacheNamespace, tuple[int, ...]]  # the next uncached tokens (in-batch dedup key)
 
 
 class PrefixCache:
@@ -62,15 +63,13 @@ class PrefixCache:
         self.turn_hit_tokens = 0
 
     def match(self, req: Req) -> PrefixHit:
-        m = self.tree.match_prefix(req.namespace, req.fill_ids, req.cacheable_len)
-        return PrefixHit(m.length, self.tree.unlocked_len(m.node), m.node, m.slots)
-
-    def _probe(self, req: Req, start: int) -> tuple[CacheNamespace, tuple[int, ...]]:
-        return req.namespace, tuple(req.fill_ids[start : start + DEDUP_PROBE_TOKENS])
+        ids = req.fill_ids  # built on each access: once here
+        m = self.tree.match_prefix(req.namespace, ids, req.cacheable_len)
+        probe = (req.namespace, tuple(ids[m.length : m.length + DEDUP_PROBE_TOKENS]))
+        return PrefixHit(m.length, self.tree.unlocked_len(m.node), m.node, m.slots, probe)
 
     def defer(self, req: Req, hit: PrefixHit) -> bool:
-        probe = self._probe(req, hit.length)
-        return len(probe[1]) == DEDUP_PROBE_TOKENS and probe in self._probes
+        return len(hit.probe[1]) == DEDUP_PROBE_TOKENS and hit.probe in self._probes
 
     def admit(self, req: Req, hit: PrefixHit) -> None:
         """Lock the hit, give the request a row holding it; the planner sets `extend_len`."""
@@ -86,7 +85,7 @@ class PrefixCache:
             req.cached_tokens = hit.length
             self.tree.note_lookup(len(req.origin_input_ids), hit.length)
         self.turn_hit_tokens += hit.length
-        self._probes.add(self._probe(req, hit.length))
+        self._probes.add(hit.probe)
 
     # ------------------------------------------------------------------ after a pass, at the end
     def _row_slots(self, reqs: list[Req]) -> torch.Tensor:
