@@ -154,7 +154,7 @@ class GenerateReqInput:
         if not isinstance(self.return_text_in_logprobs, bool):
             raise InvalidRequestError("'return_text_in_logprobs' must be a boolean", param="return_text_in_logprobs")
 
-        def per_prompt(name: str, value: Any, ok: Any, default: Any) -> list[Any]:
+        def per_prompt(name: str, value: Any, ok: Any, default: Any, error: Any = None) -> list[Any]:
             if value is None:
                 value = default
             if isinstance(value, list) and not (name == "sampling_params" and isinstance(value, dict)):
@@ -167,6 +167,8 @@ class GenerateReqInput:
                 items = [value] * num
             for item in items:
                 if not ok(item):
+                    if error is not None:  # a field with its own message
+                        raise error(item)
                     raise InvalidRequestError(f"'{name}' has an invalid value {item!r}", param=name)
             return items
 
@@ -176,11 +178,7 @@ class GenerateReqInput:
         start = per_prompt("logprob_start_len", self.logprob_start_len, lambda x: is_int(x) and x >= -1, -1)
         top = per_prompt("top_logprobs_num", self.top_logprobs_num, lambda x: is_int(x) and x >= 0, 0)
         loras = per_prompt("lora_path", self.lora_path, lambda x: x is None or isinstance(x, str), None)
-        salts = self.cache_salt if isinstance(self.cache_salt, list) else [self.cache_salt]
-        bad_salt = next((x for x in salts if not valid_cache_salt(x)), None)
-        if bad_salt is not None or (isinstance(self.cache_salt, list) and not salts):
-            raise cache_salt_error(bad_salt if bad_salt is not None else self.cache_salt)
-        salts = per_prompt("cache_salt", self.cache_salt, valid_cache_salt, None)
+        salts = per_prompt("cache_salt", self.cache_salt, valid_cache_salt, None, error=cache_salt_error)
         if self.rid is None:
             rids = [new_rid() for _ in range(num)]
         else:
