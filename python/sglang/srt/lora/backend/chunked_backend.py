@@ -87,7 +87,6 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         use_pdl: Optional[bool] = None,
     ) -> None:
         super().__init__(max_loras_per_batch, device, max_lora_chunk_size, use_pdl)
-        self.chunk = max_lora_chunk_size
         # The contiguous int32 buffers behind each static info's segments (seg_indptr |
         # weight_indices), so one host->device copy refreshes both; and their token capacity.
         self._static_meta: dict[int, tuple[torch.Tensor, int]] = {}  # id(info) -> (meta, max rows)
@@ -101,7 +100,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
 
     def _segment_capacity(self, max_num_tokens: int) -> int:
         # Chunks of a slot's run: ceil(g / chunk) <= g / chunk + 1; summed over every slot.
-        return max(math.ceil(max_num_tokens / self.chunk) + self._slot_ranks.numel(), 16)
+        return max(math.ceil(max_num_tokens / self.max_lora_chunk_size) + self._slot_ranks.numel(), 16)
 
     # ---- static infos ------------------------------------------------------------------------
     def _alloc_segments(self, info: LoRABatchInfo, max_num_tokens: int) -> None:
@@ -109,7 +108,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
             return
         cap = self._segment_capacity(max_num_tokens)
         meta = torch.zeros(2 * cap + 1, dtype=torch.int32, device=self.device)
-        info.bs, info.max_len = cap, self.chunk  # the grid spans the whole segment buffer
+        info.bs, info.max_len = cap, self.max_lora_chunk_size  # the grid spans the whole segment buffer
         info.seg_indptr, info.weight_indices = meta[: cap + 1], meta[cap + 1 :]
         info.permutation = torch.zeros(max(max_num_tokens, 1), dtype=torch.int32, device=self.device)
         self._static_meta[id(info)] = (meta, max_num_tokens)
@@ -133,7 +132,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
     ) -> None:
         if not self._has_unfolded:
             return
-        segs = build_chunked_segments(weight_indices, lens, lora_ranks, self.chunk)
+        segs = build_chunked_segments(weight_indices, lens, lora_ranks, self.max_lora_chunk_size)
         n, num_tokens = segs.num_segments, segs.permutation.numel()
         info.num_segments = n
         if not static:
@@ -142,7 +141,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
                 torch.int32,
                 self.device,
             )
-            info.bs, info.max_len = n, self.chunk  # grid over the live chunks; all-base: nothing
+            info.bs, info.max_len = n, self.max_lora_chunk_size  # grid over the live chunks; all-base: nothing
             info.permutation = packed[:num_tokens]
             info.seg_indptr = packed[num_tokens : num_tokens + n + 1]
             info.weight_indices = packed[num_tokens + n + 1 :]
