@@ -14,7 +14,7 @@ def chunked_sgmv_lora_expand_forward(
     x: torch.Tensor,
     weights: torch.Tensor,
     batch_info: LoRABatchInfo,
-    base_output: Optional[torch.Tensor],
+    base_output: torch.Tensor,
     num_slices: int = 1,
     slice_offsets: Optional[torch.Tensor] = None,
     max_slice_size: Optional[int] = None,
@@ -30,7 +30,6 @@ def chunked_sgmv_lora_expand_forward(
         batch_info,
         base_output,
         num_slices=num_slices,
-        permuted=True,
         slice_offsets=slice_offsets,
         max_slice_width=max_slice_size,
     )

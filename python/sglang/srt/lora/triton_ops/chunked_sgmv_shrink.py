@@ -21,4 +21,4 @@ def chunked_sgmv_lora_shrink_forward(
     out: torch.Tensor,
 ) -> torch.Tensor:
     """out [T, num_slices * R] <- x [T, in] @ A[slot, :num_slices*r].T (unscaled); see segmented_shrink."""
-    return segmented_shrink(x, weights, batch_info, num_slices, permuted=True, out=out)
+    return segmented_shrink(x, weights, batch_info, num_slices, out=out)

@@ -1,8 +1,8 @@
 """Segmented LoRA shrink: out[t, :c*r] = x[t] @ A[slot, :c*r].T for every token of every segment.
 
 `csgmv`'s unfolded modules walk adapter-sorted positions and gather rows through
-`batch_info.permutation` (PERMUTED=True), writing results back to the same token rows, so the
-shrink output is in token order; PERMUTED=False walks segments of consecutive rows.
+`batch_info.permutation`, writing results back to the same token rows, so the shrink output is in
+token order.
 """
 
 from __future__ import annotations
@@ -35,7 +35,6 @@ def _segment_shrink_kernel(
     n_tiles,
     lanes,
     STACK: tl.constexpr,
-    PERMUTED: tl.constexpr,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
@@ -73,10 +72,7 @@ def _segment_shrink_kernel(
         if row0 < seg_end:
             offs_s = row0 + tl.arange(0, BLOCK_S)
             row_mask = offs_s < seg_end
-            if PERMUTED:
-                rows = tl.load(perm_ptr + offs_s, mask=row_mask, other=0).to(tl.int64)
-            else:
-                rows = offs_s.to(tl.int64)
+            rows = tl.load(perm_ptr + offs_s, mask=row_mask, other=0).to(tl.int64)
             x_ptrs = x_ptr + rows[:, None] * x_stride_t + offs_k[None, :] * x_stride_k
             w_ptrs = w_base + offs_k[:, None] * w_stride_k
             acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
@@ -103,7 +99,6 @@ def segmented_shrink(
     weights: torch.Tensor,
     batch_info: LoRABatchInfo,
     stack_num: int,
-    permuted: bool,
     out: torch.Tensor,
 ) -> torch.Tensor:
     """Launch the shrink over `batch_info`'s grid into `out` [T, stack_num * R] and return it.
@@ -118,8 +113,7 @@ def segmented_shrink(
     assert w_in_dim == in_dim, f"LoRA A expects in_dim {w_in_dim}, got x with {in_dim}"
     assert stacked_rank % stack_num == 0, (stacked_rank, stack_num)
     assert out.shape == (num_tokens, stacked_rank), (out.shape, num_tokens, stacked_rank)
-    if permuted:
-        assert batch_info.permutation is not None, "csgmv shrink needs batch_info.permutation"
+    assert batch_info.permutation is not None, "csgmv shrink needs batch_info.permutation"
 
     block_s = _SHRINK_BLOCK_S
     block_n = rank_block(stacked_rank)
@@ -131,7 +125,6 @@ def segmented_shrink(
     grid = (lanes * n_tiles, batch_info.bs)
     if num_tokens == 0 or grid[0] == 0 or grid[1] == 0:
         return out  # eager only: graph-mode infos always have a non-empty grid
-    perm = batch_info.permutation if permuted else batch_info.seg_indptr  # unused when not permuted
     _segment_shrink_kernel[grid](
         x,
         weights,
@@ -147,11 +140,10 @@ def segmented_shrink(
         batch_info.seg_indptr,
         batch_info.weight_indices,
         batch_info.lora_ranks,
-        perm,
+        batch_info.permutation,
         n_tiles,
         lanes,
         STACK=stack_num,
-        PERMUTED=permuted,
         BLOCK_S=block_s,
         BLOCK_N=block_n,
         BLOCK_K=block_k,

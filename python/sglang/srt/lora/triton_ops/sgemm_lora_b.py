@@ -1,8 +1,8 @@
 """Segmented LoRA expand: base_output[t, slice] += scaling * x[t, k*r:(k+1)*r] @ B[slot, slice, :r].T
 
-One kernel serves every expand: plain (1 slice), gate_up (2 equal slices), qkv (3 slices at
-`output_offset`, q and kv widths may differ) and the csgmv variants (rows gathered through
-`batch_info.permutation`). Grid: (token lanes x column tiles, slices, segments).
+csgmv's unfolded modules: plain (1 slice), gate_up (2 equal slices), qkv (3 slices at
+`slice_offsets`, q and kv widths may differ), rows gathered and scattered through
+`batch_info.permutation`. Grid: (token lanes x column tiles, slices, segments).
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ def _segment_expand_kernel(
     slice_width,
     n_tiles,
     lanes,
-    PERMUTED: tl.constexpr,
     HAS_OFFSETS: tl.constexpr,
     OFFSET_ALIGN: tl.constexpr,
     BLOCK_S: tl.constexpr,
@@ -88,10 +87,7 @@ def _segment_expand_kernel(
         if row0 < seg_end:
             offs_s = row0 + tl.arange(0, BLOCK_S)
             row_mask = offs_s < seg_end
-            if PERMUTED:
-                rows = tl.load(perm_ptr + offs_s, mask=row_mask, other=0).to(tl.int64)
-            else:
-                rows = offs_s.to(tl.int64)
+            rows = tl.load(perm_ptr + offs_s, mask=row_mask, other=0).to(tl.int64)
             # Slice k of the shrink output holds columns [k*rank, (k+1)*rank) (compact prefix).
             x_ptrs = x_ptr + rows[:, None] * x_stride_t + (slice_id * rank + offs_r)[None, :] * x_stride_r
             w_ptrs = w_base + offs_r[:, None] * w_stride_r
@@ -119,9 +115,8 @@ def segmented_expand(
     x: torch.Tensor,
     weights: torch.Tensor,
     batch_info: LoRABatchInfo,
-    base_output: Optional[torch.Tensor],
+    base_output: torch.Tensor,
     num_slices: int,
-    permuted: bool,
     slice_offsets: Optional[torch.Tensor] = None,
     max_slice_width: Optional[int] = None,
 ) -> torch.Tensor:
@@ -134,8 +129,6 @@ def segmented_expand(
     num_tokens = x.shape[0]
     _, out_dim, max_rank = weights.shape
     assert x.shape[1] >= num_slices * max_rank, (x.shape, num_slices, max_rank)
-    if base_output is None:
-        base_output = torch.zeros((num_tokens, out_dim), dtype=weights.dtype, device=x.device)
     assert base_output.shape == (num_tokens, out_dim), (base_output.shape, num_tokens, out_dim)
     if slice_offsets is None:
         assert out_dim % num_slices == 0, (out_dim, num_slices)
@@ -147,8 +140,7 @@ def segmented_expand(
         assert max_slice_width is not None, "slice_offsets needs max_slice_width for the grid"
         slice_width = 0
         offset_align = qkv_offset_alignment(out_dim, max_slice_width) if num_slices == 3 else 1
-    if permuted:
-        assert batch_info.permutation is not None, "csgmv expand needs batch_info.permutation"
+    assert batch_info.permutation is not None, "csgmv expand needs batch_info.permutation"
 
     block_s = token_block(batch_info.max_len)
     # 128-wide column tiles measured best on an H200 for decode and prefill alike.
@@ -159,7 +151,6 @@ def segmented_expand(
     grid = (lanes * n_tiles, num_slices, batch_info.bs)
     if num_tokens == 0 or grid[0] == 0 or grid[2] == 0:
         return base_output  # eager only: graph-mode infos always have a non-empty grid
-    perm = batch_info.permutation if permuted else batch_info.seg_indptr  # unused when not permuted
     offsets = slice_offsets if slice_offsets is not None else batch_info.seg_indptr  # unused then
     _segment_expand_kernel[grid](
         x,
@@ -176,12 +167,11 @@ def segmented_expand(
         batch_info.weight_indices,
         batch_info.lora_ranks,
         batch_info.scalings,
-        perm,
+        batch_info.permutation,
         offsets,
         slice_width,
         n_tiles,
         lanes,
-        PERMUTED=permuted,
         HAS_OFFSETS=slice_offsets is not None,
         OFFSET_ALIGN=offset_align,
         BLOCK_S=block_s,
