@@ -110,6 +110,7 @@ class TokenLoRABackend(BaseLoRABackend):
         self._eager_scratch: Optional[_Scratch] = None
         self._scratch: Optional[_Scratch] = None  # the current batch's
         self._launch_cache: dict[int, dict[str, _ModuleLaunches]] = {}
+        self._layouts: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._launches: dict[str, _ModuleLaunches] = {}
 
     # ---- start-up ----------------------------------------------------------------------------
@@ -127,11 +128,12 @@ class TokenLoRABackend(BaseLoRABackend):
         for name, spec in self.specs.items():
             if not spec.folded and not spec.equal_slices:
                 self._slice_offsets[name] = torch.tensor(spec.slice_offsets, dtype=torch.int32, device=self.device)
+        self._layouts = self._layout_tensors()
 
     def _scratch_for(self, rows: int) -> _Scratch:
         width = max((s.in_dim + s.extra_cols if s.folded else s.stack * s.max_rank) for s in self.specs.values())
         workspace = counters = 1
-        elem = torch.empty((), dtype=self.dtype).element_size()
+        elem = self.dtype.itemsize
         for s in self.specs.values():
             if s.folded or self._uses_token_kernels(s):
                 plan = plan_shrink(s.in_dim, s.stack * s.max_rank, elem)
@@ -232,13 +234,10 @@ class TokenLoRABackend(BaseLoRABackend):
             return cached
         if len(self._launch_cache) >= _LAUNCH_CACHE_SIZE:
             self._launch_cache.clear()
-        dev, dtype = self.device, self.dtype
-        elem = torch.empty((), dtype=dtype).element_size()
+        elem = self.dtype.itemsize
         launches: dict[str, _ModuleLaunches] = {}
         for name, s in self.specs.items():
-            # Layouts only (strides, dtypes): the layers pass tensors of exactly these layouts.
-            x_like = torch.empty((0, s.in_dim), dtype=dtype, device=dev)
-            a_like = torch.empty((0, s.stack * s.max_rank, s.in_dim), dtype=dtype, device=dev)
+            x_like, a_like, b_like = self._layouts.get(name, (None, None, None))
             if s.folded:
                 plan = plan_pack(s.in_dim, s.stack, s.max_rank, s.extra_cols, elem)
                 width = s.in_dim + s.extra_cols
@@ -247,7 +246,6 @@ class TokenLoRABackend(BaseLoRABackend):
                 cr = s.stack * s.max_rank
                 shrink = prepare_shrink(plan_shrink(s.in_dim, cr, elem), num_rows, x_like, a_like, cr, s.stack,
                                         self.use_pdl)
-                b_like = torch.empty((0, s.out_dim, s.max_rank), dtype=dtype, device=dev)
                 ep = plan_expand(s.out_dim, s.stack, s.max_rank, None if s.equal_slices else max(s.slice_sizes))
                 expand = prepare_expand(ep, num_rows, b_like, cr, s.out_dim, not s.equal_slices, self.use_pdl)
                 launches[name] = _ModuleLaunches(shrink=shrink, expand=expand)
@@ -255,6 +253,17 @@ class TokenLoRABackend(BaseLoRABackend):
                 launches[name] = _ModuleLaunches()  # the subclass's own kernels (csgmv)
         self._launch_cache[num_rows] = launches
         return launches
+
+    def _layout_tensors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Empty tensors with the layouts (strides, dtypes) the layers pass to each module's
+        token-major kernels: what a launch is prepared against, built once."""
+        dev, dtype, out = self.device, self.dtype, {}
+        for name, s in self.specs.items():
+            if s.folded or self._uses_token_kernels(s):
+                out[name] = (torch.empty((0, s.in_dim), dtype=dtype, device=dev),
+                             torch.empty((0, s.stack * s.max_rank, s.in_dim), dtype=dtype, device=dev),
+                             torch.empty((0, s.out_dim, s.max_rank), dtype=dtype, device=dev))
+        return out
 
     # ---- the module call ---------------------------------------------------------------------
     def run_module(self, weights: LoRAModuleWeights, base_layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
