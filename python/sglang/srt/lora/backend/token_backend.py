@@ -98,7 +98,6 @@ class TokenLoRABackend(BaseLoRABackend):
         if use_pdl is None:
             use_pdl = USE_PDL_BY_DEFAULT and pdl_available(self.device)
         self.use_pdl = use_pdl
-        self.specs: dict[str, LoRAModuleSpec] = {}
         self.dtype: Optional[torch.dtype] = None
         self._slot_ranks: Optional[torch.Tensor] = None
         self._slot_scalings: Optional[torch.Tensor] = None

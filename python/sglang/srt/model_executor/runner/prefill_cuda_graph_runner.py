@@ -67,7 +67,7 @@ class PrefillCudaGraphRunner:
         self.enable_lora = lora_manager is not None
         # This runner records LoRA kernels only if the LoRA backend can serve them from static metadata.
         assert not capture_lora or (self.enable_lora and lora_manager.supports_prefill_cuda_graph)
-        self._capture_lora = capture_lora
+        self.capture_lora = capture_lora
         # A capture request never exceeds the context length (its positions index the rotary table).
         self.max_req_tokens = model_runner.context_len
 
@@ -122,15 +122,11 @@ class PrefillCudaGraphRunner:
         if capture:
             self.capture()
 
-    @property
-    def capture_lora(self) -> bool:
-        return self._capture_lora
-
     def graph_plan(self) -> dict[str, Any]:
         """Everything `can_run_graph` and the capture depend on (the same on every TP rank)."""
-        lora = self.model_runner.lora_manager if self._capture_lora else None
+        lora = self.model_runner.lora_manager if self.capture_lora else None
         return {
-            "kind": "prefill", "backend": self.backend.value, "capture_lora": self._capture_lora,
+            "kind": "prefill", "backend": self.backend.value, "capture_lora": self.capture_lora,
             "buckets": list(self.buckets), "capture_req_slots": self._capture_req_slots,
             "lora_max_bs": lora.prefill_cuda_graph_max_bs if lora else None,
             "lora_max_tokens": lora.lora_backend.prefill_cuda_graph_max_tokens if lora else None,
@@ -146,7 +142,7 @@ class PrefillCudaGraphRunner:
             return False
         if self.backend == Backend.FULL and fb.batch_size > self._capture_req_slots:
             return False
-        if self._capture_lora:
+        if self.capture_lora:
             # The batch's metadata can live in (and therefore will be written into) the static
             # buffers the captured LoRA kernels read.
             return self.model_runner.lora_manager.can_use_prefill_cuda_graph(fb)
@@ -175,7 +171,7 @@ class PrefillCudaGraphRunner:
             self.buckets[0],
             self.max_num_tokens,
             self._capture_req_slots,
-            "kernels captured" if self._capture_lora else ("set without LoRA" if self.enable_lora else "off"),
+            "kernels captured" if self.capture_lora else ("set without LoRA" if self.enable_lora else "off"),
         )
 
     def _capture_batch(self, n: int) -> ForwardBatch:
@@ -189,7 +185,7 @@ class PrefillCudaGraphRunner:
             )
         else:
             mr.attn_backend.init_forward_metadata(fb)
-        if self._capture_lora:
+        if self.capture_lora:
             # The capture batch takes the in-place path: ranks are all 0, kernels are recorded idle.
             assert mr.lora_manager.can_use_prefill_cuda_graph(fb)
             mr.lora_manager.prepare_lora_batch(fb, use_cuda_graph=False, use_prefill_cuda_graph=True)
