@@ -3,9 +3,10 @@ and the folded module's shrink_pack.
 
   - the bound launch path and PDL give the ordinary launch's bits; split-K counters are re-armed;
   - fp32 reference within bf16 rounding;
-  - a CUDA graph captured on a 512-row bucket and replayed for several live batches (token slots
-    refreshed in place, padding rows at -1) gives, on every live row, the bits of an EAGER run on
-    the live rows only: the plans do not depend on the row count (graph == eager, bit for bit).
+  - a CUDA graph captured on a 512-row bucket (grid: the bucket's segment capacity) and replayed
+    for several live batches (segments refreshed in place, padding rows under a rank-0 slot) gives,
+    on every live row, the bits of an EAGER run on the live rows and their own segments only: the
+    plans do not depend on the batch (graph == eager, bit for bit).
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ import pytest
 import torch
 
 from sglang.srt.lora.fold import fold_extra_columns
+from sglang.srt.lora.segments import build_segments, idle_slot_of, segment_capacity
 from sglang.srt.lora.triton_ops.token_lora import (
+    SEGMENT_ROWS,
     plan_expand,
     plan_pack,
     plan_shrink,
@@ -49,12 +52,25 @@ def _weights(gen):
     return w
 
 
-class Runner:
-    """Every launch of one row count prepared once, as the backend does per batch. `fold`: the
-    modules' shrink_pack (writing x_aug) instead of shrink + expand (adding into outs)."""
+def _segments(lens, slots, rows: int, capacity: int = 0) -> list[torch.Tensor]:
+    """(perm, seg_indptr, weight_indices) of a batch over `rows` rows, padded to `capacity`
+    segments with empty ones (0: exactly the batch's segments)."""
+    idle = idle_slot_of(RANKS)
+    segs = build_segments(slots, lens, RANKS, SEGMENT_ROWS, rows, idle)
+    pad = max(capacity - segs.num_segments, 0)
+    as_i32 = lambda v: torch.tensor(v, dtype=torch.int32, device="cuda")  # noqa: E731
+    return [segs.permutation.cuda(), as_i32(segs.seg_indptr + [segs.seg_indptr[-1]] * pad),
+            as_i32(segs.weight_indices + [idle] * pad)]
 
-    def __init__(self, rows: int, w, use_pdl: bool, fold: bool = False, bound: bool = True):
-        self.token_slots = torch.full((rows,), -1, dtype=torch.int32, device="cuda")
+
+class Runner:
+    """Every launch of one batch prepared once, as the backend does. `fold`: the modules'
+    shrink_pack (writing x_aug) instead of shrink + expand (adding into outs). The segment tensors
+    are static: `load` refreshes them in place (a graph's capacity) or sizes them (eager)."""
+
+    def __init__(self, rows: int, num_segments: int, w, use_pdl: bool, fold: bool = False, bound: bool = True):
+        self.rows, self.num_segments = rows, num_segments
+        self.segs = _segments([], [], rows, num_segments)
         self.ranks = torch.tensor(RANKS, dtype=torch.int32, device="cuda")
         self.scalings = torch.tensor(SCALINGS, dtype=torch.float32, device="cuda")
         self.offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32, device="cuda")
@@ -63,30 +79,44 @@ class Runner:
         for name, in_dim, c, slices in MODULES:
             a, b = w[name]
             sp = plan_shrink(in_dim, c * R, a.element_size())
-            ws, cnt = max(ws, sp.workspace_numel(rows)), max(cnt, sp.num_counters(rows))
+            ws, cnt = max(ws, sp.workspace_numel(rows)), max(cnt, sp.num_counters(num_segments))
             x_like = torch.empty(0, in_dim, dtype=DTYPE, device="cuda")
             if fold:
                 extra = fold_extra_columns(SLOTS, c, R)
                 x_aug = torch.empty(rows, in_dim + extra, dtype=DTYPE, device="cuda")
-                pack = prepare_pack(plan_pack(in_dim, c, R, extra, a.element_size()), rows, x_like, a, in_dim + extra, use_pdl)
+                plan = plan_pack(in_dim, c, R, extra, a.element_size())
+                pack = prepare_pack(plan, rows, num_segments, x_like, a, in_dim + extra, use_pdl)
                 self.launches[name] = (pack, x_aug)
                 continue
             widths = {hi - lo for lo, hi in slices}
             ep = plan_expand(b.shape[1], len(slices), R, None if len(widths) == 1 else max(widths))
             xa = torch.empty(rows, c * R, dtype=DTYPE, device="cuda")
             self.launches[name] = (
-                prepare_shrink(sp, rows, x_like, a, c * R, c, use_pdl),
-                prepare_expand(ep, rows, b, c * R, b.shape[1], len(widths) > 1, use_pdl),
+                prepare_shrink(sp, rows, num_segments, x_like, a, c * R, c, use_pdl),
+                prepare_expand(ep, rows, num_segments, b, c * R, b.shape[1], len(widths) > 1, use_pdl),
                 xa,
             )
         self.workspace = torch.empty(ws, dtype=torch.float32, device="cuda")
         self.counters = torch.zeros(cnt, dtype=torch.int32, device="cuda")
 
+    def load(self, lens, slots) -> None:
+        for dst, src in zip(self.segs, _segments(lens, slots, self.rows, self.num_segments)):
+            assert dst.numel() == src.numel()
+            dst.copy_(src)
+
+    @staticmethod
+    def eager(lens, slots, w, use_pdl: bool, fold: bool = False, bound: bool = True) -> "Runner":
+        """A runner for exactly this batch's rows and segments."""
+        rows = sum(lens)
+        runner = Runner(rows, len(_segments(lens, slots, rows)[2]), w, use_pdl, fold, bound)
+        runner.load(lens, slots)
+        return runner
+
     def run(self, inputs: dict, outs: dict) -> None:
         """Unfolded: outs[name] += LoRA. Folded: outs[name] <- x_aug."""
         for name, *_ in MODULES:
             a, b = self.w[name]
-            meta = (self.token_slots, self.ranks)
+            meta = (*self.segs, self.ranks)
             if self.fold:
                 pack, x_aug = self.launches[name]
                 pack = pack if self.bound else pack.call_unbound
@@ -97,7 +127,7 @@ class Runner:
             if not self.bound:
                 shrink, expand = shrink.call_unbound, expand.call_unbound
             shrink(inputs[name], a, xa, self.workspace, self.counters, *meta)
-            offsets = self.offsets if name == "qkv" else self.token_slots
+            offsets = self.offsets if name == "qkv" else self.counters  # unused without offsets
             expand(xa, b, outs[name], *meta, self.scalings, offsets)
 
 
@@ -148,8 +178,7 @@ def test_parity_bound_and_pdl(rows, lens, slots, fold):
     results = {}
     for key, kwargs in {"plain": dict(use_pdl=False, bound=False), "bound": dict(use_pdl=False),
                         "pdl": dict(use_pdl=True)}.items():
-        runner = Runner(rows, w, fold=fold, **kwargs)
-        runner.token_slots.copy_(_slots(lens, slots, rows))
+        runner = Runner.eager(lens, slots, w, fold=fold, **kwargs)
         got = {k: v.clone() for k, v in outs.items()}
         runner.run(inputs, got)
         got = {k: v.clone() for k, v in got.items()}
@@ -179,7 +208,8 @@ def test_graph_replay_matches_eager_on_live_rows(use_pdl, fold):
     bucket = 512
     gen = torch.Generator(device="cuda").manual_seed(7)
     w = _weights(gen)
-    graph_runner = Runner(bucket, w, use_pdl, fold)
+    graph_runner = Runner(bucket, segment_capacity(bucket, SEGMENT_ROWS, SLOTS), w, use_pdl, fold)
+    graph_runner.load([], [])  # all rows inactive, as at capture
     static_in, static_out = _io(bucket, gen)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -197,10 +227,9 @@ def test_graph_replay_matches_eager_on_live_rows(use_pdl, fold):
             static_in[k][:live].copy_(inputs[k])
             if not fold:
                 static_out[k][:live].copy_(outs[k])
-        graph_runner.token_slots.copy_(_slots(lens, slots, bucket))
+        graph_runner.load(lens, slots)
         graph.replay()
-        eager = Runner(live, w, use_pdl, fold)  # its own plans' grids, for the live rows only
-        eager.token_slots.copy_(_slots(lens, slots, live))
+        eager = Runner.eager(lens, slots, w, use_pdl, fold)  # its own grid, for the live rows only
         expected = {k: v.clone() for k, v in outs.items()}
         eager.run(inputs, expected)
         for k in static_out:

@@ -18,10 +18,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.lora.backend import get_backend_from_name
-from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend, build_chunked_segments
+from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend
 from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
 from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
 from sglang.srt.lora.fold import fold_weight
+from sglang.srt.lora.segments import build_segments, segment_capacity
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -169,10 +170,12 @@ def test_eager_matches_torch_native(name, fold, mode, modules):
     assert not torch.allclose(got["qkv_proj"][: lens[0]], plain["qkv_proj"][: lens[0]])
 
 
-def test_csgmv_unfolded_all_base_launches_nothing(modules):
+def test_csgmv_unfolded_all_base_adds_nothing(modules):
     setup = make("csgmv", False, modules)
     setup.backend.prepare_lora_batch(make_batch([4, 2]), [BASE_SLOT, 3], RANKS, SCALINGS, use_cuda_graph=False)
-    assert setup.backend.batch_info.bs == 0
+    info = setup.backend.batch_info
+    # One inactive segment over the six rows, under a rank-0 slot: every kernel program returns.
+    assert info.bs == 1 and RANKS[int(info.weight_indices[0])] == 0
     x, inter = inputs(6, seed=3)
     assert_outputs_close(setup.run(x, inter), reference(modules, [BASE_SLOT, 3], [4, 2], x, inter))
 
@@ -260,41 +263,52 @@ def test_decode_static_info_matches_eager(name, fold, modules):
         assert_outputs_close(replayed, expected, rows=bs)
 
 
-def test_token_major_static_slots_and_no_request_cap(modules):
+def _segments_of(info) -> list[tuple[int, list[int]]]:
+    """(slot, token rows) of every non-empty segment of an info, as the kernels read them."""
+    indptr, slots, perm = info.seg_indptr.tolist(), info.weight_indices.tolist(), info.permutation.tolist()
+    return [(slots[i], perm[indptr[i] : indptr[i + 1]]) for i in range(info.bs) if indptr[i + 1] > indptr[i]]
+
+
+def test_token_major_static_segments_and_no_request_cap(modules):
     setup = make("triton", True, modules)
     backend = setup.backend
     backend.init_prefill_cuda_graph_batch_info(max_num_tokens=64)
     info = backend.prefill_cuda_graph_batch_info
-    assert info.token_slots.numel() == 64 and info.use_cuda_graph
+    assert info.permutation.numel() == 64 and info.use_cuda_graph
     assert info.lora_ranks is SLOT_RANKS and info.scalings is SLOT_SCALINGS  # the pool's tensors, not copies
+    buffers = [t.data_ptr() for t in (info.permutation, info.seg_indptr, info.weight_indices)]
     backend.prepare_lora_batch(make_batch([3, 2], pad_to=16), [A_SLOT, B_SLOT], RANKS, SCALINGS, False, True)
-    assert info.num_rows == 16
-    assert info.token_slots.tolist() == [A_SLOT] * 3 + [B_SLOT] * 2 + [-1] * 59
-    # 48 one-token requests fit a 64-token bucket (the old triton backend stopped at 32).
+    assert info.num_rows == 16 and info.bs == segment_capacity(16, 16, NUM_SLOTS)
+    # Every row of the graph kind in exactly one segment: A, B, then the rest under a rank-0 slot.
+    segs = _segments_of(info)
+    assert segs[:2] == [(A_SLOT, [0, 1, 2]), (B_SLOT, [3, 4])]
+    assert all(RANKS[slot] == 0 and len(rows) <= 16 for slot, rows in segs[2:])
+    assert sorted(r for _, rows in segs for r in rows) == list(range(64))
+    # 48 one-token requests fit a 64-token bucket (the old triton backend stopped at 32); the
+    # interleaved rows are regrouped into one-slot segments.
     backend.prepare_lora_batch(make_batch([1] * 48), [A_SLOT, BASE_SLOT] * 24, RANKS, SCALINGS, False, True)
-    assert info.token_slots.tolist() == [A_SLOT, BASE_SLOT] * 24 + [-1] * 16
+    segs = _segments_of(info)
+    assert segs[:2] == [(A_SLOT, list(range(0, 32, 2))), (A_SLOT, list(range(32, 48, 2)))]
+    assert [t.data_ptr() for t in (info.permutation, info.seg_indptr, info.weight_indices)] == buffers
     x, inter = inputs(48, seed=5)
     assert_outputs_close(setup.run(x, inter), reference(modules, [A_SLOT, BASE_SLOT] * 24, [1] * 48, x, inter))
 
 
-def test_csgmv_static_tail_is_neutralised(modules):
-    backend = make("csgmv", False, modules).backend
+@pytest.mark.parametrize("name", ["csgmv", "triton"])
+def test_static_tail_is_neutralised(name, modules):
+    backend = make(name, False, modules).backend
     backend.init_prefill_cuda_graph_batch_info(max_num_tokens=64)
     info = backend.prefill_cuda_graph_batch_info
-    assert info.bs == max(-(-64 // 16) + NUM_SLOTS, 16) and info.max_len == 16
+    assert info.bs == segment_capacity(64, 16, NUM_SLOTS) and info.max_len == 16
     slots, lens = PREFILL_SEQUENCE[0]
     backend.prepare_lora_batch(make_batch(lens), slots, RANKS, SCALINGS, False, True)
-    big = info.num_segments
     backend.prepare_lora_batch(make_batch([3]), [B_SLOT], RANKS, SCALINGS, False, True)
-    assert info.num_segments == 1 < big
-    assert info.bs == 16  # the grid's segment axis follows the rows of the batch (3), at least 16
+    assert info.bs == segment_capacity(3, 16, NUM_SLOTS)  # the grid's segment axis follows the rows (3)
     indptr = info.seg_indptr.tolist()
-    assert indptr[:2] == [0, 3] and set(indptr[2:]) == {3}
+    assert indptr[:2] == [0, 3] and info.weight_indices.tolist()[0] == B_SLOT
+    # Past the live segments: one inactive run over the padding rows, then empty segments only.
     assert all(RANKS[s] == 0 for s in info.weight_indices.tolist()[1:])
-    # Folded modules only: no segment metadata at all.
-    folded = make("csgmv", True, modules).backend
-    folded.init_prefill_cuda_graph_batch_info(max_num_tokens=64)
-    assert folded.prefill_cuda_graph_batch_info.seg_indptr is None
+    assert indptr[info.num_segments :] == [64] * (len(indptr) - info.num_segments)
 
 
 # ---- host-side pieces -------------------------------------------------------------------------
@@ -304,21 +318,52 @@ def test_csgmv_chunks_are_the_same_eagerly_and_under_graphs(modules):
     backend.prepare_lora_batch(make_batch(MIXED_LENS), MIXED_SLOTS, RANKS, SCALINGS, use_cuda_graph=False)
     info = backend.batch_info
     assert info.max_len == 32
-    # A: 5 + 9 = 14 tokens -> 1 chunk; B: 50 tokens -> 2 chunks; base: none.
-    assert info.weight_indices.tolist() == [A_SLOT, B_SLOT, B_SLOT]
-    assert info.seg_indptr.tolist() == [0, 14, 46, 64]
-    assert info.bs == info.num_segments == 3
+    # A: 5 + 9 = 14 tokens -> 1 chunk; B: 50 tokens -> 2 chunks; base: one inactive chunk.
+    assert info.weight_indices.tolist() == [A_SLOT, B_SLOT, B_SLOT, BASE_SLOT]
+    assert info.seg_indptr.tolist() == [0, 14, 46, 64, 67]
+    assert info.bs == info.num_segments == 4
     backend.init_prefill_cuda_graph_batch_info(max_num_tokens=128)
     assert backend.prefill_cuda_graph_batch_info.max_len == 32
 
 
-def test_build_chunked_segments_sorts_stably_and_skips_base():
-    segs = build_chunked_segments([A_SLOT, BASE_SLOT, B_SLOT, A_SLOT], [3, 2, 20, 2], RANKS, chunk=16)
+def test_build_segments_sorts_stably_and_puts_inactive_rows_last():
+    segs = build_segments([A_SLOT, BASE_SLOT, B_SLOT, A_SLOT], [3, 2, 20, 2], RANKS, chunk=16, num_rows=30,
+                          idle_slot=BASE_SLOT)
     perm = segs.permutation.tolist()
-    assert sorted(perm) == list(range(27))
-    # A's tokens (rows 0-2, 25-26) in order, then B's (5-24), then base rows (3-4) uncovered.
-    assert perm == [0, 1, 2, 25, 26] + list(range(5, 25)) + [3, 4]
-    assert segs.seg_indptr == [0, 5, 21, 25] and segs.weight_indices == [A_SLOT, B_SLOT, B_SLOT]
+    assert sorted(perm) == list(range(30))
+    # A's tokens (rows 0-2, 25-26) in order, then B's (5-24), then base rows (3-4) and padding.
+    assert perm == [0, 1, 2, 25, 26] + list(range(5, 25)) + [3, 4] + list(range(27, 30))
+    assert segs.seg_indptr == [0, 5, 21, 25, 30] and segs.weight_indices == [A_SLOT, B_SLOT, B_SLOT, BASE_SLOT]
+    assert segs.num_active_rows == 25
+    # Decode: one row per request, interleaved slots regrouped; -1 and rank-0 slots are inactive.
+    segs = build_segments([B_SLOT, -1, A_SLOT, BASE_SLOT, B_SLOT], [1] * 5, RANKS, chunk=16, num_rows=5,
+                          idle_slot=BASE_SLOT)
+    assert segs.permutation.tolist() == [2, 0, 4, 1, 3]
+    assert segs.seg_indptr == [0, 1, 3, 5] and segs.weight_indices == [A_SLOT, B_SLOT, BASE_SLOT]
+
+
+def test_segment_capacity_bounds_every_batch():
+    """Any batch of n rows takes at most segment_capacity(n) segments, and a bucket's first
+    segment_capacity(B) segments of a static plan hold every row < B."""
+    import random
+
+    rng = random.Random(0)
+    ranks = [0, 8, 16, 4, 0, 2]
+    for _ in range(300):
+        bs = rng.randint(1, 12)
+        lens = [rng.choice([0, 1, 1, 3, 17, 40]) for _ in range(bs)]
+        slots = [rng.randrange(-1, len(ranks)) for _ in range(bs)]
+        chunk = rng.choice([16, 32])
+        live = sum(lens)
+        bucket = live + rng.randint(0, 40)
+        static_rows = bucket + rng.randint(0, 100)
+        segs = build_segments(slots, lens, ranks, chunk, static_rows, idle_slot=0)
+        cap = segment_capacity(bucket, chunk, len(ranks))
+        covered = {r for i in range(min(cap, segs.num_segments))
+                   for r in segs.permutation[segs.seg_indptr[i] : segs.seg_indptr[i + 1]].tolist()}
+        assert set(range(bucket)) <= covered
+        assert build_segments(slots, lens, ranks, chunk, live, 0).num_segments <= segment_capacity(live, chunk,
+                                                                                                   len(ranks))
 
 
 def test_registry_and_capabilities():

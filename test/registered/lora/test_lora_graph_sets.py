@@ -75,7 +75,7 @@ def decode(mr, lora_ids):
 
 
 def snapshot(info) -> list[torch.Tensor]:
-    return [t.clone() for t in (info.token_slots, info.lora_ranks, info.scalings)]
+    return [t.clone() for t in (info.permutation, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings)]
 
 
 def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:

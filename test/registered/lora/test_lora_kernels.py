@@ -46,7 +46,6 @@ def _make_info(seg_lens: list[int], slots: list[int], max_len: int, perm=None) -
         indptr.append(indptr[-1] + n)
     return LoRABatchInfo(
         num_rows=sum(seg_lens),
-        token_slots=None,
         bs=len(seg_lens),
         num_segments=len(seg_lens),
         max_len=max_len,

@@ -238,7 +238,7 @@ def test_flags_pick_the_metadata_and_static_prefill_info_matches_eager(setup, ba
     mgr.init_prefill_cuda_graph_batch_info(32)
     mgr.init_cuda_graph_batch_info(8)
     static = backend_obj.prefill_cuda_graph_batch_info
-    addresses = (static.token_slots.data_ptr(), static.lora_ranks.data_ptr(), static.scalings.data_ptr())
+    addresses = (static.permutation.data_ptr(), static.lora_ranks.data_ptr(), static.scalings.data_ptr())
 
     def body(lora_ids, lens, prefill_graph):
         fb = _extend_batch(runner, lens, lora_ids)
@@ -251,7 +251,7 @@ def test_flags_pick_the_metadata_and_static_prefill_info_matches_eager(setup, ba
         eager = body(lora_ids, lens, False)
         graph_meta = body(lora_ids, lens, True)
         assert torch.equal(graph_meta, eager)  # the same kernels and plans: the same bits
-    assert addresses == (static.token_slots.data_ptr(), static.lora_ranks.data_ptr(), static.scalings.data_ptr())
+    assert addresses == (static.permutation.data_ptr(), static.lora_ranks.data_ptr(), static.scalings.data_ptr())
 
     row = runner.req_to_token_pool.alloc(1)[0]
     dec = build_decode_batch(

@@ -3,8 +3,9 @@ reference (CPU interpreter, fp32).
 
 Same poisoning as test_lora_kernels.py: NaN past each adapter's compact prefix in A and B and past
 its columns in the shrink output, sentinels in rows that must stay untouched (base rows, padding).
-Layouts cover one slot per tile (the fast path), several slots in one tile (the slot loop), rank-0
-rows between adapter rows, padding (slot -1), and split-K with its counters re-armed to zero.
+Layouts cover long runs of one slot (whole segments), slots interleaved row by row (decode: the
+rows are regrouped into one-slot segments), rank-0 rows between adapter rows, padding (slot -1),
+and split-K with its counters re-armed to zero.
 """
 
 from __future__ import annotations
@@ -128,14 +129,16 @@ def test_token_shrink_split_k_rearms_its_counters(layout, split):
 def test_plans_depend_on_static_shapes_only():
     """Tiles and the K split decide each row's summation order: they must not follow the row count
     (a graph replays a padded bucket, eager runs the live rows), only K and the widths."""
-    down = plan_shrink(14336, 16, 2)  # Llama-8B down_proj: K split in pieces of ~512
+    down = plan_shrink(14336, 16, 2)  # Llama-8B down_proj: 56 K tiles in at most 32 pieces
     assert down.split == 28 and down.k_per_split == 512 and down.k_per_split % down.block_k == 0
-    qkv = plan_shrink(4096, 48, 2)
-    assert qkv.split == 8 and qkv.block_s == 16
+    qkv = plan_shrink(4096, 48, 2)  # one 256-deep K tile per program
+    assert qkv.split == 16 and qkv.k_per_split == 256 and qkv.block_s == 16
     assert plan_shrink(40, 16, 4).split == 1  # a single K tile cannot be split
-    assert [qkv.grid(n)[0] for n in (1, 16, 17, 2048)] == [8, 8, 16, 1024]  # only the grid grows
-    assert qkv.workspace_numel(32) == 8 * 32 * 64 and qkv.num_counters(32) == 2
-    assert plan_expand(6144, 3, 16, 4096).block_s == plan_expand(128, 1, 16).block_s
+    # Only the grid follows the batch: one program column (x splits) per segment.
+    assert [qkv.grid(n)[0] for n in (1, 2, 130)] == [16, 32, 2080]
+    assert qkv.workspace_numel(32) == 16 * 32 * 64 and qkv.num_counters(3) == 3
+    assert plan_expand(6144, 3, 16, 4096).block_s == plan_expand(128, 1, 16).block_s == 16
+    assert plan_shrink(4096, 48, 2, block_s=32).block_s == 32  # csgmv's chunk
 
 
 def _shrunk(rows: int, stack: int, token_slots: torch.Tensor, gen) -> torch.Tensor:
@@ -191,7 +194,7 @@ def test_token_expand_bucket_sized_grid_with_padding():
     b = _poisoned_b(PLAIN_OUT, gen)
     base = torch.full((rows, PLAIN_OUT), SENTINEL)
     plan = plan_expand(PLAIN_OUT, 1, MAX_RANK)
-    assert isinstance(plan, ExpandPlan) and plan.block_s == 64
+    assert isinstance(plan, ExpandPlan) and plan.block_s == 16
     expected = ref_expand(xa, b, token_slots, base, [(0, PLAIN_OUT)])
     got = token_expand(xa, b, token_slots, RANKS_T, SCALINGS_T, base, 1, plan=plan)
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
@@ -224,8 +227,8 @@ def test_bound_kernel_checks_its_signature():
     from sglang.srt.lora.triton_ops.token_lora import prepare_shrink
 
     x, a = torch.zeros(16, IN_DIM), torch.zeros(len(RANKS), MAX_RANK, IN_DIM)
-    launch = prepare_shrink(plan, 16, x, a, MAX_RANK, 1)
-    assert launch.bound.num_runtime_args == 7 + len(launch.ints)
+    launch = prepare_shrink(plan, 16, 1, x, a, MAX_RANK, 1)
+    assert launch.bound.num_runtime_args == 9 + len(launch.ints)
     with pytest.raises(AssertionError):  # an int that triton would pass as 64-bit
         launch.bound.prepare(launch.grid, launch.ints[:-1] + (2**40,))
 
@@ -245,6 +248,9 @@ def _compile_for_hopper(kernel, tensors: dict, ints: list[str], constexprs: dict
     return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
 
 
+SEGMENT_PTRS = {"perm_ptr": "*i32", "seg_indptr_ptr": "*i32", "weight_indices_ptr": "*i32"}
+
+
 def hopper_ptx_flags(use_pdl: bool) -> dict[str, bool]:
     """Compile both kernels for sm_90 and report PTX facts (run without TRITON_INTERPRET)."""
     from sglang.srt.lora.triton_ops.token_expand import _token_expand_kernel
@@ -253,7 +259,7 @@ def hopper_ptx_flags(use_pdl: bool) -> dict[str, bool]:
     shrink = _compile_for_hopper(
         _token_shrink_kernel,
         {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
-         "token_slots_ptr": "*i32", "lora_ranks_ptr": "*i32"},
+         **SEGMENT_PTRS, "lora_ranks_ptr": "*i32"},
         ["num_rows", "part_plane", "K", "k_per_split", "x_stride_t", "w_stride_s", "w_stride_n", "out_stride_t",
          "n_tiles"],
         dict(STACK=3, BLOCK_S=16, BLOCK_N=64, BLOCK_K=256, SPLIT=4, DOT_PREC="tf32", USE_PDL=use_pdl),
@@ -261,10 +267,10 @@ def hopper_ptx_flags(use_pdl: bool) -> dict[str, bool]:
     )
     expand = _compile_for_hopper(
         _token_expand_kernel,
-        {"xa_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "token_slots_ptr": "*i32",
+        {"xa_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", **SEGMENT_PTRS,
          "lora_ranks_ptr": "*i32", "scalings_ptr": "*fp32", "slice_offsets_ptr": "*i32"},
         ["num_rows", "slice_width", "n_tiles", "xa_stride_t", "w_stride_s", "w_stride_n", "out_stride_t"],
-        dict(HAS_OFFSETS=True, OFFSET_ALIGN=16, BLOCK_S=64, BLOCK_N=128, BLOCK_R=16, DOT_PREC="tf32", USE_PDL=use_pdl),
+        dict(HAS_OFFSETS=True, OFFSET_ALIGN=16, BLOCK_S=16, BLOCK_N=128, BLOCK_R=16, DOT_PREC="tf32", USE_PDL=use_pdl),
         num_warps=4,
         launch_pdl=use_pdl,
     )
@@ -273,7 +279,7 @@ def hopper_ptx_flags(use_pdl: bool) -> dict[str, bool]:
     pack = _compile_for_hopper(
         _shrink_pack_kernel,
         {"x_ptr": "*bf16", "w_ptr": "*bf16", "xaug_ptr": "*bf16", "part_ptr": "*fp32", "counter_ptr": "*i32",
-         "token_slots_ptr": "*i32", "lora_ranks_ptr": "*i32", "scalings_ptr": "*fp32"},
+         **SEGMENT_PTRS, "lora_ranks_ptr": "*i32", "scalings_ptr": "*fp32"},
         ["num_rows", "part_plane", "K", "k_per_split", "x_stride_t", "w_stride_s", "w_stride_n", "xaug_stride_t",
          "n_tiles"],
         dict(STACK=3, MAX_RANK=16, E_COLS=432, BLOCK_S=16, BLOCK_N=64, BLOCK_K=256, BLOCK_E=128, SPLIT=8,

@@ -10,34 +10,35 @@ import torch
 
 @dataclass
 class LoRABatchInfo:
-    """Which adapter slot each token row of the batch uses.
+    """Which adapter slot each token row of the batch uses, as segments.
 
-    Token-major (`triton`, `csgmv`): `token_slots[t]` is row t's pool slot, -1 for rows outside
-    every request (padding of a graph bucket). Kernels read the slot's rank first: rank 0 (the base
-    model, an empty slot) and -1 rows get nothing added. Under a CUDA graph `token_slots` is a
-    static buffer refreshed in place, and `num_rows` is the row count of the batch being prepared
-    (at capture: the bucket), which only sizes grids.
+    A *segment* is a run of rows, in the order the kernels read them (`permutation`: position ->
+    row), that share one slot. Token-major backends (`triton`, `csgmv`; lora/segments.py) put every
+    row of the batch in exactly one segment of at most `max_len` rows: active adapters' rows
+    grouped by slot, then the rest (base model, rank-0 slots, padding) under a rank-0 slot. Kernels
+    read the slot's rank first: rank 0 gets nothing added. `torch_native` keeps request-ordered
+    segments (no permutation) for the rows with an adapter.
+
+    `bs` is the grid's segment axis: the live segments eagerly; under a CUDA graph the capacity of
+    the bucket being prepared (frozen at capture), unused segments empty. `num_rows` is the row
+    count of the batch being prepared (at capture: the bucket), the kernels' row bound. Under a
+    graph the segment tensors are static buffers refreshed in place.
 
     `lora_ranks` and `scalings` are per slot; for the token-major backends they are the pool's
     device tensors (updated when a slot changes, not per forward).
-
-    Segments (csgmv's chunked fallback kernels, torch_native): a *segment* is a run of rows, in the
-    order the kernels read them (`permutation`: sorted position -> row), that share one slot.
-    `bs` is the grid's segment axis (frozen at capture under graphs), unused segments have length 0.
     """
 
     num_rows: int
-    token_slots: Optional[torch.Tensor]  # int32 [>= num_rows]
     lora_ranks: torch.Tensor  # int32 [num_slots]: rank of each slot's adapter, 0 = none
     scalings: torch.Tensor  # float32 [num_slots]: alpha / r (or alpha / sqrt(r) for rsLoRA)
     use_cuda_graph: bool = False  # metadata lives in static buffers a graph reads
     bs: int = 0  # size of the grid's segment axis
     num_segments: int = 0  # live segments (<= bs); informational under graphs
-    max_len: int = 0  # chunk size (csgmv) or longest segment: the grid's token axis
+    max_len: int = 0  # segment size (token-major) or longest segment (torch_native)
     seg_indptr: Optional[torch.Tensor] = None  # int32 [bs + 1]: CSR offsets, seg_indptr[0] == 0
     weight_indices: Optional[torch.Tensor] = None  # int32 [bs]: pool slot of each segment
-    seg_lens: Optional[torch.Tensor] = None  # int32 [bs]
-    permutation: Optional[torch.Tensor] = None  # int32 [T]: sorted position -> token row (csgmv)
+    seg_lens: Optional[torch.Tensor] = None  # int32 [bs] (torch_native)
+    permutation: Optional[torch.Tensor] = None  # int32 [>= num_rows]: position -> token row
 
 
 @dataclass(frozen=True)

@@ -1,5 +1,5 @@
-"""The token-major LoRA backend (`triton`, and `csgmv` for its folded modules): every token row
-names its adapter slot, and each wrapped module costs one LoRA kernel.
+"""The token-major LoRA backend (`triton`, and `csgmv` for its folded modules): the batch's rows are
+grouped into adapter segments once per forward, and each wrapped module costs one LoRA kernel.
 
 Per module kind (qkv_proj, o_proj, gate_up_proj, down_proj), decided once at start-up
 (LoRAMemoryPool, lora/fold.py; logged by the manager):
@@ -9,18 +9,20 @@ Per module kind (qkv_proj, o_proj, gate_up_proj, down_proj), decided once at sta
   unfolded  the base GEMM, then a token-major shrink and expand (triton_ops/token_*.py) added in
             place; subclasses may bring their own kernels (csgmv: chunked SGMV).
 
-Metadata, built once per batch in `prepare_lora_batch` (the caller picks the destination):
-  `token_slots` int32 per row (-1 past the live rows): eager, one pinned host->device copy of a
-  fresh tensor; decode and prefill graphs, a static buffer rewritten in place (one copy). Ranks
-  and scalings are the pool's device tensors (`init_modules`), updated only when a slot changes.
-  Grids depend on the row count only, so one graph captured for a bucket serves any number of
-  requests within its rows: the prefill graph's request cap is its token count.
+Metadata, built once per batch in `prepare_lora_batch` (the caller picks the destination): the
+segments of lora/segments.py (a row order grouped by slot, cut into runs of `segment_rows`), one
+int32 buffer [permutation | seg_indptr | weight_indices] and one pinned host->device copy. Eagerly
+it is a fresh buffer of the live rows and the grid spans the live segments; under the decode and
+prefill graphs it is a static buffer covering every row the graph kind can hold, rewritten in
+place, and a graph's grid spans the segment capacity of its bucket. Ranks and scalings are the
+pool's device tensors (`init_modules`), updated only when a slot changes. Nothing in the metadata
+counts requests, so the prefill graph's request cap is its token count.
 
 Launches and buffers: per batch and module kind, the launches are prepared once (`PreparedLaunch`:
-grid and ints fixed, kernels bound), cached by row count; layers only pass their tensors. x_aug /
-shrink outputs, split-K partials and ticket counters live in a `_Scratch`: one per graph kind,
-allocated with its static info before any capture and never reallocated; eager batches borrow the
-prefill (or decode) graph's when they fit, else an eager one grown in prepare. Nothing is
+grid and ints fixed, kernels bound), cached by (rows, segments); layers only pass their tensors.
+x_aug / shrink outputs, split-K partials and ticket counters live in a `_Scratch`: one per graph
+kind, allocated with its static info before any capture and never reallocated; eager batches
+borrow the prefill (or decode) graph's when they fit, else an eager one grown in prepare. Nothing is
 allocated and nothing synchronises per LoRA call. Plans depend on static shapes only
 (token_lora.py), so a padded graph replay and an eager pass compute every row bit for bit alike.
 
@@ -30,6 +32,7 @@ kernel on the capture stream before capture begins.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -38,8 +41,10 @@ import torch.nn.functional as F
 
 from sglang.srt.lora.backend._staging import copy_into, to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
+from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
 from sglang.srt.lora.triton_ops.token_lora import (
+    SEGMENT_ROWS,
     pdl_available,
     plan_expand,
     plan_pack,
@@ -53,11 +58,12 @@ from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeigh
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-_LAUNCH_CACHE_SIZE = 512  # distinct row counts kept (decode sizes, prefill buckets, live eager sizes)
+_LAUNCH_CACHE_SIZE = 512  # distinct (rows, segments) kept: decode sizes, prefill buckets, live eager batches
 # Programmatic dependent launch where the GPU has it (Hopper+): shrink_pack may start while the
 # kernel before it drains (it waits before reading x), the unfolded expand while its shrink runs.
-# The first H200 run measured tok+pdl ~15% faster than tok; set False to launch everything plainly.
-USE_PDL_BY_DEFAULT = True
+# The first H200 run measured tok+pdl ~15% faster than tok; SGLANG_LORA_PDL=0 launches everything
+# plainly (benchmarks compare).
+USE_PDL_BY_DEFAULT = os.environ.get("SGLANG_LORA_PDL", "1") != "0"
 
 
 @dataclass
@@ -72,6 +78,18 @@ class _Scratch:
 
     def matrix(self, rows: int, width: int) -> torch.Tensor:
         return self.flat[: rows * width].view(rows, width)
+
+
+@dataclass
+class _GraphMeta:
+    """The static metadata of one graph kind (decode or prefill): the info its kernels read, the one
+    int32 buffer behind the info's segment tensors, the rows it covers and its scratch."""
+
+    info: LoRABatchInfo
+    buffer: torch.Tensor  # [permutation (rows) | seg_indptr (capacity + 1) | weight_indices (capacity)]
+    rows: int
+    capacity: int
+    scratch: _Scratch
 
 
 @dataclass
@@ -98,17 +116,17 @@ class TokenLoRABackend(BaseLoRABackend):
         if use_pdl is None:
             use_pdl = USE_PDL_BY_DEFAULT and pdl_available(self.device)
         self.use_pdl = use_pdl
+        # Rows per segment: every kernel's tile of rows (csgmv: its chunk).
+        self.segment_rows = SEGMENT_ROWS
         self.dtype: Optional[torch.dtype] = None
         self._slot_ranks: Optional[torch.Tensor] = None
         self._slot_scalings: Optional[torch.Tensor] = None
         self._slice_offsets: dict[str, torch.Tensor] = {}  # unequal slices (qkv), for the expand
-        self._decode_slots: Optional[torch.Tensor] = None  # static token_slots of the decode graph
-        self._prefill_slots: Optional[torch.Tensor] = None
-        self._decode_scratch: Optional[_Scratch] = None
-        self._prefill_scratch: Optional[_Scratch] = None
+        self._decode: Optional[_GraphMeta] = None
+        self._prefill: Optional[_GraphMeta] = None
         self._eager_scratch: Optional[_Scratch] = None
         self._scratch: Optional[_Scratch] = None  # the current batch's
-        self._launch_cache: dict[int, dict[str, _ModuleLaunches]] = {}
+        self._launch_cache: dict[tuple[int, int], dict[str, _ModuleLaunches]] = {}
         self._layouts: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._launches: dict[str, _ModuleLaunches] = {}
 
@@ -129,15 +147,19 @@ class TokenLoRABackend(BaseLoRABackend):
                 self._slice_offsets[name] = torch.tensor(spec.slice_offsets, dtype=torch.int32, device=self.device)
         self._layouts = self._layout_tensors()
 
+    def segment_capacity(self, rows: int) -> int:
+        """Most segments a batch of `rows` rows can take (lora/segments.py)."""
+        return segment_capacity(rows, self.segment_rows, self._slot_ranks.numel())
+
     def _scratch_for(self, rows: int) -> _Scratch:
         width = max((s.in_dim + s.extra_cols if s.folded else s.stack * s.max_rank) for s in self.specs.values())
         workspace = counters = 1
         elem = self.dtype.itemsize
         for s in self.specs.values():
             if s.folded or self._uses_token_kernels(s):
-                plan = plan_shrink(s.in_dim, s.stack * s.max_rank, elem)
+                plan = plan_shrink(s.in_dim, s.stack * s.max_rank, elem, self.segment_rows)
                 workspace = max(workspace, plan.workspace_numel(rows))
-                counters = max(counters, plan.num_counters(rows))
+                counters = max(counters, plan.num_counters(self.segment_capacity(rows)))
         dev = self.device
         return _Scratch(
             rows,
@@ -151,23 +173,25 @@ class TokenLoRABackend(BaseLoRABackend):
         return True
 
     # ---- static infos ------------------------------------------------------------------------
-    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1) -> None:
-        rows = max_bs_in_cuda_graph * num_tokens_per_bs
-        self._decode_slots = torch.full((rows,), -1, dtype=torch.int32, device=self.device)
-        self._decode_scratch = self._scratch_for(rows)
-        self.cuda_graph_batch_info = LoRABatchInfo(
-            rows, self._decode_slots, self._slot_ranks, self._slot_scalings, use_cuda_graph=True
+    def _graph_meta(self, rows: int) -> _GraphMeta:
+        cap = self.segment_capacity(rows)
+        buffer = torch.zeros(rows + 2 * cap + 1, dtype=torch.int32, device=self.device)
+        info = LoRABatchInfo(
+            rows, self._slot_ranks, self._slot_scalings, use_cuda_graph=True, bs=cap, max_len=self.segment_rows,
+            permutation=buffer[:rows], seg_indptr=buffer[rows : rows + cap + 1], weight_indices=buffer[rows + cap + 1 :],
         )
+        return _GraphMeta(info, buffer, rows, cap, self._scratch_for(rows))
+
+    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1) -> None:
+        self._decode = self._graph_meta(max_bs_in_cuda_graph * num_tokens_per_bs)
+        self.cuda_graph_batch_info = self._decode.info
         self.max_bs_in_cuda_graph = max_bs_in_cuda_graph
 
     def init_prefill_cuda_graph_batch_info(self, max_num_tokens: int) -> None:
-        self._prefill_slots = torch.full((max_num_tokens,), -1, dtype=torch.int32, device=self.device)
-        self._prefill_scratch = self._scratch_for(max_num_tokens)
-        self.prefill_cuda_graph_batch_info = LoRABatchInfo(
-            max_num_tokens, self._prefill_slots, self._slot_ranks, self._slot_scalings, use_cuda_graph=True
-        )
-        # Token-major metadata has no per-request part: every request has >= 1 token, so the
-        # bucket's token count is also its request cap.
+        self._prefill = self._graph_meta(max_num_tokens)
+        self.prefill_cuda_graph_batch_info = self._prefill.info
+        # Segments have no per-request part: every request has >= 1 token, so the bucket's token
+        # count is also its request cap.
         self.prefill_cuda_graph_max_bs = max_num_tokens
         self.prefill_cuda_graph_max_tokens = max_num_tokens
 
@@ -181,76 +205,89 @@ class TokenLoRABackend(BaseLoRABackend):
         use_cuda_graph: bool,
         use_prefill_cuda_graph: bool = False,
     ) -> None:
-        """Fill `self.batch_info`: the rows' slots, where the chosen path reads them, and the
-        launches of every module kind for this row count. `lora_ranks` (host list) is read only by
-        subclasses' segment metadata; `scalings` not at all: the kernels read the pool's device tensors."""
+        """Fill `self.batch_info`: the batch's segments, where the chosen path reads them, and the
+        launches of every module kind for this batch. `lora_ranks` (host list) decides which rows
+        are active; `scalings` is not read: the kernels read the pool's device tensors."""
         assert self.specs, "init_modules must run before the first batch"
         bs = forward_batch.batch_size
         assert len(weight_indices) == bs, (len(weight_indices), bs)
         num_rows = forward_batch.num_tokens
         lens = self._request_lens(forward_batch)
-        per_row = torch.repeat_interleave(torch.tensor(weight_indices, dtype=torch.int32), torch.tensor(lens))
-        live = per_row.numel()
-        assert live <= num_rows, (live, num_rows)
+        idle = idle_slot_of(lora_ranks)
         if use_cuda_graph or use_prefill_cuda_graph:
-            if use_cuda_graph:
-                static, scratch, info = self._decode_slots, self._decode_scratch, self.cuda_graph_batch_info
-                assert static is not None, "init_cuda_graph_batch_info must run before a decode graph batch"
-            else:
-                static, scratch, info = self._prefill_slots, self._prefill_scratch, self.prefill_cuda_graph_batch_info
-                assert static is not None, "init_prefill_cuda_graph_batch_info must run before a prefill graph batch"
-                assert forward_batch.forward_mode.is_extend(), forward_batch.forward_mode
-            assert num_rows <= static.numel(), (num_rows, static.numel())
-            host = torch.full((static.numel(),), -1, dtype=torch.int32)
-            host[:live] = per_row
-            copy_into(static, host)  # rows past the live ones: -1, never a stale slot
-            info.num_rows = num_rows
+            meta = self._decode if use_cuda_graph else self._prefill
+            assert meta is not None, "init_*_cuda_graph_batch_info must run before a graph batch"
+            assert use_cuda_graph or forward_batch.forward_mode.is_extend(), forward_batch.forward_mode
+            assert num_rows <= meta.rows, (num_rows, meta.rows)
+            # The static segments cover every row the graph kind holds (padding in row order), so
+            # any bucket's grid finds all of its rows in its first segment_capacity(bucket) segments.
+            segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, meta.rows, idle)
+            assert segs.num_segments <= meta.capacity, (segs.num_segments, meta.capacity)
+            copy_into(meta.buffer, self._packed(segs, meta.capacity, idle))
+            info, scratch = meta.info, meta.scratch
+            info.num_rows, info.num_segments = num_rows, segs.num_segments
+            # The grid's segment axis for this row count: at capture, the bucket's capacity.
+            info.bs = self.segment_capacity(num_rows)
         else:
-            host = torch.full((num_rows,), -1, dtype=torch.int32)
-            host[:live] = per_row
+            segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, num_rows, idle)
+            n = segs.num_segments
+            packed = to_device(self._packed(segs, n, idle), torch.int32, self.device)
+            info = LoRABatchInfo(
+                num_rows, self._slot_ranks, self._slot_scalings, bs=n, num_segments=n, max_len=self.segment_rows,
+                permutation=packed[:num_rows], seg_indptr=packed[num_rows : num_rows + n + 1],
+                weight_indices=packed[num_rows + n + 1 :],
+            )
             scratch = self._eager_scratch_for(num_rows)
-            info = LoRABatchInfo(num_rows, to_device(host, torch.int32, self.device), self._slot_ranks,
-                                 self._slot_scalings)
         self._scratch = scratch
-        self._launches = self._launches_for(num_rows)
-        self._prepare_segments(info, lens, weight_indices, lora_ranks, use_cuda_graph or use_prefill_cuda_graph)
+        self._launches = self._launches_for(num_rows, info.bs)
         self.batch_info = info
 
-    def _prepare_segments(self, info, lens, weight_indices, lora_ranks, static) -> None:
-        """Subclass hook: extra metadata for unfolded modules' own kernels (csgmv)."""
+    @staticmethod
+    def _packed(segs: Segments, capacity: int, idle: int) -> torch.Tensor:
+        """[permutation | seg_indptr | weight_indices], the segment lists padded to `capacity` with
+        empty segments of the idle slot (a larger earlier batch's segments never run again)."""
+        pad = capacity - segs.num_segments
+        tail = segs.seg_indptr + [segs.seg_indptr[-1]] * pad + segs.weight_indices + [idle] * pad
+        return torch.cat([segs.permutation, int32_tensor(tail)])
 
     def _eager_scratch_for(self, rows: int) -> _Scratch:
-        for scratch in (self._prefill_scratch, self._decode_scratch, self._eager_scratch):
-            if scratch is not None and scratch.rows >= rows:
-                return scratch
-        # Grown to the next power of two, so a run of growing prefills reallocates rarely.
-        self._eager_scratch = self._scratch_for(1 << max(rows - 1, 0).bit_length())
+        for meta in (self._prefill, self._decode):
+            if meta is not None and meta.scratch.rows >= rows:
+                return meta.scratch
+        if self._eager_scratch is None or self._eager_scratch.rows < rows:
+            # Grown to the next power of two, so a run of growing prefills reallocates rarely.
+            self._eager_scratch = self._scratch_for(1 << max(rows - 1, 0).bit_length())
         return self._eager_scratch
 
-    def _launches_for(self, num_rows: int) -> dict[str, _ModuleLaunches]:
-        cached = self._launch_cache.get(num_rows)
+    def _launches_for(self, num_rows: int, num_segments: int) -> dict[str, _ModuleLaunches]:
+        key = (num_rows, num_segments)
+        cached = self._launch_cache.get(key)
         if cached is not None:
             return cached
         if len(self._launch_cache) >= _LAUNCH_CACHE_SIZE:
             self._launch_cache.clear()
-        elem = self.dtype.itemsize
+        elem, block_s = self.dtype.itemsize, self.segment_rows
         launches: dict[str, _ModuleLaunches] = {}
         for name, s in self.specs.items():
             x_like, a_like, b_like = self._layouts.get(name, (None, None, None))
             if s.folded:
-                plan = plan_pack(s.in_dim, s.stack, s.max_rank, s.extra_cols, elem)
+                plan = plan_pack(s.in_dim, s.stack, s.max_rank, s.extra_cols, elem, block_s)
                 width = s.in_dim + s.extra_cols
-                launches[name] = _ModuleLaunches(pack=prepare_pack(plan, num_rows, x_like, a_like, width, self.use_pdl))
+                launches[name] = _ModuleLaunches(
+                    pack=prepare_pack(plan, num_rows, num_segments, x_like, a_like, width, self.use_pdl)
+                )
             elif self._uses_token_kernels(s):
                 cr = s.stack * s.max_rank
-                shrink = prepare_shrink(plan_shrink(s.in_dim, cr, elem), num_rows, x_like, a_like, cr, s.stack,
+                shrink = prepare_shrink(plan_shrink(s.in_dim, cr, elem, block_s), num_rows, num_segments, x_like,
+                                        a_like, cr, s.stack, self.use_pdl)
+                ep = plan_expand(s.out_dim, s.stack, s.max_rank, None if s.equal_slices else max(s.slice_sizes),
+                                 block_s)
+                expand = prepare_expand(ep, num_rows, num_segments, b_like, cr, s.out_dim, not s.equal_slices,
                                         self.use_pdl)
-                ep = plan_expand(s.out_dim, s.stack, s.max_rank, None if s.equal_slices else max(s.slice_sizes))
-                expand = prepare_expand(ep, num_rows, b_like, cr, s.out_dim, not s.equal_slices, self.use_pdl)
                 launches[name] = _ModuleLaunches(shrink=shrink, expand=expand)
             else:
                 launches[name] = _ModuleLaunches()  # the subclass's own kernels (csgmv)
-        self._launch_cache[num_rows] = launches
+        self._launch_cache[key] = launches
         return launches
 
     def _layout_tensors(self) -> dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
@@ -276,8 +313,8 @@ class TokenLoRABackend(BaseLoRABackend):
         launches = self._launches[spec.name]
         if spec.folded:
             x_aug = scratch.matrix(rows, spec.in_dim + spec.extra_cols)
-            launches.pack(x, weights.A, x_aug, scratch.workspace, scratch.counters, info.token_slots,
-                          info.lora_ranks, info.scalings)
+            launches.pack(x, weights.A, x_aug, scratch.workspace, scratch.counters, info.permutation, info.seg_indptr,
+                          info.weight_indices, info.lora_ranks, info.scalings)
             return F.linear(x_aug, weights.folded, weights.bias)
         out = base_layer(x)
         self._add_unfolded(weights, x, out, launches)
@@ -288,6 +325,7 @@ class TokenLoRABackend(BaseLoRABackend):
         """out += LoRA delta of an unfolded module: token-major shrink, then expand in place."""
         spec, info, scratch = weights.spec, self.batch_info, self._scratch
         xa = scratch.matrix(x.shape[0], spec.stack * spec.max_rank)
-        launches.shrink(x, weights.A, xa, scratch.workspace, scratch.counters, info.token_slots, info.lora_ranks)
-        offsets = self._slice_offsets.get(spec.name, info.token_slots)  # unused for equal slices
-        launches.expand(xa, weights.B, out, info.token_slots, info.lora_ranks, info.scalings, offsets)
+        segments = (info.permutation, info.seg_indptr, info.weight_indices)
+        launches.shrink(x, weights.A, xa, scratch.workspace, scratch.counters, *segments, info.lora_ranks)
+        offsets = self._slice_offsets.get(spec.name, info.seg_indptr)  # unused for equal slices
+        launches.expand(xa, weights.B, out, *segments, info.lora_ranks, info.scalings, offsets)

@@ -102,7 +102,6 @@ class TorchNativeLoRABackend(BaseLoRABackend):
         dev = self.device
         self.batch_info = LoRABatchInfo(
             num_rows=forward_batch.num_tokens,
-            token_slots=None,
             lora_ranks=to_device(lora_ranks, torch.int32, dev),
             scalings=to_device(scalings, torch.float32, dev),
             bs=len(seg_slots),

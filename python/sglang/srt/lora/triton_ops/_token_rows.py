@@ -1,6 +1,6 @@
-"""Jit helpers shared by the token-major LoRA kernels: which rows of a tile are active, which slots
-they use, and the split-K ticket reduction. Also the grid-dependency-control intrinsics (Hopper
-PDL), None where triton lacks them.
+"""Jit helpers shared by the token-major LoRA kernels: the rows and slot of one segment, and the
+split-K ticket reduction. Also the grid-dependency-control intrinsics (Hopper PDL), None where
+triton lacks them.
 """
 
 from __future__ import annotations
@@ -13,26 +13,26 @@ try:
 except ImportError:  # pragma: no cover - triton without grid dependency control
     gdc_launch_dependents = gdc_wait = None
 
-# Above any real slot id (a constexpr: jit code may read no other globals).
-_NO_SLOT_HIGH = tl.constexpr(1 << 30)
-
 
 @triton.jit
-def tile_rows(token_slots_ptr, lora_ranks_ptr, tile_t, num_rows, BLOCK_S: tl.constexpr):
-    """(row offsets, slot, rank, active) of token tile `tile_t`. Rows past the batch and rows with
-    slot -1 (padding) or a rank-0 slot (the base model) are inactive: never read, never written."""
-    offs_s = tile_t * BLOCK_S + tl.arange(0, BLOCK_S)
-    slot = tl.load(token_slots_ptr + offs_s, mask=offs_s < num_rows, other=-1)
-    rank = tl.load(lora_ranks_ptr + slot, mask=slot >= 0, other=0)
-    return offs_s, slot, rank, rank > 0
-
-
-@triton.jit
-def slot_range(slot, active):
-    """Lowest and highest slot among the active rows (equal: one adapter in the tile)."""
-    lo = tl.min(tl.where(active, slot, _NO_SLOT_HIGH), axis=0)
-    hi = tl.max(tl.where(active, slot, -1), axis=0)
-    return lo, hi
+def segment_rows(perm_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, seg, num_rows,
+                 BLOCK_S: tl.constexpr):
+    """(rows, row mask, active row mask, slot, rank) of segment `seg` (lora/segments.py): up to
+    BLOCK_S token rows that share one slot, gathered through the permutation. The row mask drops
+    positions past the segment's end and rows past the batch (a bucket's grid reads segments that
+    reach beyond it); the active mask also drops every row when the slot has rank 0 (the base
+    model, padding, an empty slot: nothing to add). Slot -1 reads as rank 0."""
+    start = tl.load(seg_indptr_ptr + seg)
+    end = tl.load(seg_indptr_ptr + seg + 1)
+    slot = tl.load(weight_indices_ptr + seg)
+    rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)
+    offs = start + tl.arange(0, BLOCK_S)
+    in_seg = offs < end
+    rows = tl.load(perm_ptr + offs, mask=in_seg, other=0)
+    row_mask = in_seg & (rows < num_rows)
+    # Block-vs-scalar comparisons only (the interpreter rejects a block mask & a scalar bool).
+    active_rows = row_mask & (offs < tl.where(rank > 0, end, start))
+    return rows.to(tl.int64), row_mask, active_rows, slot, rank
 
 
 @triton.jit

@@ -45,7 +45,7 @@ def _segment_shrink_kernel(
     # Slot and rank first: base requests, padding and unused graph segments leave here.
     seg = tl.program_id(1)
     slot = tl.load(weight_indices_ptr + seg)
-    rank = tl.load(lora_ranks_ptr + slot)
+    rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)  # -1: no adapter
     if rank == 0:
         return
     seg_start = tl.load(seg_indptr_ptr + seg)

@@ -11,25 +11,27 @@ slice k hold B_k there and zeros in the other slices' columns, so row t of x_aug
 scaling * x[t] @ A_k[slot]^T in slice k's columns of its slot's block only, adds exactly
 scaling * (x[t] A_k^T) B_k^T to the outputs of slice k. E may carry zero padding past S*c*R.
 
-This kernel writes all of x_aug[:num_rows] in one pass over x:
+This kernel writes all of x_aug[:num_rows] in one pass over x. Its grid is segments (lora/
+segments.py: up to BLOCK_S rows of ONE slot, gathered through the batch's permutation; every row
+is in exactly one segment) x column tiles of c*R x K splits. For the rows of its segment:
   columns [0, K)      a copy of x (every row, whatever its slot);
   own block           scaling[slot] * x @ A[slot, :c*r]^T, slice k at k*R + j (j < r);
   every other column  zero: other slots' blocks, rank columns j >= r, the padding, and all of E for
-                      rows without an adapter (base model, rank-0 slots, padding rows with slot -1).
+                      rows without an adapter (base model, rank-0 slots, padding rows).
 Every element is written exactly once, by one program: the copy by the column-tile-0 program of
 each K split, the zeros by the (split 0, column tile 0) program, the shrink values by the program
-that finishes the tile's reduction. So nothing needs clearing between launches.
+that finishes the segment's reduction. So nothing needs clearing between launches.
 
-The reduction is the token-major shrink's (token_shrink.py): grid = token tiles x column tiles of
-c*R x K splits, depending on the row count only; a tile of one slot runs one masked reduction,
-a tile that mixes slots adds each slot's rows in turn; split-K partials meet in an fp32 workspace
-and the last program of the tile (ticket counter, re-armed to 0) sums them in a fixed order. The
-split is a function of K alone, so a graph replay on a padded bucket and an eager pass on the live
-rows reduce every row in the same order: graph == eager, bit for bit.
+One slot per program: the reduction reads that adapter's A tile once for up to BLOCK_S rows, so
+a batch costs its adapters' bytes, however its requests interleave them. Split-K partials meet in
+an fp32 workspace and the last program of the segment (ticket counter, re-armed to 0) sums them in
+a fixed order. Tiles and the split are functions of K and the widths alone, and a row's sums do
+not depend on the other rows of its segment, so a graph replay on a padded bucket and an eager
+pass on the live rows reduce every row in the same order: graph == eager, bit for bit.
 
 With USE_PDL the kernel may be launched as a programmatic dependent of whatever kernel precedes
-it (Hopper): it reads its rows' slots and ranks, then waits (`gdc_wait`) before touching x or
-writing anything.
+it (Hopper): it reads its segment's rows, slot and rank, then waits (`gdc_wait`) before touching x
+or writing anything. Every program waits, so the kernel never completes before its predecessor.
 """
 
 from __future__ import annotations
@@ -37,19 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang.srt.lora.triton_ops._token_rows import gdc_wait, slot_range, split_k_finish, tile_rows
-
-
-@triton.jit
-def _pack_shrink_step(acc, xt, w_ptr, slot, rank, mine, offs_n, offs_k, k, k_hi, w_stride_s, w_stride_n,
-                      STACK: tl.constexpr, DOT_PREC: tl.constexpr):
-    """acc += x tile (rows in `mine` only) @ A[slot, offs_n, k:k+BLOCK_K].T."""
-    k_mask = offs_k < k_hi - k
-    col_mask = offs_n < STACK * rank  # the adapter's compact prefix
-    w_ptrs = w_ptr + slot * w_stride_s + offs_n[None, :] * w_stride_n + (k + offs_k)[:, None]
-    b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-    a = tl.where(mine[:, None], xt, 0.0)
-    return tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PREC)
+from sglang.srt.lora.triton_ops._token_rows import gdc_wait, segment_rows, split_k_finish
 
 
 @triton.jit
@@ -59,7 +49,9 @@ def _shrink_pack_kernel(
     xaug_ptr,
     part_ptr,
     counter_ptr,
-    token_slots_ptr,
+    perm_ptr,
+    seg_indptr_ptr,
+    weight_indices_ptr,
     lora_ranks_ptr,
     scalings_ptr,
     num_rows,
@@ -86,56 +78,51 @@ def _shrink_pack_kernel(
     split = pid % SPLIT
     tile = pid // SPLIT
     tile_n = tile % n_tiles
-    tile_t = tile // n_tiles
-    offs_s, slot, rank, active = tile_rows(token_slots_ptr, lora_ranks_ptr, tile_t, num_rows, BLOCK_S)
+    seg = tile // n_tiles
+    rows, row_mask, active_rows, slot, rank = segment_rows(perm_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, seg,
+                                              num_rows, BLOCK_S)
     if USE_PDL:
         gdc_wait()  # x is the previous kernel's output
-    in_rows = offs_s < num_rows
-    rows = offs_s.to(tl.int64)
-    any_active = tl.max(active.to(tl.int32), axis=0) > 0
-    lo, hi = slot_range(slot, active)
+    active = rank > 0
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = offs_n < STACK * rank  # the adapter's compact prefix
     offs_k = tl.arange(0, BLOCK_K)
     k_lo = split * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
 
-    # ---- one pass over this split's K range: copy x, reduce the active rows -----------------
+    # ---- one pass over this split's K range: copy x, reduce with the segment's adapter ---------
     acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
     x_ptrs = x_ptr + rows[:, None] * x_stride_t + (k_lo + offs_k)[None, :]
     xaug_ptrs = xaug_ptr + rows[:, None] * xaug_stride_t + (k_lo + offs_k)[None, :]
+    w_ptrs = (w_ptr + tl.maximum(slot, 0).to(tl.int64) * w_stride_s + offs_n[None, :] * w_stride_n
+              + (k_lo + offs_k)[:, None])
     for k in range(k_lo, k_hi, BLOCK_K):
         k_mask = offs_k < k_hi - k
-        tile_mask = in_rows[:, None] & k_mask[None, :]
+        tile_mask = row_mask[:, None] & k_mask[None, :]
         xt = tl.load(x_ptrs, mask=tile_mask, other=0.0)
         if tile_n == 0:
             tl.store(xaug_ptrs, xt, mask=tile_mask)
-        if any_active:
-            if lo == hi:
-                acc = _pack_shrink_step(acc, xt, w_ptr, lo, tl.load(lora_ranks_ptr + lo), active, offs_n, offs_k,
-                                        k, k_hi, w_stride_s, w_stride_n, STACK, DOT_PREC)
-            else:
-                for s in range(lo, hi + 1):
-                    mine = active & (slot == s)
-                    if tl.max(mine.to(tl.int32), axis=0) > 0:
-                        acc = _pack_shrink_step(acc, xt, w_ptr, s, tl.load(lora_ranks_ptr + s), mine, offs_n,
-                                                offs_k, k, k_hi, w_stride_s, w_stride_n, STACK, DOT_PREC)
+        if active:
+            b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(xt, b.to(xt.dtype), acc, input_precision=DOT_PREC)
         x_ptrs += BLOCK_K
         xaug_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
 
-    # ---- zeros: every extra column that is not one of the row's own shrink values -----------
+    # ---- zeros: every extra column that is not one of the rows' own shrink values -------------
     block_w: tl.constexpr = STACK * MAX_RANK
     if (split == 0) & (tile_n == 0):
         for e0 in range(0, E_COLS, BLOCK_E):
             cols = e0 + tl.arange(0, BLOCK_E)
-            own = active[:, None] & ((cols // block_w)[None, :] == slot[:, None])
-            is_value = own & (((cols % block_w) % MAX_RANK)[None, :] < rank[:, None])
-            mask = in_rows[:, None] & (cols < E_COLS)[None, :] & ~is_value
+            # Rank 0 (no adapter): no column is a value, all of E is zeroed.
+            is_value = ((cols // block_w) == slot) & (((cols % block_w) % MAX_RANK) < rank)
+            mask = row_mask[:, None] & ((cols < E_COLS) & ~is_value)[None, :]
             ptrs = xaug_ptr + rows[:, None] * xaug_stride_t + K + cols[None, :]
             tl.store(ptrs, tl.zeros((BLOCK_S, BLOCK_E), dtype=xaug_ptr.dtype.element_ty), mask=mask)
 
-    # ---- values: the tile's reduction, finished by one program ------------------------------
-    if any_active:
-        value_mask = active[:, None] & (offs_n[None, :] < (STACK * rank)[:, None])
+    # ---- values: the segment's reduction, finished by one program ------------------------------
+    if active:
+        value_mask = active_rows[:, None] & col_mask[None, :]
         finisher = True
         if SPLIT > 1:
             # Workspace [SPLIT, num_rows, n_tiles * BLOCK_N]; part_plane = num_rows * that width.
@@ -144,9 +131,8 @@ def _shrink_pack_kernel(
                                            BLOCK_S, BLOCK_N)
         if finisher:
             # Compact column n = k*r + j of the shrink goes to slice k's column k*R + j of the block.
-            r_div = tl.where(rank > 0, rank, 1)[:, None]
-            k_slice = offs_n[None, :] // r_div
-            col = slot[:, None] * block_w + k_slice * MAX_RANK + (offs_n[None, :] - k_slice * r_div)
-            scaling = tl.load(scalings_ptr + slot, mask=active, other=0.0)
-            ptrs = xaug_ptr + rows[:, None] * xaug_stride_t + K + col
-            tl.store(ptrs, (acc * scaling[:, None]).to(xaug_ptr.dtype.element_ty), mask=value_mask)
+            k_slice = offs_n // rank
+            col = slot * block_w + k_slice * MAX_RANK + (offs_n - k_slice * rank)
+            scaling = tl.load(scalings_ptr + slot)
+            ptrs = xaug_ptr + rows[:, None] * xaug_stride_t + K + col[None, :]
+            tl.store(ptrs, (acc * scaling).to(xaug_ptr.dtype.element_ty), mask=value_mask)

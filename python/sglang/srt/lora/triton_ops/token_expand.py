@@ -1,9 +1,10 @@
 """Token-major LoRA expand: out[t, slice k] += scaling[slot(t)] * xa[t, k*r:(k+1)*r] @ B[slot(t), slice k, :r].T
 
-Grid: (token tiles x column tiles of the widest slice, slices). Like the token-major shrink it
-depends on the row count only. `token_slots` (int32 [rows], -1 = no request) gives each row's slot;
-rows of rank-0 slots or -1 are neither read nor written. Slices are equal (`slice_width`) or given
-by an int32 offsets tensor (qkv under GQA: [0, q, q+kv, q+2kv]).
+Grid: (segments x column tiles of the widest slice, slices), like the token-major shrink: each
+program takes one segment (lora/segments.py: up to BLOCK_S rows of one slot, through the
+permutation), so it reads one adapter's B tile. Rows of rank-0 slots (the base model, padding) are
+neither read nor written. Slices are equal (`slice_width`) or given by an int32 offsets tensor
+(qkv under GQA: [0, q, q+kv, q+2kv]).
 
 The base-output tile (the bytes that matter: a read-modify-write of out) is loaded before the
 shrink's result is needed. With USE_PDL the kernel is launched as a programmatic dependent of the
@@ -17,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang.srt.lora.triton_ops._token_rows import gdc_wait, slot_range, tile_rows
+from sglang.srt.lora.triton_ops._token_rows import gdc_wait, segment_rows
 
 
 @triton.jit
@@ -62,7 +63,9 @@ def _token_expand_kernel(
     xa_ptr,
     w_ptr,
     out_ptr,
-    token_slots_ptr,
+    perm_ptr,
+    seg_indptr_ptr,
+    weight_indices_ptr,
     lora_ranks_ptr,
     scalings_ptr,
     slice_offsets_ptr,
@@ -84,7 +87,7 @@ def _token_expand_kernel(
     pid = tl.program_id(0)
     slice_id = tl.program_id(1)
     tile_n = pid % n_tiles
-    tile_t = pid // n_tiles
+    seg = pid // n_tiles
     if HAS_OFFSETS:
         # Loaded offsets carry no alignment facts; the host-derived hint restores vector access.
         col_lo = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id), OFFSET_ALIGN)
@@ -94,30 +97,17 @@ def _token_expand_kernel(
         col_hi = col_lo + slice_width
     offs_n = col_lo + tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = offs_n < col_hi  # narrower slices (kv under GQA) have idle column tiles
-    offs_s, slot, rank, active = tile_rows(token_slots_ptr, lora_ranks_ptr, tile_t, num_rows, BLOCK_S)
-    rows = offs_s.to(tl.int64)
-    mask = active[:, None] & col_mask[None, :]
+    rows, row_mask, active_rows, slot, rank = segment_rows(perm_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, seg,
+                                              num_rows, BLOCK_S)
+    mask = active_rows[:, None] & col_mask[None, :]
     out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :]
     # Rows with nothing to add: the masked load reads nothing.
     base = tl.load(out_ptrs, mask=mask, other=0.0)
     if USE_PDL:
         gdc_wait()
     if tl.max(mask.to(tl.int32)) > 0:
-        lo, hi = slot_range(slot, active)
-        if lo == hi:
-            acc = _expand_one_slot(
-                xa_ptr, w_ptr, lo, tl.load(lora_ranks_ptr + lo), rows, active, slice_id, offs_n, col_mask,
-                xa_stride_t, w_stride_s, w_stride_n, BLOCK_S, BLOCK_N, BLOCK_R, DOT_PREC,
-            )
-        else:
-            acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-            for s in range(lo, hi + 1):
-                mine = active & (slot == s)
-                if tl.max(mine.to(tl.int32), axis=0) > 0:
-                    acc += _expand_one_slot(
-                        xa_ptr, w_ptr, s, tl.load(lora_ranks_ptr + s), rows, mine, slice_id, offs_n, col_mask,
-                        xa_stride_t, w_stride_s, w_stride_n, BLOCK_S, BLOCK_N, BLOCK_R, DOT_PREC,
-                    )
-        scaling = tl.load(scalings_ptr + slot, mask=active, other=0.0)
-        result = base.to(tl.float32) + acc * scaling[:, None]
+        acc = _expand_one_slot(xa_ptr, w_ptr, slot, rank, rows, active_rows, slice_id, offs_n, col_mask,
+                               xa_stride_t, w_stride_s, w_stride_n, BLOCK_S, BLOCK_N, BLOCK_R, DOT_PREC)
+        scaling = tl.load(scalings_ptr + slot)
+        result = base.to(tl.float32) + acc * scaling
         tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)

@@ -1,20 +1,21 @@
 """Launch plans and entry points of the token-major LoRA kernels (shrink_pack.py, token_shrink.py,
 token_expand.py).
 
-A plan is a pure function of a module's static shapes (input width, stacked rank, slices, dtype):
-never of the batch's row count. Tile shapes and the K split decide the order in which each row's
-sums are accumulated, so a graph captured on a padded bucket and an eager pass over the live rows
-compute every row bit for bit alike. Only the grid depends on the rows (`plan.grid(num_rows)`).
+A plan is a pure function of a module's static shapes (input width, stacked rank, slices, dtype)
+and of the segment size: never of the batch. Tile shapes and the K split decide the order in which
+each row's sums are accumulated, so a graph captured on a padded bucket and an eager pass over the
+live rows compute every row bit for bit alike. Only the grid depends on the batch: one program
+column per segment (`plan.grid(num_segments)`, lora/segments.py).
 A backend turns a plan into a `PreparedLaunch` (launch.py) once per batch and module kind; every
 layer then launches it with its own tensors: no shape arithmetic, allocation or binding per call.
 
 Tile choices (H200; see benchmark/lora/bench_lora_kernels.py):
-  shrink / shrink_pack  16-row tiles (A is re-read from L2 once per tile), the whole stacked rank
-           in one column tile up to 128, 256-deep K tiles for 16-bit inputs. K is split in pieces
-           of about K_PER_SPLIT (the first H200 sweep: split 8 for K = 4096 and 16-32 for 14336
-           were best at 1 and 128 tokens), so decode and short prefills are not one long serial
-           reduction per tile.
-  expand   64-row tiles, 128-wide column tiles; a read-modify-write of the base output.
+  shrink / shrink_pack  one segment (16 rows for `triton`, csgmv's chunk) of one slot per program:
+           its adapter's A tile is read once for all of them; the whole stacked rank in one column
+           tile up to 128, 256-deep K tiles for 16-bit inputs. K is split in pieces of about
+           K_PER_SPLIT (one K tile per program, at most MAX_SPLIT pieces), so decode and short
+           prefills are not one long serial reduction.
+  expand   one segment per program, 128-wide column tiles; a read-modify-write of the base output.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from typing import Optional
 import torch
 import triton
 
+from sglang.srt.lora.segments import build_segments, idle_slot_of
 from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block
 from sglang.srt.lora.triton_ops._token_rows import gdc_wait
 from sglang.srt.lora.triton_ops.launch import BoundKernel, PreparedLaunch
@@ -36,11 +38,15 @@ from sglang.srt.lora.triton_ops.sgemm_lora_b import qkv_offset_alignment
 from sglang.srt.lora.triton_ops.token_expand import _token_expand_kernel
 from sglang.srt.lora.triton_ops.token_shrink import _token_shrink_kernel
 
-SHRINK_BLOCK_S = 16
-EXPAND_BLOCK_S = 64
-K_PER_SPLIT = 512
+SEGMENT_ROWS = 16  # `triton`'s segment size: the smallest `tl.dot` tile
+# One 256-deep K tile per program where K allows (up to MAX_SPLIT): with one slot per segment the
+# programs are short and latency-bound, and the H200 sweep of 2026-12-01 (bench_lora_kernels
+# --tunings) measured 512 -> 256 at -15% LoRA µs per layer at decode 1 and 64 (k128: the same plans).
+K_PER_SPLIT = 256
 MAX_SPLIT = 32
 PACK_BLOCK_E = 128
+K_DEPTH_16BIT = 256  # K tile of 16-bit inputs with tiles up to 64 wide (halved past that, and for fp32)
+NUM_WARPS = 4
 
 
 @dataclass(frozen=True)
@@ -54,18 +60,15 @@ class ShrinkPlan:
     split: int
     k_per_split: int
 
-    def token_tiles(self, num_rows: int) -> int:
-        return triton.cdiv(num_rows, self.block_s)
-
-    def grid(self, num_rows: int) -> tuple[int]:
-        return (self.token_tiles(num_rows) * self.n_tiles * self.split,)
+    def grid(self, num_segments: int) -> tuple[int]:
+        return (num_segments * self.n_tiles * self.split,)
 
     def workspace_numel(self, num_rows: int) -> int:
         """fp32 elements of the split-K partials ([split, rows, n_tiles * block_n]); 0 unsplit."""
         return self.split * num_rows * self.n_tiles * self.block_n if self.split > 1 else 0
 
-    def num_counters(self, num_rows: int) -> int:
-        return self.token_tiles(num_rows) * self.n_tiles if self.split > 1 else 0
+    def num_counters(self, num_segments: int) -> int:
+        return num_segments * self.n_tiles if self.split > 1 else 0
 
     def ints(self, num_rows: int) -> tuple[int, int, int, int]:
         """num_rows, part_plane, K, k_per_split: the kernels' first int arguments."""
@@ -73,12 +76,11 @@ class ShrinkPlan:
 
 
 @functools.lru_cache(maxsize=None)
-def plan_shrink(in_dim: int, stacked_rank: int, elem_size: int) -> ShrinkPlan:
-    block_s = SHRINK_BLOCK_S
+def plan_shrink(in_dim: int, stacked_rank: int, elem_size: int, block_s: int = SEGMENT_ROWS) -> ShrinkPlan:
     block_n = rank_block(stacked_rank, cap=128)
     n_tiles = triton.cdiv(stacked_rank, block_n)
     # Stage bytes (x tile + A tile) near 32 KB: 256-deep for 16-bit inputs and tiles up to 64 wide.
-    depth = 256 if max(block_s, block_n) <= 64 else 128
+    depth = K_DEPTH_16BIT if max(block_s, block_n) <= 64 else K_DEPTH_16BIT // 2
     if elem_size > 2:
         depth //= 2
     block_k = min(depth, max(16, triton.next_power_of_2(in_dim)))
@@ -102,13 +104,15 @@ class PackPlan:
     max_rank: int
     extra_cols: int  # E: the extra columns of x_aug / W_aug (S*c*R plus padding)
 
-    def grid(self, num_rows: int) -> tuple[int]:
-        return self.shrink.grid(num_rows)
+    def grid(self, num_segments: int) -> tuple[int]:
+        return self.shrink.grid(num_segments)
 
 
 @functools.lru_cache(maxsize=None)
-def plan_pack(in_dim: int, stack: int, max_rank: int, extra_cols: int, elem_size: int) -> PackPlan:
-    return PackPlan(plan_shrink(in_dim, stack * max_rank, elem_size), stack, max_rank, extra_cols)
+def plan_pack(
+    in_dim: int, stack: int, max_rank: int, extra_cols: int, elem_size: int, block_s: int = SEGMENT_ROWS
+) -> PackPlan:
+    return PackPlan(plan_shrink(in_dim, stack * max_rank, elem_size, block_s), stack, max_rank, extra_cols)
 
 
 @dataclass(frozen=True)
@@ -123,12 +127,14 @@ class ExpandPlan:
     block_r: int
     n_tiles: int
 
-    def grid(self, num_rows: int) -> tuple[int, int]:
-        return (triton.cdiv(num_rows, self.block_s) * self.n_tiles, self.num_slices)
+    def grid(self, num_segments: int) -> tuple[int, int]:
+        return (num_segments * self.n_tiles, self.num_slices)
 
 
 @functools.lru_cache(maxsize=None)
-def plan_expand(out_dim: int, num_slices: int, max_rank: int, max_slice_width: Optional[int] = None) -> ExpandPlan:
+def plan_expand(
+    out_dim: int, num_slices: int, max_rank: int, max_slice_width: Optional[int] = None, block_s: int = SEGMENT_ROWS
+) -> ExpandPlan:
     """Equal slices when max_slice_width is None (out_dim / num_slices each)."""
     if max_slice_width is None:
         assert out_dim % num_slices == 0, (out_dim, num_slices)
@@ -138,7 +144,7 @@ def plan_expand(out_dim: int, num_slices: int, max_rank: int, max_slice_width: O
     block_n = min(128, max(16, triton.next_power_of_2(max_slice_width)))
     n_tiles = triton.cdiv(max_slice_width, block_n)
     return ExpandPlan(
-        out_dim, num_slices, slice_width, max_slice_width, max_rank, EXPAND_BLOCK_S, block_n, rank_block(max_rank),
+        out_dim, num_slices, slice_width, max_slice_width, max_rank, block_s, block_n, rank_block(max_rank),
         n_tiles,
     )
 
@@ -152,7 +158,7 @@ def pdl_available(device: torch.device) -> bool:
 
 # ---- bound kernels (one per specialisation) ---------------------------------------------------
 def _options(use_pdl: bool) -> dict:
-    options = {"num_warps": 4}
+    options = {"num_warps": NUM_WARPS}
     if use_pdl:
         options["launch_pdl"] = True
     return options
@@ -166,7 +172,7 @@ def _bound_shrink(stack: int, block_s: int, block_n: int, block_k: int, split: i
         _token_shrink_kernel,
         dict(STACK=stack, BLOCK_S=block_s, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT=split, DOT_PREC=dot_prec,
              USE_PDL=use_pdl),
-        num_warps=4,
+        num_warps=NUM_WARPS,
     )
 
 
@@ -195,9 +201,12 @@ def _bound_pack(plan: PackPlan, dot_prec: str, use_pdl: bool) -> BoundKernel:
 
 
 # ---- prepared launches (per batch and module kind) --------------------------------------------
+# Every kernel takes the batch's segment metadata (lora/segments.py) as its tensors
+# `perm, seg_indptr, weight_indices` after its data tensors; the grid has one program column per
+# segment of the batch (eager) or of the bucket's capacity (graphs).
 def prepare_shrink(
-    plan: ShrinkPlan, num_rows: int, x: torch.Tensor, weights: torch.Tensor, out_stride: int, stack_num: int,
-    use_pdl: bool = False,
+    plan: ShrinkPlan, num_rows: int, num_segments: int, x: torch.Tensor, weights: torch.Tensor, out_stride: int,
+    stack_num: int, use_pdl: bool = False,
 ) -> PreparedLaunch:
     """The shrink of one module kind for one batch. x and weights are examples of what the layers
     will pass: only their (static) strides and dtypes are read here."""
@@ -207,12 +216,13 @@ def prepare_shrink(
         stack_num, plan.block_s, plan.block_n, plan.block_k, plan.split, dot_precision(x, weights), use_pdl
     )
     ints = plan.ints(num_rows) + (x.stride(0), weights.stride(0), weights.stride(1), out_stride, plan.n_tiles)
-    return bound.prepare(plan.grid(num_rows), ints)
+    return bound.prepare(plan.grid(num_segments), ints)
 
 
 def prepare_expand(
     plan: ExpandPlan,
     num_rows: int,
+    num_segments: int,
     weights: torch.Tensor,
     xa_stride: int,
     out_stride: int,
@@ -228,11 +238,12 @@ def prepare_expand(
     ints = (
         num_rows, plan.slice_width, plan.n_tiles, xa_stride, weights.stride(0), weights.stride(1), out_stride,
     )
-    return bound.prepare(plan.grid(num_rows), ints)
+    return bound.prepare(plan.grid(num_segments), ints)
 
 
 def prepare_pack(
-    plan: PackPlan, num_rows: int, x: torch.Tensor, weights: torch.Tensor, xaug_stride: int, use_pdl: bool = False
+    plan: PackPlan, num_rows: int, num_segments: int, x: torch.Tensor, weights: torch.Tensor, xaug_stride: int,
+    use_pdl: bool = False,
 ) -> PreparedLaunch:
     """shrink_pack of one folded module kind for one batch (x, weights: examples, as above)."""
     assert x.stride(1) == 1 and weights.stride(2) == 1, "K must be the contiguous dimension"
@@ -240,17 +251,32 @@ def prepare_pack(
     s = plan.shrink
     bound = _bound_pack(plan, dot_precision(x, weights), use_pdl)
     ints = s.ints(num_rows) + (x.stride(0), weights.stride(0), weights.stride(1), xaug_stride, s.n_tiles)
-    return bound.prepare(plan.grid(num_rows), ints)
+    return bound.prepare(plan.grid(num_segments), ints)
 
 
 # ---- one-call entry points (tests, benchmark; a backend keeps the prepared launches instead) ----
-def _split_buffers(plan: ShrinkPlan, num_rows: int, device, workspace, counters, fallback_f32, fallback_i32):
+def token_segments(
+    token_slots: torch.Tensor, lora_ranks: torch.Tensor, block_s: int
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """(perm, seg_indptr, weight_indices, number of segments) of rows whose slots are `token_slots`
+    (int32 [rows], -1 = no request): each row its own request. Reads both tensors on the host."""
+    ranks = lora_ranks.tolist()
+    segs = build_segments(token_slots.tolist(), [1] * token_slots.numel(), ranks, block_s, token_slots.numel(),
+                          idle_slot_of(ranks))
+    dev = token_slots.device
+    as_i32 = lambda v: torch.tensor(v, dtype=torch.int32, device=dev)  # noqa: E731
+    return segs.permutation.to(dev), as_i32(segs.seg_indptr), as_i32(segs.weight_indices or [0]), segs.num_segments
+
+
+def _split_buffers(plan: ShrinkPlan, num_rows: int, num_segments: int, device, workspace, counters, fallback_f32,
+                   fallback_i32):
     if plan.split > 1:
         if workspace is None:
             workspace = torch.empty(plan.workspace_numel(num_rows), dtype=torch.float32, device=device)
         if counters is None:
-            counters = torch.zeros(plan.num_counters(num_rows), dtype=torch.int32, device=device)
-        assert workspace.numel() >= plan.workspace_numel(num_rows) and counters.numel() >= plan.num_counters(num_rows)
+            counters = torch.zeros(plan.num_counters(num_segments), dtype=torch.int32, device=device)
+        assert workspace.numel() >= plan.workspace_numel(num_rows)
+        assert counters.numel() >= plan.num_counters(num_segments)
         return workspace, counters
     # Unused by the kernel; any fp32 / int32 tensors do.
     return (workspace if workspace is not None else fallback_f32), (counters if counters is not None else fallback_i32)
@@ -275,12 +301,14 @@ def token_shrink(
     plan = plan or plan_shrink(in_dim, stacked_rank, x.element_size())
     if out is None:
         out = torch.empty((num_rows, stacked_rank), dtype=x.dtype, device=x.device)
-    workspace, counters = _split_buffers(plan, num_rows, x.device, workspace, counters, lora_ranks.float(), token_slots)
     if num_rows == 0:
         return out
+    perm, indptr, slots, n_segs = token_segments(token_slots, lora_ranks, plan.block_s)
+    workspace, counters = _split_buffers(plan, num_rows, n_segs, x.device, workspace, counters, lora_ranks.float(),
+                                         token_slots)
     assert out.shape == (num_rows, stacked_rank) and out.stride(1) == 1, out.shape
-    launch = prepare_shrink(plan, num_rows, x, weights, out.stride(0), stack_num, use_pdl)
-    launch(x, weights, out, workspace, counters, token_slots, lora_ranks)
+    launch = prepare_shrink(plan, num_rows, n_segs, x, weights, out.stride(0), stack_num, use_pdl)
+    launch(x, weights, out, workspace, counters, perm, indptr, slots, lora_ranks)
     return out
 
 
@@ -307,10 +335,11 @@ def token_expand(
     plan = plan or plan_expand(out_dim, num_slices, max_rank, max_slice_width if slice_offsets is not None else None)
     if num_rows == 0:
         return base_output
-    launch = prepare_expand(plan, num_rows, weights, xa.stride(0), base_output.stride(0), slice_offsets is not None,
-                            use_pdl)
-    offsets = slice_offsets if slice_offsets is not None else token_slots  # unused without offsets
-    launch(xa, weights, base_output, token_slots, lora_ranks, scalings, offsets)
+    perm, indptr, slots, n_segs = token_segments(token_slots, lora_ranks, plan.block_s)
+    launch = prepare_expand(plan, num_rows, n_segs, weights, xa.stride(0), base_output.stride(0),
+                            slice_offsets is not None, use_pdl)
+    offsets = slice_offsets if slice_offsets is not None else indptr  # unused without offsets
+    launch(xa, weights, base_output, perm, indptr, slots, lora_ranks, scalings, offsets)
     return base_output
 
 
@@ -335,11 +364,11 @@ def shrink_pack(
     assert x_aug.shape[0] == num_rows and x_aug.stride(1) == 1 and extra >= weights.shape[0] * stack_num * max_rank
     plan = plan or plan_pack(in_dim, stack_num, max_rank, extra, x.element_size())
     assert plan.extra_cols == extra, (plan.extra_cols, extra)
-    workspace, counters = _split_buffers(
-        plan.shrink, num_rows, x.device, workspace, counters, scalings, token_slots
-    )
     if num_rows == 0:
         return x_aug
-    launch = prepare_pack(plan, num_rows, x, weights, x_aug.stride(0), use_pdl)
-    launch(x, weights, x_aug, workspace, counters, token_slots, lora_ranks, scalings)
+    perm, indptr, slots, n_segs = token_segments(token_slots, lora_ranks, plan.shrink.block_s)
+    workspace, counters = _split_buffers(plan.shrink, num_rows, n_segs, x.device, workspace, counters, scalings,
+                                         token_slots)
+    launch = prepare_pack(plan, num_rows, n_segs, x, weights, x_aug.stride(0), use_pdl)
+    launch(x, weights, x_aug, workspace, counters, perm, indptr, slots, lora_ranks, scalings)
     return x_aug

@@ -1,22 +1,18 @@
-"""Token-major LoRA shrink: out[t, :c*r] = x[t] @ A[slot(t), :c*r].T, one grid over token tiles.
+"""Token-major LoRA shrink: out[t, :c*r] = x[t] @ A[slot(t), :c*r].T, one grid over the batch's segments.
 
-The grid is (token tiles of the batch's rows) x (column tiles of c*R) x (K splits): it depends on
-the row count only, never on how many requests or adapters the batch has. So one CUDA graph
-captured for a bucket serves any number of requests within its rows, and no program is launched for
-segments that do not exist. Each token row names its slot in `token_slots` (int32 [rows], -1 for
-rows outside every request, e.g. padding); a row whose slot has rank 0 (the base model) or -1 is
-never read or written.
+The grid is (segments) x (column tiles of c*R) x (K splits). A segment (lora/segments.py) is up to
+BLOCK_S token rows of ONE slot, gathered through the batch's permutation, so each program reads one
+adapter's A tile for its rows: the cost follows the adapters' bytes, not how requests interleave
+them. Segments of rank-0 slots (the base model, padding) are neither read nor written. The grid's
+segment axis is a function of the row count (segment_capacity under graphs), so one CUDA graph
+captured for a bucket serves any number of requests within its rows.
 
-A tile whose active rows share one slot (a prefill tile inside one request: the common case) does
-one masked reduction; a tile that mixes slots (decode, request boundaries) loops over the slots in
-[lowest, highest] present, each with its own rows.
-
-Split-K without a memset and without atomics on data: when few token tiles cover a long K (decode,
-short prefills), SPLIT programs share a tile's reduction. Each writes its fp32 partial sum to a
-workspace, then takes a ticket from the tile's counter; the last to arrive adds the SPLIT partials
-in fixed order (deterministic), writes the result and resets the counter to 0 for the next launch.
-Counters must be zero before the first launch (allocate them with torch.zeros) and stay zero
-between launches.
+Split-K without a memset and without atomics on data: when few segments cover a long K (decode,
+short prefills), SPLIT programs share a segment's reduction. Each writes its fp32 partial sum to a
+workspace, then takes a ticket from the segment's counter; the last to arrive adds the SPLIT
+partials in fixed order (deterministic), writes the result and resets the counter to 0 for the
+next launch. Counters must be zero before the first launch (allocate them with torch.zeros) and
+stay zero between launches.
 """
 
 from __future__ import annotations
@@ -24,43 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang.srt.lora.triton_ops._token_rows import gdc_launch_dependents, slot_range, split_k_finish, tile_rows
-
-
-@triton.jit
-def _shrink_one_slot(
-    x_ptr,
-    w_ptr,
-    slot,
-    rank,
-    rows,
-    row_mask,
-    offs_n,
-    k_lo,
-    k_hi,
-    x_stride_t,
-    w_stride_s,
-    w_stride_n,
-    STACK: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr,
-    DOT_PREC: tl.constexpr,
-):
-    """x[rows] @ A[slot, offs_n, k_lo:k_hi].T for the rows in row_mask (others contribute 0)."""
-    col_mask = offs_n < STACK * rank  # the adapter's compact prefix
-    offs_k = tl.arange(0, BLOCK_K)
-    x_ptrs = x_ptr + rows[:, None] * x_stride_t + (k_lo + offs_k)[None, :]
-    w_ptrs = w_ptr + slot * w_stride_s + offs_n[None, :] * w_stride_n + (k_lo + offs_k)[:, None]
-    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-    for k in range(k_lo, k_hi, BLOCK_K):
-        k_mask = offs_k < k_hi - k
-        a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
-        b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
-        acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PREC)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    return acc
+from sglang.srt.lora.triton_ops._token_rows import gdc_launch_dependents, segment_rows, split_k_finish
 
 
 @triton.jit
@@ -70,7 +30,9 @@ def _token_shrink_kernel(
     out_ptr,
     part_ptr,
     counter_ptr,
-    token_slots_ptr,
+    perm_ptr,
+    seg_indptr_ptr,
+    weight_indices_ptr,
     lora_ranks_ptr,
     num_rows,
     part_plane,
@@ -97,31 +59,27 @@ def _token_shrink_kernel(
     split = pid % SPLIT
     tile = pid // SPLIT
     tile_n = tile % n_tiles
-    tile_t = tile // n_tiles
-    # Slot and rank first: base rows, padding and rows past the batch are never touched.
-    offs_s, slot, rank, active = tile_rows(token_slots_ptr, lora_ranks_ptr, tile_t, num_rows, BLOCK_S)
-    if tl.max(active.to(tl.int32), axis=0) > 0:
-        rows = offs_s.to(tl.int64)
-        offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    seg = tile // n_tiles
+    rows, row_mask, active_rows, slot, rank = segment_rows(perm_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, seg,
+                                              num_rows, BLOCK_S)
+    offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_mask = offs_n < STACK * rank  # the adapter's compact prefix
+    # Base rows, padding and empty segments are never touched.
+    mask = active_rows[:, None] & col_mask[None, :]
+    if tl.max(mask.to(tl.int32)) > 0:
         k_lo = split * k_per_split
         k_hi = tl.minimum(k_lo + k_per_split, K)
-        lo, hi = slot_range(slot, active)
-        if lo == hi:
-            acc = _shrink_one_slot(
-                x_ptr, w_ptr, lo, tl.load(lora_ranks_ptr + lo), rows, active, offs_n, k_lo, k_hi,
-                x_stride_t, w_stride_s, w_stride_n, STACK, BLOCK_S, BLOCK_N, BLOCK_K, DOT_PREC,
-            )
-        else:
-            acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-            for s in range(lo, hi + 1):
-                mine = active & (slot == s)
-                if tl.max(mine.to(tl.int32), axis=0) > 0:
-                    acc += _shrink_one_slot(
-                        x_ptr, w_ptr, s, tl.load(lora_ranks_ptr + s), rows, mine, offs_n, k_lo, k_hi,
-                        x_stride_t, w_stride_s, w_stride_n, STACK, BLOCK_S, BLOCK_N, BLOCK_K, DOT_PREC,
-                    )
-        # Per row: only the columns of its own adapter's prefix.
-        mask = active[:, None] & (offs_n[None, :] < (STACK * rank)[:, None])
+        offs_k = tl.arange(0, BLOCK_K)
+        x_ptrs = x_ptr + rows[:, None] * x_stride_t + (k_lo + offs_k)[None, :]
+        w_ptrs = w_ptr + slot.to(tl.int64) * w_stride_s + offs_n[None, :] * w_stride_n + (k_lo + offs_k)[:, None]
+        acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+        for k in range(k_lo, k_hi, BLOCK_K):
+            k_mask = offs_k < k_hi - k
+            a = tl.load(x_ptrs, mask=row_mask[:, None] & k_mask[None, :], other=0.0)
+            b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
+            acc = tl.dot(a, b.to(a.dtype), acc, input_precision=DOT_PREC)
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
         out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :]
         if SPLIT == 1:
             tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
