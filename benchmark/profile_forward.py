@@ -4,9 +4,11 @@
     python benchmark/profile_forward.py --model qwen3-4b --tokens 128 --no-hf-anchor
     python benchmark/profile_forward.py --device cpu --model tiny --tokens 16 --repeats 1   # dry run
 
-For a model shape (dummy bf16 weights, batch 1), with and without a rank-16 LoRA adapter on all
-seven projections, for each path — eager, breakable prefill graph, full prefill graph (prefill of
-`--tokens`), decode graph (`--decode-bs`, 256 tokens of context) — it reports:
+For a model shape (dummy bf16 weights), with and without rank-16 LoRA adapters on all seven
+projections (`--adapters N` loaded, N pool slots), for each path — eager, breakable prefill graph,
+full prefill graph (one request of each `--tokens`; several requests with `--prefill-batches
+4x512`, on the adapters in turn), decode graph (`--decode-bs`, 256 tokens of context; with LoRA,
+for every `--decode-adapters k`, the requests take the first k adapters in turn) — it reports:
   wall ms      median of whole forwards (body + logits + sampling + the copy to the host),
                synchronised around each, measured without the profiler;
   GPU busy ms  the union of kernel intervals per forward under torch.profiler (kernels inside
@@ -14,8 +16,10 @@ seven projections, for each path — eager, breakable prefill graph, full prefil
   kernels      kernels per forward, and per layer (per forward / layers, so the embedding and the
                eager tail are spread over the layers: an upper bound);
   torch ops    top-level aten ops per forward (the host work: eager bodies, replay copies, tail);
-  top kernels  by GPU time per forward.
-Every measured forward checks that the intended path served it (`used_cuda_graph`).
+  top kernels  by GPU time per forward;
+  LoRA kernels GPU µs per forward of the LoRA kernels, their launches and µs per launch.
+Every measured forward checks that the intended path served it (`used_cuda_graph`). `--paths graph`
+skips the eager and full-prefill paths. The summary gives LoRA / base for every case and path.
 
 The anchor a user has (on by default when transformers is importable): HF transformers
 `AutoModelForCausalLM.from_config` at the same shape, bf16, random weights,
@@ -55,6 +59,9 @@ from sglang.srt.lora.lora_config import PEFT_PROJECTIONS  # noqa: E402
 from sglang.srt.model_executor.cuda_graph_config import Backend  # noqa: E402
 
 TOP_KERNELS = 6
+# The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones.
+LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",
+                "_segment_expand_kernel")
 
 
 @dataclass
@@ -64,6 +71,8 @@ class Profile:
     copies: float = 0.0  # memcpy + memset per forward
     torch_ops: float = 0.0
     top: list[tuple[str, float, float]] = field(default_factory=list)  # (name, us per fwd, calls per fwd)
+    lora_us: float = 0.0  # LoRA kernels' GPU µs per forward
+    lora_launches: float = 0.0
 
 
 @dataclass
@@ -126,12 +135,15 @@ def profile_fn(fn: Callable[[], Any], n: int) -> Profile:
         acc[0] += k.time_range.end - k.time_range.start
         acc[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
+    lora = [v for name, v in by_name.items() if name.startswith(LORA_KERNELS)]
     return Profile(
         busy_ms=_union_ms(intervals) / n,
         kernels=len(kernels) / n,
         copies=copies / n,
         torch_ops=ops / n,
         top=[(name, us / n, calls / n) for name, (us, calls) in top],
+        lora_us=sum(us for us, _ in lora) / n,
+        lora_launches=sum(calls for _, calls in lora) / n,
     )
 
 
@@ -147,16 +159,19 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
         if not on_gpu:  # dry run: eager only, float32, the reference attention
             overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
                              disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
+        overrides.setdefault("max_running_requests", max(64, *args.decode_bs))
+        buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
         runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
-                              prefill_buckets=args.tokens, decode_buckets=args.decode_bs, **overrides)
+                              prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
         layers = runner.model_config.num_hidden_layers
-        graphs: dict[str, Any] = {"eager": None}
+        graphs: dict[str, Any] = {} if args.paths == "graph" else {"eager": None}
         if on_gpu:
             graphs["breakable"] = runner.prefill_graph_runner
-            graphs["full"] = PrefillCudaGraphRunner(runner, Backend.FULL, capture_lora=lora != "none")
+            if args.paths != "graph":
+                graphs["full"] = PrefillCudaGraphRunner(runner, Backend.FULL, capture_lora=lora != "none")
         decode_graph = runner.decode_graph_runner
         log(f"{shape} lora={lora}: runner and graphs ready in {time.perf_counter() - t0:.1f}s")
-        name = None if lora == "none" else "lora0"
+        names = [None] if lora == "none" else sorted(adapters)
 
         def measure(case: str, path: str, fb, expect_graph: bool, note: str = "") -> None:
             fwd = lambda: forward_checked(runner, fb, expect_graph)  # noqa: E731
@@ -168,22 +183,26 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
             log(f"  {case:>12} {path:<10} wall {wall:8.3f} ms  busy {rows[-1].prof.busy_ms:8.3f} ms  "
                 f"kernels {rows[-1].prof.kernels:7.1f}  ops {rows[-1].prof.torch_ops:7.1f}")
 
-        for n in args.tokens:
-            fb, req_rows, slots = prefill_batch(runner, [n], [name])
+        prefills = [([n], f"prefill {n}") for n in args.tokens]
+        prefills += [(lens, f"prefill {len(lens)}x{lens[0]}") for lens in args.prefill_batches]
+        for lens, case in prefills:
+            fb, req_rows, slots = prefill_batch(runner, lens, [names[i % len(names)] for i in range(len(lens))])
             for path, graph in graphs.items():
                 runner.prefill_graph_runner = graph
                 expect = graph is not None and graph.can_run_graph(fb)
-                measure(f"prefill {n}", path, fb, expect, "" if expect or graph is None else "refused: eager")
+                measure(case, path, fb, expect, "" if expect or graph is None else "refused: eager")
             release(runner, req_rows, slots)
         runner.prefill_graph_runner = graphs.get("breakable")
+        decode_paths = (("graph", decode_graph),) if args.paths == "graph" else (("eager", None), ("graph", decode_graph))
         for bs in args.decode_bs:
-            fb, req_rows, slots = decode_batch(runner, bs, name)
-            for path, graph in (("eager", None), ("graph", decode_graph)):
-                if path == "graph" and graph is None:
-                    continue
-                runner.decode_graph_runner = graph
-                measure(f"decode bs{bs}", path, fb, graph is not None)
-            release(runner, req_rows, slots)
+            for k in ([1] if lora == "none" else [k for k in args.decode_adapters if k <= min(bs, len(names))]):
+                fb, req_rows, slots = decode_batch(runner, bs, names[:k])
+                for path, graph in decode_paths:
+                    if path == "graph" and graph is None:
+                        continue
+                    runner.decode_graph_runner = graph
+                    measure(f"decode bs{bs}" + ("" if lora == "none" else f" x{k}"), path, fb, graph is not None)
+                release(runner, req_rows, slots)
         runner.decode_graph_runner = decode_graph
         del runner, graphs, decode_graph
         gc.collect()
@@ -268,6 +287,20 @@ def to_markdown(rows: list[Row], notes: list[str]) -> str:
                               f"{ours.wall_ms:.3f} / {r.wall_ms:.3f} = **{ours.wall_ms / r.wall_ms:.2f}**")
     if ratios:
         out += ["", "Against the anchor (wall):", *ratios]
+    vs_base = []
+    for r in rows:
+        if r.lora == "none" or r.path.startswith("HF"):
+            continue
+        base = table.get((r.model, "none", r.case.split(" x")[0], r.path))
+        if base is not None:
+            p = r.prof
+            per = f", {p.lora_us / p.lora_launches:.1f} µs per launch" if p.lora_launches else ""
+            busy = f"{p.busy_ms / base.prof.busy_ms:.2f}" if base.prof.busy_ms > 0 else "—"
+            vs_base.append(f"- {r.model} {r.case} {r.path}: LoRA / base = {r.wall_ms:.3f} / {base.wall_ms:.3f} = "
+                           f"**{r.wall_ms / base.wall_ms:.2f}** (GPU busy {busy}); "
+                           f"LoRA kernels {p.lora_us:.0f} µs in {p.lora_launches:.0f} launches{per}")
+    if vs_base:
+        out += ["", "LoRA against the base model, same case and path (wall):", *vs_base]
     if notes:
         out += ["", *[f"- {n}" for n in notes]]
     out += ["", "Top kernels (µs per forward, calls per forward):", ""]
@@ -285,6 +318,15 @@ def _ints(s: str) -> list[int]:
     return [int(x) for x in s.split(",") if x.strip()]
 
 
+def _batches(s: str) -> list[list[int]]:
+    out = []
+    for item in s.split(","):
+        if item.strip():
+            n, tokens = item.lower().split("x")
+            out.append([int(tokens)] * int(n))
+    return out
+
+
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -292,6 +334,10 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--decode-bs", type=_ints, default=[1])
     p.add_argument("--lora", default="none,lora", help="which of none,lora to run")
     p.add_argument("--lora-backend", default="csgmv")
+    p.add_argument("--adapters", type=int, default=1, help="rank-16 adapters loaded (= pool slots)")
+    p.add_argument("--decode-adapters", type=_ints, default=[1], help="distinct adapters per decode batch")
+    p.add_argument("--prefill-batches", type=_batches, default=[], help="e.g. 4x512,8x256 (requests x tokens)")
+    p.add_argument("--paths", default="all", choices=["all", "graph"], help="graph: breakable and decode graph only")
     p.add_argument("--hf-anchor", dest="hf_anchor", action="store_true", default=None)
     p.add_argument("--no-hf-anchor", dest="hf_anchor", action="store_false")
     p.add_argument("--hf-tokens", type=_ints, default=[128, 2048])
@@ -323,14 +369,14 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
 def main(argv: Optional[list[str]] = None) -> str:
     args = parse_args(argv)
     t0 = time.perf_counter()
-    ckpt, adapters = write_assets(args.root, args.model, num_adapters=1)
+    ckpt, adapters = write_assets(args.root, args.model, num_adapters=args.adapters)
     rows = bench_engine(args, args.model, ckpt, adapters)
     notes: list[str] = []
     if args.hf_anchor:
         hf_rows, notes = bench_hf_anchor(args, args.model, ckpt)
         rows += hf_rows
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (dry run)"
-    md = (f"### {args.model}, batch 1, {device}, torch {torch.__version__} "
+    md = (f"### {args.model}, {device}, torch {torch.__version__}, {args.adapters} adapter slot(s) "
           f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s)\n\n" + to_markdown(rows, notes))
     print(md)
     if args.out:

@@ -10,7 +10,7 @@ import os
 import statistics
 import sys
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, Sequence, Union
 
 import torch
 
@@ -145,14 +145,17 @@ def prefill_batch(runner: ModelRunner, lengths: list[int], names: list[Optional[
     return fb, rows, [r.out_cache_loc for r in reqs]
 
 
-def decode_batch(runner: ModelRunner, bs: int, name: Optional[str], context: int = DECODE_CONTEXT):
-    """One DECODE batch of `bs` requests with `context` tokens each (their KV is whatever is there)."""
+def decode_batch(runner: ModelRunner, bs: int, name: Union[Optional[str], Sequence[Optional[str]]],
+                 context: int = DECODE_CONTEXT):
+    """One DECODE batch of `bs` requests with `context` tokens each (their KV is whatever is there);
+    `name` is one adapter for all, or a list the requests take in turn."""
+    names = list(name) if isinstance(name, (list, tuple)) else [name]
     rows = runner.req_to_token_pool.alloc(bs)
     slots = runner.token_to_kv_pool_allocator.alloc(bs * context)
     for i, row in enumerate(rows):
         runner.req_to_token_pool.write(row, 0, slots[i * context:(i + 1) * context])
     reqs = [DecodeRequest(row, 7, context, int(slots[(i + 1) * context - 1]),
-                          lora_id=lora_id(runner, name)) for i, row in enumerate(rows)]
+                          lora_id=lora_id(runner, names[i % len(names)])) for i, row in enumerate(rows)]
     fb = build_decode_batch(reqs, runner.req_to_token_pool, runner.device,
                             enable_lora=runner.lora_manager is not None)
     return fb, rows, [slots]

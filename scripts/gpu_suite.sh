@@ -4,8 +4,9 @@
 #   GPU_SUITE_OUT=/some/dir bash scripts/gpu_suite.sh
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
-# GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_serving",
-# "profile", "prefix_cache", "soak", and "tp" on a machine with 2 GPUs).
+# GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_decode",
+# "lora_serving", "profile", "prefix_cache", "soak", and "tp" on a machine with 2 GPUs). Files past
+# the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by ../shared/device/wheels.sh into ./.whl
 # are installed into ./.site first when the machine lacks them (it has no network).
@@ -108,6 +109,31 @@ if [[ " $PARTS " == *" profile "* ]]; then
   done
 fi
 
+if [[ " $PARTS " == *" lora_decode "* ]]; then
+  # Issue 16's measurements: the LoRA kernels at serving shapes (decode batch x distinct adapters x
+  # rank, prefill 4x512 / 8x256 on 8 adapters) against the base GEMMs, then whole steps with
+  # profile_forward (8 rank-16 adapters in 8 slots, csgmv, graphs): LoRA step / base step and the
+  # LoRA kernels' GPU time. One process per shape; GPU_SUITE_DECODE_MODELS picks shapes (default
+  # both), GPU_SUITE_KERNEL_TUNINGS adds fold variants with other kernel knobs (e.g. "k256 k256w8").
+  say "== LoRA decode at serving shapes"
+  : >"$OUT/lora_kernels.md"
+  : >"$OUT/lora_steps.md"
+  for model in ${GPU_SUITE_DECODE_MODELS:-qwen3-4b llama-3.1-8b}; do
+    start=$(date +%s)
+    $PY benchmark/lora/bench_lora_kernels.py --models "$model" ${GPU_SUITE_KERNEL_TUNINGS:+--tunings $GPU_SUITE_KERNEL_TUNINGS} \
+      --out "/tmp/lora_kernels_$model.md" >>"$OUT/lora_decode.log" 2>&1 || status=1
+    cat "/tmp/lora_kernels_$model.md" >>"$OUT/lora_kernels.md" 2>/dev/null
+    say "$model kernels: $(( $(date +%s) - start ))s"
+    start=$(date +%s)
+    $PY benchmark/profile_forward.py --model "$model" --adapters 8 --lora none,lora --lora-backend csgmv \
+      --paths graph --no-hf-anchor --tokens 128 --prefill-batches 4x512,8x256 --decode-bs 1,8,32,64,128 \
+      --decode-adapters 1,4,8 --out "/tmp/lora_steps_$model.md" >>"$OUT/lora_decode.log" 2>&1 || status=1
+    cat "/tmp/lora_steps_$model.md" >>"$OUT/lora_steps.md" 2>/dev/null
+    say "$model steps: $(( $(date +%s) - start ))s"
+    grep -E "LoRA / base" "/tmp/lora_steps_$model.md" 2>/dev/null | tee -a "$SUMMARY"
+  done
+fi
+
 if [[ " $PARTS " == *" serving "* ]]; then
   say "== bench_serving (Qwen3-4B shape, dummy weights, triton attention)"
   ckpt=/tmp/sglang-ckpt-qwen3-4b
@@ -129,10 +155,11 @@ if [[ " $PARTS " == *" serving "* ]]; then
 fi
 
 if [[ " $PARTS " == *" lora_serving "* ]]; then
-  # Issue 11's table in one call: bench_serving with the same load (256 x 512 -> 128, concurrency
-  # 64, 8 rank-16 adapters on all seven modules) against a server without LoRA and the LoRA servers
-  # (csgmv / triton, 8 and 4 slots; zipf picks on the csgmv 8-slot server). ~6 minutes on an H200,
-  # mostly server start-ups (graph capture); GPU_SUITE_LORA_CONFIGS picks a subset, and
+  # The LoRA serving table in one call: bench_serving with the same load (256 x 512 -> 128,
+  # concurrency 64, rank-16 adapters on all seven modules) against a server without LoRA and the
+  # LoRA servers (csgmv / triton on 8 slots, uniform and zipf picks; 16 adapters on 16 slots; 8
+  # rank-64 adapters). ~5 minutes on an H200, mostly server start-ups (graph capture);
+  # GPU_SUITE_LORA_CONFIGS picks others (bench_lora_serving.py lists them), and
   # GPU_SUITE_DRY_RUN=1 runs it on a CPU at tiny shapes (plumbing only).
   say "== lora_serving (Qwen3-4B shape, dummy weights, triton attention, graphs on)"
   start=$(date +%s)
@@ -197,5 +224,10 @@ if [[ " $PARTS " == *" tp "* ]]; then
   cat "$OUT/tp.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
+# At most 8 files come back from a device call: keep the summary and the tables, pack the rest.
+extra=$(cd "$OUT" && find . -type f ! -name summary.txt ! -name '*.md' ! -name logs.tar.gz | sort)
+if [ -n "$extra" ]; then
+  (cd "$OUT" && echo "$extra" | tar czf logs.tar.gz -T - && echo "$extra" | xargs rm -f && find . -type d -empty -delete)
+fi
 say "== done (status=$status)"
 exit $status

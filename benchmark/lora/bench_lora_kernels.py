@@ -1,35 +1,32 @@
-"""LoRA module designs side by side: GPU µs per decoder layer under CUDA-graph replay, host µs per call.
+"""LoRA module designs at serving shapes: GPU µs per decoder layer under CUDA-graph replay, against the base GEMMs.
 
-    PYTHONPATH=$PWD/python python benchmark/lora/bench_lora_kernels.py [--models llama-3.1-8b qwen3-4b]
-        [--tokens 1 128 2048] [--adapters 1 4] [--rank 16] [--high-rank 64] [--out results.md]
+    PYTHONPATH=$PWD/python python benchmark/lora/bench_lora_kernels.py [--models qwen3-4b llama-3.1-8b]
+        [--ranks 16 64] [--decode-bs 1 8 32 64 128] [--adapters 1 4 8 16] [--prefill 4x512 8x256] [--out f.md]
     PYTHONPATH=$PWD/python python benchmark/lora/bench_lora_kernels.py --cpu-dry-run   # tiny, interpreter
 
-Variants (lora_kernel_variants.py), all through `backend.run_module` as the LoRA layers call it:
-`csgmv/unfold` and `tok+pdl` add LoRA after the base GEMM (csgmv's and triton's kernels for modules
-that are not folded); `fold` / `fold+pdl` fold every module into its base GEMM (shrink_pack + one
-GEMM over W_aug); `auto` (high-rank table) folds what lora/fold.py's rule folds. 8 pool slots,
-slot 0 the base model; 1 and 16 tokens are decode batches (one token per request), 128 and 2048 are
-4 prefill requests; n adapters occupy slots 1..n, requests round-robin. Each variant's LoRA deltas
-(output - base GEMM) are first checked against an fp32 reference (`check`: worst relative
-Frobenius error; bf16 rounding gives ~3e-3).
+Variants (lora_kernel_variants.py), all through `backend.run_module` as the LoRA layers call it,
+every launch over the batch's adapter segments (lora/segments.py):
+  csgmv/unfold  `csgmv` with no module folded: base GEMM, then the chunked SGMV shrink and expand
+  tok           `triton` with no module folded: base GEMM, token-major shrink (split-K) and expand
+  fold          `triton`, every module folded: shrink_pack writes [x | packed shrink], then ONE
+                cuBLAS GEMM over W_aug = [W | block-diagonal B of every slot]
+  auto          what `--lora-fold auto` picks per module (lora/fold.py's rule)
+  fold/k256w8   `fold` with token_lora's knobs changed (--tunings: K per split, warps, K tile)
+PDL is on where the GPU has it. Cases: decode batches (one token per request) of `--decode-bs` on
+`--adapters` distinct adapters (requests take them in turn), and prefill batches (`--prefill`,
+requests x tokens) on 8 adapters. Pool slots: 9 (8 adapters + the base model, the serving
+default) up to 8 adapters, else adapters + 1. Every variant's LoRA deltas (output - base GEMM) are
+first checked against an fp32 reference (`check`: worst relative Frobenius error; bf16 gives ~3e-3).
 
-Tables:
-  1. per model: `base` = the four base GEMMs (µs per layer, graph replay); `base/W_aug` = the same
-     GEMMs reading the strided view W_aug[:, :K] (an all-base batch on a LoRA server); then each
-     variant's LoRA µs per layer = (its four modules) - base; `×L ms` scales the best variant to the
-     model's layers. The issue's targets (8B, rank 16, 7 modules): 128-token prefill <= 0.6 ms
-     (18.7 µs per layer), decode at batch 1 <= 0.4 ms (12.5 µs per layer).
-  2. rank R_high (default 64), 8B: `fold` (everything folded), `auto` (the rule), `tok+pdl`
-     (nothing folded): where folding stops paying (extra E*N weight bytes every forward).
-  3. host µs per module call, eager, 128-token prefill (base GEMM included; `base` alone for scale).
+Columns: `base` = the four base GEMMs (µs per layer, graph replay); each variant's LoRA µs per layer
+= (its four modules) - base; `LoRA ms/step` = the best variant x layers; `(base+LoRA)/base` of the
+GEMMs; then the best variant's LoRA µs per module (module - its base GEMM). The whole decode step
+(attention, norms, the eager tail) is measured by benchmark/profile_forward.py.
 
-Arithmetic (8B, rank 16, 8 slots, bf16; E = 8*c*16 columns: qkv 384, o 128, gate_up 256, down 128):
-  - The folded GEMMs read E*N extra weight elements per layer: 6144*384 + 4096*128 + 28672*256 +
-    4096*128 = 10.7 M -> 21 MB, ~5 µs at 4.3 TB/s, whatever the adapters of the batch. The
-    shrink_pack kernels are four small latency-bound kernels (~2-4 µs each at decode).
-  - At 2048 tokens the extra FLOPs are 2*T*N*E = 44 GFLOP per layer (~60 µs), plus the copies of x
-    into x_aug (4*T*K bytes: ~50 µs for the four modules), against ~220 µs for today's unfused
-    kernels.
+Floor (Qwen3-4B, rank 16, all modules, bf16): an adapter's A and B hold r * [(h+q) + 2(h+kv) + (q+h)
++ 2(h+I) + (I+h)] = 16 * 57,344 elements per layer, 1.8 MB, so a batch on n adapters reads n * 1.8
+MB per layer: 8 adapters 14.7 MB, ~3.4 µs per layer at 4.3 TB/s (0.12 ms per 36-layer step). The
+folded GEMMs also read W_aug's extra columns (every slot's B), whatever the batch uses.
 """
 
 from __future__ import annotations
@@ -59,12 +56,12 @@ from lora_kernel_variants import (  # noqa: E402
     reference_deltas,
     relative_error,
 )
-from sglang.srt.lora.backend.triton_backend import TritonLoRABackend  # noqa: E402
 from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
 
 MODELS = {"llama-3.1-8b": (Shapes(4096, 4096, 1024, 14336), 32), "qwen3-4b": (Shapes(2560, 4096, 1024, 9728), 36)}
 TINY = Shapes(64, 64, 32, 96)
-NUM_SLOTS = 8
+SERVING_SLOTS = 9  # --max-loras-per-batch 8 plus the base model's slot
+PREFILL_ADAPTERS = 8
 REPS = 10  # layers per captured graph
 
 
@@ -73,15 +70,25 @@ def make_io(shapes: Shapes, rows: int, dtype, device, gen) -> dict[str, torch.Te
             for k, d in (("x", shapes.hidden), ("attn", shapes.q), ("act", shapes.inter))}
 
 
-def make_case(tokens: int, adapters: int, R: int, device: str) -> Case:
-    if tokens <= 16:
-        lens, mode = [1] * tokens, ForwardMode.DECODE
-    else:
-        lens, mode = [tokens // 4] * 3 + [tokens - 3 * (tokens // 4)], ForwardMode.EXTEND
+def make_case(lens: list[int], mode: ForwardMode, adapters: int, num_slots: int, R: int, device: str) -> Case:
+    """Requests take adapters 1..n in turn (slot 0: the base model, rank 0); other slots are empty."""
     slots = [1 + i % adapters for i in range(len(lens))]
-    ranks = [0] + [R] * adapters + [0] * (NUM_SLOTS - 1 - adapters)
-    scalings = [0.0] + [0.5 + i for i in range(adapters)] + [0.0] * (NUM_SLOTS - 1 - adapters)
+    ranks = [0] + [R] * adapters + [0] * (num_slots - 1 - adapters)
+    scalings = [0.0] + [0.5 + 0.1 * i for i in range(adapters)] + [0.0] * (num_slots - 1 - adapters)
     return Case(lens, slots, mode, ranks, scalings, device)
+
+
+def serving_cases(args) -> list[tuple[str, list[int], ForwardMode, int]]:
+    """(label, request lengths, mode, adapters) of the table's rows."""
+    cases = []
+    for bs in args.decode_bs:
+        for n in args.adapters:
+            if n <= bs:
+                cases.append((f"decode {bs}", [1] * bs, ForwardMode.DECODE, n))
+    for item in args.prefill:
+        reqs, tokens = (int(v) for v in item.lower().split("x"))
+        cases.append((f"prefill {reqs}x{tokens}", [tokens] * reqs, ForwardMode.EXTEND, min(PREFILL_ADAPTERS, reqs)))
+    return cases
 
 
 def gpu_time_us(fn) -> float:
@@ -97,7 +104,7 @@ def gpu_time_us(fn) -> float:
     with torch.cuda.graph(graph):
         for _ in range(REPS):
             fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=40) * 1e3 / REPS
+    return triton.testing.do_bench(graph.replay, warmup=5, rep=25) * 1e3 / REPS
 
 
 def host_us(fn, n: int) -> float:
@@ -131,6 +138,8 @@ class Bench:
         self.dtype = torch.float32 if dry else torch.bfloat16
         self.tol = 1e-4 if dry else 3e-2
         self.gen = torch.Generator(device=self.device).manual_seed(0)
+        self._weights: dict[tuple, LayerWeights] = {}
+        self.last_variants: list[BackendVariant] = []
 
     def emit(self, line: str = "") -> None:
         self.lines.append(line)
@@ -141,47 +150,70 @@ class Bench:
     def time(self, fn) -> float:
         return float("nan") if self.dry else gpu_time_us(fn)
 
+    def weights(self, shapes: Shapes, num_slots: int, rank: int) -> LayerWeights:
+        key = (shapes, num_slots, rank)
+        if key not in self._weights:
+            self._weights.clear()  # one model, slot count and rank at a time
+            if not self.dry:
+                torch.cuda.empty_cache()
+            self._weights[key] = LayerWeights(shapes, num_slots, rank, self.dtype, self.device, self.gen)
+        return self._weights[key]
+
     def check(self, variant: BackendVariant, case: Case, weights: LayerWeights, io: dict) -> float:
         variant.prepare(case, graph=True)
         return relative_error(variant.layer(io), base_gemms(weights, io), reference_deltas(case, weights, io))
 
-    def rows_for(self, variants, weights, tokens_list, adapters_list, layers, with_view: bool) -> dict:
-        """One table: a row per (tokens, adapters). Returns {(tokens, variant): LoRA µs} (1 adapter)."""
-        head = ["tokens", "adapters", "base"] + (["base/W_aug"] if with_view else []) + [v.name for v in variants]
-        head += [f"best ×{layers} ms", "check"]
+    def table(self, shapes: Shapes, layers: int, rank: int, cases, per_module: bool) -> None:
+        head = ["case", "adapters", "slots", "base"] + [v for v in self.variant_names()]
+        head += [f"LoRA ms/step (×{layers})", "(base+LoRA)/base"]
+        head += [f"{m} µs" for m in MODULES] if per_module else []
+        head += ["check"]
         self.emit("| " + " | ".join(head) + " |")
-        self.emit("|" + "---:|" * len(head))
-        lora_us = {}
-        for tokens in tokens_list:
-            for adapters in adapters_list:
-                case = make_case(tokens, adapters, weights.max_rank, self.device)
-                io = make_io(weights.shapes, case.rows, self.dtype, self.device, self.gen)
-                print(f"== {tokens} tokens, {adapters} adapter(s)", file=sys.stderr)
-                base = cell(lambda: self.time(lambda: base_gemms(weights, io)))
-                row = [str(tokens), str(adapters), fmt(base)]
-                if with_view:
-                    row.append(fmt(cell(lambda: self.time(lambda: base_gemms(weights, io, strided=True)))))
-                errs, best = [], None
-                for v in variants:
-                    err = cell(lambda: self.check(v, case, weights, io))
-                    total = cell(lambda: self.time(lambda: v.layer(io))) if err is not None else None
-                    lora = None if (total is None or base is None) else total - base
-                    errs.append(f"{v.name} {'err' if err is None else f'{err:.0e}'}")
-                    row.append(fmt(lora))
-                    if lora is not None and lora == lora:
-                        best = lora if best is None else min(best, lora)
-                        lora_us[(tokens, adapters, v.name)] = lora
-                row.append(fmt(best * layers / 1e3, 2) if best is not None else "-")
-                bad = [e for e in errs if e.endswith("err") or float(e.split()[-1]) > self.tol]
-                row.append("ok" if not bad else "FAIL: " + ", ".join(bad))
-                print("    " + "; ".join(errs), file=sys.stderr)
-                self.emit("| " + " | ".join(row) + " |")
-        return lora_us
+        self.emit("|---|" + "---:|" * (len(head) - 2) + "---|")
+        for label, lens, mode, adapters in cases:
+            num_slots = max(SERVING_SLOTS, adapters + 1)
+            weights = self.weights(shapes, num_slots, rank)
+            case = make_case(lens, mode, adapters, num_slots, rank, self.device)
+            io = make_io(shapes, case.rows, self.dtype, self.device, self.gen)
+            print(f"== {label}, {adapters} adapter(s), rank {rank}", file=sys.stderr, flush=True)
+            base = cell(lambda: self.time(lambda: base_gemms(weights, io)))
+            row = [label, str(adapters), str(num_slots), fmt(base)]
+            errs, best, best_v = [], None, None
+            variants = make_variants(weights, self.device, not self.dry, self.args.tunings)
+            self.last_variants = variants
+            for v in variants:
+                err = cell(lambda: self.check(v, case, weights, io))
+                total = cell(lambda: self.time(lambda: v.layer(io))) if err is not None else None
+                lora = None if (total is None or base is None) else total - base
+                errs.append(f"{v.name} {'err' if err is None else f'{err:.0e}'}")
+                row.append(fmt(lora))
+                if lora is not None and lora == lora and (best is None or lora < best):
+                    best, best_v = lora, v
+            row.append(fmt(best * layers / 1e3, 3) if best is not None else "-")
+            row.append(fmt((base + best) / base, 2) if best is not None and base else "-")
+            if per_module:
+                best_v = best_v or variants[-1]
+                best_v.prepare(case, graph=True)
+                for m in MODULES:
+                    key = weights.shapes.module(m)[0]
+                    module_base = cell(lambda: self.time(lambda: base_gemms(weights, io, only=m)))
+                    module = cell(lambda: self.time(lambda: best_v.module(m, io)))
+                    row.append(fmt(None if module is None or module_base is None else module - module_base))
+            bad = [e for e in errs if e.endswith("err") or float(e.split()[-1]) > self.tol]
+            row.append("ok" if not bad else "FAIL: " + ", ".join(bad))
+            print("    " + "; ".join(errs), file=sys.stderr)
+            self.emit("| " + " | ".join(row) + " |")
 
-    def host_table(self, variants, weights) -> None:
+    def variant_names(self) -> list[str]:
+        weights = LayerWeights(TINY, 2, 1, torch.float32, "cpu", torch.Generator().manual_seed(0))
+        return [v.name for v in make_variants(weights, "cpu", not self.dry, self.args.tunings)]
+
+    def host_table(self, shapes: Shapes) -> None:
         tokens = 40 if self.dry else 128
-        case = make_case(tokens, 1, weights.max_rank, self.device)
+        weights = self.weights(shapes, SERVING_SLOTS, self.args.ranks[0])
+        case = make_case([tokens // 4] * 4, ForwardMode.EXTEND, 1, SERVING_SLOTS, weights.max_rank, self.device)
         io = make_io(weights.shapes, case.rows, self.dtype, self.device, self.gen)
+        variants = make_variants(weights, self.device, not self.dry, [])
         self.emit()
         self.emit(f"Host µs per module call, eager, {tokens}-token prefill, 1 adapter (base GEMM included)")
         self.emit()
@@ -199,18 +231,21 @@ class Bench:
                    for ls in v.backend._launch_cache.values() for ml in ls.values()
                    for launch in (ml.pack, ml.shrink, ml.expand) if launch is not None)
         self.emit(f"\n(prepared launches that took the bound fast path: {fast}; 'prepare' includes the "
-                  "metadata copy and, on the first batch of a row count, the launch plans)")
+                  "segment build and its copy, and on the first batch of a shape the launch plans)")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
-    p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--high-rank", type=int, default=64, help="rank of table 2 (0: skip it)")
-    p.add_argument("--tokens", type=int, nargs="+", default=[1, 128, 2048])
-    p.add_argument("--adapters", type=int, nargs="+", default=[1, 4])
+    p.add_argument("--models", nargs="+", choices=list(MODELS), default=["qwen3-4b", "llama-3.1-8b"])
+    p.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--decode-bs", type=int, nargs="+", default=[1, 8, 32, 64, 128])
+    p.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 8, 16])
+    p.add_argument("--prefill", nargs="*", default=["4x512", "8x256"])
+    p.add_argument("--tunings", nargs="*", default=[],
+                   help="extra fold variants with token_lora's knobs, e.g. k256 k256w8 d128 (K per split, warps, K tile)")
+    p.add_argument("--high-rank-decode-bs", type=int, nargs="*", default=[1, 64],
+                   help="decode batches of the tables past the first rank (fewer rows)")
     p.add_argument("--out", help="also write the tables to this markdown file")
-    p.add_argument("--no-pdl", action="store_true", help="leave out the PDL variants")
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes, fp32, CPU interpreter, no timing")
     args = p.parse_args()
     dry = args.cpu_dry_run
@@ -219,39 +254,21 @@ def main() -> None:
     bench = Bench(args, dry)
     if dry:
         models = {"TINY (dry run)": (TINY, 2)}
-        args.tokens, args.adapters = [1, 16, 40], [1, 3]
+        args.decode_bs, args.adapters, args.prefill, args.ranks = [1, 16], [1, 3], ["2x20"], [16]
     else:
         models = {m: MODELS[m] for m in args.models}
-    pdl = not dry and not args.no_pdl
-    bench.emit(f"# LoRA module designs, rank {args.rank}, {NUM_SLOTS} slots, {bench.dtype}, torch {torch.__version__}"
-               + ("" if dry else f", {torch.cuda.get_device_name()}"))
-    first = None
+    t0 = time.perf_counter()
+    bench.emit(f"# LoRA modules at serving shapes, {bench.dtype}, torch {torch.__version__}"
+               + ("" if dry else f", {torch.cuda.get_device_name()}") + f", {time.strftime('%Y-%m-%d')}")
     for name, (shapes, layers) in models.items():
-        weights = LayerWeights(shapes, NUM_SLOTS, args.rank, bench.dtype, bench.device, bench.gen)
-        variants = make_variants(weights, bench.device, pdl)
-        bench.emit()
-        bench.emit(f"## {name}: LoRA µs per layer = (four modules) - (four base GEMMs), graph replay")
-        bench.emit()
-        bench.rows_for(variants, weights, args.tokens, args.adapters, layers, with_view=True)
-        first = first or (shapes, layers, weights, variants)
-
-    if args.high_rank:
-        shapes, layers, _, _ = first
-        weights = LayerWeights(shapes, NUM_SLOTS, args.high_rank, bench.dtype, bench.device, bench.gen)
-        unfolded = "tok+pdl" if pdl else "tok"
-        variants = [
-            BackendVariant("fold", TritonLoRABackend, "on", pdl, weights),
-            BackendVariant("auto", TritonLoRABackend, "auto", pdl, weights),
-            BackendVariant(unfolded, TritonLoRABackend, "off", pdl, weights),
-        ]
-        folded = [m for m in MODULES if weights.auto_folds(m)]
-        bench.emit()
-        bench.emit(f"## rank {args.high_rank}, {NUM_SLOTS} slots: where folding stops paying (auto folds {folded})")
-        bench.emit()
-        bench.rows_for(variants, weights, args.tokens, [1], layers, with_view=False)
-
-    _, _, weights, variants = first
-    bench.host_table(variants, weights)
+        for i, rank in enumerate(args.ranks):
+            sub = args if i == 0 else argparse.Namespace(**{**vars(args), "decode_bs": args.high_rank_decode_bs})
+            bench.emit()
+            bench.emit(f"## {name}, rank {rank}: LoRA µs per layer = (four modules) - (four base GEMMs), graph replay")
+            bench.emit()
+            bench.table(shapes, layers, rank, serving_cases(sub), per_module=i == 0)
+    bench.host_table(next(iter(models.values()))[0])
+    bench.emit(f"\n({time.perf_counter() - t0:.0f} s)")
 
 
 if __name__ == "__main__":

@@ -4,15 +4,16 @@
     python benchmark/lora/bench_lora_serving.py --dry-run --out /tmp/dry.md     # CPU, tiny shapes
 
 Every server serves the Qwen3-4B shape (config only, `--load-format dummy`), triton attention, the
-default CUDA graphs; the LoRA servers get 8 rank-16 adapters on all seven modules (written by
-`sglang.srt.tools.make_adapter`). Each load is `bench_serving` with the same seed, so the same
-prompts and the same adapter per request: 256 prompts of 512 tokens -> 128, concurrency 64,
-adapters picked uniformly (or zipf). Configurations (`--configs`, in order):
+default CUDA graphs; the LoRA servers get rank-16 adapters (8 unless said) on all seven modules
+(written by `sglang.srt.tools.make_adapter`). Each load is `bench_serving` with the same seed, so
+the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 128, concurrency
+64, adapters picked uniformly (or zipf). Configurations (`--configs`, in order):
 
     base          no LoRA
     csgmv         csgmv, 8 slots (one per adapter)      csgmv-zipf   the same server, zipf picks
-    triton        triton, 8 slots
+    triton        triton, 8 slots                       triton-zipf  the same server, zipf picks
     csgmv-4       csgmv, 4 slots                        triton-4     triton, 4 slots
+    csgmv-16      csgmv, 16 adapters on 16 slots        csgmv-r64    csgmv, 8 rank-64 adapters, 8 slots
 
 Loads of one server configuration run back to back on one server. For each load the table has:
 request throughput and its ratio to the base's, mean / median TTFT, mean ITL, prefill batches that
@@ -46,6 +47,8 @@ class Config:
     name: str
     server: tuple[str, ...]  # LoRA server args (empty: no LoRA)
     distribution: Optional[str] = "uniform"  # None: base requests only
+    adapters: int = NUM_ADAPTERS
+    rank: int = 16
 
 
 def _lora(backend: str, slots: int) -> tuple[str, ...]:
@@ -57,8 +60,11 @@ CONFIGS = {
     "csgmv": Config("csgmv", _lora("csgmv", NUM_ADAPTERS)),
     "csgmv-zipf": Config("csgmv-zipf", _lora("csgmv", NUM_ADAPTERS), "zipf"),
     "triton": Config("triton", _lora("triton", NUM_ADAPTERS)),
+    "triton-zipf": Config("triton-zipf", _lora("triton", NUM_ADAPTERS), "zipf"),
     "csgmv-4": Config("csgmv-4", _lora("csgmv", 4)),
     "triton-4": Config("triton-4", _lora("triton", 4)),
+    "csgmv-16": Config("csgmv-16", _lora("csgmv", 16), adapters=16),
+    "csgmv-r64": Config("csgmv-r64", _lora("csgmv", NUM_ADAPTERS), rank=64),
 }
 
 
@@ -72,8 +78,7 @@ class Row:
 
 
 # ---------------------------------------------------------------------------- assets and servers
-def make_assets(root: str, dry_run: bool) -> tuple[str, dict[str, str]]:
-    from sglang.srt.tools.make_adapter import make_adapters
+def make_checkpoint_for(root: str, dry_run: bool) -> str:
     from sglang.srt.tools.make_checkpoint import make_checkpoint
 
     ckpt = os.path.join(root, "tiny" if dry_run else "qwen3-4b")
@@ -82,11 +87,18 @@ def make_assets(root: str, dry_run: bool) -> tuple[str, dict[str, str]]:
             make_checkpoint(ckpt, arch="qwen3", preset="tiny", with_weights=True)
         else:
             make_checkpoint(ckpt, arch="qwen3", preset="qwen3-4b", with_weights=False)
-    adapters_dir = os.path.join(root, "adapters-tiny" if dry_run else "adapters-qwen3-4b")
-    adapters = {f"lora{i}": os.path.join(adapters_dir, f"lora{i}") for i in range(NUM_ADAPTERS)}
+    return ckpt
+
+
+def make_adapter_set(root: str, ckpt: str, num: int, rank: int) -> dict[str, str]:
+    """`num` rank-`rank` adapters lora0.. for the checkpoint (written once, then reused)."""
+    from sglang.srt.tools.make_adapter import make_adapters
+
+    adapters_dir = os.path.join(root, f"adapters-{os.path.basename(ckpt)}-r{rank}")
+    adapters = {f"lora{i}": os.path.join(adapters_dir, f"lora{i}") for i in range(num)}
     if not all(os.path.exists(os.path.join(p, "adapter_config.json")) for p in adapters.values()):
-        adapters = make_adapters(ckpt, adapters_dir, num=NUM_ADAPTERS, rank=16, alpha=32, seed=100)
-    return ckpt, adapters
+        adapters = make_adapters(ckpt, adapters_dir, num=num, rank=rank, alpha=2 * rank, seed=100)
+    return adapters
 
 
 def launch(ckpt: str, cfg: Config, adapters: dict[str, str], port: int, log_path: str, dry_run: bool,
@@ -125,9 +137,9 @@ def run_load(url: str, cfg: Config, adapters: dict[str, str], args: argparse.Nam
     return bench_main(argv)
 
 
-def bench_server(ckpt: str, configs: list[Config], adapters: dict[str, str], args: argparse.Namespace,
-                 port: int) -> list[Row]:
+def bench_server(ckpt: str, configs: list[Config], args: argparse.Namespace, port: int) -> list[Row]:
     rows = [Row(cfg) for cfg in configs]
+    adapters = make_adapter_set(args.root, ckpt, configs[0].adapters, configs[0].rank) if configs[0].server else {}
     log_path = os.path.join(args.log_dir, f"server-{configs[0].name}.log")
     try:
         proc, startup = launch(ckpt, configs[0], adapters, port, log_path, args.dry_run, args.server_timeout)
@@ -188,7 +200,8 @@ def group_by_server(configs: list[Config]) -> list[list[Config]]:
     """Consecutive configurations with the same server args share one server."""
     groups: list[list[Config]] = []
     for cfg in configs:
-        if groups and groups[-1][0].server == cfg.server:
+        first = groups[-1][0] if groups else None
+        if first is not None and (first.server, first.adapters, first.rank) == (cfg.server, cfg.adapters, cfg.rank):
             groups[-1].append(cfg)
         else:
             groups.append([cfg])
@@ -197,7 +210,7 @@ def group_by_server(configs: list[Config]) -> list[list[Config]]:
 
 def main(argv: Optional[list[str]] = None) -> list[Row]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="base,csgmv,csgmv-zipf,triton,csgmv-4,triton-4")
+    p.add_argument("--configs", default="base,csgmv,csgmv-zipf,triton,triton-zipf,csgmv-16,csgmv-r64")
     p.add_argument("--out", default=None, help="markdown file for the table")
     p.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "sglang-bench-lora-serving"))
     p.add_argument("--log-dir", default=None, help="server logs and JSON results (default: --root)")
@@ -216,14 +229,14 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
     args.log_dir = args.log_dir or args.root
     os.makedirs(args.log_dir, exist_ok=True)
     configs = [CONFIGS[name.strip()] for name in args.configs.split(",") if name.strip()]
-    ckpt, adapters = make_assets(args.root, args.dry_run)
+    ckpt = make_checkpoint_for(args.root, args.dry_run)
     rows: list[Row] = []
     for i, group in enumerate(group_by_server(configs)):
         start = time.perf_counter()
-        rows += bench_server(ckpt, group, adapters, args, args.port + i)
+        rows += bench_server(ckpt, group, args, args.port + i)
         print(f"[lora_serving] {'+'.join(c.name for c in group)}: {time.perf_counter() - start:.0f} s", flush=True)
     header = (f"`bench_serving`: {args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len}, "
-              f"concurrency {args.concurrency}, {NUM_ADAPTERS} rank-16 adapters on all seven modules "
+              f"concurrency {args.concurrency}, rank-16 adapters (8 unless the name says) on all seven modules "
               f"({'tiny CPU dry run' if args.dry_run else 'Qwen3-4B shape, dummy weights, triton attention'}).")
     md = to_markdown(rows, header)
     print(md)

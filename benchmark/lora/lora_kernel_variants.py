@@ -1,16 +1,18 @@
 """The LoRA module designs that bench_lora_kernels.py compares: the engine's own backends, configured.
 
 Every variant computes whole modules (base GEMM + LoRA) through `backend.run_module`, exactly as
-the LoRA layers call it, for the four modules of one decoder layer:
+the LoRA layers call it, for the four modules of one decoder layer; every kernel walks the batch's
+adapter segments (lora/segments.py):
 
   csgmv/unfold  `csgmv` with no module folded: base GEMM, then the chunked SGMV shrink and expand
-                (adapter-sorted 16-token chunks; what csgmv runs for modules over the fold bound)
-  tok+pdl       `triton` with no module folded: base GEMM, token-major shrink (split-K) and expand
-                (a programmatic dependent launch of the shrink, Hopper); triton's unfolded path
+                (what csgmv runs for modules over the fold bound)
+  tok           `triton` with no module folded: base GEMM, token-major shrink (split-K) and expand
+                (on Hopper a programmatic dependent launch of the shrink); triton's unfolded path
   fold          `triton`, every module folded: shrink_pack writes [x | packed shrink], then ONE
                 cuBLAS GEMM over W_aug = [W | block-diagonal B of every slot]
-  fold+pdl      the same, shrink_pack launched as a programmatic dependent of its predecessor
   auto          `triton` with lora/fold.py's rule per module (what `--lora-fold auto` picks)
+  fold/k256w8   `fold` with token_lora's knobs changed: K split in pieces of 256 (K_PER_SPLIT), 8 warps
+                (NUM_WARPS), K tiles of 128 (d128: K_DEPTH_16BIT)
 
 LoRA cost = (variant's four modules) - (the four base GEMMs alone), so designs that fold LoRA into
 the base GEMM and designs that add it afterwards compare on one scale.
@@ -18,6 +20,8 @@ the base GEMM and designs that add it afterwards compare on one scale.
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass
 from typing import Optional
 
@@ -28,6 +32,7 @@ from torch import nn
 from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend
 from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
 from sglang.srt.lora.fold import fold_extra_columns, fold_weight, should_fold
+from sglang.srt.lora.triton_ops import token_lora
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -138,11 +143,48 @@ class LayerWeights:
         return should_fold(sum(slices), extra, self.w[m].element_size())
 
 
+_TUNABLES = {"k": "K_PER_SPLIT", "w": "NUM_WARPS", "d": "K_DEPTH_16BIT"}
+_CACHED = ("plan_shrink", "plan_pack", "plan_expand", "_bound_shrink", "_bound_pack", "_bound_expand")
+
+
+def parse_tuning(spec: Optional[str]) -> dict[str, int]:
+    """'k256w8d128' -> {K_PER_SPLIT: 256, NUM_WARPS: 8, K_DEPTH_16BIT: 128} (token_lora's knobs)."""
+    if not spec:
+        return {}
+    found = re.findall(r"([kwd])(\d+)", spec)
+    assert found and "".join(a + b for a, b in found) == spec, f"bad tuning {spec!r}: use e.g. k256w8d128"
+    return {_TUNABLES[a]: int(b) for a, b in found}
+
+
+@contextlib.contextmanager
+def tuning(spec: Optional[str]):
+    """Plans and bound kernels made inside use token_lora's knobs set by `spec` (None: the engine's)."""
+    values = parse_tuning(spec)
+    saved = {name: getattr(token_lora, name) for name in values}
+
+    def apply(vals):
+        for name, v in vals.items():
+            setattr(token_lora, name, v)
+        for fn in _CACHED:
+            getattr(token_lora, fn).cache_clear()
+
+    if not values:
+        yield
+        return
+    apply(values)
+    try:
+        yield
+    finally:
+        apply(saved)
+
+
 class BackendVariant:
     """A backend with every module of one layer registered, in one fold mode ("on", "off", "auto")."""
 
-    def __init__(self, name: str, backend_cls, fold: str, use_pdl: bool, weights: LayerWeights) -> None:
+    def __init__(self, name: str, backend_cls, fold: str, use_pdl: bool, weights: LayerWeights,
+                 tuning: Optional[str] = None) -> None:
         self.name, self.backend_cls, self.fold_mode, self.use_pdl, self.weights = name, backend_cls, fold, use_pdl, weights
+        self.tuning = tuning
         self.backend = None
 
     def folds(self, m: str) -> bool:
@@ -163,12 +205,13 @@ class BackendVariant:
                        torch.tensor(case.ranks, dtype=torch.int32, device=dev),
                        torch.tensor(case.scalings, dtype=torch.float32, device=dev), w.w["qkv"].dtype)
         decode = case.mode.is_decode()
-        if graph and decode:
-            b.init_cuda_graph_batch_info(case.rows, 1)
-        elif graph:
-            b.init_prefill_cuda_graph_batch_info(case.rows)
-        b.prepare_lora_batch(case.forward_batch(), case.slots, case.ranks, case.scalings,
-                             use_cuda_graph=graph and decode, use_prefill_cuda_graph=graph and not decode)
+        with tuning(self.tuning):  # scratch sizes, launch plans and bound kernels are made here
+            if graph and decode:
+                b.init_cuda_graph_batch_info(case.rows, 1)
+            elif graph:
+                b.init_prefill_cuda_graph_batch_info(case.rows)
+            b.prepare_lora_batch(case.forward_batch(), case.slots, case.ranks, case.scalings,
+                                 use_cuda_graph=graph and decode, use_prefill_cuda_graph=graph and not decode)
 
     def module(self, name: str, io: dict) -> torch.Tensor:
         lw, base = self.layer_modules[name]
@@ -178,21 +221,23 @@ class BackendVariant:
         return {m: self.module(m, io) for m in MODULES}
 
 
-def make_variants(weights: LayerWeights, device: str, pdl: bool) -> list[BackendVariant]:
+def make_variants(weights: LayerWeights, device: str, pdl: bool, tunings=()) -> list[BackendVariant]:
     variants = [
-        BackendVariant("csgmv/unfold", ChunkedSgmvLoRABackend, "off", False, weights),
-        BackendVariant("tok+pdl" if pdl else "tok", TritonLoRABackend, "off", pdl, weights),
-        BackendVariant("fold", TritonLoRABackend, "on", False, weights),
+        BackendVariant("csgmv/unfold", ChunkedSgmvLoRABackend, "off", pdl, weights),
+        BackendVariant("tok", TritonLoRABackend, "off", pdl, weights),
+        BackendVariant("fold", TritonLoRABackend, "on", pdl, weights),
+        BackendVariant("auto", TritonLoRABackend, "auto", pdl, weights),
     ]
-    if pdl:
-        variants.append(BackendVariant("fold+pdl", TritonLoRABackend, "on", True, weights))
+    variants += [BackendVariant(f"fold/{t}", TritonLoRABackend, "on", pdl, weights, t) for t in tunings]
     return variants
 
 
-def base_gemms(weights: LayerWeights, io: dict, strided: bool = False) -> dict[str, torch.Tensor]:
-    """The four base GEMMs alone; `strided`: through W_aug[:, :K] (a LoRA server's all-base batch)."""
+def base_gemms(weights: LayerWeights, io: dict, strided: bool = False, only: Optional[str] = None
+               ) -> dict[str, torch.Tensor]:
+    """The four base GEMMs alone (or module `only`); `strided`: through W_aug[:, :K] (a LoRA
+    server's all-base batch)."""
     out = {}
-    for m in MODULES:
+    for m in MODULES if only is None else (only,):
         key, in_dim, _ = weights.shapes.module(m)
         w = weights.folded(m)[0][:, :in_dim] if strided else weights.w[m]
         out[m] = F.linear(io[key], w)
