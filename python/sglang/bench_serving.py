@@ -31,6 +31,8 @@ from dataclasses import dataclass, field
 from collections import Counter
 from typing import Any, Iterable, Optional, Sequence
 
+from sglang.sse import sse_lines
+
 WORDS = ("the engine reads a prompt splits it into tokens and runs the model one step at a time each "
          "step looks at every token that came before it and writes a little more of the answer").split()
 
@@ -215,7 +217,7 @@ def _run_threads(url: str, specs: list[RequestSpec], times: list[float], headers
                 if resp.status_code != 200:
                     result.error = f"HTTP {resp.status_code}: {resp.text[:200]}"
                 else:
-                    stamped = ((line, time.perf_counter()) for line in resp.iter_lines(decode_unicode=True))
+                    stamped = ((line, time.perf_counter()) for line in sse_lines(resp))
                     _consume_timed(stamped, start, result)
         except Exception as e:  # noqa: BLE001
             result.error = f"{type(e).__name__}: {e}"

@@ -30,9 +30,14 @@ from typing import Any, Callable, Optional
 
 import requests
 
+from sglang.sse import sse_lines
+
 WORDS = ("the quick brown fox jumps over a lazy dog while seven bright engines hum softly under "
          "pale winter skies and small adapters learn new tricks every single morning").split()
 
+
+# U+0085, U+2028, U+2029: line ends for str.splitlines(), never for the SSE standard.
+LINE_BREAKERS = "split\u0085here\u2028and\u2029here"
 
 # The shared prefixes (token ids for /generate, words for the OpenAI routes).
 _prefix_rng = random.Random(1234)
@@ -115,6 +120,8 @@ class Soak:
             return "/generate", body
         length = rng.randint(*cfg.prompt_words)
         words = [rng.choice(WORDS) for _ in range(length)]
+        if rng.random() < 0.05:
+            words.append(LINE_BREAKERS)  # characters str.splitlines() splits at: the reader must not
         if shared:
             words = (SHARED_TEXTS[stem].split()[: cfg.prompt_words[1] // 2] + words)[:length]
         text = " ".join(words)
@@ -122,7 +129,8 @@ class Soak:
         common = {"model": model, "max_tokens": n, "temperature": rng.choice([0, 0.8]), "ignore_eos": True,
                   "cache_salt": salt}
         if kind == "completions":
-            return "/v1/completions", {**common, "prompt": text, "logprobs": rng.choice([None, 2])}
+            return "/v1/completions", {**common, "prompt": text, "logprobs": rng.choice([None, 2]),
+                                       "echo": rng.random() < 0.2}
         return "/v1/chat/completions", {**common, "messages": [{"role": "user", "content": text}]}
 
     def one_request(self, rng: random.Random) -> None:
@@ -192,7 +200,7 @@ class Soak:
         abort_after = rng.randint(1, 4) if mode == "rid_abort" else None
         events, done, finish, last = 0, False, None, {}
         try:
-            for line in r.iter_lines(decode_unicode=True):
+            for line in sse_lines(r):  # CR / LF / CRLF only, as the SSE standard splits lines
                 if not line.startswith("data: "):
                     continue
                 if line == "data: [DONE]":

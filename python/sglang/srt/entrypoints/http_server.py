@@ -17,9 +17,10 @@ from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from sglang.srt.entrypoints.json_text import JSONBody
 from sglang.srt.entrypoints.openai.errors import (
     describe_validation_errors,
     error_body,
@@ -84,7 +85,7 @@ def _validate(model: type[BaseModel], data: Any) -> Any:
         raise InvalidRequestError(message, param=param) from None
 
 
-def _abort_error(result: Any) -> Optional[JSONResponse]:
+def _abort_error(result: Any) -> Optional[JSONBody]:
     """An error reply when the server failed any request of the result (a request aborted on
     purpose, through /abort_request, is a normal reply with finish_reason type "abort")."""
     for out in result if isinstance(result, list) else [result]:
@@ -94,7 +95,7 @@ def _abort_error(result: Any) -> Optional[JSONResponse]:
     return None
 
 
-def _lora_update_response(out: LoRAUpdateOutput, status: int) -> JSONResponse:
+def _lora_update_response(out: LoRAUpdateOutput, status: int) -> JSONBody:
     """`{success, error_message, loaded_adapters}`; a refusal also carries the OpenAI error
     envelope under "error", so both SGLang-style and OpenAI-style clients can read it."""
     body: dict[str, Any] = {
@@ -102,7 +103,7 @@ def _lora_update_response(out: LoRAUpdateOutput, status: int) -> JSONResponse:
     }
     if not out.success:
         body.update(error_body(out.error_message, status, param="lora_name" if status == 404 else None))
-    return JSONResponse(body, status_code=status)
+    return JSONBody(body, status_code=status)
 
 
 def create_app(tm: TokenizerManager) -> FastAPI:
@@ -117,7 +118,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
                     tm.served_model_name)
         yield
 
-    app = FastAPI(title="sglang", lifespan=lifespan)
+    app = FastAPI(title="sglang", lifespan=lifespan, default_response_class=JSONBody)
     install_error_handlers(app)
 
     if server_args.api_key:
@@ -175,7 +176,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
             return streaming_response(events(), outs)
         result = await tm.generate_one(obj, request)
-        return _abort_error(result) or JSONResponse(result)
+        return _abort_error(result) or JSONBody(result)
 
     # The OpenAI routes parse the body themselves: any Content-Type is accepted (curl -d sends a
     # form type), and malformed JSON and wrong types get the same readable 400.
@@ -234,7 +235,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
         body: dict[str, Any] = {"success": out.success, "message": out.message}
         if not out.success:
             body.update(error_body(out.message, 400))
-        return JSONResponse(body, status_code=200 if out.success else 400)
+        return JSONBody(body, status_code=200 if out.success else 400)
 
     @app.post("/abort_request")
     async def abort_request(request: Request) -> Response:

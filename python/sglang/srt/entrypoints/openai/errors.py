@@ -12,9 +12,10 @@ from typing import Any, Optional
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from sglang.srt.entrypoints import json_text
+from sglang.srt.entrypoints.json_text import JSONBody
 from sglang.srt.managers.generate_request import InvalidRequestError, RequestFailedError
 
 logger = logging.getLogger(__name__)
@@ -48,17 +49,17 @@ def error_body(message: str, status_code: int = 400, param: Optional[str] = None
 
 def error_response(message: str, status_code: int = 400, param: Optional[str] = None,
                    code: Optional[str] = None, err_type: Optional[str] = None,
-                   headers: Optional[dict[str, str]] = None) -> JSONResponse:
-    return JSONResponse(error_body(message, status_code, param, code, err_type), status_code=status_code,
+                   headers: Optional[dict[str, str]] = None) -> JSONBody:
+    return JSONBody(error_body(message, status_code, param, code, err_type), status_code=status_code,
                         headers=headers)
 
 
 def sse_error(message: str, status_code: int = 400, param: Optional[str] = None) -> str:
     """An error inside an SSE stream (the status line has already been sent)."""
-    return f"data: {json.dumps(error_body(message, status_code, param))}\n\n"
+    return f"data: {json_text.dumps(error_body(message, status_code, param))}\n\n"
 
 
-def exception_to_response(exc: BaseException) -> JSONResponse:
+def exception_to_response(exc: BaseException) -> JSONBody:
     """Map an exception raised while serving a request to its envelope."""
     if isinstance(exc, InvalidRequestError):
         return error_response(exc.message, exc.status_code, exc.param, exc.code)
@@ -107,12 +108,12 @@ def _short(value: Any) -> str:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
-    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONBody:
         message, param = describe_validation_errors(list(exc.errors()))
         return error_response(message, 400, param)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONBody:
         message = exc.detail if isinstance(exc.detail, str) else json.dumps(exc.detail)
         if exc.status_code == 404 and message == "Not Found":
             message = f"Not found: {request.method} {request.url.path}"
@@ -121,19 +122,19 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(message, exc.status_code, headers=getattr(exc, "headers", None))
 
     @app.exception_handler(InvalidRequestError)
-    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONResponse:
+    async def _invalid(request: Request, exc: InvalidRequestError) -> JSONBody:
         return exception_to_response(exc)
 
     # A request the server failed (its cause is logged where it happened). Handled here rather
     # than by the catch-all below, which Starlette re-raises to uvicorn as a second traceback.
     @app.exception_handler(RequestFailedError)
-    async def _failed(request: Request, exc: RequestFailedError) -> JSONResponse:
+    async def _failed(request: Request, exc: RequestFailedError) -> JSONBody:
         return exception_to_response(exc)
 
     @app.exception_handler(ValueError)
-    async def _value(request: Request, exc: ValueError) -> JSONResponse:
+    async def _value(request: Request, exc: ValueError) -> JSONBody:
         return exception_to_response(exc)
 
     @app.exception_handler(Exception)
-    async def _internal(request: Request, exc: Exception) -> JSONResponse:
+    async def _internal(request: Request, exc: Exception) -> JSONBody:
         return exception_to_response(exc)

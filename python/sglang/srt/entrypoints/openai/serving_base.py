@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import logging
 from typing import Any, AsyncIterator, Optional
 
 from fastapi.responses import StreamingResponse
 
+from sglang.srt.entrypoints import json_text
 from sglang.srt.entrypoints.openai.errors import sse_error
 from sglang.srt.managers.generate_request import InvalidRequestError, RequestFailedError
 
@@ -19,7 +19,7 @@ SSE_DONE = "data: [DONE]\n\n"
 def sse(payload: Any) -> str:
     if hasattr(payload, "model_dump"):
         payload = payload.model_dump(exclude_none=False)
-    return f"data: {json.dumps(payload, ensure_ascii=False)}\n\n"
+    return f"data: {json_text.dumps(payload)}\n\n"
 
 
 def server_failure(out: dict[str, Any]) -> Optional[RequestFailedError]:

@@ -6,8 +6,9 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from sglang.srt.entrypoints.json_text import JSONBody
 from sglang.srt.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -133,7 +134,7 @@ class OpenAIServingChat:
         meta = results[0]["meta_info"]
         completion = sum(r["meta_info"]["completion_tokens"] for r in results)
         usage = UsageInfo.of(meta["prompt_tokens"], completion, meta["cached_tokens"])
-        return JSONResponse(ChatCompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
+        return JSONBody(ChatCompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
 
     async def _stream(self, req: ChatCompletionRequest, outs: AsyncIterator[dict]) -> AsyncIterator[str]:
         rid = f"chatcmpl-{uuid.uuid4().hex}"

@@ -6,8 +6,9 @@ import time
 import uuid
 from typing import Any, AsyncIterator, Optional
 
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
+from sglang.srt.entrypoints.json_text import JSONBody
 from sglang.srt.entrypoints.openai.protocol import (
     CompletionChoice,
     CompletionChunk,
@@ -128,7 +129,7 @@ class OpenAIServingCompletion:
                                                text_start=0 if req.echo else len(prompt_text)),
             ))
         usage = _usage(results, req.n)
-        return JSONResponse(CompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
+        return JSONBody(CompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
 
     async def _stream(self, req: CompletionRequest, outs: AsyncIterator[dict],
                       prompt_texts: list[str]) -> AsyncIterator[str]:
