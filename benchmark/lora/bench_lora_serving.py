@@ -14,6 +14,8 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
     triton        triton, 8 slots                       triton-zipf  the same server, zipf picks
     csgmv-4       csgmv, 4 slots                        triton-4     triton, 4 slots
     csgmv-16      csgmv, 16 adapters on 16 slots        csgmv-r64    csgmv, 8 rank-64 adapters, 8 slots
+    base-metrics  no LoRA, --enable-metrics, /metrics scraped every second during the load (against
+                  `base`: what metrics cost)
 
 Loads of one server configuration run back to back on one server. For each load the table has:
 request throughput and its ratio to the base's, mean / median TTFT, mean ITL, prefill batches that
@@ -30,6 +32,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -49,6 +52,8 @@ class Config:
     distribution: Optional[str] = "uniform"  # None: base requests only
     adapters: int = NUM_ADAPTERS
     rank: int = 16
+    extra: tuple[str, ...] = ()  # other server args
+    scrape_s: float = 0.0  # scrape /metrics this often during the load (0: never)
 
 
 def _lora(backend: str, slots: int) -> tuple[str, ...]:
@@ -65,6 +70,7 @@ CONFIGS = {
     "triton-4": Config("triton-4", _lora("triton", 4)),
     "csgmv-16": Config("csgmv-16", _lora("csgmv", 16), adapters=16),
     "csgmv-r64": Config("csgmv-r64", _lora("csgmv", NUM_ADAPTERS), rank=64),
+    "base-metrics": Config("base-metrics", (), None, extra=("--enable-metrics",), scrape_s=1.0),
 }
 
 
@@ -105,6 +111,7 @@ def launch(ckpt: str, cfg: Config, adapters: dict[str, str], port: int, log_path
            timeout: float) -> tuple[subprocess.Popen, float]:
     args = ["--model-path", ckpt, "--decode-log-interval", "200"]
     args += ["--device", "cpu", "--dtype", "float32"] if dry_run else ["--load-format", "dummy", "--attention-backend", "triton"]
+    args += list(cfg.extra)
     if cfg.server:
         args += ["--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], *cfg.server]
         if dry_run:
@@ -122,6 +129,33 @@ def counters(info: dict[str, Any]) -> dict[str, float]:
     for k in ("num_adapter_loads", "num_evictions", "num_prefetches"):
         out[k] = float(lora.get(k, 0))
     return out
+
+
+class Scraper:
+    """GET /metrics every `interval` seconds in a thread while the load runs (0: does nothing)."""
+
+    def __init__(self, url: str, interval: float) -> None:
+        self.url, self.interval, self.count = url, interval, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        import requests
+
+        while not self._stop.wait(self.interval):
+            r = requests.get(f"{self.url}/metrics", timeout=30)
+            r.raise_for_status()
+            self.count += 1
+
+    def __enter__(self) -> "Scraper":
+        if self.interval:
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._stop.set()
+        if self.interval:
+            self._thread.join(60)
 
 
 # ---------------------------------------------------------------------------- one load
@@ -156,7 +190,10 @@ def bench_server(ckpt: str, configs: list[Config], args: argparse.Namespace, por
             row.server = server
             try:
                 before = counters(server_info(url))
-                row.result = run_load(url, row.config, adapters, args)
+                with Scraper(url, row.config.scrape_s) as scraper:
+                    row.result = run_load(url, row.config, adapters, args)
+                if row.config.scrape_s:
+                    row.result["metrics_scrapes"] = scraper.count
                 after = counters(server_info(url))
                 row.delta = {k: after[k] - before[k] for k in after}
             except Exception as e:  # noqa: BLE001 - one failed load must not lose the others
@@ -189,6 +226,10 @@ def to_markdown(rows: list[Row], header: str) -> str:
             f"| {d['num_adapter_loads']:.0f} | {r.server['startup_s']:.0f} "
             f"| {r.server['num_graphs']} ({r.server['capture_s']:.0f}) |"
         )
+    scraped = [r for r in rows if r.result and r.result.get("metrics_scrapes") is not None]
+    if scraped:
+        lines.append("")
+        lines += [f"- {r.config.name}: /metrics scraped {r.result['metrics_scrapes']} times during the load" for r in scraped]
     failed = [r for r in rows if r.result and r.result.get("failed")]
     if failed:
         lines.append("")
@@ -201,7 +242,8 @@ def group_by_server(configs: list[Config]) -> list[list[Config]]:
     groups: list[list[Config]] = []
     for cfg in configs:
         first = groups[-1][0] if groups else None
-        if first is not None and (first.server, first.adapters, first.rank) == (cfg.server, cfg.adapters, cfg.rank):
+        same = (first.server, first.adapters, first.rank, first.extra) if first is not None else None
+        if same == (cfg.server, cfg.adapters, cfg.rank, cfg.extra):
             groups[-1].append(cfg)
         else:
             groups.append([cfg])

@@ -123,3 +123,26 @@ def package_version() -> str:
         return version("sglang")
     except Exception:  # noqa: BLE001 - running from a source checkout
         return "0.1.0"
+
+
+class CumulativeHistogram:
+    """Observations counted into fixed buckets (Prometheus' cumulative layout, `+Inf` last), kept
+    where they happen (e.g. the scheduler process) and shipped as plain data to whoever exports them."""
+
+    def __init__(self, buckets: tuple[float, ...]) -> None:
+        self.buckets = tuple(sorted(buckets))
+        self.counts = [0] * (len(self.buckets) + 1)  # per bucket, not yet cumulative; the last: +Inf
+        self.total = 0.0
+
+    def observe(self, value: float) -> None:
+        i = next((i for i, b in enumerate(self.buckets) if value <= b), len(self.buckets))
+        self.counts[i] += 1
+        self.total += value
+
+    def to_dict(self) -> dict:
+        """{"buckets": [[le, cumulative count], ..., ["+Inf", count]], "sum": ...}."""
+        out, running = [], 0
+        for le, n in zip([*self.buckets, "+Inf"], self.counts):
+            running += n
+            out.append([le, running])
+        return {"buckets": out, "sum": self.total}

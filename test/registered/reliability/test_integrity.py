@@ -195,7 +195,10 @@ def test_server_info_reports_both_checks_and_graph_stats(sched) -> None:
     assert check["ok"] and check["time"] > 0 and check["runs"] >= 1 and check["kv_total"] == 512
     assert set(info["graph_stats"]) == {"prefill_graph_replays", "decode_graph_replays", "eager_prefills",
                                         "eager_decodes", "base_prefill_graph_replays",
-                                        "base_decode_graph_replays", "num_graphs", "capture_seconds"}
+                                        "base_decode_graph_replays", "num_graphs", "capture_seconds",
+                                        "forward_paths"}
     assert info["graph_stats"]["eager_prefills"] > 0  # CPU: every forward is eager
+    paths = {(mode, path, reason): n for mode, path, reason, n in info["graph_stats"]["forward_paths"]}
+    assert paths[("prefill", "eager", "graphs_disabled")] == info["graph_stats"]["eager_prefills"]
     assert info["graph_stats"]["prefill_graph_replays"] == info["graph_stats"]["decode_graph_replays"] == 0
     assert info["lora"]["num_adapter_loads"] >= 2

@@ -31,6 +31,7 @@ kernels read them directly.
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
@@ -40,6 +41,7 @@ from sglang.srt.lora.eviction_policy import get_eviction_policy
 from sglang.srt.lora.fold import fold_extra_columns, fold_weight, should_fold
 from sglang.srt.lora.lora_config import LoRAConfig, get_stacked_multiply
 from sglang.srt.lora.slot_loader import SlotLoader
+from sglang.srt.utils import CumulativeHistogram
 
 if TYPE_CHECKING:
     from sglang.srt.lora.lora import LoRAAdapter, LoRAModelShapes
@@ -62,6 +64,7 @@ class _EmptySlot:
 
 
 EMPTY = _EmptySlot()
+SLOT_LOAD_SECONDS_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
 
 class LoRAMemoryPool:
@@ -110,6 +113,8 @@ class LoRAMemoryPool:
         # the copies issued ahead of need (prefetches).
         self.num_adapter_loads = 0
         self.num_evictions = 0
+        # Host seconds per slot load (the copies are queued on the loader's stream): /metrics.
+        self.load_seconds = CumulativeHistogram(SLOT_LOAD_SECONDS_BUCKETS)
         self.num_prefetches = 0
 
     # ------------------------------------------------------------------ layout
@@ -298,6 +303,7 @@ class LoRAMemoryPool:
     @torch.no_grad()
     def _load(self, uid: str, slot: int, adapter: "LoRAAdapter") -> None:
         assert self.slot_to_uid[slot] is EMPTY and slot != self.base_slot, "loading into an occupied slot"
+        start = time.perf_counter()
         assert all(b is not None for m in self.fold_modules for b in self.B_buffer[m]), "fold_base_weight missing"
         r = adapter.rank
         present = adapter.modules
@@ -331,6 +337,7 @@ class LoRAMemoryPool:
         self.slot_to_uid[slot] = uid
         self.uid_to_slot[uid] = slot
         self.num_adapter_loads += 1
+        self.load_seconds.observe(time.perf_counter() - start)
 
     # ------------------------------------------------------------------ checks
     def data_ptrs(self) -> list[int]:

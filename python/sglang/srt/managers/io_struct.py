@@ -106,6 +106,9 @@ class BatchTokenIDOut:
     prompt_tokens: list[int]
     completion_tokens: list[int]
     cached_tokens: list[int]
+    # time.time() when the scheduler produced each request's first output token (None before):
+    # non-streaming requests report only when they finish, so the TTFT metric needs it.
+    first_token_times: list[Optional[float]] = field(default_factory=list)
     # Sent once, in the message that carries the first output token (None otherwise / not asked).
     input_token_logprobs: list[Optional[list[LogprobEntry]]] = field(default_factory=list)
     input_top_logprobs: list[Optional[list[Optional[TopLogprobList]]]] = field(default_factory=list)

@@ -43,6 +43,7 @@ class Req:
         self.cache_len = 0
         self.cache_node: Optional[TreeNode] = None
         self.cached_tokens = 0  # prompt tokens reused from the cache at its first admission
+        self.first_token_time: Optional[float] = None  # time.time() of its first output token
         self.extend_len = 0  # tokens of the pass being built (prefill chunk size)
         self.finished_reason: Optional[dict[str, Any]] = None
         self.lora_wait_turns = 0  # turns spent waiting because its adapter did not fit a batch

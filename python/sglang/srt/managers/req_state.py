@@ -44,6 +44,7 @@ class ReqState:
     output_top_logprobs: list[Any] = field(default_factory=list)
     dirty: bool = False
     created: float = field(default_factory=time.time)
+    last_token_time: Optional[float] = None  # when the latest output token arrived (metrics)
 
     @property
     def finished(self) -> bool:

@@ -10,7 +10,7 @@ everywhere, so an adapter is loaded on every rank or on none.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from sglang.srt.distributed import TensorParallelGroup
 from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, LoRARef, LoRAUpdateOutput, UnloadLoRAAdapterReq
@@ -68,10 +68,12 @@ def prefetch_adapters(lora: Optional["LoRAManager"], admission: Any, waiting: li
         lora.prefetch(wanted, protected)
 
 
-def lora_server_info(lora: Optional["LoRAManager"]) -> dict[str, Any]:
+def lora_server_info(lora: Optional["LoRAManager"], running: Iterable[Optional[str]] = (),
+                     waiting: Iterable[Optional[str]] = ()) -> dict[str, Any]:
     """The adapters as the scheduler sees them: loaded, pinned, and resident in the pool's adapter
     slots (a slot shows its adapter's name, or None when empty; the base model has a slot of its
-    own and is not listed)."""
+    own and is not listed), and the adapters of the running and the waiting requests (`running`,
+    `waiting`: their lora ids)."""
     if lora is None:
         return {}
     from sglang.srt.lora.mem_pool import EMPTY
@@ -91,5 +93,9 @@ def lora_server_info(lora: Optional["LoRAManager"]) -> dict[str, Any]:
             "num_adapter_loads": lora.pool.num_adapter_loads,
             "num_evictions": lora.pool.num_evictions,
             "num_prefetches": lora.pool.num_prefetches,
+            "max_loras_per_batch": lora.pool.num_adapter_slots,
+            "running_adapters": sorted({names.get(i, i) for i in running if i is not None}),
+            "waiting_adapters": sorted({names.get(i, i) for i in waiting if i is not None}),
+            "slot_load_seconds": lora.pool.load_seconds.to_dict(),
         }
     }

@@ -4,6 +4,7 @@ conditions, and pack the news for the tokenizer manager into `BatchTokenIDOut`."
 from __future__ import annotations
 
 import math
+import time
 from typing import Any, Optional
 
 from sglang.srt.managers.detokenizer import find_stop_string
@@ -80,6 +81,8 @@ def record_prompt_logprobs(req: Req, targets: list[int], values: Optional[list[f
 
 def record_output_token(req: Req, token: int, logprob: Optional[float], top: Optional[TopLogprobs]) -> None:
     req.output_ids.append(int(token))
+    if req.first_token_time is None:
+        req.first_token_time = time.time()
     if req.return_logprob:
         req.output_token_logprobs.append((None if logprob is None else json_logprob(logprob), int(token)))
         if req.top_logprobs_num > 0:
@@ -105,6 +108,7 @@ def build_output(reqs: list[Req]) -> Optional[BatchTokenIDOut]:
         out.prompt_tokens.append(len(r.origin_input_ids))
         out.completion_tokens.append(len(r.output_ids))
         out.cached_tokens.append(r.cached_tokens)
+        out.first_token_times.append(r.first_token_time)
         r.sent_output_len = len(r.output_ids)
         if not want_lp:
             continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gc
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
@@ -120,6 +121,8 @@ class ModelRunner:
         self.graph_capture_s = 0.0
         self.num_eager_prefills = 0
         self.num_eager_decodes = 0
+        # Forward batches by (mode, path, reason it ran eagerly): what /metrics exports.
+        self.forward_paths: Counter[tuple[str, str, str]] = Counter()
         self.init_cuda_graphs()
 
     # ------------------------------------------------------------------ setup
@@ -297,6 +300,8 @@ class ModelRunner:
             "eager_decodes": self.num_eager_decodes,
             "num_graphs": self._num_graphs(),
             "capture_seconds": round(self.graph_capture_s, 2),
+            # [mode, path, reason, batches]: reason says why a batch ran eagerly ("" for graphs).
+            "forward_paths": [[*key, n] for key, n in sorted(self.forward_paths.items())],
         }
 
     # ------------------------------------------------------------------ forward
@@ -314,13 +319,19 @@ class ModelRunner:
         prefill_runner, decode_runner = self._graph_runners(lora)
         mode = fb.forward_mode
         if mode.is_decode():
-            if decode_runner is not None and decode_runner.can_run(fb):
+            reason = "graphs_disabled" if decode_runner is None else decode_runner.refusal(fb)
+            if reason is None:
+                self.forward_paths["decode", "decode_graph", ""] += 1
                 return ForwardPlan(DECODE_GRAPH, lora)
             self.num_eager_decodes += 1
+            self.forward_paths["decode", "eager", reason] += 1
         elif mode.is_extend():
-            if prefill_runner is not None and prefill_runner.can_run_graph(fb):
+            reason = "graphs_disabled" if prefill_runner is None else prefill_runner.refusal(fb)
+            if reason is None:
+                self.forward_paths["prefill", f"{prefill_runner.backend.value}_prefill_graph", ""] += 1
                 return ForwardPlan(PREFILL_GRAPH, lora)
             self.num_eager_prefills += 1
+            self.forward_paths["prefill", "eager", reason] += 1
         return ForwardPlan(EAGER, lora)
 
     def run_body(self, fb: ForwardBatch, plan: ForwardPlan) -> torch.Tensor:

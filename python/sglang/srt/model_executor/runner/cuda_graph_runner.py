@@ -15,7 +15,7 @@ request row, write their K/V to slot 0 and are dropped before the eager tail.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from tqdm import tqdm
@@ -75,8 +75,14 @@ class CudaGraphRunner:
         if capture:
             self.capture()
 
+    def refusal(self, fb: ForwardBatch) -> Optional[str]:
+        """Why this batch cannot replay a decode graph (None: it can)."""
+        if not fb.forward_mode.is_decode():
+            return "not_decode"
+        return "too_many_requests" if fb.batch_size > self.max_bs else None
+
     def can_run(self, fb: ForwardBatch) -> bool:
-        return fb.forward_mode.is_decode() and fb.batch_size <= self.max_bs
+        return self.refusal(fb) is None
 
     def graph_plan(self) -> dict[str, Any]:
         """Everything `can_run` and the capture depend on (the same on every TP rank)."""

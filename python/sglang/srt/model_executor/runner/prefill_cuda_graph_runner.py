@@ -26,7 +26,7 @@ batches for the LoRA set), less any bucket no batch could fill (request slots x 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 from tqdm import tqdm
@@ -133,20 +133,24 @@ class PrefillCudaGraphRunner:
         }
 
     # ---------------------------------------------------------------------------- eligibility
-    def can_run_graph(self, fb: ForwardBatch) -> bool:
-        """Shapes only, plus, for the LoRA set, the LoRA predicate. Which set a batch goes to
-        (LoRA or not) is ModelRunner.choose_forward_path's decision."""
+    def refusal(self, fb: ForwardBatch) -> Optional[str]:
+        """Why this batch cannot replay a prefill graph (None: it can). Shapes only, plus, for the
+        LoRA set, the LoRA predicate. Which set a batch goes to (LoRA or not) is
+        ModelRunner.choose_forward_path's decision."""
         if not fb.forward_mode.is_extend() or fb.extend_num_tokens is None:
-            return False
+            return "not_extend"
         if prefill_replay_bucket(self.buckets, fb.extend_num_tokens) is None:
-            return False
+            return "too_many_tokens"
         if self.backend == Backend.FULL and fb.batch_size > self._capture_req_slots:
-            return False
-        if self.capture_lora:
-            # The batch's metadata can live in (and therefore will be written into) the static
-            # buffers the captured LoRA kernels read.
-            return self.model_runner.lora_manager.can_use_prefill_cuda_graph(fb)
-        return True
+            return "too_many_requests"
+        # The batch's metadata must be able to live in (and will be written into) the static
+        # buffers the captured LoRA kernels read.
+        if self.capture_lora and not self.model_runner.lora_manager.can_use_prefill_cuda_graph(fb):
+            return "lora_not_eligible"
+        return None
+
+    def can_run_graph(self, fb: ForwardBatch) -> bool:
+        return self.refusal(fb) is None
 
     # ---------------------------------------------------------------------------- capture
     def capture(self) -> None:

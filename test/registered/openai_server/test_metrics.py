@@ -1,0 +1,156 @@
+"""`--enable-metrics`: /metrics in the Prometheus text format, parsed with prometheus_client's own
+parser, against a real LoRA server (CPU, two adapters, one adapter slot) and known traffic:
+  - while a request of adapter `a` runs and one of `b` waits for the slot, the LoRA info gauge
+    lists `a` as running and `b` as waiting (the endpoint picker's `vllm:lora_requests_info` shape);
+  - then base requests, one per adapter, a repeat of a prompt (a cache hit) and an aborted stream:
+    every counter moves by exactly what the replies report, per adapter too, and every histogram
+    counts every request (TTFT once per request, ITL once per token after the first);
+  - the forward-path counter shows the batches ran eagerly ("graphs_disabled": a CPU has no graphs);
+  - /metrics needs the API key like every route but /health; without the flag it is a 404.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+import pytest
+import requests
+
+prometheus_parser = pytest.importorskip("prometheus_client.parser")  # the test extra installs it
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lora"))
+from lora_server_testlib import tiny_lora_checkpoint, write_adapter  # noqa: E402
+from server_helpers import kill_server, popen_launch_server, read_log, server_env  # noqa: E402
+
+KEY = "metrics-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    ckpt = tiny_lora_checkpoint("llama")
+    root = tmp_path_factory.mktemp("metrics-adapters")
+    adapters = {n: write_adapter(ckpt, str(root / n), r=8, seed=40 + i) for i, n in enumerate("ab")}
+    proc, url = popen_launch_server(ckpt, [
+        "--device", "cpu", "--enable-metrics", "--served-model-name", MODEL, "--lora-backend", "torch_native",
+        "--max-loras-per-batch", "1", "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()],
+    ], api_key=KEY)
+    yield proc, url
+    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels without model_name): value}; every sample names the model."""
+    r = requests.get(f"{url}/metrics", headers=AUTH, timeout=30)
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/plain"), r.text[:300]
+    out = {}
+    for family in prometheus_parser.text_string_to_metric_families(r.text):
+        for s in family.samples:
+            if not s.name.startswith("sglang:"):
+                continue
+            assert s.labels.get("model_name") == MODEL, s
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k != "model_name"))
+            out[s.name, labels] = s.value
+    return out
+
+
+def generate(url: str, body: dict) -> dict:
+    r = requests.post(f"{url}/generate", json=body, headers=AUTH, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_lora_info_lists_running_and_waiting_adapters(server):
+    url = server[1]
+    long_a = {"text": "a long story", "lora_path": "a", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    short_b = {"text": "b waits", "lora_path": "b", "sampling_params": {"max_new_tokens": 2}}
+    threads = [threading.Thread(target=generate, args=(url, body)) for body in (long_a, short_b)]
+    threads[0].start()
+    time.sleep(0.5)
+    threads[1].start()
+    deadline, seen = time.monotonic() + 60, None
+    while time.monotonic() < deadline:
+        info = [k for k in scrape(url) if k[0] == "sglang:lora_requests_info"]
+        labels = dict(info[0][1]) if info else {}
+        if labels.get("running_lora_adapters") == "a" and labels.get("waiting_lora_adapters") == "b":
+            seen = labels
+            break
+        time.sleep(0.05)
+    for t in threads:
+        t.join(120)
+    assert seen is not None and seen["max_lora"] == "1", "never saw a running with b waiting"
+
+
+def test_counters_and_histograms_follow_the_traffic(server):
+    url = server[1]
+    before = scrape(url)
+    prompt = "the same prompt, twice, so that the second one is a cache hit"
+    outs = [generate(url, {"text": prompt, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}})]
+    outs.append(generate(url, {"text": prompt, "sampling_params": {"max_new_tokens": 3, "ignore_eos": True}}))
+    outs.append(generate(url, {"text": "for adapter a", "lora_path": "a", "sampling_params": {"max_new_tokens": 5}}))
+    outs.append(generate(url, {"text": "for adapter b", "lora_path": "b", "sampling_params": {"max_new_tokens": 4}}))
+    # An aborted stream: /abort_request after the first event.
+    with requests.post(f"{url}/generate", headers=AUTH, stream=True, timeout=120, json={
+            "text": "to be aborted", "rid": "abort-me", "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}) as r:
+        lines = r.iter_lines()
+        for line in lines:
+            if line.startswith(b"data: {"):
+                assert requests.post(f"{url}/abort_request", json={"rid": "abort-me"}, headers=AUTH,
+                                     timeout=30).status_code == 200
+                break
+        last = None
+        for line in lines:
+            if line.startswith(b"data: {"):
+                last = json.loads(line[6:])
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    outs.append(last)
+    after = scrape(url)
+
+    def delta(name: str, **labels) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    metas = [o["meta_info"] for o in outs]
+    assert metas[1]["cached_tokens"] > 0
+    assert delta("sglang:num_requests_total") == 5
+    assert delta("sglang:num_aborted_requests_total") == 1
+    assert delta("sglang:prompt_tokens_total") == sum(m["prompt_tokens"] for m in metas)
+    assert delta("sglang:generation_tokens_total") == sum(m["completion_tokens"] for m in metas)
+    assert delta("sglang:cached_tokens_total") == sum(m["cached_tokens"] for m in metas)
+    for lora, idx in (("", [0, 1, 4]), ("a", [2]), ("b", [3])):
+        assert delta("sglang:lora_requests_total", lora_name=lora) == len(idx)
+        assert delta("sglang:lora_prompt_tokens_total", lora_name=lora) == sum(metas[i]["prompt_tokens"] for i in idx)
+        assert delta("sglang:lora_generation_tokens_total", lora_name=lora) == sum(
+            metas[i]["completion_tokens"] for i in idx)
+    assert delta("sglang:e2e_request_latency_seconds_count") == 5
+    assert delta("sglang:time_to_first_token_seconds_count") == 5
+    assert delta("sglang:inter_token_latency_seconds_count") == sum(m["completion_tokens"] - 1 for m in metas)
+    assert after["sglang:e2e_request_latency_seconds_bucket", (("le", "+Inf"),)] == after[
+        "sglang:e2e_request_latency_seconds_count", ()]
+    # Scheduler-side series, read at the scrape: idle now, on the CPU everything ran eagerly.
+    assert after["sglang:num_running_reqs", ()] == 0 and after["sglang:num_queue_reqs", ()] == 0
+    assert 0 <= after["sglang:token_usage", ()] <= 1 and after["sglang:cache_hit_rate", ()] > 0
+    assert delta("sglang:forward_batches_total", mode="prefill", path="eager", reason="graphs_disabled") >= 5
+    assert delta("sglang:forward_batches_total", mode="decode", path="eager", reason="graphs_disabled") > 0
+    assert after["sglang:lora_slot_loads_total", ()] >= 2 and after["sglang:lora_resident_adapters", ()] == 1
+    assert after["sglang:lora_slot_load_seconds_count", ()] == after["sglang:lora_slot_loads_total", ()]
+
+
+def test_metrics_need_the_api_key(server):
+    assert requests.get(f"{server[1]}/metrics", timeout=30).status_code == 401
+    assert requests.get(f"{server[1]}/health", timeout=30).status_code == 200
+
+
+def test_no_metrics_without_the_flag():
+    proc, url = popen_launch_server("demo", ["--device", "cpu"], env=server_env())
+    try:
+        r = requests.get(f"{url}/metrics", timeout=30)
+        assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    finally:
+        kill_server(proc)
