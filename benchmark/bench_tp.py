@@ -37,7 +37,7 @@ sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(HERE, "lora"))
 sys.path.insert(0, os.path.join(ROOT, "test", "registered", "distributed"))
 
-HBM_BYTES_PER_S = 4.3e12  # measured on an H200 (reference/performance-limits.md)
+HBM_BYTES_PER_S = 4.3e12  # measured on an H200 (docs/h200-limits.md)
 SERVE_PORT = 31270
 
 

@@ -8,7 +8,7 @@
 # "lora_serving", "profile", "prefix_cache", "soak", and "tp" on a machine with 2 GPUs). Files past
 # the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
-# is a -k expression (may hold spaces). Wheels fetched by ../shared/device/wheels.sh into ./.whl
+# is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
 # are installed into ./.site first when the machine lacks them (it has no network).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -200,7 +200,7 @@ if [[ " $PARTS " == *" prefix_cache "* ]]; then
 fi
 
 if [[ " $PARTS " == *" tp "* ]]; then
-  # Issue 13 on two GPUs (nvidia-h200-x2; skipped with fewer), NVLink multicast off everywhere:
+  # Issue 13 on two GPUs (skipped with fewer), NVLink multicast off everywhere:
   # the tp GPU tests (bf16 tp 2 tracks tp 1; graphs == eager at tp 2 with LoRA; the sharded
   # layers' all-reduces inside graphs), test_bcg_with_lora.py at --tp-size 2, then bench_tp.py
   # (8B shape tp 1 vs tp 2; a 70B-shaped LoRA server on 2 GPUs: decode at batch 1 vs its floor,

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import random
 import statistics
 import sys
@@ -268,7 +269,7 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
         "completed": len(ok),
         "failed": len(results) - len(ok),
         "errors": sorted({r.error for r in results if not r.ok})[:5],
-        "request_rate": args.request_rate,
+        "request_rate": args.request_rate if math.isfinite(args.request_rate) else None,  # None: all at once
         "max_concurrency": args.max_concurrency,
         "duration_s": duration,
         "total_input_tokens": inp,
@@ -417,10 +418,11 @@ def main(argv: Optional[list[str]] = None) -> dict:
             results, duration = _run_threads(url, specs, times, headers, args.max_concurrency, bar)
     res = summarize(results, duration, args, backend, specs)
     print_report(res)
-    print(json.dumps(res))
+    line = json.dumps(res, allow_nan=False)  # strict JSON: no Infinity / NaN for other parsers
+    print(line)
     if args.output_file:
         with open(args.output_file, "a") as f:
-            f.write(json.dumps(res) + "\n")
+            f.write(line + "\n")
     return res
 
 

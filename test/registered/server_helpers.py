@@ -11,6 +11,7 @@ log (`read_log(proc)`); the server runs on a free port and the helper waits for 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -62,13 +63,15 @@ def popen_launch_server(
     if not _has_cuda():  # a GPU server must compile its kernels (the H200 run of 2026-11-30 interpreted them)
         run_env.setdefault("TRITON_INTERPRET", "1")
     run_env.update(env or {})
-    log_dir = log_dir or tempfile.mkdtemp(prefix="sglang-server-")
+    owned_log_dir = None if log_dir else tempfile.mkdtemp(prefix="sglang-server-")
+    log_dir = log_dir or owned_log_dir
     out_path = os.path.join(log_dir, "stdout.log")
     err_path = os.path.join(log_dir, "stderr.log")
     with open(out_path, "wb") as out, open(err_path, "wb") as err:
         # A new session: teardown can signal the server and its scheduler child as one group.
         proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=run_env, start_new_session=True)
     proc.stdout_path, proc.stderr_path = out_path, err_path  # type: ignore[attr-defined]
+    proc.owned_log_dir = owned_log_dir  # type: ignore[attr-defined]  (removed by kill_server on a clean exit)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -95,7 +98,8 @@ def read_log(proc: subprocess.Popen) -> str:
 
 def kill_server(proc: subprocess.Popen, timeout: float = 20.0) -> int:
     """SIGTERM (a clean shutdown that reaps the scheduler), then SIGKILL the whole group if needed.
-    Returns the exit code."""
+    Returns the exit code. The log folder the helper made is removed after a clean exit (code 0)
+    unless SGLANG_TEST_KEEP_LOGS=1; a server that failed keeps its logs for the report."""
     if proc.poll() is None:
         proc.send_signal(signal.SIGTERM)
         try:
@@ -106,7 +110,11 @@ def kill_server(proc: subprocess.Popen, timeout: float = 20.0) -> int:
         os.killpg(proc.pid, signal.SIGKILL)  # whatever is left of the group (normally nothing)
     except (ProcessLookupError, PermissionError):
         pass
-    return proc.wait(10)
+    code = proc.wait(10)
+    owned = getattr(proc, "owned_log_dir", None)
+    if code == 0 and owned and os.environ.get("SGLANG_TEST_KEEP_LOGS") != "1":
+        shutil.rmtree(owned, ignore_errors=True)
+    return code
 
 
 def group_alive(proc: subprocess.Popen) -> bool:

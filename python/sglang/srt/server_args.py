@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any, Optional
 
 from sglang.srt import utils
+from sglang.srt.configs.chat_templates import resolve_chat_template
 from sglang.srt.configs.lora_path_spec import LoRAPathSpec  # also importable from here, its old home
 from sglang.srt.model_executor.cuda_graph_config import (
     DECODE_BACKENDS,
@@ -51,6 +52,8 @@ LORA_TARGET_MODULES = (
     "all",
 )
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+LOG_REQUESTS_LEVELS = (0, 1, 2)
 
 
 @dataclass
@@ -66,6 +69,9 @@ class ServerArgs:
     served_model_name: Optional[str] = None
     skip_tokenizer_init: bool = False
     trust_remote_code: bool = False
+    # A Jinja chat template (a file, or a built-in name: configs/chat_templates.py) that replaces
+    # the tokenizer's own for /v1/chat/completions.
+    chat_template: Optional[str] = None
 
     # Memory and scheduling
     mem_fraction_static: float = 0.85
@@ -74,7 +80,8 @@ class ServerArgs:
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 8192
     disable_radix_cache: bool = False
-    schedule_policy: str = "fcfs"
+    schedule_policy: str = "fcfs"  # or "lpm": the longest cached prefix first (needs the prefix cache)
+    page_size: int = 1  # KV cache tokens per page; this pool allocates one token at a time
     decode_log_interval: int = 40
     enable_deterministic_inference: bool = False
 
@@ -122,6 +129,14 @@ class ServerArgs:
     port: int = 30000
     api_key: Optional[str] = None
     log_level: str = "info"
+    # One log line per finished request (its adapter and token counts; level 1 adds the sampling
+    # parameters, 2 the first and last characters of the prompt and output).
+    log_requests: bool = False
+    log_requests_level: int = 0
+    # Report prompt_tokens_details.cached_tokens in the OpenAI usage (as SGLang does with this flag).
+    enable_cache_report: bool = False
+    # Prometheus metrics at /metrics (managers/metrics.py).
+    enable_metrics: bool = False
     # Largest top_logprobs / logprobs a request may ask for.
     max_top_logprobs: int = 20
     # Test-only: enables the fault-injection hook (never set in production).
@@ -184,7 +199,14 @@ class ServerArgs:
         choice("--lora-eviction-policy", self.lora_eviction_policy, LORA_EVICTION_POLICIES)
         choice("--max-lora-chunk-size", self.max_lora_chunk_size, LORA_CHUNK_SIZES)
         choice("--lora-fold", self.lora_fold, LORA_FOLD_MODES)
-        choice("--schedule-policy", self.schedule_policy, ("fcfs",))
+        resolve_chat_template(self.chat_template)  # a missing file or unknown name fails at start
+        choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
+        if self.page_size != 1:
+            raise ValueError(
+                f"--page-size {self.page_size} is not supported: this server's KV cache pool allocates one "
+                "token per page; use --page-size 1 (the default)"
+            )
+        choice("--log-requests-level", self.log_requests_level, LOG_REQUESTS_LEVELS)
         if not (0.0 < self.mem_fraction_static < 1.0):
             raise ValueError(
                 f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static!r}"

@@ -14,11 +14,13 @@ from sglang.srt.server_args import (
     DTYPES,
     LOAD_FORMATS,
     LOG_LEVELS,
+    LOG_REQUESTS_LEVELS,
     LORA_BACKENDS,
     LORA_CHUNK_SIZES,
     LORA_EVICTION_POLICIES,
     LORA_FOLD_MODES,
     LORA_TARGET_MODULES,
+    SCHEDULE_POLICIES,
     ServerArgs,
 )
 
@@ -44,6 +46,9 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="Accept and return token ids only.")
     g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--chat-template", default=None,
+                   help="Chat template for /v1/chat/completions: a Jinja file, or a built-in name "
+                        "(chatml, llama-3-instruct, mistral). Default: the tokenizer's own.")
 
     g = parser.add_argument_group("memory and scheduling")
     g.add_argument("--mem-fraction-static", type=float, default=default("mem_fraction_static"),
@@ -56,7 +61,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--disable-radix-cache", action="store_true",
                    help="Turn the prefix cache off: every prompt is computed in full and no KV "
                         "is kept after a request ends.")
-    g.add_argument("--schedule-policy", default=default("schedule_policy"), choices=("fcfs",))
+    g.add_argument("--schedule-policy", default=default("schedule_policy"), choices=SCHEDULE_POLICIES,
+                   help="fcfs: arrival order; lpm: the longest cached prefix first (prefix-cache aware; "
+                        "fcfs when the queue is long or the cache is off).")
+    g.add_argument("--page-size", type=int, default=default("page_size"),
+                   help="KV cache tokens per page; only 1 is supported (the pool allocates per token).")
     g.add_argument("--decode-log-interval", type=int, default=default("decode_log_interval"))
     g.add_argument("--enable-deterministic-inference", action="store_true",
                    help="Prefer reproducible numerics over speed (no reduced-precision "
@@ -126,6 +135,17 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--port", type=int, default=default("port"))
     g.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer <key>'.")
     g.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS)
+    g.add_argument("--log-requests", action="store_true",
+                   help="Log one line per finished request: id, adapter, token counts, finish reason, latency.")
+    g.add_argument("--log-requests-level", type=int, default=default("log_requests_level"),
+                   choices=LOG_REQUESTS_LEVELS,
+                   help="With --log-requests: 0 metadata and counts, 1 also sampling parameters, 2 also "
+                        "the first and last 64 characters of the prompt and output.")
+    g.add_argument("--enable-metrics", action="store_true",
+                   help="Serve Prometheus metrics at /metrics (SGLang's sglang: names; behind --api-key).")
+    g.add_argument("--enable-cache-report", action="store_true",
+                   help="Report usage.prompt_tokens_details.cached_tokens on the OpenAI routes "
+                        "(/generate always reports meta_info.cached_tokens).")
     g.add_argument("--max-top-logprobs", type=int, default=default("max_top_logprobs"))
     g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
 

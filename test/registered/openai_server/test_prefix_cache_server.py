@@ -56,7 +56,7 @@ def adapters(ckpt, tmp_path_factory) -> dict[str, str]:
 def server(ckpt, adapters):
     proc, url = popen_launch_server(ckpt, [
         "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
-        "--max-lora-rank", "8", "--lora-target-modules", "all",
+        "--max-lora-rank", "8", "--lora-target-modules", "all", "--enable-cache-report",
         "--lora-paths", *[f"{name}={path}" for name, path in adapters.items()],
     ])
     yield proc, url

@@ -118,8 +118,8 @@ def test_retraction_keeps_outputs_identical(server, ckpt) -> None:
         outs = run_concurrently(url, long_outputs())
         info = requests.get(f"{url}/get_server_info", timeout=30).json()
     finally:
+        log = read_log(proc)  # before the clean exit removes the log folder
         code = kill_server(proc)
-    log = read_log(proc)
     assert code == 0, log[-3000:]
     assert "Retract requests" in log and info["num_retractions"] > 0
     assert_same(outs, refs)

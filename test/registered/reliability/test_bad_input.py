@@ -100,6 +100,8 @@ def check(case: Case, r: requests.Response) -> Optional[str]:
         return f"no OpenAI error envelope: {body}"
     if err["type"] != TYPES[case.status]:
         return f"error type {err['type']!r}: {err}"
+    if type(err["code"]) is not int or err["code"] != case.status:  # always the status, as SGLang sends it
+        return f"error code {err['code']!r} is not the status {case.status}: {err}"
     if case.needle.lower() not in err["message"].lower():
         return f"message does not name the problem ({case.needle!r}): {err['message']!r}"
     if case.path in LOAD + UNLOAD and case.status != 401 and not (body.get("success") is False and body.get("error_message") == err["message"]

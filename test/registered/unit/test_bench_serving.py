@@ -39,3 +39,18 @@ def test_cli_flags() -> None:
     assert parse_args([]).lora_distribution == "uniform"
     with pytest.raises(SystemExit):
         parse_args(["--lora-zipf-alpha", "0"])
+
+
+def test_summary_is_strict_json_with_the_default_unlimited_rate() -> None:
+    """The JSON line must parse with strict parsers: the default --request-rate (inf) is null."""
+    import json
+
+    from sglang.bench_serving import RequestResult, summarize
+
+    args = parse_args([])
+    assert args.request_rate == float("inf")
+    done = RequestResult()
+    done.ok, done.ttft, done.latency, done.itls = True, 0.01, 0.05, [0.01]
+    res = summarize([done, RequestResult()], 0.5, args, "threads")
+    line = json.dumps(res, allow_nan=False)
+    assert json.loads(line)["request_rate"] is None and "Infinity" not in line

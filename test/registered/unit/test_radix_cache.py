@@ -187,3 +187,29 @@ def test_random_workload_keeps_the_invariant(alloc):
     assert sorted(cached + alloc.freed) == list(range(1, alloc.next))  # nothing lost, nothing twice
     cache.reset()
     assert sorted(alloc.freed) == list(range(1, alloc.next))
+
+
+def test_prefix_len_is_a_read_only_match(alloc):
+    """`prefix_len` (what --schedule-policy lpm ranks by) gives match_prefix's length without
+    splitting a node, touching access times or building slots."""
+    cache = RadixCache(alloc.free)
+    cache.insert(BASE, [1, 2, 3, 4, 5, 6], alloc.take(6))
+    cache.insert(BASE, [1, 2, 3, 9], alloc.take(4))
+    other = CacheNamespace("adapter")
+    before = [(n.key, n.last_access) for n in _nodes(cache)]
+    assert cache.prefix_len(BASE, [1, 2, 3, 4, 5, 7]) == 5
+    assert cache.prefix_len(BASE, [1, 2, 3, 9, 9]) == 4
+    assert cache.prefix_len(BASE, [1, 2, 3, 4, 5, 6], limit=2) == 2
+    assert cache.prefix_len(BASE, [8]) == 0 and cache.prefix_len(other, [1, 2, 3]) == 0
+    assert [(n.key, n.last_access) for n in _nodes(cache)] == before
+    for key in ([1, 2, 3, 4, 5, 7], [1, 2, 3, 9, 9], [2]):
+        assert cache.prefix_len(BASE, key) == cache.match_prefix(BASE, key).length
+
+
+def _nodes(cache):
+    out, stack = [], list(cache.roots.values())
+    while stack:
+        node = stack.pop()
+        out.append(node)
+        stack.extend(node.children.values())
+    return sorted(out, key=lambda n: (len(n.key), n.key))

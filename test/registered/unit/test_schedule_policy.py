@@ -116,3 +116,19 @@ def test_no_lora_manager_admits_any_adapter() -> None:
     waiting = [req(5, lora=x) for x in ("A", "B", "C")]
     NO_LORA.begin([None], waiting)
     assert plan_prefill(waiting, None, [], budget(), NO_LORA).reqs == waiting
+
+
+def test_longest_prefix_first_ranks_by_cached_tokens_and_keeps_fcfs_among_equals() -> None:
+    from sglang.srt.managers.schedule_policy import LPM_MAX_WAITING, GroupedLoRAAdmission, longest_prefix_first
+
+    waiting = [req(10, rid="a"), req(10, rid="b"), req(10, rid="c"), req(10, rid="d")]
+    cached = {"a": 0, "b": 7, "c": 0, "d": 7}
+    ranked = longest_prefix_first(waiting, lambda r: cached[r.rid])
+    assert [r.rid for r in ranked] == ["b", "d", "a", "c"]
+    # LoRA grouping keeps that order inside a group (it used to re-sort by arrival).
+    lora = GroupedLoRAAdmission(lambda ids: True, max_wait_turns=8)
+    lora.begin([None], ranked)
+    assert [r.rid for r in lora.order(ranked)] == ["b", "d", "a", "c"]
+    # A long queue keeps FCFS: ranking would walk every prompt through the tree each turn.
+    many = [req(5, rid=f"q{i}") for i in range(LPM_MAX_WAITING + 1)]
+    assert longest_prefix_first(many, lambda r: int(r.rid[1:])) == many

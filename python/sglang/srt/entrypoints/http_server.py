@@ -68,7 +68,7 @@ class APIKeyMiddleware:
             if not hmac.compare_digest(given, self.expected):
                 response = error_response(
                     "Invalid or missing API key. Send it as 'Authorization: Bearer <key>'.",
-                    401, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"},
+                    401, headers={"WWW-Authenticate": "Bearer"},
                 )
                 await response(scope, receive, send)
                 return
@@ -150,6 +150,14 @@ def create_app(tm: TokenizerManager) -> FastAPI:
     @app.get("/get_server_info")
     async def get_server_info() -> dict:
         return await tm.server_info()
+
+    if tm.metrics is not None:
+        from prometheus_client import CONTENT_TYPE_LATEST
+
+        @app.get("/metrics")
+        async def metrics() -> Response:
+            # The scheduler-side series are read now (managers/metrics.py): one message per scrape.
+            return Response(tm.metrics.render(await tm.get_scheduler_info()), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/v1/models")
     async def models() -> dict:

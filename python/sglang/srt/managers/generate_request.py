@@ -14,16 +14,14 @@ from typing import Any, Optional, Union
 
 
 class InvalidRequestError(ValueError):
-    """A user error with the HTTP status, the offending parameter and an OpenAI error code."""
+    """A user error with the HTTP status and the offending parameter."""
 
     status_code = 400
 
-    def __init__(self, message: str, param: Optional[str] = None, code: Optional[str] = None,
-                 status_code: Optional[int] = None) -> None:
+    def __init__(self, message: str, param: Optional[str] = None, status_code: Optional[int] = None) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
-        self.code = code
         if status_code is not None:
             self.status_code = status_code
 
@@ -33,7 +31,7 @@ class ModelNotFoundError(InvalidRequestError):
 
     def __init__(self, model: str, hint: str = "") -> None:
         message = f"The model `{model}` does not exist." + (f" {hint}" if hint else "")
-        super().__init__(message, param="model", code="model_not_found")
+        super().__init__(message, param="model")
 
 
 class RequestFailedError(RuntimeError):

@@ -62,6 +62,10 @@ class PrefixCache:
         self._probes.clear()
         self.turn_hit_tokens = 0
 
+    def cached_len(self, req: Req) -> int:
+        """Tokens of the request a hit would reuse now (read-only: for `--schedule-policy lpm`)."""
+        return self.tree.prefix_len(req.namespace, req.fill_ids, req.cacheable_len)
+
     def match(self, req: Req) -> PrefixHit:
         ids = req.fill_ids  # built on each access: once here
         m = self.tree.match_prefix(req.namespace, ids, req.cacheable_len)

@@ -154,15 +154,18 @@ class GroupedLoRAAdmission(LoRAAdmission):
         return super().fits(lora_id)
 
     def order(self, waiting: list[Req]) -> list[Req]:
-        """`waiting` (FCFS) in the order admission should consider it (see the class docstring)."""
+        """`waiting` (FCFS, or longest prefix first) in the order admission should consider it (see
+        the class docstring); within a group the incoming order is kept."""
         if not self.enabled:
             return waiting
         demand = self._demand
 
+        position = {id(r): i for i, r in enumerate(waiting)}  # the incoming order breaks ties
+
         def key(r: Req) -> tuple:
             if r.lora_id is None or r.lora_id in self.active:
-                return (0, 0.0, "", r.arrival)
-            return (1, -demand[r.lora_id], r.lora_id, r.arrival)
+                return (0, 0.0, "", position[id(r)])
+            return (1, -demand[r.lora_id], r.lora_id, position[id(r)])
 
         return sorted(waiting, key=key)
 
@@ -171,6 +174,21 @@ class GroupedLoRAAdmission(LoRAAdmission):
         demand = self.demand(waiting)
         active = set(active)
         return sorted((u for u in demand if u is not None and u not in active), key=lambda u: (-demand[u], u))
+
+
+# `--schedule-policy lpm` ranks at most this many waiting requests by their cached prefix; a longer
+# queue keeps FCFS (the ranking walks every prompt through the tree each turn), as SGLang does.
+LPM_MAX_WAITING = 128
+
+
+def longest_prefix_first(waiting: list[Req], cached_len: Callable[[Req], int]) -> list[Req]:
+    """`--schedule-policy lpm`: the requests with the most cached tokens first, FCFS among equals.
+    Requests of a shared prompt then run while its KV is still cached, instead of in arrival
+    order, which may evict it between them."""
+    if len(waiting) > LPM_MAX_WAITING:
+        return waiting
+    lengths = {id(r): cached_len(r) for r in waiting}
+    return sorted(waiting, key=lambda r: -lengths[id(r)])  # stable: FCFS among equal hits
 
 
 class PrefixAdmission(Protocol):

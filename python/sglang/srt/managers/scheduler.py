@@ -39,7 +39,12 @@ from sglang.srt.managers.scheduler_lora import lora_server_info, prefetch_adapte
 from sglang.srt.managers.prefix_cache import PrefixCache
 from sglang.srt.managers.req import Req
 from sglang.srt.managers.schedule_batch import ScheduleBatch, release_kv
-from sglang.srt.managers.schedule_policy import GroupedLoRAAdmission, PrefillBudget, plan_prefill
+from sglang.srt.managers.schedule_policy import (
+    GroupedLoRAAdmission,
+    PrefillBudget,
+    longest_prefix_first,
+    plan_prefill,
+)
 from sglang.srt.managers.scheduler_input import receive_messages
 from sglang.srt.managers.scheduler_output import (
     StopChecker,
@@ -100,6 +105,10 @@ class Scheduler:
         validate = mr.lora_manager.validate_lora_batch if mr.lora_manager is not None else None
         self.lora_admission = GroupedLoRAAdmission(validate, server_args.lora_max_wait_turns)
         self.prefix_cache: Optional[PrefixCache] = None if server_args.disable_radix_cache else PrefixCache(mr)
+        # --schedule-policy lpm ranks by cached prefix; without a cache there is nothing to rank.
+        self.longest_prefix_first = server_args.schedule_policy == "lpm" and self.prefix_cache is not None
+        if server_args.schedule_policy == "lpm" and self.prefix_cache is None:
+            logger.info("--schedule-policy lpm with --disable-radix-cache: no prefix to rank, admitting FCFS")
 
         self.waiting: list[Req] = []  # FCFS by arrival
         self.running: list[Req] = []
@@ -156,7 +165,8 @@ class Scheduler:
         }
 
     def lora_info(self) -> dict[str, Any]:
-        return lora_server_info(self.model_runner.lora_manager)
+        return lora_server_info(self.model_runner.lora_manager, (r.lora_id for r in self._holders()),
+                                (r.lora_id for r in self.waiting))
 
     def _holders(self) -> list[Req]:
         return self.running + ([self.chunked_req] if self.chunked_req is not None else [])
@@ -320,8 +330,11 @@ class Scheduler:
             chunk_size=None if chunk == -1 else min(chunk, self.server_args.max_prefill_tokens),
             new_token_ratio=self.new_token_ratio,
         )
+        waiting = self.waiting
+        if self.longest_prefix_first:
+            waiting = longest_prefix_first(waiting, self.prefix_cache.cached_len)
         plan = plan_prefill(
-            self.lora_admission.order(self.waiting), self.chunked_req, self.running, budget, self.lora_admission,
+            self.lora_admission.order(waiting), self.chunked_req, self.running, budget, self.lora_admission,
             self.prefix_cache,
         )
         if plan.reqs:

@@ -12,8 +12,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
-from typing import Any, AsyncIterator, Callable, Optional, Union
+import time
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Union
 
+from sglang.srt.configs.chat_templates import resolve_chat_template
 from sglang.srt.managers.detokenizer import IncrementalDetokenizer
 from sglang.srt.managers.generate_request import (
     GenerateReqInput,
@@ -34,11 +36,15 @@ from sglang.srt.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.req_state import ReqState, iterate_states
+from sglang.srt.managers.request_log import request_log_line
 from sglang.srt.managers.scheduler_client import SchedulerClient
 from sglang.srt.managers.tokenizer_lora import TokenizerLoRAMixin
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils import package_version
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
 
@@ -50,12 +56,17 @@ def load_tokenizer(server_args: ServerArgs) -> Any:
 
     path = server_args.tokenizer_path or server_args.model_path
     try:
-        return AutoTokenizer.from_pretrained(path, trust_remote_code=server_args.trust_remote_code)
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=server_args.trust_remote_code)
     except Exception as e:  # a missing or broken tokenizer: say where we looked
         raise RuntimeError(
             f"could not load a tokenizer from {path!r} ({e}). Pass --tokenizer-path, or "
             "--skip-tokenizer-init to serve token ids only."
         ) from e
+    template = resolve_chat_template(server_args.chat_template)
+    if template is not None:
+        tokenizer.chat_template = template
+        logger.info("Chat template: %s (--chat-template)", server_args.chat_template)
+    return tokenizer
 
 
 class TokenizerManager(TokenizerLoRAMixin):
@@ -67,6 +78,12 @@ class TokenizerManager(TokenizerLoRAMixin):
         self.max_total_num_tokens: int = scheduler_info["max_total_num_tokens"]
         self.vocab_size: int = scheduler_info["vocab_size"]
         self.served_model_name = server_args.served_model_name or server_args.model_path
+        self.metrics: Optional["ServerMetrics"] = None
+        if server_args.enable_metrics:
+            # prometheus_client only where metrics are on (a GPU box without it serves without them).
+            from sglang.srt.managers.metrics import ServerMetrics
+
+            self.metrics = ServerMetrics(self.served_model_name)
         self.base_model_names = {self.served_model_name, server_args.model_path, *BASE_MODEL_ALIASES}
         self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args)
         self.lora_registry = None
@@ -121,11 +138,19 @@ class TokenizerManager(TokenizerLoRAMixin):
                     if self.local_faults and self._take_local_fault("detokenize", rid):
                         raise RuntimeError(f"injected detokenizer fault for request {rid!r}")
                     state.apply(msg, i)
+                    if self.metrics is not None:
+                        first = msg.first_token_times[i] if msg.first_token_times else None
+                        self.metrics.on_tokens(state, len(msg.output_ids[i]), time.time(), first)
                 except Exception as e:  # fails this request only: the others of the message go on
                     logger.exception("Detokenizing the output of request %r failed", rid)
                     state.fail(f"internal error while detokenizing the output: {type(e).__name__}: {e}", 500)
                     if msg.finished_reasons[i] is None:
                         self.client.send(AbortReq(rid=rid))  # free its KV now
+                if state.finished:
+                    if self.metrics is not None:
+                        self.metrics.on_finished(state, time.time())
+                    if self.server_args.log_requests:
+                        logger.info(request_log_line(state, self.server_args.log_requests_level))
         elif isinstance(msg, GetServerInfoOut):
             self._resolve_first(self._info_waiters, msg.info)
         elif isinstance(msg, FlushCacheOut):
@@ -226,7 +251,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         if n >= self.context_len:
             raise InvalidRequestError(
                 f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).",
-                param="prompt", code="context_length_exceeded",
+                param="prompt",
             )
         limit, what = self.context_len, "the model's maximum context length"
         if self.max_total_num_tokens < limit:
@@ -234,7 +259,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         if n >= limit:
             raise InvalidRequestError(
                 f"The input ({n} tokens) does not fit in {what} ({limit} tokens).",
-                param="prompt", code="context_length_exceeded",
+                param="prompt",
             )
         if n + params.max_new_tokens > limit:
             if raw.get("max_new_tokens") is not None:
@@ -243,7 +268,7 @@ class TokenizerManager(TokenizerLoRAMixin):
                     f"{n + params.max_new_tokens} tokens: {n} tokens from the input and "
                     f"{params.max_new_tokens} tokens for the completion. Please reduce the number of "
                     "tokens in the input or the completion.",
-                    param="max_tokens", code="context_length_exceeded",
+                    param="max_tokens",
                 )
             params.max_new_tokens = limit - n  # the default budget shrinks to what fits
         if req.top_logprobs_num > self.server_args.max_top_logprobs:

@@ -122,6 +122,20 @@ class RadixCache:
             return MatchResult(_NO_SLOTS, None)
         return MatchResult(torch.cat(parts), node)
 
+    def prefix_len(self, namespace: CacheNamespace, key: Sequence[int], limit: Optional[int] = None) -> int:
+        """How many leading tokens of `key[:limit]` are cached in `namespace`: a read-only
+        `match_prefix` (no split, no access time, no slots), for ranking requests."""
+        key = key if limit is None else key[: max(limit, 0)]
+        node, i = self.roots.get(namespace), 0
+        while node is not None and i < len(key):
+            child = node.children.get(key[i])
+            if child is None:
+                break
+            n = _common_len(child.key, key, i)
+            i += n
+            node = child if n == len(child.key) else None
+        return i
+
     def insert(self, namespace: CacheNamespace, key: Sequence[int], slots: torch.Tensor) -> int:
         """Cache the KV `slots` of tokens `key`. Returns how many leading tokens were cached
         already: the tree keeps its own slots for those, and the caller frees its copies."""

@@ -24,6 +24,14 @@ logger = logging.getLogger(__name__)
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
+def count_with_unit(n: int) -> str:
+    """1234 -> '1.23 K', 494032768 -> '494.03 M', 8030261248 -> '8.03 B' (a tiny model is not '0.00 B')."""
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
 @contextlib.contextmanager
 def _default_dtype_and_device(dtype: torch.dtype, device: torch.device) -> Iterator[None]:
     """Parameters are created directly in their final dtype on the target device (no float32 copy
@@ -80,10 +88,10 @@ def get_model(
     model.eval()
     n_params = sum(p.numel() for p in model.parameters())
     logger.info(
-        "Loaded %s (%s weights, %.2f B params%s, %s) on %s in %.1f s",
+        "Loaded %s (%s weights, %s params%s, %s) on %s in %.1f s",
         model_config.architecture,
         "dummy" if files is None else f"{len(files)} safetensors file(s)",
-        n_params / 1e9,
+        count_with_unit(n_params),
         f" in this rank's shard, tp {tp_group.rank}/{tp_group.size}" if tp_group.size > 1 else "",
         str(dtype).replace("torch.", ""),
         device,

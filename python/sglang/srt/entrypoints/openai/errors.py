@@ -1,5 +1,8 @@
 """The OpenAI error envelope `{"error": {"message", "type", "param", "code"}}` for every failure.
 
+`code` is always the HTTP status as an int, as SGLang and vLLM send it (OpenAI's own API sends a
+string or null there); the message says what went wrong.
+
 Installed on the whole app (native endpoints included), so validation errors, malformed JSON,
 unknown routes and internal errors all reach the client in the same shape.
 """
@@ -36,21 +39,21 @@ _TYPES = {
 
 
 def error_body(message: str, status_code: int = 400, param: Optional[str] = None,
-               code: Optional[str] = None, err_type: Optional[str] = None) -> dict[str, Any]:
+               err_type: Optional[str] = None) -> dict[str, Any]:
     return {
         "error": {
             "message": message,
             "type": err_type or _TYPES.get(status_code, "invalid_request_error" if status_code < 500 else "internal_server_error"),
             "param": param,
-            "code": code if code is not None else status_code,
+            "code": status_code,
         }
     }
 
 
 def error_response(message: str, status_code: int = 400, param: Optional[str] = None,
-                   code: Optional[str] = None, err_type: Optional[str] = None,
+                   err_type: Optional[str] = None,
                    headers: Optional[dict[str, str]] = None) -> JSONBody:
-    return JSONBody(error_body(message, status_code, param, code, err_type), status_code=status_code,
+    return JSONBody(error_body(message, status_code, param, err_type), status_code=status_code,
                         headers=headers)
 
 
@@ -62,7 +65,7 @@ def sse_error(message: str, status_code: int = 400, param: Optional[str] = None)
 def exception_to_response(exc: BaseException) -> JSONBody:
     """Map an exception raised while serving a request to its envelope."""
     if isinstance(exc, InvalidRequestError):
-        return error_response(exc.message, exc.status_code, exc.param, exc.code)
+        return error_response(exc.message, exc.status_code, exc.param)
     if isinstance(exc, RequestFailedError):
         return error_response(exc.message, exc.status_code)
     if isinstance(exc, ValueError):

@@ -154,9 +154,11 @@ class UsageInfo(BaseModel):
     prompt_tokens_details: Optional[PromptTokensDetails] = None
 
     @classmethod
-    def of(cls, prompt: int, completion: int, cached: int) -> "UsageInfo":
+    def of(cls, prompt: int, completion: int, cached: Optional[int]) -> "UsageInfo":
+        """`cached` None: no prompt_tokens_details (a server without --enable-cache-report)."""
+        details = None if cached is None else PromptTokensDetails(cached_tokens=cached)
         return cls(prompt_tokens=prompt, completion_tokens=completion, total_tokens=prompt + completion,
-                   prompt_tokens_details=PromptTokensDetails(cached_tokens=cached))
+                   prompt_tokens_details=details)
 
 
 class CompletionResponse(BaseModel):

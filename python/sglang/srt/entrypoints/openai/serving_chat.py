@@ -67,6 +67,9 @@ class OpenAIServingChat:
     def __init__(self, tokenizer_manager: TokenizerManager) -> None:
         self.tm = tokenizer_manager
 
+    def _reported(self, cached: int) -> Optional[int]:
+        return cached if self.tm.server_args.enable_cache_report else None
+
     def _build(self, req: ChatCompletionRequest) -> GenerateReqInput:
         reject_unsupported(req)
         if req.tools:
@@ -133,7 +136,7 @@ class OpenAIServingChat:
             ))
         meta = results[0]["meta_info"]
         completion = sum(r["meta_info"]["completion_tokens"] for r in results)
-        usage = UsageInfo.of(meta["prompt_tokens"], completion, meta["cached_tokens"])
+        usage = UsageInfo.of(meta["prompt_tokens"], completion, self._reported(meta["cached_tokens"]))
         return JSONBody(ChatCompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
 
     async def _stream(self, req: ChatCompletionRequest, outs: AsyncIterator[dict]) -> AsyncIterator[str]:
@@ -169,5 +172,5 @@ class OpenAIServingChat:
                 logprobs=logprobs, finish_reason=reason, matched_stop=matched,
             ))
         if req.stream_options is not None and req.stream_options.include_usage:
-            usage = UsageInfo.of(prompt_tokens, sum(completion.values()), cached_tokens)
+            usage = UsageInfo.of(prompt_tokens, sum(completion.values()), self._reported(cached_tokens))
             yield sse(ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[], usage=usage))

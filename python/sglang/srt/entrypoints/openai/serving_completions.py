@@ -128,7 +128,7 @@ class OpenAIServingCompletion:
                 logprobs=self._choice_logprobs(req, out, prompt_text, req.echo,
                                                text_start=0 if req.echo else len(prompt_text)),
             ))
-        usage = _usage(results, req.n)
+        usage = _usage(results, req.n, self.tm.server_args.enable_cache_report)
         return JSONBody(CompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
 
     async def _stream(self, req: CompletionRequest, outs: AsyncIterator[dict],
@@ -165,12 +165,12 @@ class OpenAIServingCompletion:
         if req.stream_options is not None and req.stream_options.include_usage:
             results = [finals[i] for i in sorted(finals)]
             yield sse(CompletionChunk(id=rid, created=created, model=req.model, choices=[],
-                                      usage=_usage(results, req.n)))
+                                      usage=_usage(results, req.n, self.tm.server_args.enable_cache_report)))
 
 
-def _usage(results: list[dict], n: int) -> UsageInfo:
+def _usage(results: list[dict], n: int, report_cached: bool) -> UsageInfo:
     # A prompt sampled n times is counted once, as OpenAI does.
     prompt = sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
     cached = sum(r["meta_info"]["cached_tokens"] for r in results[::n])
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
-    return UsageInfo.of(prompt, completion, cached)
+    return UsageInfo.of(prompt, completion, cached if report_cached else None)

@@ -1,0 +1,104 @@
+"""Everyday SGLang flags, end to end on real servers (CPU): `--chat-template`, `--log-requests`
+(`--log-requests-level`), `--enable-cache-report`, and the ones refused at start with a message
+(`--page-size` above 1, an unknown chat template)."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import requests
+from transformers import AutoTokenizer
+
+from server_helpers import kill_server, popen_launch_server, read_log, tiny_checkpoint
+from sglang.srt.server_args import prepare_server_args
+
+TEMPLATE = "{% for m in messages %}{{ '<<' + m['role'] + '>> ' + m['content'] + '\\n' }}{% endfor %}ANSWER:"
+SECRET = "the secret prompt words"
+
+
+@pytest.fixture(scope="module")
+def ckpt() -> str:
+    return tiny_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def plain(ckpt):
+    """--log-requests at level 0, no cache report, the tokenizer's own chat template."""
+    proc, url = popen_launch_server(ckpt, ["--device", "cpu", "--log-requests", "--served-model-name", "m"])
+    yield proc, url
+    kill_server(proc)
+
+
+@pytest.fixture(scope="module")
+def custom(ckpt, tmp_path_factory):
+    """A chat template file, --log-requests-level 2 and --enable-cache-report."""
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(TEMPLATE)
+    proc, url = popen_launch_server(ckpt, [
+        "--device", "cpu", "--served-model-name", "m", "--chat-template", str(path), "--log-requests",
+        "--log-requests-level", "2", "--enable-cache-report", "--schedule-policy", "lpm",
+    ])
+    yield proc, url
+    kill_server(proc)
+
+
+def chat(url: str, content: str) -> dict:
+    r = requests.post(f"{url}/v1/chat/completions", json={
+        "model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 3, "temperature": 0,
+    }, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_chat_template_file_replaces_the_tokenizers(ckpt, plain, custom):
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    messages = [{"role": "user", "content": "hello there"}]
+    def prompt_tokens(template: str) -> int:  # what the server does: render, then tokenise as is
+        tok.chat_template = template
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return len(tok(text, add_special_tokens=False)["input_ids"])
+
+    own = prompt_tokens(tok.chat_template)
+    ours = prompt_tokens(TEMPLATE)
+    assert chat(plain[1], "hello there")["usage"]["prompt_tokens"] == own
+    assert chat(custom[1], "hello there")["usage"]["prompt_tokens"] == ours != own
+
+
+def test_cache_report_only_with_the_flag(plain, custom):
+    for _ in range(2):  # the second time the prompt's prefix is cached
+        without, with_report = chat(plain[1], "a repeated question"), chat(custom[1], "a repeated question")
+    assert without["usage"]["prompt_tokens_details"] is None
+    assert with_report["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    # /generate reports cached tokens whatever the flag.
+    r = requests.post(f"{plain[1]}/generate", json={"text": "a repeated question", "sampling_params": {
+        "max_new_tokens": 1}}, timeout=60).json()
+    assert "cached_tokens" in r["meta_info"]
+
+
+def _finished_lines(proc, rid: str) -> list[str]:
+    return [ln for ln in read_log(proc).splitlines() if "Finished request:" in ln and f"rid={rid}" in ln]
+
+
+def test_log_requests_one_line_per_request_and_no_text_below_level_2(plain, custom):
+    for (proc, url), rid in ((plain, "log-0"), (custom, "log-2")):
+        r = requests.post(f"{url}/generate", json={"text": SECRET, "rid": rid, "sampling_params": {
+            "max_new_tokens": 4, "temperature": 0.5, "ignore_eos": True}}, timeout=60)
+        assert r.status_code == 200, r.text
+    (line0,) = _finished_lines(plain[0], "log-0")
+    assert re.search(r"lora=base, prompt_tokens=\d+, cached_tokens=\d+, completion_tokens=4, finish=length", line0)
+    assert SECRET not in line0 and "sampling_params" not in line0
+    (line2,) = _finished_lines(custom[0], "log-2")
+    assert SECRET in line2 and "'temperature': 0.5" in line2 and "completion_tokens=4" in line2
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--page-size", "16"], "--page-size 16 is not supported"),
+    (["--chat-template", "no-such-template"], "built-ins: chatml, llama-3-instruct, mistral"),
+    (["--schedule-policy", "lof"], "invalid choice"),
+])
+def test_refused_at_start_with_a_message(argv, needle, capsys):
+    with pytest.raises((ValueError, SystemExit)) as e:
+        prepare_server_args(["--model-path", "demo", *argv])
+    assert needle in (str(e.value) + capsys.readouterr().err)
+    assert prepare_server_args(["--model-path", "demo", "--page-size", "1"]).page_size == 1
