@@ -56,7 +56,7 @@ from lora_kernel_variants import (  # noqa: E402
     reference_deltas,
     relative_error,
 )
-from sglang.srt.model_executor.forward_batch_info import ForwardMode  # noqa: E402
+from sglang.srt.configs.forward_batch_info import ForwardMode  # noqa: E402
 
 MODELS = {"llama-3.1-8b": (Shapes(4096, 4096, 1024, 14336), 32), "qwen3-4b": (Shapes(2560, 4096, 1024, 9728), 36)}
 TINY = Shapes(64, 64, 32, 96)

@@ -34,7 +34,7 @@ from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
 from sglang.srt.lora.fold import fold_extra_columns, fold_weight, should_fold
 from sglang.srt.lora.triton_ops import token_lora
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
 
 MODULES = ("qkv", "o", "gate_up", "down")
 

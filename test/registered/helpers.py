@@ -20,7 +20,7 @@ from sglang.srt.model_executor.batch_builder import (
     prompt_logprob_targets,
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.model_executor.runner_output import ModelRunnerOutput
+from sglang.srt.configs.runner_output import ModelRunnerOutput
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
 from server_helpers import tiny_checkpoint  # one disk-cached implementation for every suite

@@ -21,7 +21,7 @@ from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
 from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
 from sglang.srt.lora.fold import fold_weight
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
 
 pytestmark = pytest.mark.gpu
 

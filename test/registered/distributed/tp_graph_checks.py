@@ -20,7 +20,7 @@ from torch import nn
 from sglang.srt.distributed import TensorParallelGroup, building_model
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from sglang.srt.model_loader.weight_utils import init_dummy_weights
+from sglang.srt.model_executor.model_loading import init_dummy_weights
 
 HIDDEN, HEAD, HEADS, KV_HEADS, INTER, VOCAB, TOKENS = 256, 64, 8, 2, 512, 1001, 24
 

@@ -24,7 +24,7 @@ from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
 from sglang.srt.lora.fold import fold_weight
 from sglang.srt.lora.segments import build_segments, segment_capacity
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
 
 HIDDEN, Q, KV, INTER, MAX_RANK = 32, 32, 16, 24, 16
 NUM_SLOTS = 4

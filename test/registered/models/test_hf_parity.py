@@ -25,7 +25,7 @@ from helpers import (
 )
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.model_loader.loader import get_model
+from sglang.srt.model_executor.model_loading import get_model
 from sglang.srt.tools.make_checkpoint import make_checkpoint
 
 BACKENDS = ("torch_native", "triton")

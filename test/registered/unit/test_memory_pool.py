@@ -15,7 +15,7 @@ from sglang.srt.model_executor.batch_builder import (
     build_extend_batch,
     prompt_logprob_targets,
 )
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.configs.forward_batch_info import ForwardMode
 
 
 def test_allocator_never_hands_out_slot_zero() -> None:

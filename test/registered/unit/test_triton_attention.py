@@ -22,7 +22,7 @@ from sglang.srt.layers.attention.triton_ops.extend_attention import (
 )
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode, GraphBreaker
+from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode, GraphBreaker
 
 DEV = "cpu"
 

@@ -33,7 +33,7 @@ from sglang.srt.entrypoints.openai.serving_base import prime, server_failure, ss
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError
-from sglang.srt.managers.io_struct import LoRAUpdateOutput
+from sglang.srt.configs.lora_ref import LoRAUpdateOutput
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import ServerArgs
 

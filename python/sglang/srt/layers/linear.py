@@ -34,26 +34,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.distributed import TensorParallelGroup, resolve_tp_group
+from sglang.srt.model_loader.weight_utils import LoadedWeight, check_rows, load_into
 
 ShardId = Optional[Union[str, int]]
-# A torch.Tensor, or a lazy checkpoint slice with `shape`, `narrow(dim, start, length)` and
-# `materialize()` (model_loader.weight_utils.CheckpointTensor).
-LoadedWeight = Any
-
-
-def load_into(dst: torch.Tensor, loaded: LoadedWeight, what: str) -> None:
-    """Check the shape, read the (possibly lazy) tensor and copy it into `dst`."""
-    if tuple(dst.shape) != tuple(loaded.shape):
-        raise ValueError(
-            f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected {tuple(dst.shape)}"
-        )
-    dst.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.materialize())
-
-
-def check_rows(loaded: LoadedWeight, rows: int, what: str) -> None:
-    """A checkpoint tensor sliced by rows must hold the layer's full (unsharded) row count."""
-    if loaded.shape[0] != rows:
-        raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected {rows} rows")
 
 
 class LinearBase(nn.Module):

@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_executor.runner_output import TopLogprobs
+from sglang.srt.configs.forward_batch_info import ForwardBatch
+from sglang.srt.configs.runner_output import TopLogprobs
 
 # Prompt logprobs are computed in row chunks so [rows, vocab] float32 buffers stay near 128 MiB.
 _LOGPROB_CHUNK_ELEMS = 1 << 25

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.triton_ops.rope import KVStore
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.configs.forward_batch_info import ForwardBatch
 
 
 class RadixAttention(nn.Module):

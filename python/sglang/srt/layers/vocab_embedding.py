@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.distributed import TensorParallelGroup, resolve_tp_group
-from sglang.srt.layers.linear import LoadedWeight, load_into
+from sglang.srt.model_loader.weight_utils import LoadedWeight, load_into
 from sglang.srt.utils import cdiv
 
 

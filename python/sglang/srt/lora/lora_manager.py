@@ -25,10 +25,10 @@ from sglang.srt.lora.lora_config import SUPPORTED_LORA_MODULES, LoRAConfig, norm
 from sglang.srt.lora.lora_registry import make_lora_ref
 from sglang.srt.lora.mem_pool import EMPTY, LoRAMemoryPool
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
-from sglang.srt.managers.io_struct import LoRARef, LoRAUpdateOutput
+from sglang.srt.configs.lora_ref import LoRARef, LoRAUpdateOutput
 
 if TYPE_CHECKING:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.configs.forward_batch_info import ForwardBatch
     from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

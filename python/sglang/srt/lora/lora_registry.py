@@ -18,7 +18,7 @@ import hashlib
 import uuid
 from typing import Iterable, Optional, Union
 
-from sglang.srt.managers.io_struct import LoRARef
+from sglang.srt.configs.lora_ref import LoRARef
 from sglang.srt.server_args import LoRAPathSpec
 
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
+from sglang.srt.configs.lora_ref import LoRARef
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 # (logprob, token_id); logprob is None for the first prompt token.
@@ -43,16 +44,6 @@ class TokenizedGenerateReqInput:
 @dataclass
 class AbortReq:
     rid: str
-
-
-@dataclass
-class LoRARef:
-    """An adapter as both processes know it."""
-
-    lora_id: str
-    lora_name: str
-    lora_path: str
-    pinned: bool = False
 
 
 @dataclass
@@ -115,13 +106,6 @@ class BatchTokenIDOut:
     # Incremental, aligned with output_ids (None when not asked).
     output_token_logprobs: list[Optional[list[LogprobEntry]]] = field(default_factory=list)
     output_top_logprobs: list[Optional[list[TopLogprobList]]] = field(default_factory=list)
-
-
-@dataclass
-class LoRAUpdateOutput:
-    success: bool
-    error_message: str = ""
-    loaded_adapters: dict[str, str] = field(default_factory=dict)  # name -> path
 
 
 @dataclass

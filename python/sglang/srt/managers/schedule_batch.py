@@ -19,7 +19,7 @@ from sglang.srt.model_executor.batch_builder import (
     build_decode_batch,
     build_extend_batch,
 )
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 if TYPE_CHECKING:

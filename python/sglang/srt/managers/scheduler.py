@@ -22,6 +22,7 @@ from typing import Any, Callable, Optional
 
 from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.managers.integrity import IntegrityLog, scheduler_problems
+from sglang.srt.configs.lora_ref import LoRAUpdateOutput
 from sglang.srt.managers.io_struct import (
     AbortReq,
     FaultInjectionReq,
@@ -30,7 +31,6 @@ from sglang.srt.managers.io_struct import (
     GetServerInfoOut,
     GetServerInfoReq,
     LoadLoRAAdapterReq,
-    LoRAUpdateOutput,
     ShutdownReq,
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReq,
@@ -52,7 +52,7 @@ from sglang.srt.managers.scheduler_output import (
     record_output_token,
     record_prompt_logprobs,
 )
-from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.configs.forward_batch_info import ForwardMode
 from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

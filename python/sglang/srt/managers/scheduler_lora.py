@@ -13,7 +13,8 @@ import logging
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from sglang.srt.distributed import TensorParallelGroup
-from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, LoRARef, LoRAUpdateOutput, UnloadLoRAAdapterReq
+from sglang.srt.configs.lora_ref import LoRARef, LoRAUpdateOutput
+from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
 
 if TYPE_CHECKING:
     from sglang.srt.lora.lora_manager import LoRAManager

@@ -10,7 +10,7 @@ from typing import Any, Optional
 from sglang.srt.managers.detokenizer import find_stop_string
 from sglang.srt.managers.io_struct import BatchTokenIDOut
 from sglang.srt.managers.req import Req
-from sglang.srt.model_executor.runner_output import TopLogprobs
+from sglang.srt.configs.runner_output import TopLogprobs
 
 
 # What a logprob of -inf is reported as: strict JSON has no infinities (OpenAI-style servers

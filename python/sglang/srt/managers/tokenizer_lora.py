@@ -13,7 +13,8 @@ import logging
 from typing import Any, Optional
 
 from sglang.srt.managers.generate_request import InvalidRequestError, ModelNotFoundError
-from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, LoRAUpdateOutput, UnloadLoRAAdapterReq
+from sglang.srt.configs.lora_ref import LoRAUpdateOutput
+from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
 
 logger = logging.getLogger(__name__)
 

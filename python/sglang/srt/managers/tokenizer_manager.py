@@ -24,6 +24,7 @@ from sglang.srt.managers.generate_request import (
     SingleGenerateReq,
 )
 from sglang.srt.managers.integrity import IntegrityLog, tokenizer_problems
+from sglang.srt.configs.lora_ref import LoRAUpdateOutput
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -32,7 +33,6 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReq,
     GetServerInfoOut,
     GetServerInfoReq,
-    LoRAUpdateOutput,
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.req_state import ReqState, iterate_states

@@ -28,9 +28,9 @@ from sglang.srt.model_executor.cuda_graph_config import Backend
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_executor.runner_output import ModelRunnerOutput
-from sglang.srt.model_loader.loader import get_model
+from sglang.srt.configs.forward_batch_info import ForwardBatch
+from sglang.srt.configs.runner_output import ModelRunnerOutput
+from sglang.srt.model_executor.model_loading import get_model
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils import get_available_gpu_memory, set_random_seed
 

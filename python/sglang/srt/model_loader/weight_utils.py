@@ -1,4 +1,4 @@
-"""Finding and streaming checkpoint tensors, and dummy initialisation.
+"""Finding and streaming checkpoint tensors, and the checks every weight loader makes.
 
 Tensors are streamed as `CheckpointTensor`s: lazy views of a safetensors tensor that the layers'
 weight loaders narrow to this rank's slice before anything is read, so a tensor-parallel rank reads
@@ -10,18 +10,32 @@ from __future__ import annotations
 import glob
 import json
 import os
-import zlib
 from typing import Any, Iterator, Optional, Union
 
 import torch
 from safetensors import safe_open
-from torch import nn
 from tqdm.auto import tqdm
 
-from sglang.srt.layers.layernorm import RMSNorm
-from sglang.srt.layers.linear import load_into
-
 SAFETENSORS_INDEX = "model.safetensors.index.json"
+
+# A torch.Tensor, or a lazy checkpoint slice with `shape`, `narrow(dim, start, length)` and
+# `materialize()` (CheckpointTensor below): what every parameter's weight_loader receives.
+LoadedWeight = Any
+
+
+def load_into(dst: torch.Tensor, loaded: LoadedWeight, what: str) -> None:
+    """Check the shape, read the (possibly lazy) tensor and copy it into `dst`."""
+    if tuple(dst.shape) != tuple(loaded.shape):
+        raise ValueError(
+            f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected {tuple(dst.shape)}"
+        )
+    dst.copy_(loaded if isinstance(loaded, torch.Tensor) else loaded.materialize())
+
+
+def check_rows(loaded: LoadedWeight, rows: int, what: str) -> None:
+    """A checkpoint tensor sliced by rows must hold the layer's full (unsharded) row count."""
+    if loaded.shape[0] != rows:
+        raise ValueError(f"checkpoint tensor for {what} has shape {tuple(loaded.shape)}, expected {rows} rows")
 
 
 class CheckpointTensor:
@@ -107,35 +121,3 @@ def safetensors_weights_iterator(files: list[str], progress: bool = True) -> Ite
                 for name in f.keys():
                     yield name, CheckpointTensor(f.get_slice(name), name)
                     bar.update(1)
-
-
-def _param_seed(seed: int, name: str) -> int:
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
-
-
-@torch.no_grad()
-def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
-    """Random weights in place: N(0, std) matrices, zero biases, unit norm weights. A small std keeps
-    activations finite at any depth, which is all a benchmark needs.
-
-    Each matrix comes from its own generator, seeded by (seed, parameter name), and is drawn at its
-    unsharded shape (`param.full_shape`) and handed to the parameter's weight_loader like a
-    checkpoint tensor: a tensor-parallel rank holds exactly its slice of the tp_size-1 model, so
-    tp N and tp 1 can be compared on dummy weights too (on one device type: CPU and CUDA draw
-    different numbers from the same seed).
-    """
-    norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
-    for name, param in model.named_parameters():
-        if id(param) in norm_params:
-            param.fill_(1.0)
-        elif name.endswith(".bias"):
-            param.zero_()
-        else:
-            gen = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
-            full_shape = tuple(getattr(param, "full_shape", param.shape))
-            if full_shape == tuple(param.shape):
-                param.normal_(0.0, std, generator=gen)
-                continue
-            full = torch.empty(full_shape, dtype=param.dtype, device=param.device).normal_(0.0, std, generator=gen)
-            param.weight_loader(param, full)
-            del full

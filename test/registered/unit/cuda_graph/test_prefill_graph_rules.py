@@ -11,7 +11,7 @@ from sglang.srt.model_executor.cuda_graph_config import (
     prefill_bucket_ladder,
 )
 from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakOutputs
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.model_executor.runner.graph_buffers import (
     MAX_PADDING_FACTOR,
     GraphInputBuffers,

@@ -27,7 +27,7 @@ from sglang.srt.layers.attention.triton_ops.decode_attention import (
     default_num_kv_splits,
 )
 from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention

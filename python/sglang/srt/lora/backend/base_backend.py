@@ -31,7 +31,7 @@ from torch import nn
 from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights
 
 if TYPE_CHECKING:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.configs.forward_batch_info import ForwardBatch
 
 
 class BaseLoRABackend:

@@ -56,7 +56,7 @@ from sglang.srt.lora.triton_ops.token_lora import (
 from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights
 
 if TYPE_CHECKING:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.configs.forward_batch_info import ForwardBatch
 
 _LAUNCH_CACHE_SIZE = 512  # distinct (rows, segments) kept: decode sizes, prefill buckets, live eager batches
 # Programmatic dependent launch where the GPU has it (Hopper+): shrink_pack may start while the

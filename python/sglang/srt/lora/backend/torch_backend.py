@@ -17,7 +17,7 @@ from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleWeights
 
 if TYPE_CHECKING:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.configs.forward_batch_info import ForwardBatch
 
 
 @dataclass

@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 import torch
 
-from sglang.srt.model_executor.forward_batch_info import GraphBreaker
+from sglang.srt.configs.forward_batch_info import GraphBreaker
 
 T = TypeVar("T")
 

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from sglang.srt.model_executor.cuda_graph_config import Backend, decode_bucket_ladder
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.configs.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakOutputs
 from sglang.srt.model_executor.runner.graph_capture import AnyGraph, capture_graph
 from sglang.srt.model_executor.runner.graph_buffers import GraphInputBuffers, pick_bucket

@@ -18,7 +18,7 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
 
 
 # A prefill replay may pad its tokens up to this factor; beyond it the wasted work outweighs the

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.configs.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.runner.breakable_cuda_graph import BreakableCUDAGraph, BreakOutputs
 
 AnyGraph = Union[torch.cuda.CUDAGraph, BreakableCUDAGraph]

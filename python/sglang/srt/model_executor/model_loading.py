@@ -1,10 +1,12 @@
-"""get_model: build the model class of a checkpoint on the target device and fill its weights."""
+"""Building the model: the checkpoint's model class on the target device, its weights streamed from
+safetensors (model_loader/weight_utils.py) or drawn at random (`--load-format dummy`)."""
 
 from __future__ import annotations
 
 import contextlib
 import logging
 import time
+import zlib
 from typing import Iterator, Optional
 
 import torch
@@ -12,11 +14,8 @@ from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup, building_model, tp_split
-from sglang.srt.model_loader.weight_utils import (
-    find_safetensors_files,
-    init_dummy_weights,
-    safetensors_weights_iterator,
-)
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.model_loader.weight_utils import find_safetensors_files, safetensors_weights_iterator
 from sglang.srt.models.registry import get_model_class
 
 logger = logging.getLogger(__name__)
@@ -98,3 +97,35 @@ def get_model(
         time.perf_counter() - start,
     )
     return model
+
+
+def _param_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (1 << 62)
+
+
+@torch.no_grad()
+def init_dummy_weights(model: nn.Module, seed: int = 0, std: float = 0.02) -> None:
+    """Random weights in place: N(0, std) matrices, zero biases, unit norm weights. A small std keeps
+    activations finite at any depth, which is all a benchmark needs.
+
+    Each matrix comes from its own generator, seeded by (seed, parameter name), and is drawn at its
+    unsharded shape (`param.full_shape`) and handed to the parameter's weight_loader like a
+    checkpoint tensor: a tensor-parallel rank holds exactly its slice of the tp_size-1 model, so
+    tp N and tp 1 can be compared on dummy weights too (on one device type: CPU and CUDA draw
+    different numbers from the same seed).
+    """
+    norm_params = {id(p) for m in model.modules() if isinstance(m, RMSNorm) for p in m.parameters()}
+    for name, param in model.named_parameters():
+        if id(param) in norm_params:
+            param.fill_(1.0)
+        elif name.endswith(".bias"):
+            param.zero_()
+        else:
+            gen = torch.Generator(device=param.device).manual_seed(_param_seed(seed, name))
+            full_shape = tuple(getattr(param, "full_shape", param.shape))
+            if full_shape == tuple(param.shape):
+                param.normal_(0.0, std, generator=gen)
+                continue
+            full = torch.empty(full_shape, dtype=param.dtype, device=param.device).normal_(0.0, std, generator=gen)
+            param.weight_loader(param, full)
+            del full

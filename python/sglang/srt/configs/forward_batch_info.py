@@ -1,4 +1,5 @@
-"""What one forward pass sees: the mode and the batch as device tensors.
+"""What one forward pass sees: the mode and the batch as device tensors (plain data, at the bottom
+of the layers: the model runner fills it, attention, LoRA and the models read it).
 
 The scheduler turns its `ScheduleBatch` into a `ForwardBatch`; the model runner, the attention
 backends, the LoRA manager and the graph runners read nothing else. Everything here is a tensor
@@ -14,8 +15,6 @@ from typing import TYPE_CHECKING, Any, Callable, Optional
 import torch
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -92,10 +91,12 @@ class ForwardBatch:
 
     sampling_info: Optional["SamplingBatchInfo"] = None
 
-    # Owned by the model runner; filled by ModelRunner before the forward.
-    req_to_token_pool: Optional["ReqToTokenPool"] = None
-    token_to_kv_pool: Optional["MHATokenToKVPool"] = None
-    attn_backend: Optional["AttentionBackend"] = None
+    # Owned by the model runner; filled by ModelRunner before the forward. Typed loosely: the pools
+    # (mem_cache/memory_pool.py) and the attention backend (layers/attention/) live in the layers
+    # above this plain data, which must not import them.
+    req_to_token_pool: Any = None  # ReqToTokenPool
+    token_to_kv_pool: Any = None  # MHATokenToKVPool
+    attn_backend: Any = None  # AttentionBackend
 
     # Set only inside a breakable graph's capture/replay (see GraphBreaker).
     graph_breaker: Optional[GraphBreaker] = None
