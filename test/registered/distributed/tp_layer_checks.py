@@ -24,10 +24,10 @@ from sglang.srt.layers.linear import (
 )
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.model_executor.model_loading import init_dummy_weights
 from sglang.srt.model_loader.weight_utils import (
     CheckpointTensor,
     default_weight_loader,
-    init_dummy_weights,
     safetensors_weights_iterator,
 )
 
