@@ -56,7 +56,7 @@ from runner_lib import (  # noqa: E402
     write_assets,
 )
 from sglang.srt.lora.lora_config import PEFT_PROJECTIONS  # noqa: E402
-from sglang.srt.model_executor.cuda_graph_config import Backend  # noqa: E402
+from sglang.srt.configs.cuda_graph_config import Backend  # noqa: E402
 
 TOP_KERNELS = 6
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones.
@@ -189,7 +189,7 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
             fb, req_rows, slots = prefill_batch(runner, lens, [names[i % len(names)] for i in range(len(lens))])
             for path, graph in graphs.items():
                 runner.prefill_graph_runner = graph
-                expect = graph is not None and graph.can_run_graph(fb)
+                expect = graph is not None and graph.can_run(fb)
                 measure(case, path, fb, expect, "" if expect or graph is None else "refused: eager")
             release(runner, req_rows, slots)
         runner.prefill_graph_runner = graphs.get("breakable")

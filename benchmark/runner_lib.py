@@ -24,8 +24,10 @@ from sglang.srt.model_executor.batch_builder import (  # noqa: E402
     build_decode_batch,
     build_extend_batch,
 )
-from sglang.srt.model_executor.model_runner import EAGER, ModelRunner  # noqa: E402
+from sglang.srt.configs.forward_path import ForwardPath  # noqa: E402
+from sglang.srt.model_executor.model_runner import ModelRunner  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
+from sglang.srt.server_configs import build_run_configs  # noqa: E402
 from sglang.srt.tools.demo import DemoAdapterSpec, write_peft_adapter  # noqa: E402
 from sglang.srt.tools.make_checkpoint import make_checkpoint  # noqa: E402
 
@@ -84,7 +86,7 @@ def build_runner(
     group = tp_group or SINGLE_RANK
     kwargs["tp_size"] = group.size
     gpu_id = torch.cuda.current_device() if group.size > 1 and torch.cuda.is_available() else 0
-    return ModelRunner(ServerArgs(**kwargs), gpu_id=gpu_id, tp_group=group)
+    return ModelRunner(build_run_configs(ServerArgs(**kwargs)).scheduler.runner, gpu_id=gpu_id, tp_group=group)
 
 
 def use_prefill_graphs(runner: ModelRunner, sets: tuple) -> None:
@@ -98,7 +100,7 @@ def use_decode_graphs(runner: ModelRunner, sets: tuple) -> None:
 
 def runner_takes_graph(runner: ModelRunner, fb) -> bool:
     """The runner's own decision for this batch (the counters it bumps do not matter here)."""
-    return runner.choose_forward_path(fb).path != EAGER
+    return runner.choose_forward_path(fb).path.is_graph
 
 
 def lora_id(runner: ModelRunner, name: Optional[str]) -> Optional[str]:

@@ -43,7 +43,7 @@ from runner_lib import (  # noqa: E402
     use_prefill_graphs,
     write_assets,
 )
-from sglang.srt.model_executor.cuda_graph_config import Backend  # noqa: E402
+from sglang.srt.configs.cuda_graph_config import Backend  # noqa: E402
 from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner  # noqa: E402
 
 SHAPES = ("qwen3-4b", "llama-3.1-8b", "qwen2.5-0.5b")

@@ -30,11 +30,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend
-from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
+from sglang.srt.lora.backend.token_backend import TokenLoRABackend
 from sglang.srt.lora.fold import fold_extra_columns, fold_weight, should_fold
 from sglang.srt.lora.triton_ops import token_lora
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
 from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.configs.forward_path import ForwardPath
 
 MODULES = ("qkv", "o", "gate_up", "down")
 
@@ -210,8 +211,8 @@ class BackendVariant:
                 b.init_cuda_graph_batch_info(case.rows, 1)
             elif graph:
                 b.init_prefill_cuda_graph_batch_info(case.rows)
-            b.prepare_lora_batch(case.forward_batch(), case.slots, case.ranks, case.scalings,
-                                 use_cuda_graph=graph and decode, use_prefill_cuda_graph=graph and not decode)
+            path = (ForwardPath.DECODE_GRAPH if decode else ForwardPath.PREFILL_GRAPH) if graph else ForwardPath.EAGER
+            b.fill_batch_info(case.forward_batch(), case.slots, case.ranks, case.scalings, path)
 
     def module(self, name: str, io: dict) -> torch.Tensor:
         lw, base = self.layer_modules[name]
@@ -224,11 +225,11 @@ class BackendVariant:
 def make_variants(weights: LayerWeights, device: str, pdl: bool, tunings=()) -> list[BackendVariant]:
     variants = [
         BackendVariant("csgmv/unfold", ChunkedSgmvLoRABackend, "off", pdl, weights),
-        BackendVariant("tok", TritonLoRABackend, "off", pdl, weights),
-        BackendVariant("fold", TritonLoRABackend, "on", pdl, weights),
-        BackendVariant("auto", TritonLoRABackend, "auto", pdl, weights),
+        BackendVariant("tok", TokenLoRABackend, "off", pdl, weights),
+        BackendVariant("fold", TokenLoRABackend, "on", pdl, weights),
+        BackendVariant("auto", TokenLoRABackend, "auto", pdl, weights),
     ]
-    variants += [BackendVariant(f"fold/{t}", TritonLoRABackend, "on", pdl, weights, t) for t in tunings]
+    variants += [BackendVariant(f"fold/{t}", TokenLoRABackend, "on", pdl, weights, t) for t in tunings]
     return variants
 
 

@@ -30,6 +30,7 @@ from sglang.srt.model_executor.batch_builder import (
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_configs import build_run_configs
 from sglang.srt.utils import configure_logger
 
 logger = logging.getLogger(__name__)
@@ -110,7 +111,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     server_args = ServerArgs.from_cli_args(args)
     configure_logger(server_args.log_level, prefix=" bench")  # logs go to stderr
 
-    runner = ModelRunner(server_args)
+    runner = ModelRunner(build_run_configs(server_args).scheduler.runner)
     if args.input_len + args.output_len > runner.context_len:
         raise ValueError(
             f"--input-len + --output-len ({args.input_len + args.output_len}) exceeds the context "

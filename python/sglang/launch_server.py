@@ -23,7 +23,7 @@ def main(argv: list[str] | None = None) -> None:
     if server_args.model_path == "demo":
         from sglang.srt.tools.demo import print_demo_banner
 
-        # The demo serves its adapters unless LoRA was configured by hand (engine.resolve_model).
+        # The demo serves its adapters unless LoRA was configured by hand (server_configs.resolve_model).
         print_demo_banner(with_adapters=not server_args.enable_lora)
     from sglang.srt.entrypoints.http_server import launch_server
     from sglang.srt.entrypoints.worker_node import run_worker_node

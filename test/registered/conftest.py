@@ -1,13 +1,20 @@
-"""Shared pytest setup: interpret Triton kernels on CPU-only machines, skip GPU tests there."""
+"""Shared pytest setup: the import path, Triton kernels interpreted on CPU-only machines (GPU tests
+skipped there), and the fixtures several suites share."""
 
 import os
 import sys
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+# The package, then every suite's folder: suites share helper modules (helpers.py,
+# lora/lora_server_testlib.py, reliability/reliability_lib.py, distributed/tp_testlib.py, ...) by
+# plain import. Rank processes started with `spawn` inherit this path.
 sys.path.insert(0, os.path.join(ROOT, "python"))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+for _suite in ("lora", "reliability", "distributed", "unit", "cuda_graph"):
+    sys.path.insert(0, os.path.join(HERE, _suite))
+sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
@@ -24,3 +31,39 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+# ---------------------------------------------------------------------------- shared fixtures
+@pytest.fixture(scope="module")
+def lora_ckpt() -> str:
+    """The tiny Llama checkpoint (float32, peaked predictions) the LoRA server suites serve."""
+    from lora_server_testlib import tiny_lora_checkpoint
+
+    return tiny_lora_checkpoint("llama")
+
+
+@pytest.fixture(scope="module")
+def adapter_zoo(lora_ckpt, tmp_path_factory, request) -> dict[str, str]:
+    """lora_server_testlib.write_adapter_zoo for `lora_ckpt`: good adapters and every kind of bad
+    one, by name. A module's ADAPTER_ZOO_SEED gives it adapters of its own."""
+    from lora_server_testlib import write_adapter_zoo
+
+    seed = getattr(request.module, "ADAPTER_ZOO_SEED", 31)
+    return write_adapter_zoo(lora_ckpt, str(tmp_path_factory.mktemp("adapter-zoo")), seed=seed)
+
+
+@pytest.fixture(scope="module")
+def zoo_server(lora_ckpt, adapter_zoo, request):
+    """(process, url) of a CPU server (float32, torch_native LoRA) whose pool fits the zoo's good
+    adapters (3 slots, rank 16, lora_server_testlib.POOL_MODULES), serving `keep` from the start.
+    A module's ZOO_SERVER_FLAGS are added to the command line."""
+    from lora_server_testlib import POOL_MODULES
+    from server_helpers import kill_server, popen_launch_server, read_log
+
+    proc, url = popen_launch_server(lora_ckpt, [
+        "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native",
+        "--max-loras-per-batch", "3", "--max-lora-rank", "16", "--lora-target-modules", *POOL_MODULES,
+        "--lora-paths", f"keep={adapter_zoo['keep']}", *getattr(request.module, "ZOO_SERVER_FLAGS", ()),
+    ])
+    yield proc, url
+    assert kill_server(proc) == 0, read_log(proc)[-3000:]

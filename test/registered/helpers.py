@@ -23,6 +23,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.configs.runner_output import ModelRunnerOutput
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_configs import build_run_configs
 from server_helpers import tiny_checkpoint  # one disk-cached implementation for every suite
 
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
@@ -41,7 +42,7 @@ def make_runner(model_path: str, **overrides: Any) -> ModelRunner:
         random_seed=0,
     )
     args.update(overrides)
-    return ModelRunner(ServerArgs(**args))
+    return ModelRunner(build_run_configs(ServerArgs(**args)).scheduler.runner)
 
 
 def hf_model(model_path: str, dtype: torch.dtype = torch.float32):

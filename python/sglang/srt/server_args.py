@@ -1,10 +1,9 @@
-"""ServerArgs: the single configuration object of the engine and its validation (its CLI flags are
-in server_args_cli.py).
+"""ServerArgs: what the user asked for (its CLI flags are in server_args_cli.py), and its validation.
 
-Every component reads its settings from here. Construction never touches the model files
-(`ServerArgs(model_path="dummy")` works anywhere); model-dependent defaults are resolved later by the
-model runner. CUDA-graph settings are resolved into `cuda_graph_config` by
-`_handle_cuda_graph_config()` (DESIGN §6).
+It stays in the entrypoints: server_configs.build_run_configs derives the frozen configs every
+component runs on from it, once. Construction never touches the model files
+(`ServerArgs(model_path="dummy")` works anywhere). CUDA-graph settings are resolved into
+`cuda_graph_config` by `_handle_cuda_graph_config()` (DESIGN §6).
 """
 
 from __future__ import annotations
@@ -19,41 +18,33 @@ from typing import Any, Optional
 from sglang.srt import utils
 from sglang.srt.configs.chat_templates import resolve_chat_template
 from sglang.srt.configs.lora_path_spec import LoRAPathSpec  # also importable from here, its old home
-from sglang.srt.model_executor.cuda_graph_config import (
+from sglang.srt.configs.cuda_graph_config import (
     DECODE_BACKENDS,
     PREFILL_BACKENDS,
     Backend,
     CudaGraphConfig,
     Phase,
-    PhaseConfig,
+    resolve_cuda_graph_flags,
+)
+from sglang.srt.server_args_cli import (  # the flags' choices: validated here, offered there
+    ATTENTION_BACKENDS,
+    DEVICES,
+    DTYPES,
+    LOAD_FORMATS,
+    LOG_LEVELS,
+    LOG_REQUESTS_LEVELS,
+    LORA_BACKENDS,
+    LORA_CHUNK_SIZES,
+    LORA_EVICTION_POLICIES,
+    LORA_FOLD_MODES,
+    LORA_TARGET_MODULES,
+    SCHEDULE_POLICIES,
+    add_cli_args,
 )
 from sglang.srt.utils import is_cpu, is_hip, is_mps, is_npu, is_xpu
 
 logger = logging.getLogger(__name__)
 
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
-DTYPES = ("auto", "bfloat16", "float16", "float32")
-DEVICES = ("auto", "cuda", "cpu")
-ATTENTION_BACKENDS = ("triton", "torch_native")
-LORA_BACKENDS = ("csgmv", "triton", "torch_native")
-LORA_EVICTION_POLICIES = ("lru", "fifo")
-LORA_CHUNK_SIZES = (16, 32, 64, 128)
-LORA_FOLD_MODES = ("auto", "on", "off")
-LORA_TARGET_MODULES = (
-    "q_proj",
-    "k_proj",
-    "v_proj",
-    "o_proj",
-    "gate_proj",
-    "up_proj",
-    "down_proj",
-    "qkv_proj",
-    "gate_up_proj",
-    "all",
-)
-LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
-SCHEDULE_POLICIES = ("fcfs", "lpm")
-LOG_REQUESTS_LEVELS = (0, 1, 2)
 
 
 @dataclass
@@ -293,9 +284,7 @@ class ServerArgs:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT (node 0's address, where "
                              "the ranks meet)")
         if self.dist_init_addr is not None:
-            from sglang.srt.distributed.rank_layout import parse_dist_init_addr
-
-            parse_dist_init_addr(self.dist_init_addr)
+            utils.parse_dist_init_addr(self.dist_init_addr)
 
     # ------------------------------------------------------------------ derived settings
     def resolved_device(self) -> str:
@@ -319,60 +308,20 @@ class ServerArgs:
             return "torch_native"
         return self.lora_backend
 
-    def use_mla_backend(self) -> bool:
-        """MLA models are not supported by this engine; kept for the graph-config rules."""
-        return False
-
     # ------------------------------------------------------------------ CUDA graph resolution
     def _handle_cuda_graph_config(self) -> None:
-        """Resolve every CUDA-graph flag into `self.cuda_graph_config`.
-
-        Precedence, highest first: --cuda-graph-config JSON, per-phase flags
-        (--cuda-graph-backend-*, --cuda-graph-max-bs-*, --cuda-graph-bs-*), per-phase disable
-        switches, legacy --disable-cuda-graph, defaults. Keys set by anything but the defaults are
-        *locked*; the compatibility rules never override a locked prefill backend.
-        """
-        on_cuda = utils.is_cuda() and self.device in ("auto", "cuda")
-        cfg = CudaGraphConfig(
-            decode=PhaseConfig(backend=Backend.FULL if on_cuda else Backend.DISABLED),
-            prefill=PhaseConfig(backend=Backend.BREAKABLE if on_cuda else Backend.DISABLED),
+        """Resolve every CUDA-graph flag into `self.cuda_graph_config` (the precedence:
+        configs/cuda_graph_config.resolve_cuda_graph_flags), then apply the compatibility rules
+        to a prefill backend nobody chose explicitly."""
+        cfg, locked = resolve_cuda_graph_flags(
+            on_cuda=utils.is_cuda() and self.device in ("auto", "cuda"),
+            disable_all=self.disable_cuda_graph,
+            disable={Phase.DECODE: self.disable_decode_cuda_graph, Phase.PREFILL: self.disable_prefill_cuda_graph},
+            backend={Phase.DECODE: self.cuda_graph_backend_decode, Phase.PREFILL: self.cuda_graph_backend_prefill},
+            max_bs={Phase.DECODE: self.cuda_graph_max_bs_decode, Phase.PREFILL: self.cuda_graph_max_bs_prefill},
+            bs={Phase.DECODE: self.cuda_graph_bs_decode, Phase.PREFILL: self.cuda_graph_bs_prefill},
+            json_input=self._cuda_graph_config_input,
         )
-        locked: set[tuple[str, str]] = set()
-
-        def put(phase: Phase, key: str, value: Any) -> None:
-            setattr(cfg.phase(phase), key, Backend(value) if key == "backend" else value)
-            locked.add((phase.value, key))
-
-        if self.disable_cuda_graph:
-            put(Phase.DECODE, "backend", Backend.DISABLED)
-            put(Phase.PREFILL, "backend", Backend.DISABLED)
-        if self.disable_decode_cuda_graph:
-            put(Phase.DECODE, "backend", Backend.DISABLED)
-        if self.disable_prefill_cuda_graph:
-            put(Phase.PREFILL, "backend", Backend.DISABLED)
-        for phase, backend, max_bs, bs in (
-            (Phase.DECODE, self.cuda_graph_backend_decode, self.cuda_graph_max_bs_decode, self.cuda_graph_bs_decode),
-            (Phase.PREFILL, self.cuda_graph_backend_prefill, self.cuda_graph_max_bs_prefill, self.cuda_graph_bs_prefill),
-        ):
-            if backend is not None:
-                put(phase, "backend", backend)
-            if max_bs is not None:
-                put(phase, "max_bs", max_bs)
-            if bs:
-                put(phase, "bs", sorted(set(bs)))
-        if self._cuda_graph_config_input is not None:
-            for phase_name, phase_cfg in CudaGraphConfig.parse_json(self._cuda_graph_config_input).items():
-                for key, value in phase_cfg.items():
-                    put(Phase(phase_name), key, value)
-
-        allowed = {Phase.PREFILL: PREFILL_BACKENDS, Phase.DECODE: DECODE_BACKENDS}
-        for phase, backends in allowed.items():
-            if cfg.phase(phase).backend not in backends:
-                raise ValueError(
-                    f"cuda graph backend {cfg.phase(phase).backend.value!r} is not allowed for the "
-                    f"{phase.value} phase; allowed: {[b.value for b in backends]}"
-                )
-
         self.cuda_graph_config = cfg
         self._cuda_graph_config_locked = locked
         if (Phase.PREFILL.value, "backend") not in locked:
@@ -408,18 +357,13 @@ class ServerArgs:
     # ------------------------------------------------------------------ CLI
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
-        """The launch_server flags (defined in server_args_cli.py; kept here under SGLang's name)."""
-        from sglang.srt.server_args_cli import add_cli_args  # local: that module imports this one
-
-        add_cli_args(parser)
+        """The launch_server flags (their table is server_args_cli.py), defaulting to these fields."""
+        add_cli_args(parser, field_defaults())
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
         names = {f.name for f in dataclasses.fields(cls) if not f.name.startswith("_")}
         return cls(**{k: v for k, v in vars(args).items() if k in names})
-
-    def lora_specs(self) -> list[LoRAPathSpec]:
-        return list(self.lora_paths or [])
 
     def to_public_dict(self) -> dict[str, Any]:
         out = {}
@@ -435,8 +379,21 @@ class ServerArgs:
         return out
 
 
+def field_defaults() -> dict[str, Any]:
+    """Every public ServerArgs field's default (what a flag not given leaves)."""
+    out = {}
+    for f in dataclasses.fields(ServerArgs):
+        if f.name.startswith("_"):
+            continue
+        out[f.name] = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+    return out
+
+
 def prepare_server_args(argv: list[str]) -> ServerArgs:
     """ServerArgs from launch_server's command line."""
-    from sglang.srt.server_args_cli import prepare_server_args as parse  # local: that module imports this one
-
-    return parse(argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m sglang.launch_server",
+        description="Serve a Hugging Face checkpoint with many LoRA adapters under CUDA graphs.",
+    )
+    ServerArgs.add_cli_args(parser)
+    return ServerArgs.from_cli_args(parser.parse_args(argv))

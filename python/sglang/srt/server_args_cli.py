@@ -4,33 +4,41 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
-from typing import Any
+from typing import Any, Mapping
 
-from sglang.srt.model_executor.cuda_graph_config import DECODE_BACKENDS, PREFILL_BACKENDS
-from sglang.srt.server_args import (
-    ATTENTION_BACKENDS,
-    DEVICES,
-    DTYPES,
-    LOAD_FORMATS,
-    LOG_LEVELS,
-    LOG_REQUESTS_LEVELS,
-    LORA_BACKENDS,
-    LORA_CHUNK_SIZES,
-    LORA_EVICTION_POLICIES,
-    LORA_FOLD_MODES,
-    LORA_TARGET_MODULES,
-    SCHEDULE_POLICIES,
-    ServerArgs,
+from sglang.srt.configs.cuda_graph_config import DECODE_BACKENDS, PREFILL_BACKENDS
+
+# The choices each flag offers; ServerArgs validates against the same tuples.
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+DTYPES = ("auto", "bfloat16", "float16", "float32")
+DEVICES = ("auto", "cuda", "cpu")
+ATTENTION_BACKENDS = ("triton", "torch_native")
+LORA_BACKENDS = ("csgmv", "triton", "torch_native")
+LORA_EVICTION_POLICIES = ("lru", "fifo")
+LORA_CHUNK_SIZES = (16, 32, 64, 128)
+LORA_FOLD_MODES = ("auto", "on", "off")
+LORA_TARGET_MODULES = (
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "qkv_proj",
+    "gate_up_proj",
+    "all",
 )
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+SCHEDULE_POLICIES = ("fcfs", "lpm")
+LOG_REQUESTS_LEVELS = (0, 1, 2)
 
 
-def add_cli_args(parser: argparse.ArgumentParser) -> None:
-    d = ServerArgs.__dataclass_fields__
+def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:
+    """Every flag, grouped; `defaults`: ServerArgs' field defaults (server_args.field_defaults)."""
 
     def default(name: str) -> Any:
-        f = d[name]
-        return f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        return defaults[name]
 
     g = parser.add_argument_group("model")
     g.add_argument("--model-path", "--model", default=default("model_path"),
@@ -148,12 +156,3 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
                         "(/generate always reports meta_info.cached_tokens).")
     g.add_argument("--max-top-logprobs", type=int, default=default("max_top_logprobs"))
     g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)
-
-
-def prepare_server_args(argv: list[str]) -> ServerArgs:
-    parser = argparse.ArgumentParser(
-        prog="python -m sglang.launch_server",
-        description="Serve a Hugging Face checkpoint with many LoRA adapters under CUDA graphs.",
-    )
-    add_cli_args(parser)
-    return ServerArgs.from_cli_args(parser.parse_args(argv))

@@ -84,6 +84,14 @@ def get_free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+def parse_dist_init_addr(addr: str) -> tuple[str, int]:
+    """--dist-init-addr 'host:port' (IPv6 as '[::1]:port') -> (host, port)."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
+    return host.strip("[]"), int(port)
+
+
 def get_cache_dir() -> str:
     """Where the demo checkpoint and adapters are materialised ($SGLANG_CACHE_DIR)."""
     return os.environ.get("SGLANG_CACHE_DIR") or os.path.join(

@@ -18,17 +18,13 @@ kernels and one GEMM per module.
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import tempfile
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "lora"))
-from helpers import EngineDriver, hf_model, make_runner, tiny_checkpoint  # noqa: E402
-from lora_testlib import write_peft_adapter  # noqa: E402
+from helpers import EngineDriver, hf_model, make_runner, tiny_checkpoint
+from lora_testlib import write_peft_adapter
 
 pytestmark = pytest.mark.gpu
 

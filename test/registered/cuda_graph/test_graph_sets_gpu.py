@@ -17,21 +17,16 @@ backends:
 from __future__ import annotations
 
 import functools
-import os
-import sys
 import tempfile
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "lora"))
-sys.path.insert(0, HERE)
-from helpers import hf_model, make_runner, tiny_checkpoint  # noqa: E402
-from lora_testlib import write_peft_adapter  # noqa: E402
-from test_graph_runners_gpu import _prompts, greedy, max_diff, prompt_logprobs as prefill  # noqa: E402
+from helpers import hf_model, make_runner, tiny_checkpoint
+from lora_testlib import write_peft_adapter
+from test_graph_runners_gpu import _prompts, greedy, max_diff, prompt_logprobs as prefill
 
-from sglang.srt.model_executor.cuda_graph_config import Backend  # noqa: E402
+from sglang.srt.configs.cuda_graph_config import Backend
 
 pytestmark = pytest.mark.gpu
 
@@ -118,7 +113,7 @@ def test_graph_memory_does_not_grow_with_the_bucket_sum():
     r = make_runner(ckpt, device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=16384,
                     max_running_requests=32, disable_cuda_graph=True)
     r.graph_capture_stream = torch.cuda.Stream(r.device)
-    cfg = r.server_args.cuda_graph_config.prefill
+    cfg = r.config.cuda_graph.prefill
 
     def graph_bytes(buckets: list[int]) -> int:
         import gc

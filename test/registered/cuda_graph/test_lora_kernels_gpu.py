@@ -18,10 +18,11 @@ from torch import nn
 
 from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend
 from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
-from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
+from sglang.srt.lora.backend.token_backend import TokenLoRABackend
 from sglang.srt.lora.fold import fold_weight
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
 from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.configs.forward_path import ForwardPath
 
 pytestmark = pytest.mark.gpu
 
@@ -107,7 +108,7 @@ class Layer:
             spec = LoRAModuleSpec(name, w.spec.in_dim, w.spec.slice_sizes, w.spec.max_rank)
             b = w.B.dense() if w.folded is not None else w.B
             ref.modules[name] = (LoRAModuleWeights(spec, w.A.float(), b.float(), None), _Linear(base.weight.float()))
-        ref.backend.prepare_lora_batch(make_batch(lens, mode), slots, ranks, SCALINGS, use_cuda_graph=False)
+        ref.backend.fill_batch_info(make_batch(lens, mode), slots, ranks, SCALINGS, ForwardPath.EAGER)
         return ref
 
     def run(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -127,7 +128,7 @@ def assert_close_rel(got, expected, rows: int, rel: float = 2e-2):
         assert err < rel, f"{key}: relative error {err:.3e}"
 
 
-CONFIGS = [(cls, fold) for cls in (TritonLoRABackend, ChunkedSgmvLoRABackend) for fold in (True, False)]
+CONFIGS = [(cls, fold) for cls in (TokenLoRABackend, ChunkedSgmvLoRABackend) for fold in (True, False)]
 
 
 def _reference(layer: Layer, lens, slots, ranks, mode, inputs):
@@ -135,7 +136,7 @@ def _reference(layer: Layer, lens, slots, ranks, mode, inputs):
 
 
 # Each backend and layout once at rank 16 and once at 64 between them (compiles cost GPU time).
-PARITY = [(TritonLoRABackend, True, 16), (ChunkedSgmvLoRABackend, True, 64), (TritonLoRABackend, False, 64),
+PARITY = [(TokenLoRABackend, True, 16), (ChunkedSgmvLoRABackend, True, 64), (TokenLoRABackend, False, 64),
           (ChunkedSgmvLoRABackend, False, 16)]
 
 
@@ -150,7 +151,7 @@ def test_bf16_parity_real_shapes(max_rank, backend_cls, fold, mode):
     rows = sum(lens) if mode.is_extend() else len(lens)
     inputs = make_inputs(rows, seed=1)
     layer = Layer(backend_cls(NUM_SLOTS, DEV), max_rank, ranks, fold)
-    layer.backend.prepare_lora_batch(make_batch(lens, mode), slots, ranks, SCALINGS, use_cuda_graph=False)
+    layer.backend.fill_batch_info(make_batch(lens, mode), slots, ranks, SCALINGS, ForwardPath.EAGER)
     got = layer.run(inputs)
     ref = _reference(layer, lens, slots, ranks, mode, inputs)
     base = {n: F.linear(inputs[INPUT_OF[n]].float(), l[1].weight.float()) for n, l in layer.modules.items()}
@@ -197,7 +198,7 @@ def test_prefill_graph_replay_matches_eager(backend_cls, fold):
     layer.backend.init_prefill_cuda_graph_batch_info(max_num_tokens=bucket)
     # Capture with an all-base batch that fills the bucket (what the runner does).
     zeros = [0] * NUM_SLOTS
-    layer.backend.prepare_lora_batch(make_batch([bucket]), [0], zeros, [0.0] * NUM_SLOTS, False, True)
+    layer.backend.fill_batch_info(make_batch([bucket]), [0], zeros, [0.0] * NUM_SLOTS, ForwardPath.PREFILL_GRAPH)
     static_inputs = make_inputs(bucket, seed=5)
     graph, static_out = _capture(layer, static_inputs)
     padded = Layer(backend_cls(NUM_SLOTS, DEV), max_rank, ranks, fold)  # same seed: same weights
@@ -205,15 +206,15 @@ def test_prefill_graph_replay_matches_eager(backend_cls, fold):
     for lens, slots in _live_batches(40, bucket):
         rows = sum(lens)
         inputs = make_inputs(rows, seed=rows)
-        layer.backend.prepare_lora_batch(make_batch(lens), slots, ranks, SCALINGS, False, True)
+        layer.backend.fill_batch_info(make_batch(lens), slots, ranks, SCALINGS, ForwardPath.PREFILL_GRAPH)
         _load_static(static_inputs, inputs, rows)
         graph.replay()
         # Eager on the same padded rows: the same launches and GEMM shapes, hence the same bits.
-        padded.backend.prepare_lora_batch(make_batch(lens, pad_to=bucket), slots, ranks, SCALINGS, False)
+        padded.backend.fill_batch_info(make_batch(lens, pad_to=bucket), slots, ranks, SCALINGS, ForwardPath.EAGER)
         same_rows = padded.run(static_inputs)
         for key in static_out:
             assert torch.equal(static_out[key][:rows], same_rows[key][:rows]), (len(lens), key)
-        live_eager.backend.prepare_lora_batch(make_batch(lens), slots, ranks, SCALINGS, False)
+        live_eager.backend.fill_batch_info(make_batch(lens), slots, ranks, SCALINGS, ForwardPath.EAGER)
         assert_close_rel(static_out, live_eager.run(inputs), rows, rel=1e-2)
         if all(ranks[s] == 0 for s in slots):  # all base: exactly the base layers' outputs
             for name, (w, base) in layer.modules.items():
@@ -227,20 +228,20 @@ def test_decode_graph_replay_matches_eager(backend_cls, fold):
     decode = ForwardMode.DECODE
     layer = Layer(backend_cls(NUM_SLOTS, DEV), max_rank, ranks, fold)
     layer.backend.init_cuda_graph_batch_info(max_bs, 1)
-    layer.backend.prepare_lora_batch(make_batch([1] * max_bs, decode), [0] * max_bs, [0] * NUM_SLOTS,
-                                     [0.0] * NUM_SLOTS, True)
+    layer.backend.fill_batch_info(make_batch([1] * max_bs, decode), [0] * max_bs, [0] * NUM_SLOTS,
+                                     [0.0] * NUM_SLOTS, ForwardPath.DECODE_GRAPH)
     static_inputs = make_inputs(max_bs, seed=6)
     graph, static_out = _capture(layer, static_inputs)
     padded = Layer(backend_cls(NUM_SLOTS, DEV), max_rank, ranks, fold)
     for step, bs in enumerate([32, 7, 1, 19]):
         slots = [(i * 7 + step) % NUM_SLOTS for i in range(bs)]
         inputs = make_inputs(bs, seed=20 + step)
-        layer.backend.prepare_lora_batch(make_batch([1] * bs, decode), slots, ranks, SCALINGS, True)
+        layer.backend.fill_batch_info(make_batch([1] * bs, decode), slots, ranks, SCALINGS, ForwardPath.DECODE_GRAPH)
         _load_static(static_inputs, inputs, bs)
         graph.replay()
         # Eager on the bucket's rows (padding rows as base requests, rank 0 like the graph's -1).
-        padded.backend.prepare_lora_batch(make_batch([1] * bs + [1] * (max_bs - bs), decode),
-                                          slots + [0] * (max_bs - bs), ranks, SCALINGS, False)
+        padded.backend.fill_batch_info(make_batch([1] * bs + [1] * (max_bs - bs), decode),
+                                          slots + [0] * (max_bs - bs), ranks, SCALINGS, ForwardPath.EAGER)
         same_rows = padded.run(static_inputs)
         for key in static_out:
             assert torch.equal(static_out[key][:bs], same_rows[key][:bs]), (bs, key)

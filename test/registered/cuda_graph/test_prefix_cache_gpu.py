@@ -19,17 +19,13 @@ question, so the hit stops there), alone and in a mixed batch:
 from __future__ import annotations
 
 import functools
-import os
 import re
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "unit"))
-from test_graph_runners_gpu import DECODE_BUCKETS, PREFILL_BUCKETS, assets  # noqa: E402
-from test_scheduler import Harness  # noqa: E402
+from test_graph_runners_gpu import DECODE_BUCKETS, PREFILL_BUCKETS, assets
+from test_scheduler import Harness
 
 pytestmark = pytest.mark.gpu
 

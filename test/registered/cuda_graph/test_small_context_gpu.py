@@ -11,17 +11,14 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import tempfile
 
 import pytest
 import requests
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "lora"))
-from helpers import hf_model  # noqa: E402
-from lora_testlib import write_peft_adapter  # noqa: E402
-from server_helpers import kill_server, popen_launch_server, read_log, tiny_checkpoint  # noqa: E402
+from helpers import hf_model
+from lora_testlib import write_peft_adapter
+from server_helpers import kill_server, popen_launch_server, read_log, tiny_checkpoint
 
 pytestmark = pytest.mark.gpu
 

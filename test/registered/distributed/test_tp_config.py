@@ -9,17 +9,18 @@ import pytest
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.configs.run_configs import TPLayout
+from sglang.srt.configs.tp_split import tp_split
 from sglang.srt.distributed import (
     NVLINK_MULTICAST_OFF,
     TensorParallelGroup,
-    check_tensor_parallel,
     disable_nvlink_multicast,
     plan_local_ranks,
-    tp_split,
 )
 from sglang.srt.managers.integrity import lockstep_problems
 from sglang.srt.managers.scheduler_ranks import describe_exit, last_line
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_configs import check_tensor_parallel
 
 BASE = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layers=1, num_attention_heads=8,
             num_key_value_heads=2, intermediate_size=96, vocab_size=1001)
@@ -27,6 +28,14 @@ BASE = dict(architectures=["LlamaForCausalLM"], hidden_size=64, num_hidden_layer
 
 def config(**overrides) -> ModelConfig:
     return ModelConfig.from_dict({**BASE, **overrides})
+
+
+def layout(**flags) -> TPLayout:
+    """The TP layout the flags give (ServerArgs validates them) for the BASE model."""
+    args = ServerArgs(model_path="unused", device="cpu", **flags)
+    return TPLayout(size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank, device="cpu",
+                    split=tp_split(config(), args.tp_size), dist_init_addr=args.dist_init_addr,
+                    dist_timeout=args.dist_timeout)
 
 
 def test_split_sizes() -> None:
@@ -56,15 +65,15 @@ def test_why_a_model_cannot_be_split_is_spelled_out() -> None:
 def test_check_tensor_parallel_splits_the_model_or_says_why(monkeypatch) -> None:
     from sglang.srt.models.registry import MODEL_REGISTRY
 
-    assert check_tensor_parallel(ServerArgs(model_path="unused", device="cpu"), config()) is None
-    assert check_tensor_parallel(ServerArgs(model_path="unused", device="cpu", tp_size=2), config()).num_heads == 4
+    assert check_tensor_parallel(config(), 1).num_heads == 8  # tp 1: the whole model
+    assert check_tensor_parallel(config(), 2).num_heads == 4
     with pytest.raises(ValueError, match="not divisible by 3"):
-        check_tensor_parallel(ServerArgs(model_path="unused", device="cpu", tp_size=3), config())
+        check_tensor_parallel(config(), 3)
     # Every served architecture shards; a model class that did not would be refused up front.
     assert all(getattr(cls, "supports_tensor_parallel", False) for cls in MODEL_REGISTRY.values())
     monkeypatch.setattr(MODEL_REGISTRY["LlamaForCausalLM"], "supports_tensor_parallel", False)
     with pytest.raises(ValueError, match="LlamaForCausalLM does not support --tp-size > 1 yet"):
-        check_tensor_parallel(ServerArgs(model_path="unused", device="cpu", tp_size=2), config())
+        check_tensor_parallel(config(), 2)
 
 
 @pytest.mark.parametrize("kwargs, match", [
@@ -92,14 +101,14 @@ def test_cli_flags() -> None:
 
 
 def test_rank_layout() -> None:
-    one = plan_local_ranks(ServerArgs(model_path="unused", device="cpu"))
+    one = plan_local_ranks(layout())
     assert len(one) == 1 and one[0].tp_size == 1 and one[0].init_method is None
-    two = plan_local_ranks(ServerArgs(model_path="unused", device="cpu", tp_size=2))
+    two = plan_local_ranks(layout(tp_size=2))
     assert [(s.tp_rank, s.local_rank, s.backend) for s in two] == [(0, 0, "gloo"), (1, 1, "gloo")]
     assert two[0].init_method == two[1].init_method and two[0].init_method.startswith("tcp://127.0.0.1:")
     # Node 1 of 2 runs ranks 2 and 3 on its GPUs 0 and 1, meeting at node 0's address.
-    node1 = plan_local_ranks(ServerArgs(model_path="unused", device="cpu", tp_size=4, nnodes=2, node_rank=1,
-                                        dist_init_addr="[::1]:29500", dist_timeout=30))
+    node1 = plan_local_ranks(layout(tp_size=4, nnodes=2, node_rank=1, dist_init_addr="[::1]:29500",
+                                    dist_timeout=30))
     assert [(s.tp_rank, s.local_rank) for s in node1] == [(2, 0), (3, 1)]
     assert node1[0].init_method == "tcp://[::1]:29500" and node1[0].timeout_s == 30.0
 

@@ -5,18 +5,13 @@ of the two ranks runs everything (tp_gpu_checks.gpu_checks). NVLink multicast st
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "lora"))
 
-import tp_gpu_checks as checks  # noqa: E402
-from tp_testlib import run_on_ranks  # noqa: E402
+import tp_gpu_checks as checks
+from tp_testlib import run_on_ranks
 
 pytestmark = [
     pytest.mark.gpu,

@@ -4,15 +4,12 @@ layers in float32 within 1e-5 (DESIGN §11). One spawn of the ranks runs every c
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tp_layer_checks as checks  # noqa: E402
-from tp_testlib import run_on_ranks  # noqa: E402
+import tp_layer_checks as checks
+from tp_testlib import run_on_ranks
 
 TOL = 1e-5
 

@@ -4,16 +4,13 @@ eager on every rank, and the tp-2 body tracks the tp-1 body in bf16. NVLink mult
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-import tp_graph_checks  # noqa: E402
-from tp_testlib import run_on_ranks  # noqa: E402
+import tp_graph_checks
+from tp_testlib import run_on_ranks
 
 pytestmark = [
     pytest.mark.gpu,

@@ -12,19 +12,14 @@ is test_tp_server.py's.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.join(os.path.dirname(HERE), "lora"))
 
-import tp_model_checks as checks  # noqa: E402
-from lora_server_testlib import PROMPTS, tiny_lora_checkpoint, write_adapter  # noqa: E402
-from server_helpers import tiny_checkpoint  # noqa: E402
-from tp_testlib import run_on_ranks  # noqa: E402
+import tp_model_checks as checks
+from lora_server_testlib import PROMPTS, tiny_lora_checkpoint, write_adapter
+from server_helpers import tiny_checkpoint
+from tp_testlib import run_on_ranks
 
 TOL = 1e-4
 

@@ -16,10 +16,9 @@ import time
 import pytest
 import requests
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lora"))
 
-from lora_server_testlib import PROMPTS, greedy, load_adapter, tiny_lora_checkpoint, unload_adapter, write_adapter  # noqa: E402
-from server_helpers import PYTHON_DIR, free_port, kill_server, popen_launch_server, read_log, server_env  # noqa: E402
+from lora_server_testlib import PROMPTS, greedy, load_adapter, tiny_lora_checkpoint, unload_adapter, write_adapter
+from server_helpers import PYTHON_DIR, free_port, kill_server, popen_launch_server, read_log, server_env
 
 def pid_alive(pid: int) -> bool:
     try:

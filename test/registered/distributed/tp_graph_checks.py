@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.distributed import TensorParallelGroup, building_model
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.model_executor.model_loading import init_dummy_weights
@@ -26,14 +26,16 @@ HIDDEN, HEAD, HEADS, KV_HEADS, INTER, VOCAB, TOKENS = 256, 64, 8, 2, 512, 1001, 
 
 
 class Body(nn.Module):
-    def __init__(self, layers: int = 2) -> None:
+    def __init__(self, layers: int = 2, group: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(VOCAB, HIDDEN)
-        self.qkv = nn.ModuleList(QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS) for _ in range(layers))
-        self.o = nn.ModuleList(RowParallelLinear(HEADS * HEAD, HIDDEN) for _ in range(layers))
-        self.gate_up = nn.ModuleList(MergedColumnParallelLinear(HIDDEN, [INTER, INTER]) for _ in range(layers))
-        self.down = nn.ModuleList(RowParallelLinear(INTER, HIDDEN) for _ in range(layers))
-        self.lm_head = ParallelLMHead(VOCAB, HIDDEN)
+        g = group
+        self.embed_tokens = VocabParallelEmbedding(VOCAB, HIDDEN, tp_group=g)
+        self.qkv = nn.ModuleList(QKVParallelLinear(HIDDEN, HEAD, HEADS, KV_HEADS, tp_group=g) for _ in range(layers))
+        self.o = nn.ModuleList(RowParallelLinear(HEADS * HEAD, HIDDEN, tp_group=g) for _ in range(layers))
+        self.gate_up = nn.ModuleList(MergedColumnParallelLinear(HIDDEN, [INTER, INTER], tp_group=g)
+                                     for _ in range(layers))
+        self.down = nn.ModuleList(RowParallelLinear(INTER, HIDDEN, tp_group=g) for _ in range(layers))
+        self.lm_head = ParallelLMHead(VOCAB, HIDDEN, tp_group=g)
 
     def forward(self, ids: torch.Tensor, breaker: Any = None) -> torch.Tensor:
         h = self.embed_tokens(ids)
@@ -63,8 +65,8 @@ def graphs_vs_eager(group: TensorParallelGroup, capture: bool = True) -> dict[st
     old = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
-        with torch.device(device), building_model(group):
-            body = Body()
+        with torch.device(device):
+            body = Body(group=group)
         with torch.device(device):
             full = Body()  # size-1 reference with the same dummy weights
     finally:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup, building_model
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -182,15 +182,15 @@ def sharded_layers(group: TensorParallelGroup, kv_heads: int) -> dict[str, Any]:
 class TinyBlock(nn.Module):
     """Every sharded layer type in one module, chained so that the output depends on every weight."""
 
-    def __init__(self) -> None:
+    def __init__(self, group: TensorParallelGroup = SINGLE_RANK) -> None:
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(VOCAB, HIDDEN)
-        self.qkv_proj = QKVParallelLinear(HIDDEN, HEAD, HEADS, 2, bias=True)
-        self.o_proj = RowParallelLinear(HEADS * HEAD, HIDDEN, bias=True)
+        self.embed_tokens = VocabParallelEmbedding(VOCAB, HIDDEN, tp_group=group)
+        self.qkv_proj = QKVParallelLinear(HIDDEN, HEAD, HEADS, 2, bias=True, tp_group=group)
+        self.o_proj = RowParallelLinear(HEADS * HEAD, HIDDEN, bias=True, tp_group=group)
         self.norm = RMSNorm(HIDDEN, eps=1e-6)
-        self.gate_up_proj = MergedColumnParallelLinear(HIDDEN, [INTER, INTER])
-        self.down_proj = RowParallelLinear(INTER, HIDDEN)
-        self.lm_head = ParallelLMHead(VOCAB, HIDDEN)
+        self.gate_up_proj = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], tp_group=group)
+        self.down_proj = RowParallelLinear(INTER, HIDDEN, tp_group=group)
+        self.lm_head = ParallelLMHead(VOCAB, HIDDEN, tp_group=group)
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         h = self.embed_tokens(ids)
@@ -203,9 +203,8 @@ class TinyBlock(nn.Module):
 @torch.no_grad()
 def dummy_weights(group: TensorParallelGroup, seed: int) -> dict[str, Any]:
     """A model with dummy weights at tp N computes what the tp-1 dummy model computes."""
-    with building_model(group):
-        sharded = TinyBlock()
-    full = TinyBlock()  # outside building_model: a single-rank model
+    sharded = TinyBlock(group)
+    full = TinyBlock()  # a single-rank model
     assert full.qkv_proj.tp_size == 1 and sharded.qkv_proj.tp_size == group.size
     init_dummy_weights(sharded, seed=seed, std=0.5)
     init_dummy_weights(full, seed=seed, std=0.5)
@@ -237,12 +236,11 @@ def lazy_loading(group: TensorParallelGroup, path: str, kv_heads: int) -> dict[s
 
     CheckpointTensor.materialize = counting  # this process only
     w = FullWeights(kv_heads, seed=3)
-    with building_model(group):
-        qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, kv_heads)
-        o = RowParallelLinear(HEADS * HEAD, HIDDEN)
-        gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER])
-        down = RowParallelLinear(INTER, HIDDEN)
-        emb = VocabParallelEmbedding(VOCAB, HIDDEN)
+    qkv = QKVParallelLinear(HIDDEN, HEAD, HEADS, kv_heads, tp_group=group)
+    o = RowParallelLinear(HEADS * HEAD, HIDDEN, tp_group=group)
+    gate_up = MergedColumnParallelLinear(HIDDEN, [INTER, INTER], tp_group=group)
+    down = RowParallelLinear(INTER, HIDDEN, tp_group=group)
+    emb = VocabParallelEmbedding(VOCAB, HIDDEN, tp_group=group)
     norm = torch.empty(HIDDEN)
     targets = {"q": (qkv.weight, "q"), "k": (qkv.weight, "k"), "v": (qkv.weight, "v"), "o": (o.weight, None),
                "gate": (gate_up.weight, 0), "up": (gate_up.weight, 1), "down": (down.weight, None),

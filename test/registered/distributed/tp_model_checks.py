@@ -25,6 +25,7 @@ from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, UnloadLoRAAdapterR
 from sglang.srt.managers.scheduler_lora import update_adapters
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_configs import build_run_configs
 
 # (architecture, LoRA backend) cases of the tp-2 runs: every backend on Llama, every architecture.
 CASES = [("llama", "torch_native"), ("llama", "triton"), ("llama", "csgmv"), ("mistral", "torch_native"),
@@ -44,7 +45,7 @@ def make_runner(ckpt: str, backend: str, paths: dict[str, str], group: TensorPar
     args.update(overrides)
     # Each rank's device is the one init_tensor_parallel made current (cuda:<local rank>).
     gpu_id = torch.cuda.current_device() if args["device"] == "cuda" else 0
-    return ModelRunner(ServerArgs(**args), gpu_id=gpu_id, tp_group=group)
+    return ModelRunner(build_run_configs(ServerArgs(**args)).scheduler.runner, gpu_id=gpu_id, tp_group=group)
 
 
 def _logprobs(driver: Any, prompts: list[list[int]], loras: list[Optional[str]]) -> dict[str, Any]:
@@ -77,7 +78,7 @@ def scenario(mr: ModelRunner, prompts: list[list[int]], paths: dict[str, str],
                           for m in lora.pool.target_modules}
     got["folded"] = list(lora.pool.fold_modules)
     if not adapter_updates:
-        got["slots"] = [repr(uid) for uid in lora.pool.slot_to_uid]
+        got["slots"] = [repr(lora_id) for lora_id in lora.pool.slot_to_lora_id]
         return got
     c = make_lora_ref(f"c={paths['c']}")
     assert update_adapters(lora, LoadLoRAAdapterReq(c), group).success
@@ -90,7 +91,7 @@ def scenario(mr: ModelRunner, prompts: list[list[int]], paths: dict[str, str],
                                    "loaded": sorted(lora.loaded_adapters())}
     assert update_adapters(lora, UnloadLoRAAdapterReq(make_lora_ref(f"a={paths['a']}")), group).success
     got["after_unload"] = _logprobs(driver, prompts[:2], [ids["b"], c.lora_id])
-    got["slots"] = [repr(uid) for uid in lora.pool.slot_to_uid]
+    got["slots"] = [repr(lora_id) for lora_id in lora.pool.slot_to_lora_id]
     return got
 
 
@@ -108,7 +109,7 @@ def graph_decisions(group: TensorParallelGroup, ckpt: str, paths: dict[str, str]
     rank, then decide the path of a range of batches."""
     from sglang.srt.model_executor.batch_builder import DecodeRequest, ExtendRequest, build_decode_batch, \
         build_extend_batch
-    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.configs.cuda_graph_config import Backend
     from sglang.srt.model_executor.runner.graph_sets import agree_on_graph_plans, plan_graph_sets
 
     # As if rank 1's GPU had less memory left: 200 KV tokens (100 requests) instead of 1024.
@@ -140,7 +141,7 @@ def graph_decisions(group: TensorParallelGroup, ckpt: str, paths: dict[str, str]
 
 def mismatched_graph_plans(group: TensorParallelGroup, ckpt: str, paths: dict[str, str]) -> str:
     """Rank 1 configured with other decode buckets: the start-up check must refuse before capture."""
-    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.configs.cuda_graph_config import Backend
     from sglang.srt.model_executor.runner.graph_sets import agree_on_graph_plans, plan_graph_sets
 
     mr = make_runner(ckpt, "triton", paths, group, cuda_graph_bs_decode=[1, 2, 4] if group.rank == 0 else [1, 2, 8])

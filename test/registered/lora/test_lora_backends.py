@@ -1,4 +1,4 @@
-"""LoRA backends end to end (prepare_lora_batch + run_module) against `torch_native` (CPU, interpreter).
+"""LoRA backends end to end (fill_batch_info + run_module) against `torch_native` (CPU, interpreter).
 
 Every token-major backend runs both module layouts: folded (W_aug, one GEMM over [x | shrink]) and
 unfolded (base GEMM + shrink + expand; csgmv's chunked kernels). The batch mixes adapter A, the
@@ -20,11 +20,12 @@ from torch import nn
 from sglang.srt.lora.backend import get_backend_from_name
 from sglang.srt.lora.backend.chunked_backend import ChunkedSgmvLoRABackend
 from sglang.srt.lora.backend.torch_backend import TorchNativeLoRABackend
-from sglang.srt.lora.backend.triton_backend import TritonLoRABackend
+from sglang.srt.lora.backend.token_backend import TokenLoRABackend
 from sglang.srt.lora.fold import fold_weight
 from sglang.srt.lora.segments import build_segments, segment_capacity
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
 from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.configs.forward_path import ForwardPath
 
 HIDDEN, Q, KV, INTER, MAX_RANK = 32, 32, 16, 24, 16
 NUM_SLOTS = 4
@@ -123,7 +124,7 @@ class Setup:
         return {n: self.backend.run_module(w, base, inter if n == "down_proj" else x) for n, (w, base) in self.layers.items()}
 
 
-BACKENDS = {"triton": TritonLoRABackend, "csgmv": ChunkedSgmvLoRABackend}
+BACKENDS = {"triton": TokenLoRABackend, "csgmv": ChunkedSgmvLoRABackend}
 CONFIGS = [(name, fold) for name in BACKENDS for fold in (True, False)]
 
 
@@ -139,7 +140,7 @@ def inputs(rows: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def reference(modules, slots, seq_lens, x, inter, mode=ForwardMode.EXTEND):
     ref = Setup(TorchNativeLoRABackend(NUM_SLOTS, "cpu"), modules, fold=False)
-    ref.backend.prepare_lora_batch(make_batch(seq_lens, mode), slots, RANKS, SCALINGS, use_cuda_graph=False)
+    ref.backend.fill_batch_info(make_batch(seq_lens, mode), slots, RANKS, SCALINGS, ForwardPath.EAGER)
     return ref.run(x, inter)
 
 
@@ -159,7 +160,7 @@ def test_eager_matches_torch_native(name, fold, mode, modules):
     lens = MIXED_LENS if mode.is_extend() else [1] * 4
     x, inter = inputs(sum(lens), seed=2)
     setup = make(name, fold, modules)
-    setup.backend.prepare_lora_batch(make_batch(lens, mode), MIXED_SLOTS, RANKS, SCALINGS, use_cuda_graph=False)
+    setup.backend.fill_batch_info(make_batch(lens, mode), MIXED_SLOTS, RANKS, SCALINGS, ForwardPath.EAGER)
     got = setup.run(x, inter)
     expected = reference(modules, MIXED_SLOTS, lens, x, inter, mode)
     assert_outputs_close(got, expected)
@@ -172,7 +173,7 @@ def test_eager_matches_torch_native(name, fold, mode, modules):
 
 def test_csgmv_unfolded_all_base_adds_nothing(modules):
     setup = make("csgmv", False, modules)
-    setup.backend.prepare_lora_batch(make_batch([4, 2]), [BASE_SLOT, 3], RANKS, SCALINGS, use_cuda_graph=False)
+    setup.backend.fill_batch_info(make_batch([4, 2]), [BASE_SLOT, 3], RANKS, SCALINGS, ForwardPath.EAGER)
     info = setup.backend.batch_info
     # One inactive segment over the six rows, under a rank-0 slot: every kernel program returns.
     assert info.bs == 1 and RANKS[int(info.weight_indices[0])] == 0
@@ -217,14 +218,14 @@ def test_prefill_static_info_matches_eager(name, fold, modules):
     backend.init_prefill_cuda_graph_batch_info(max_num_tokens=bucket)
     assert backend.prefill_cuda_graph_max_tokens == backend.prefill_cuda_graph_max_bs == bucket
     zeros = [0] * NUM_SLOTS
-    backend.prepare_lora_batch(make_batch([bucket]), [BASE_SLOT], zeros, [0.0] * NUM_SLOTS, False, True)
+    backend.fill_batch_info(make_batch([bucket]), [BASE_SLOT], zeros, [0.0] * NUM_SLOTS, ForwardPath.PREFILL_GRAPH)
     captured = capture(backend, None)
     for step, (slots, lens) in enumerate(PREFILL_SEQUENCE):
         live = sum(lens)
         x, inter = inputs(live, seed=10 + step)
-        backend.prepare_lora_batch(make_batch(lens), slots, RANKS, SCALINGS, False, True)
+        backend.fill_batch_info(make_batch(lens), slots, RANKS, SCALINGS, ForwardPath.PREFILL_GRAPH)
         assert backend.batch_info is backend.prefill_cuda_graph_batch_info
-        eager.backend.prepare_lora_batch(make_batch(lens), slots, RANKS, SCALINGS, False)
+        eager.backend.fill_batch_info(make_batch(lens), slots, RANKS, SCALINGS, ForwardPath.EAGER)
         expected = eager.run(x, inter)
         assert_outputs_close(expected, reference(modules, slots, lens, x, inter))
         # Eager consumption of the in-place info is valid too, and adds the same bits.
@@ -249,12 +250,12 @@ def test_decode_static_info_matches_eager(name, fold, modules):
     backend.init_cuda_graph_batch_info(max_bs, 1)
     assert backend.max_bs_in_cuda_graph == max_bs
     batch = make_batch([1] * max_bs, ForwardMode.DECODE)
-    backend.prepare_lora_batch(batch, [BASE_SLOT] * max_bs, [0] * NUM_SLOTS, [0.0] * NUM_SLOTS, use_cuda_graph=True)
+    backend.fill_batch_info(batch, [BASE_SLOT] * max_bs, [0] * NUM_SLOTS, [0.0] * NUM_SLOTS, ForwardPath.DECODE_GRAPH)
     captured = capture(backend, batch)
     for slots in ([A_SLOT, B_SLOT, A_SLOT, BASE_SLOT, B_SLOT, B_SLOT, A_SLOT, A_SLOT], [B_SLOT, BASE_SLOT, A_SLOT], [BASE_SLOT]):
         bs = len(slots)
         x, inter = inputs(bs, seed=bs)
-        backend.prepare_lora_batch(make_batch([1] * bs, ForwardMode.DECODE), slots, RANKS, SCALINGS, use_cuda_graph=True)
+        backend.fill_batch_info(make_batch([1] * bs, ForwardMode.DECODE), slots, RANKS, SCALINGS, ForwardPath.DECODE_GRAPH)
         assert backend.batch_info is backend.cuda_graph_batch_info
         expected = reference(modules, slots, [1] * bs, x, inter, ForwardMode.DECODE)
         assert_outputs_close(setup.run(x, inter), expected)
@@ -277,7 +278,7 @@ def test_token_major_static_segments_and_no_request_cap(modules):
     assert info.permutation.numel() == 64 and info.use_cuda_graph
     assert info.lora_ranks is SLOT_RANKS and info.scalings is SLOT_SCALINGS  # the pool's tensors, not copies
     buffers = [t.data_ptr() for t in (info.permutation, info.seg_indptr, info.weight_indices)]
-    backend.prepare_lora_batch(make_batch([3, 2], pad_to=16), [A_SLOT, B_SLOT], RANKS, SCALINGS, False, True)
+    backend.fill_batch_info(make_batch([3, 2], pad_to=16), [A_SLOT, B_SLOT], RANKS, SCALINGS, ForwardPath.PREFILL_GRAPH)
     assert info.num_rows == 16 and info.bs == segment_capacity(16, 16, NUM_SLOTS)
     # Every row of the graph kind in exactly one segment: A, B, then the rest under a rank-0 slot.
     segs = _segments_of(info)
@@ -286,7 +287,7 @@ def test_token_major_static_segments_and_no_request_cap(modules):
     assert sorted(r for _, rows in segs for r in rows) == list(range(64))
     # 48 one-token requests fit a 64-token bucket (the old triton backend stopped at 32); the
     # interleaved rows are regrouped into one-slot segments.
-    backend.prepare_lora_batch(make_batch([1] * 48), [A_SLOT, BASE_SLOT] * 24, RANKS, SCALINGS, False, True)
+    backend.fill_batch_info(make_batch([1] * 48), [A_SLOT, BASE_SLOT] * 24, RANKS, SCALINGS, ForwardPath.PREFILL_GRAPH)
     segs = _segments_of(info)
     assert segs[:2] == [(A_SLOT, list(range(0, 32, 2))), (A_SLOT, list(range(32, 48, 2)))]
     assert [t.data_ptr() for t in (info.permutation, info.seg_indptr, info.weight_indices)] == buffers
@@ -301,8 +302,8 @@ def test_static_tail_is_neutralised(name, modules):
     info = backend.prefill_cuda_graph_batch_info
     assert info.bs == segment_capacity(64, 16, NUM_SLOTS) and info.max_len == 16
     slots, lens = PREFILL_SEQUENCE[0]
-    backend.prepare_lora_batch(make_batch(lens), slots, RANKS, SCALINGS, False, True)
-    backend.prepare_lora_batch(make_batch([3]), [B_SLOT], RANKS, SCALINGS, False, True)
+    backend.fill_batch_info(make_batch(lens), slots, RANKS, SCALINGS, ForwardPath.PREFILL_GRAPH)
+    backend.fill_batch_info(make_batch([3]), [B_SLOT], RANKS, SCALINGS, ForwardPath.PREFILL_GRAPH)
     assert info.bs == segment_capacity(3, 16, NUM_SLOTS)  # the grid's segment axis follows the rows (3)
     indptr = info.seg_indptr.tolist()
     assert indptr[:2] == [0, 3] and info.weight_indices.tolist()[0] == B_SLOT
@@ -315,7 +316,7 @@ def test_static_tail_is_neutralised(name, modules):
 def test_csgmv_chunks_are_the_same_eagerly_and_under_graphs(modules):
     backend = ChunkedSgmvLoRABackend(NUM_SLOTS, "cpu", max_lora_chunk_size=32)
     Setup(backend, modules, fold=False)
-    backend.prepare_lora_batch(make_batch(MIXED_LENS), MIXED_SLOTS, RANKS, SCALINGS, use_cuda_graph=False)
+    backend.fill_batch_info(make_batch(MIXED_LENS), MIXED_SLOTS, RANKS, SCALINGS, ForwardPath.EAGER)
     info = backend.batch_info
     assert info.max_len == 32
     # A: 5 + 9 = 14 tokens -> 1 chunk; B: 50 tokens -> 2 chunks; base: one inactive chunk.
@@ -367,16 +368,16 @@ def test_segment_capacity_bounds_every_batch():
 
 
 def test_registry_and_capabilities():
-    assert get_backend_from_name("triton") is TritonLoRABackend
+    assert get_backend_from_name("triton") is TokenLoRABackend
     assert get_backend_from_name("csgmv") is ChunkedSgmvLoRABackend
     assert get_backend_from_name("torch_native") is TorchNativeLoRABackend
-    assert TritonLoRABackend.supports_prefill_cuda_graph and ChunkedSgmvLoRABackend.supports_prefill_cuda_graph
-    assert TritonLoRABackend.supports_fold and ChunkedSgmvLoRABackend.supports_fold
+    assert TokenLoRABackend.supports_prefill_cuda_graph and ChunkedSgmvLoRABackend.supports_prefill_cuda_graph
+    assert TokenLoRABackend.supports_fold and ChunkedSgmvLoRABackend.supports_fold
     assert not TorchNativeLoRABackend.supports_prefill_cuda_graph and not TorchNativeLoRABackend.supports_fold
     with pytest.raises(ValueError, match="csgmv, torch_native, triton"):
         get_backend_from_name("punica")
     native = TorchNativeLoRABackend(NUM_SLOTS, "cpu")
     with pytest.raises(ValueError):
-        native.prepare_lora_batch(make_batch([2]), [A_SLOT], RANKS, SCALINGS, False, True)
+        native.fill_batch_info(make_batch([2]), [A_SLOT], RANKS, SCALINGS, ForwardPath.PREFILL_GRAPH)
     with pytest.raises(NotImplementedError):
         native.init_prefill_cuda_graph_batch_info(64)

@@ -27,7 +27,6 @@ import pytest
 import requests
 
 from lora_server_testlib import (
-    POOL_MODULES,
     PROMPTS,
     assert_same_answer,
     greedy,
@@ -35,44 +34,25 @@ from lora_server_testlib import (
     load_adapter,
     model_ids,
     post,
-    tiny_lora_checkpoint,
     unload_adapter,
-    write_adapter_zoo,
 )
-from server_helpers import PYTHON_DIR, kill_server, popen_launch_server, read_log
+from server_helpers import PYTHON_DIR
 
 
-
-@pytest.fixture(scope="module")
-def ckpt() -> str:
-    return tiny_lora_checkpoint("llama")
-
-
-@pytest.fixture(scope="module")
-def adapters(ckpt, tmp_path_factory) -> dict[str, str]:
-    return write_adapter_zoo(ckpt, str(tmp_path_factory.mktemp("dyn-adapters")), seed=31)
-
-
-@pytest.fixture(scope="module")
-def server(ckpt, adapters):
-    proc, url = popen_launch_server(ckpt, [
-        "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native",
-        "--max-loras-per-batch", "3", "--max-lora-rank", "16", "--lora-target-modules", *POOL_MODULES,
-        "--max-total-tokens", "4096", "--lora-paths", f"keep={adapters['keep']}",
-    ])
-    yield proc, url
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+# The shared LoRA server fixtures (conftest.py): this module's own adapters and a larger KV pool.
+ADAPTER_ZOO_SEED = 31
+ZOO_SERVER_FLAGS = ("--max-total-tokens", "4096")
 
 
 @pytest.fixture(autouse=True)
-def only_keep_loaded_afterwards(server, adapters):
+def only_keep_loaded_afterwards(zoo_server, adapter_zoo):
     """A failing test must not leave its adapters loaded for the next one."""
     yield
-    url = server[1]
+    url = zoo_server[1]
     for name in set(lora_info(url)["loaded_adapters"]) - {"keep"}:
         unload_adapter(url, name)
     if "keep" not in lora_info(url)["loaded_adapters"]:
-        load_adapter(url, "keep", adapters["keep"])
+        load_adapter(url, "keep", adapter_zoo["keep"])
 
 
 def assert_refused(r: requests.Response, status: int, needle: str) -> dict:
@@ -129,24 +109,24 @@ class Streamer:
         return sum(len(r) for r in self.results.values())
 
 
-def test_load_use_unload_load_again_while_others_stream(server, adapters) -> None:
-    url = server[1]
+def test_load_use_unload_load_again_while_others_stream(zoo_server, adapter_zoo) -> None:
+    url = zoo_server[1]
     base = greedy(url, PROMPTS[0], None)
     jobs = [("keep", PROMPTS[1], 40), (None, PROMPTS[2], 40), ("keep", PROMPTS[3], 29)]
     with Streamer(url, jobs) as streamer:
         time.sleep(0.3)
-        assert load_adapter(url, "cyc", adapters["good"]).json()["success"] is True
+        assert load_adapter(url, "cyc", adapter_zoo["good"]).json()["success"] is True
         assert "cyc" in model_ids(url)
         first = greedy(url, PROMPTS[0], "cyc")
         assert first["ids"] != base["ids"]  # the adapter changes the answer
         r = unload_adapter(url, "cyc")
         assert r.status_code == 200 and r.json() == {"success": True, "error_message": "",
-                                                     "loaded_adapters": {"keep": adapters["keep"]}}
+                                                     "loaded_adapters": {"keep": adapter_zoo["keep"]}}
         assert "cyc" not in model_ids(url) and "cyc" not in lora_info(url)["loaded_adapters"]
         gone = post(url, "/generate", {"input_ids": PROMPTS[0], "lora_path": "cyc"})
         assert gone.status_code == 400 and "cyc" in gone.json()["error"]["message"]
         for prefix in ("", "/v1"):  # twice: both spellings of the endpoints
-            r = load_adapter(url, "cyc", adapters["good"], prefix=prefix)
+            r = load_adapter(url, "cyc", adapter_zoo["good"], prefix=prefix)
             assert r.status_code == 200, r.text
             assert_same_answer(greedy(url, PROMPTS[0], "cyc"), first, what="the reloaded adapter")
             assert unload_adapter(url, "cyc", prefix=prefix).status_code == 200
@@ -156,9 +136,9 @@ def test_load_use_unload_load_again_while_others_stream(server, adapters) -> Non
     assert_same_answer(greedy(url, PROMPTS[0], None), base, what="the base model")
 
 
-def test_unload_waits_for_in_flight_requests(server, adapters) -> None:
-    url = server[1]
-    assert load_adapter(url, "cyc", adapters["good"]).status_code == 200
+def test_unload_waits_for_in_flight_requests(zoo_server, adapter_zoo) -> None:
+    url = zoo_server[1]
+    assert load_adapter(url, "cyc", adapter_zoo["good"]).status_code == 200
     n = 600
     body = {"input_ids": PROMPTS[1], "lora_path": "cyc", "stream": True,
             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
@@ -200,32 +180,32 @@ REFUSALS = [
 ]
 
 
-def test_refused_loads_leave_the_server_unharmed(server, adapters, tmp_path) -> None:
-    url = server[1]
+def test_refused_loads_leave_the_server_unharmed(zoo_server, adapter_zoo, tmp_path) -> None:
+    url = zoo_server[1]
 
     def probe() -> tuple:
         return (greedy(url, PROMPTS[0], "keep"), greedy(url, PROMPTS[2], None), model_ids(url),
                 lora_info(url)["loaded_adapters"])
 
     before = probe()
-    assert before[3] == {"keep": adapters["keep"]}
+    assert before[3] == {"keep": adapter_zoo["keep"]}
     for name, needle in REFUSALS:
-        body = assert_refused(load_adapter(url, f"bad-{name}", adapters[name]), 400, needle)
+        body = assert_refused(load_adapter(url, f"bad-{name}", adapter_zoo[name]), 400, needle)
         assert f"bad-{name}" in body["error_message"]
-        assert body["loaded_adapters"] == {"keep": adapters["keep"]}
+        assert body["loaded_adapters"] == {"keep": adapter_zoo["keep"]}
     assert_refused(load_adapter(url, "missing", str(tmp_path / "nowhere")), 400, "does not exist")
-    assert_refused(load_adapter(url, "keep", adapters["good"]), 400, "already loaded")  # duplicate name
-    assert_refused(load_adapter(url, "default", adapters["good"]), 400, "base model")  # a base model alias
+    assert_refused(load_adapter(url, "keep", adapter_zoo["good"]), 400, "already loaded")  # duplicate name
+    assert_refused(load_adapter(url, "default", adapter_zoo["good"]), 400, "base model")  # a base model alias
     assert_refused(post(url, "/load_lora_adapter", {"lora_name": "x"}), 400, "must be provided")
-    assert_refused(post(url, "/v1/load_lora_adapter", {"lora_path": adapters["good"]}), 400, "must be provided")
-    assert_refused(post(url, "/load_lora_adapter", {"lora_name": "x", "lora_path": adapters["good"], "rank": 8}),
+    assert_refused(post(url, "/v1/load_lora_adapter", {"lora_path": adapter_zoo["good"]}), 400, "must be provided")
+    assert_refused(post(url, "/load_lora_adapter", {"lora_name": "x", "lora_path": adapter_zoo["good"], "rank": 8}),
                    400, "unknown field")
     assert_refused(unload_adapter(url, "never-loaded"), 404, "never-loaded")
     assert_refused(unload_adapter(url, "never-loaded", prefix="/v1"), 404, "cannot be found")
     # Pinning: at most --max-loras-per-batch - 1 = 2 adapters, so that a slot stays free.
     for name in ("pin1", "pin2"):
-        assert load_adapter(url, name, adapters["good"], pinned=True).status_code == 200
-    assert_refused(load_adapter(url, "pin3", adapters["good"], pinned=True), 400, "pinned")
+        assert load_adapter(url, name, adapter_zoo["good"], pinned=True).status_code == 200
+    assert_refused(load_adapter(url, "pin3", adapter_zoo["good"], pinned=True), 400, "pinned")
     assert lora_info(url)["pinned_adapters"] == ["pin1", "pin2"]
     for name in ("pin1", "pin2"):
         assert unload_adapter(url, name).status_code == 200
@@ -236,19 +216,19 @@ def test_refused_loads_leave_the_server_unharmed(server, adapters, tmp_path) -> 
     assert requests.get(f"{url}/health", timeout=10).status_code == 200
 
 
-def test_a_startup_adapter_can_be_unloaded_and_loaded_again(server, adapters) -> None:
-    url = server[1]
+def test_a_startup_adapter_can_be_unloaded_and_loaded_again(zoo_server, adapter_zoo) -> None:
+    url = zoo_server[1]
     before = greedy(url, PROMPTS[3], "keep")
     assert unload_adapter(url, "keep").json() == {"success": True, "error_message": "", "loaded_adapters": {}}
     assert model_ids(url) == [model_ids(url)[0]] and lora_info(url)["resident_adapters"] == []
-    assert load_adapter(url, "keep", adapters["keep"]).status_code == 200
+    assert load_adapter(url, "keep", adapter_zoo["keep"]).status_code == 200
     assert_same_answer(greedy(url, PROMPTS[3], "keep"), before, what="keep after its reload")
 
 
-def test_bad_startup_adapter_stops_the_server_with_a_clear_message(ckpt, adapters) -> None:
-    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", ckpt, "--device", "cpu",
+def test_bad_startup_adapter_stops_the_server_with_a_clear_message(lora_ckpt, adapter_zoo) -> None:
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", lora_ckpt, "--device", "cpu",
            "--port", "1", "--lora-backend", "torch_native",
-           "--lora-paths", f"keep={adapters['keep']}", f"broken={adapters['dora']}"]
+           "--lora-paths", f"keep={adapter_zoo['keep']}", f"broken={adapter_zoo['dora']}"]
     env = {**os.environ, "PYTHONPATH": PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", "")}
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=180, env=env)
     log = out.stdout + out.stderr

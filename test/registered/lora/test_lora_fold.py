@@ -176,10 +176,10 @@ def test_pool_loads_into_w_aug_and_leaves_no_residue():
     big = make_adapter("big", r=8, modules=modules, seed=1)
     small = make_adapter("small", r=3, modules=["qkv_proj"], seed=2)
     ads = {"big": big, "small": small}
-    pool.prepare_lora_batch({"big"}, ads)
+    pool.make_resident({"big"}, ads)
     big_slot = pool.get_slot("big")
     pool.free("big")
-    pool.prepare_lora_batch({"small"}, ads)  # the first free slot: big's
+    pool.make_resident({"small"}, ads)  # the first free slot: big's
     slot = pool.get_slot("small")
     assert slot == big_slot
     assert pool.slot_ranks_device.tolist() == pool.slot_ranks and pool.slot_scalings_device.tolist() == pool.slot_scalings
@@ -211,7 +211,7 @@ def test_manager_folds_and_logs(caplog):
     ckpt = tiny_checkpoint("llama", hidden_size=64, intermediate_size=128)
     args = dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["all"], lora_backend="triton")
     plain = make_runner(ckpt)
-    with caplog.at_level(logging.INFO, logger="sglang.srt.lora.lora_manager"):
+    with caplog.at_level(logging.INFO, logger="sglang.srt.lora"):
         folded = make_runner(ckpt, **args)
     for module in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"):
         assert f"{module}: folded into the base GEMM" in caplog.text

@@ -1,7 +1,7 @@
 """The one decision per forward on a LoRA server with two graph sets, on the CPU.
 
 `ModelRunner.choose_forward_path` picks the path and whether LoRA kernels run; `prepare` hands the
-same decision to `LoRAManager.prepare_lora_batch`. The graph runners here are the real classes,
+same plan to `LoRAManager.prepare_forward`. The graph runners here are the real classes,
 built with `capture=False` (no CUDA graph can run on a CPU), so their eligibility rules are the
 ones the GPU uses; nothing is replayed. Checked, for the triton and csgmv LoRA backends:
   - an all-base batch (prefill or decode) takes the set without LoRA kernels: the backend's
@@ -26,8 +26,8 @@ from sglang.srt.model_executor.batch_builder import (
     build_decode_batch,
     build_extend_batch,
 )
-from sglang.srt.model_executor.cuda_graph_config import Backend
-from sglang.srt.model_executor.model_runner import DECODE_GRAPH, EAGER, PREFILL_GRAPH, ForwardPlan
+from sglang.srt.configs.cuda_graph_config import Backend
+from sglang.srt.configs.forward_path import ForwardPath, ForwardPlan
 from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
 from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 
@@ -91,14 +91,14 @@ def test_each_batch_takes_one_set_and_refreshes_only_its_metadata(assets, backen
 
     # An adapter prefill: the LoRA set, its static prefill info written in place.
     plan = mr.prepare(extend(mr, [5, 6], [a, None]))
-    assert plan == ForwardPlan(PREFILL_GRAPH, lora=True)
+    assert plan == ForwardPlan(ForwardPath.PREFILL_GRAPH, lora=True)
     assert lora_backend.batch_info is prefill_info
     slot = mr.lora_manager.pool.get_slot(a)
     assert int(prefill_info.lora_ranks[slot]) == 8
     before = snapshot(prefill_info), snapshot(decode_info)
 
     # All-base prefill and decode: the set without LoRA; nothing static is touched.
-    for fb, path in ((extend(mr, [9, 4], [None, None]), PREFILL_GRAPH), (decode(mr, [None] * 3), DECODE_GRAPH)):
+    for fb, path in ((extend(mr, [9, 4], [None, None]), ForwardPath.PREFILL_GRAPH), (decode(mr, [None] * 3), ForwardPath.DECODE_GRAPH)):
         plan = mr.prepare(fb)
         assert plan == ForwardPlan(path, lora=False)
         assert lora_backend.batch_info is None
@@ -108,16 +108,16 @@ def test_each_batch_takes_one_set_and_refreshes_only_its_metadata(assets, backen
 
     # An adapter decode: the LoRA set's decode info, and only it.
     plan = mr.prepare(decode(mr, [None, a, a]))
-    assert plan == ForwardPlan(DECODE_GRAPH, lora=True) and lora_backend.batch_info is decode_info
+    assert plan == ForwardPlan(ForwardPath.DECODE_GRAPH, lora=True) and lora_backend.batch_info is decode_info
     assert int(decode_info.lora_ranks[slot]) == 8 and not same(snapshot(decode_info), before[1])
     assert same(snapshot(prefill_info), before[0])
 
     # Too many tokens for either set: eager, with LoRA (a fresh info) or without (cleared).
     plan = mr.prepare(extend(mr, [30, 10], [a, None]))
-    assert plan == ForwardPlan(EAGER, lora=True)
+    assert plan == ForwardPlan(ForwardPath.EAGER, lora=True)
     assert lora_backend.batch_info is not None and not lora_backend.batch_info.use_cuda_graph
     plan = mr.prepare(extend(mr, [30, 10], [None, None]))
-    assert plan == ForwardPlan(EAGER, lora=False) and lora_backend.batch_info is None
+    assert plan == ForwardPlan(ForwardPath.EAGER, lora=False) and lora_backend.batch_info is None
     assert mr.graph_stats()["eager_prefills"] == 2
     assert same(snapshot(prefill_info), before[0])
 

@@ -18,7 +18,7 @@ from sglang.srt.model_executor.batch_builder import (
     build_decode_batch,
     build_extend_batch,
 )
-from sglang.srt.model_executor.model_runner import EAGER, ForwardPlan
+from sglang.srt.configs.forward_path import ForwardPath, ForwardPlan
 
 
 @pytest.fixture(scope="module")
@@ -157,9 +157,9 @@ def test_pinning_limits_and_admission(setup):
     # Pinned adapters hold their slots: only one slot is left for the unpinned adapters.
     assert mgr.validate_lora_batch({None}) and mgr.validate_lora_batch({p1.lora_id, a, None})
     assert not mgr.validate_lora_batch({a, b})
-    mgr.fetch_new_loras({p1.lora_id, p2.lora_id, None})
+    mgr.make_resident({p1.lora_id, p2.lora_id, None})
     for other in (a, b, None, a):
-        mgr.fetch_new_loras({other})
+        mgr.make_resident({other})
         assert mgr.pool.is_resident(p1.lora_id) and mgr.pool.is_resident(p2.lora_id)
     assert mgr.integrity_report().ok
 
@@ -190,7 +190,6 @@ def test_supports_prefill_cuda_graph_by_backend(setup):
     for backend, expected in (("torch_native", False), ("triton", True), ("csgmv", True)):
         mgr = runner_for(setup, lora_backend=backend).lora_manager
         assert mgr.supports_prefill_cuda_graph is expected
-        assert mgr.enable_dp_attention is False
 
 
 def test_can_use_prefill_cuda_graph_predicate(setup):
@@ -243,9 +242,9 @@ def test_flags_pick_the_metadata_and_static_prefill_info_matches_eager(setup, ba
     def body(lora_ids, lens, prefill_graph):
         fb = _extend_batch(runner, lens, lora_ids)
         runner.attach_pools(fb)
-        mgr.prepare_lora_batch(fb, use_cuda_graph=False, use_prefill_cuda_graph=prefill_graph)
+        mgr.prepare_forward(fb, ForwardPlan(ForwardPath.PREFILL_GRAPH if prefill_graph else ForwardPath.EAGER, lora=True))
         assert (backend_obj.batch_info is static) is prefill_graph
-        return runner.run_body(fb, ForwardPlan(EAGER, lora=True))
+        return runner.run_body(fb, ForwardPlan(ForwardPath.EAGER, lora=True))
 
     for lora_ids, lens in (([a, None, b, a], [5, 3, 6, 4]), ([None, None], [4, 4]), ([b], [9])):
         eager = body(lora_ids, lens, False)
@@ -260,7 +259,7 @@ def test_flags_pick_the_metadata_and_static_prefill_info_matches_eager(setup, ba
         runner.device,
         enable_lora=True,
     )
-    mgr.prepare_lora_batch(dec, use_cuda_graph=True)
+    mgr.prepare_forward(dec, ForwardPlan(ForwardPath.DECODE_GRAPH, lora=True))
     assert backend_obj.batch_info is backend_obj.cuda_graph_batch_info
 
 
@@ -269,7 +268,7 @@ def test_all_base_batch_still_runs_lora_kernels(setup):
     runner = runner_for(setup, lora_backend="triton")
     fb = _extend_batch(runner, [4, 2], [None, None])
     runner.attach_pools(fb)
-    runner.lora_manager.prepare_lora_batch(fb)
+    runner.lora_manager.prepare_forward(fb, ForwardPlan(ForwardPath.EAGER, lora=True))
     qkv = runner.model.model.layers[0].self_attn.qkv_proj
     assert qkv.lora_active
     x = torch.randn(6, 64)
@@ -278,7 +277,7 @@ def test_all_base_batch_still_runs_lora_kernels(setup):
 
 def test_integrity_report_detects_corruption(setup):
     mgr = runner_for(setup, lora_backend="torch_native").lora_manager
-    mgr.fetch_new_loras({None, *mgr.refs})
+    mgr.make_resident({None, *mgr.refs})
     report = mgr.integrity_report()
     assert report.ok and set(report.resident.values()) == {None, *mgr.refs}
     mgr.pool.slot_ranks[mgr.pool.get_slot(None)] = 3

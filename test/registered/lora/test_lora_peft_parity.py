@@ -164,7 +164,7 @@ def test_more_adapters_than_slots_complete_through_eviction(backend, root):
     too_many = {ids["r4"], ids["qv8"], ids["rs16"]}
     assert not mgr.validate_lora_batch(too_many)
     with pytest.raises(ValueError, match="distinct adapters"):
-        mgr.fetch_new_loras(too_many)
+        mgr.make_resident(too_many)
 
 
 @pytest.mark.gpu

@@ -19,12 +19,12 @@ PROJ = {
 }
 
 
-def make_adapter(uid: str, r: int = 4, modules=MODULES, seed: int = 0) -> LoRAAdapter:
+def make_adapter(lora_id: str, r: int = 4, modules=MODULES, seed: int = 0) -> LoRAAdapter:
     """A real LoRAAdapter whose fused weights are filled directly (no files needed)."""
     cfg = LoRAConfig(
-        path=f"<{uid}>", r=r, lora_alpha=2 * r, target_modules=[p for m in modules for p in PROJ[m]]
+        path=f"<{lora_id}>", r=r, lora_alpha=2 * r, target_modules=[p for m in modules for p in PROJ[m]]
     )
-    ad = LoRAAdapter(uid, cfg, SHAPES)
+    ad = LoRAAdapter(lora_id, cfg, SHAPES)
     gen = torch.Generator().manual_seed(seed)
     for layer in range(SHAPES.num_layers):
         for m in modules:
@@ -47,15 +47,15 @@ def adapters():
 
 
 def resident(pool):
-    return {u for u in pool.slot_to_uid if u is not EMPTY}
+    return {u for u in pool.slot_to_lora_id if u is not EMPTY}
 
 
 @pytest.mark.parametrize("policy,victim", [("lru", "b"), ("fifo", "a")])
 def test_eviction_policy_picks_victim(adapters, policy, victim):
     pool = make_pool(slots=3, policy=policy)
-    for uid in "abcac":  # a: loaded first but used recently; b: used least recently
-        pool.prepare_lora_batch({uid}, adapters)
-    pool.prepare_lora_batch({"d"}, adapters)
+    for lora_id in "abcac":  # a: loaded first but used recently; b: used least recently
+        pool.make_resident({lora_id}, adapters)
+    pool.make_resident({"d"}, adapters)
     assert victim not in resident(pool) and "d" in resident(pool)
     assert resident(pool) == {None, "a", "b", "c", "d"} - {victim}
     assert pool.integrity_problems() == []
@@ -63,27 +63,27 @@ def test_eviction_policy_picks_victim(adapters, policy, victim):
 
 def test_pinned_adapter_never_evicted(adapters):
     pool = make_pool(slots=3)
-    pool.prepare_lora_batch({"a", "b", "c"}, adapters, pinned_uids={"a"})
-    for uid in "defde":  # a is least recently used throughout
-        pool.prepare_lora_batch({uid}, adapters, pinned_uids={"a"})
+    pool.make_resident({"a", "b", "c"}, adapters, pinned_ids={"a"})
+    for lora_id in "defde":  # a is least recently used throughout
+        pool.make_resident({lora_id}, adapters, pinned_ids={"a"})
         assert "a" in resident(pool)
     with pytest.raises(ValueError, match="No LoRA pool slot can be freed"):
-        pool.prepare_lora_batch({"b", "c"}, adapters, pinned_uids={"a", "d", "e"})
+        pool.make_resident({"b", "c"}, adapters, pinned_ids={"a", "d", "e"})
 
 
 def test_current_batch_never_evicted(adapters):
     pool = make_pool(slots=2)
-    pool.prepare_lora_batch({None, "a", "b"}, adapters)  # the base model needs no adapter slot
+    pool.make_resident({None, "a", "b"}, adapters)  # the base model needs no adapter slot
     assert resident(pool) == {None, "a", "b"}
-    pool.prepare_lora_batch({"c"}, adapters)  # evicts the LRU of {a, b}
-    pool.prepare_lora_batch({None, "a", "c"}, adapters)
+    pool.make_resident({"c"}, adapters)  # evicts the LRU of {a, b}
+    pool.make_resident({None, "a", "c"}, adapters)
     assert resident(pool) == {None, "a", "c"}
-    pool.prepare_lora_batch({"b", "c"}, adapters)  # a is the only candidate
+    pool.make_resident({"b", "c"}, adapters)  # a is the only candidate
     assert resident(pool) == {None, "b", "c"}
     with pytest.raises(ValueError, match="distinct adapters"):
-        pool.prepare_lora_batch({None, "a", "b", "c"}, adapters)
+        pool.make_resident({None, "a", "b", "c"}, adapters)
     with pytest.raises(ValueError, match="not loaded"):
-        pool.prepare_lora_batch({"zzz"}, adapters)
+        pool.make_resident({"zzz"}, adapters)
 
 
 def test_slot_contents_compact_prefix_and_no_residue(adapters):
@@ -91,9 +91,9 @@ def test_slot_contents_compact_prefix_and_no_residue(adapters):
     big = make_adapter("big", r=8, seed=10)
     small = make_adapter("small", r=4, modules=["qkv_proj"], seed=11)
     ads = {"big": big, "small": small}
-    pool.prepare_lora_batch({"big"}, ads)
+    pool.make_resident({"big"}, ads)
     slot = pool.get_slot("big")
-    pool.prepare_lora_batch({"small", None}, ads)  # evicts big; small reuses its slot
+    pool.make_resident({"small", None}, ads)  # evicts big; small reuses its slot
     assert pool.get_slot("small") == slot
     assert pool.slot_ranks[slot] == 4 and pool.slot_scalings[slot] == pytest.approx(2.0)
     for layer in range(SHAPES.num_layers):
@@ -113,7 +113,7 @@ def test_slot_contents_compact_prefix_and_no_residue(adapters):
             assert torch.count_nonzero(pool.A_buffer[m][layer][none_slot]) == 0
             assert torch.count_nonzero(pool.B_buffer[m][layer][none_slot]) == 0
     # Back to a rank-8 adapter on every module: all of it is written again.
-    pool.prepare_lora_batch({"big"}, ads)
+    pool.make_resident({"big"}, ads)
     for layer in range(SHAPES.num_layers):
         for m in MODULES:
             a, b = big.layers[layer][m]
@@ -127,9 +127,9 @@ def test_buffers_never_reallocated(adapters):
     tensors = [t for m in MODULES for t in pool.A_buffer[m] + pool.B_buffer[m]]
     before = [t.data_ptr() for t in tensors]
     for batch in ({"a", None}, {"b", "c"}, {"d", "e", None}, {"f"}, {"a", "b"}):
-        pool.prepare_lora_batch(batch, adapters)
+        pool.make_resident(batch, adapters)
     pool.free("a")
-    pool.prepare_lora_batch({"c", "d"}, adapters)
+    pool.make_resident({"c", "d"}, adapters)
     assert pool.data_ptrs() == ptrs
     after = [t for m in MODULES for t in pool.A_buffer[m] + pool.B_buffer[m]]
     assert all(x is y for x, y in zip(tensors, after)) and [t.data_ptr() for t in after] == before
@@ -138,15 +138,15 @@ def test_buffers_never_reallocated(adapters):
 
 def test_free_and_integrity(adapters):
     pool = make_pool(slots=3)
-    pool.prepare_lora_batch({"a", "b", None}, adapters)
+    pool.make_resident({"a", "b", None}, adapters)
     slot = pool.get_slot("a")
     pool.free("a")
-    assert pool.slot_to_uid[slot] is EMPTY and pool.slot_ranks[slot] == 0 and not pool.is_resident("a")
-    pool.prepare_lora_batch({"c"}, adapters)  # takes the free slot, evicts nothing
+    assert pool.slot_to_lora_id[slot] is EMPTY and pool.slot_ranks[slot] == 0 and not pool.is_resident("a")
+    pool.make_resident({"c"}, adapters)  # takes the free slot, evicts nothing
     assert pool.get_slot("c") == slot and resident(pool) == {"b", None, "c"}
     assert pool.integrity_problems() == []
     pool.slot_ranks[pool.get_slot(None)] = 4  # corrupt on purpose
-    pool.uid_to_slot["b"] = pool.get_slot("c")
+    pool.lora_id_to_slot["b"] = pool.get_slot("c")
     problems = pool.integrity_problems()
     assert any("base-model slot" in p for p in problems) and any("'b'" in p for p in problems)
 
@@ -156,16 +156,16 @@ def test_base_model_has_its_own_slot(adapters):
     assert pool.num_adapter_slots == 2 and pool.num_slots == 3 and pool.is_resident(None)
     for m in MODULES:  # the buffers hold the base model's slot too
         assert pool.A_buffer[m][0].shape[0] == 3
-    pool.prepare_lora_batch({None, "a", "b"}, adapters)
+    pool.make_resident({None, "a", "b"}, adapters)
     pool.free(None)  # never freed
-    assert pool.get_slot(None) == pool.base_slot and pool.slot_to_uid[: 2] != [None, None]
-    pool.prepare_lora_batch({"c", "d"}, adapters)
+    assert pool.get_slot(None) == pool.base_slot and pool.slot_to_lora_id[: 2] != [None, None]
+    pool.make_resident({"c", "d"}, adapters)
     assert resident(pool) == {None, "c", "d"} and pool.integrity_problems() == []
 
 
 def test_prefetch_fills_free_slots_and_replaces_only_unwanted(adapters):
     pool = make_pool(slots=2)
-    pool.prepare_lora_batch({"a"}, adapters)
+    pool.make_resident({"a"}, adapters)
     # a runs (protected); c is the most wanted, then d. One free slot: c gets it; d finds none
     # (c is wanted, a is protected).
     assert pool.prefetch(["c", "d"], adapters, protected={"a", None}) == ["c"]
@@ -177,7 +177,7 @@ def test_prefetch_fills_free_slots_and_replaces_only_unwanted(adapters):
     assert pool.prefetch(["d"], adapters, protected={"a"}) == ["d"]
     assert resident(pool) == {None, "a", "d"} and pool.num_evictions == 1
     # Pinned adapters never give way, nor do wanted ones.
-    assert pool.prefetch(["e", "d"], adapters, protected=set(), pinned_uids={"a"}) == []
-    assert pool.prefetch(["e"], adapters, protected=set(), pinned_uids={"a"}) == ["e"]
+    assert pool.prefetch(["e", "d"], adapters, protected=set(), pinned_ids={"a"}) == []
+    assert pool.prefetch(["e"], adapters, protected=set(), pinned_ids={"a"}) == ["e"]
     assert resident(pool) == {None, "a", "e"} and pool.integrity_problems() == []
     assert pool.loader.pending_slots() == []  # CPU: copies are done at once

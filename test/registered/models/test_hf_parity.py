@@ -219,6 +219,7 @@ def test_unsupported_architecture_and_bad_paths_are_value_errors(tmp_path) -> No
 def test_tensor_parallel_loaders_partition_the_full_tensors() -> None:
     """Only tp_size 1 is built, but the loaders already cut each rank's slice: the ranks'
     slices of a fused layer must tile HF's separate tensors exactly."""
+    from sglang.srt.distributed import TensorParallelGroup
     from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 
     torch.manual_seed(0)
@@ -228,16 +229,17 @@ def test_tensor_parallel_loaders_partition_the_full_tensors() -> None:
     for tp in (1, 2, 4):  # tp=4 replicates each KV head on two ranks
         qkv_parts, gate_up_parts, down_parts = [], [], []
         for rank in range(tp):
-            qkv = QKVParallelLinear(hidden, head, heads, kv_heads, tp_rank=rank, tp_size=tp)
+            group = TensorParallelGroup.layout_only(rank, tp)
+            qkv = QKVParallelLinear(hidden, head, heads, kv_heads, tp_group=group)
             for shard, w in (("q", q), ("k", k), ("v", v)):
                 qkv.weight.weight_loader(qkv.weight, w, shard)
             qs, kvs = qkv.q_proj_shard_size, qkv.kv_proj_shard_size
             qkv_parts.append(qkv.weight.split([qs, kvs, kvs]))
-            mlp = MergedColumnParallelLinear(hidden, [12, 12], tp_rank=rank, tp_size=tp)
+            mlp = MergedColumnParallelLinear(hidden, [12, 12], tp_group=group)
             mlp.weight.weight_loader(mlp.weight, gate, 0)
             mlp.weight.weight_loader(mlp.weight, up, 1)
             gate_up_parts.append(mlp.weight.split(mlp.output_sizes))
-            row = RowParallelLinear(12, hidden, tp_rank=rank, tp_size=tp)
+            row = RowParallelLinear(12, hidden, tp_group=group)
             row.weight.weight_loader(row.weight, down)
             down_parts.append(row.weight)
         assert torch.equal(torch.cat([p[0] for p in qkv_parts]), q)

@@ -178,7 +178,7 @@ def test_server_exits_with_an_error_when_the_scheduler_dies() -> None:
 
 
 def test_resolve_model_serves_the_demo_adapters_and_a_runnable_lora_backend(monkeypatch) -> None:
-    from sglang.srt.entrypoints.engine import resolve_model
+    from sglang.srt.server_configs import resolve_model
     from sglang.srt.server_args import ServerArgs
 
     monkeypatch.setenv("SGLANG_CACHE_DIR", cache_dir_for_tests())

@@ -12,8 +12,6 @@ parser, against a real LoRA server (CPU, two adapters, one adapter slot) and kno
 from __future__ import annotations
 
 import json
-import os
-import sys
 import threading
 import time
 
@@ -22,9 +20,8 @@ import requests
 
 prometheus_parser = pytest.importorskip("prometheus_client.parser")  # the test extra installs it
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lora"))
-from lora_server_testlib import tiny_lora_checkpoint, write_adapter  # noqa: E402
-from server_helpers import kill_server, popen_launch_server, read_log, server_env  # noqa: E402
+from lora_server_testlib import tiny_lora_checkpoint, write_adapter
+from server_helpers import kill_server, popen_launch_server, read_log, server_env
 
 KEY = "metrics-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -16,9 +16,7 @@ a third name for the first one's files), the native API and the official `openai
 
 from __future__ import annotations
 
-import os
 import re
-import sys
 import threading
 
 import pytest
@@ -26,12 +24,10 @@ import requests
 
 openai = pytest.importorskip("openai")  # the GPU machine lacks it; CI installs it (the test extra)
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lora"))
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "reliability"))
-from lora_server_testlib import generate, post, tiny_lora_checkpoint, write_adapter  # noqa: E402
-from reliability_lib import assert_no_leaks, server_info, wait_idle  # noqa: E402
-from server_helpers import kill_server, popen_launch_server, read_log  # noqa: E402
-from sglang.srt.lora.lora_registry import make_lora_ref  # noqa: E402
+from lora_server_testlib import generate, post, tiny_lora_checkpoint, write_adapter
+from reliability_lib import assert_no_leaks, server_info, wait_idle
+from server_helpers import kill_server, popen_launch_server, read_log
+from sglang.srt.lora.lora_registry import make_lora_ref
 
 TOL = 1e-5  # float32: the same numbers up to summation order
 SYSTEM = [(i * 29 + 7) % 500 + 3 for i in range(24)]

@@ -41,13 +41,15 @@ def test_prompt_logprobs_match_the_model_runner(server, ckpt) -> None:
     from sglang.srt.model_executor.batch_builder import ExtendRequest, build_extend_batch, prompt_logprob_targets
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_configs import build_run_configs
 
     ids = [(i * 29 + 3) % 450 + 7 for i in range(70)]  # three chunks of 24 on the server
     out = generate(server[1], {"input_ids": ids, "return_logprob": True, "logprob_start_len": 0,
                                "sampling_params": {"max_new_tokens": 1, "temperature": 0}})
     meta = out["meta_info"]
 
-    runner = ModelRunner(ServerArgs(model_path=ckpt, device="cpu", max_total_tokens=512, max_running_requests=2))
+    args = ServerArgs(model_path=ckpt, device="cpu", max_total_tokens=512, max_running_requests=2)
+    runner = ModelRunner(build_run_configs(args).scheduler.runner)
     row = runner.req_to_token_pool.alloc(1)[0]
     locs = runner.token_to_kv_pool_allocator.alloc(len(ids))
     rel, targets = prompt_logprob_targets(ids, 0, len(ids), 0)

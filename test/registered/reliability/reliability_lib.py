@@ -1,17 +1,12 @@
-"""Shared pieces of the reliability suites: the LoRA helpers' path, waiting for an idle server, and
-the leak checks read from /get_server_info (both processes' integrity checks)."""
+"""Shared pieces of the reliability suites: waiting for an idle server, and the leak checks read
+from /get_server_info (both processes' integrity checks)."""
 
 from __future__ import annotations
 
-import os
-import sys
 import time
 from typing import Optional
 
 import requests
-
-# The LoRA suites' helpers (peft-written adapters, HTTP clients) live next door.
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lora"))
 
 
 def server_info(url: str, headers: Optional[dict] = None) -> dict:

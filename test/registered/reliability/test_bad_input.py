@@ -26,7 +26,6 @@ from typing import Callable, Optional
 import pytest
 import requests
 
-import reliability_lib  # noqa: F401  (puts the LoRA helpers on sys.path)
 from bad_input_cases import (
     API_KEY,
     LOAD,
@@ -41,36 +40,20 @@ from bad_input_cases import (
     generate_cases,
     misc_cases,
 )
-from lora_server_testlib import POOL_MODULES, PROMPTS, greedy, tiny_lora_checkpoint, write_adapter_zoo
+from lora_server_testlib import PROMPTS, greedy
 from reliability_lib import assert_no_leaks, wait_idle
 from server_helpers import kill_server, popen_launch_server, read_log
 
 
 # ---------------------------------------------------------------------------- fixtures
-@pytest.fixture(scope="module")
-def ckpt() -> str:
-    return tiny_lora_checkpoint("llama")
+# The shared LoRA server fixtures (conftest.py): this module's own adapters, and the fault hooks.
+ADAPTER_ZOO_SEED = 41
+ZOO_SERVER_FLAGS = ("--enable-test-hooks",)
 
 
 @pytest.fixture(scope="module")
-def adapters(ckpt, tmp_path_factory) -> dict[str, str]:
-    return write_adapter_zoo(ckpt, str(tmp_path_factory.mktemp("bad-adapters")), seed=41)
-
-
-@pytest.fixture(scope="module")
-def server(ckpt, adapters):
-    proc, url = popen_launch_server(ckpt, [
-        "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native", "--enable-test-hooks",
-        "--max-loras-per-batch", "3", "--max-lora-rank", "16", "--lora-target-modules", *POOL_MODULES,
-        "--lora-paths", f"keep={adapters['keep']}",
-    ])
-    yield proc, url
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
-
-
-@pytest.fixture(scope="module")
-def key_server(ckpt):
-    proc, url = popen_launch_server(ckpt, ["--device", "cpu", "--dtype", "float32"], api_key=API_KEY)
+def key_server(lora_ckpt):
+    proc, url = popen_launch_server(lora_ckpt, ["--device", "cpu", "--dtype", "float32"], api_key=API_KEY)
     yield proc, url
     assert kill_server(proc) == 0, read_log(proc)[-3000:]
 
@@ -123,12 +106,12 @@ def run_matrix(url: str, cases: list[Case], after_each: Callable[[], Optional[st
     return failures
 
 
-def test_bad_input_matrix(server, adapters, tmp_path, capsys) -> None:
-    proc, url = server
+def test_bad_input_matrix(zoo_server, adapter_zoo, tmp_path, capsys) -> None:
+    proc, url = zoo_server
     cases = (body_cases() + generate_cases() + completion_cases() + chat_cases()
-             + adapter_cases(adapters, str(tmp_path)) + misc_cases())
+             + adapter_cases(adapter_zoo, str(tmp_path)) + misc_cases())
     before = probe(url)
-    loaded = {"keep": adapters["keep"]}
+    loaded = {"keep": adapter_zoo["keep"]}
 
     def still_serving() -> Optional[str]:
         if proc.poll() is not None:
@@ -157,9 +140,9 @@ def test_api_key_matrix(key_server, capsys) -> None:
     assert not failures, "\n".join(failures)
 
 
-def test_unload_with_a_request_in_flight_waits_then_succeeds(server, adapters) -> None:
-    url = server[1]
-    assert requests.post(f"{url}/load_lora_adapter", json={"lora_name": "busy", "lora_path": adapters["good"]},
+def test_unload_with_a_request_in_flight_waits_then_succeeds(zoo_server, adapter_zoo) -> None:
+    url = zoo_server[1]
+    assert requests.post(f"{url}/load_lora_adapter", json={"lora_name": "busy", "lora_path": adapter_zoo["good"]},
                          timeout=60).status_code == 200
     n = 48
     body = {"input_ids": PROMPTS[2], "lora_path": "busy", "stream": True,

@@ -19,7 +19,6 @@ from typing import Any, Optional
 import pytest
 import requests
 
-import reliability_lib  # noqa: F401  (puts the LoRA helpers on sys.path)
 from lora_server_testlib import PROMPTS, greedy, tiny_lora_checkpoint, write_adapter
 from reliability_lib import assert_no_leaks, server_info, wait_idle
 from server_helpers import kill_server, popen_launch_server, read_log

@@ -17,7 +17,6 @@ from typing import Any, Callable
 
 import pytest
 
-import reliability_lib  # noqa: F401  (puts the LoRA helpers on sys.path)
 from lora_server_testlib import PROMPTS, tiny_lora_checkpoint, write_adapter
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.req import Req
@@ -27,6 +26,7 @@ from sglang.srt.managers.scheduler_client import SchedulerClient
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_configs import build_run_configs
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def args(tmp_path_factory) -> ServerArgs:
 def sched(args) -> Scheduler:
     to_r, to_w = mp.Pipe(duplex=False)
     from_r, from_w = mp.Pipe(duplex=False)
-    s = Scheduler(args, to_r, from_w)
+    s = Scheduler(build_run_configs(args).scheduler, to_r, from_w)
     s._test_pipes = (to_w, from_r)  # keep both ends alive
     return s
 
@@ -87,8 +87,8 @@ def test_scheduler_check_detects_each_corruption(sched, caplog) -> None:
     assert clean["rows_used"] == 0 and clean["num_requests"] == 0
     runs = clean["runs"]
     pool, alloc, rows = lora.pool, sched.allocator, sched.req_to_token_pool
-    base_slot = pool.uid_to_slot[None]
-    other_slot = pool.uid_to_slot[ids[0]]
+    base_slot = pool.lora_id_to_slot[None]
+    other_slot = pool.lora_id_to_slot[ids[0]]
     ghost = Req(TokenizedGenerateReqInput(rid="ghost", input_ids=[1, 2], sampling_params=SamplingParams()), 99)
     state: dict[str, Any] = {}
 
@@ -99,7 +99,7 @@ def test_scheduler_check_detects_each_corruption(sched, caplog) -> None:
         alloc.free(alloc.free_slots[:1].clone())
 
     def swap_map() -> None:
-        pool.uid_to_slot[ids[1]], state["slot"] = other_slot, pool.uid_to_slot[ids[1]]
+        pool.lora_id_to_slot[ids[1]], state["slot"] = other_slot, pool.lora_id_to_slot[ids[1]]
 
     def set_base_rank() -> None:
         pool.slot_ranks[base_slot] = 4
@@ -116,7 +116,7 @@ def test_scheduler_check_detects_each_corruption(sched, caplog) -> None:
         ("row_accounting", lambda: state.update(row=rows.alloc(1)), lambda: rows.free(state["row"][0]), "request rows"),
         ("orphaned_requests", lambda: sched.rid_to_req.update(ghost=ghost), lambda: sched.rid_to_req.pop("ghost"),
          "'ghost'"),
-        ("lora_pool", swap_map, lambda: pool.uid_to_slot.update({ids[1]: state["slot"]}), "maps to slot"),
+        ("lora_pool", swap_map, lambda: pool.lora_id_to_slot.update({ids[1]: state["slot"]}), "maps to slot"),
         ("lora_pool", set_base_rank, lambda: pool.slot_ranks.__setitem__(base_slot, 0), "base-model slot"),
         ("kv_free_list", free_a_cached_slot, lambda: setattr(alloc, "free_slots", alloc.free_slots[:-1]),
          "free and cached"),
@@ -155,8 +155,9 @@ def test_a_finished_request_holding_kv_is_found(sched) -> None:
 
 
 def test_tokenizer_manager_check_detects_leaks(args, caplog) -> None:
-    client = SchedulerClient(args)  # never started: the check only reads the manager's own state
-    tm = TokenizerManager(args, client, {"context_len": 2048, "max_total_num_tokens": 512, "vocab_size": 512})
+    configs = build_run_configs(args)
+    client = SchedulerClient(configs.scheduler, configs.tp)  # never started: the check only reads the manager's own state
+    tm = TokenizerManager(configs.tokenizer_manager, client, {"context_len": 2048, "max_total_num_tokens": 512, "vocab_size": 512})
     clean = tm.check_integrity()
     assert clean["ok"] and clean["idle"] and clean["lora_in_flight_refs"] == 0 and clean["request_states"] == 0
 

@@ -25,7 +25,6 @@ from typing import Optional
 
 import pytest
 
-import reliability_lib  # noqa: F401  (puts the LoRA helpers on sys.path)
 from lora_server_testlib import post, tiny_lora_checkpoint, write_adapters
 from reliability_lib import assert_no_leaks, server_info, wait_idle
 from server_helpers import kill_server, popen_launch_server, read_log
@@ -161,6 +160,7 @@ def test_adapters_plus_base_around_a_chunked_prefill_in_process(adapters) -> Non
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_configs import build_run_configs
 
     args = ServerArgs(model_path=tiny_lora_checkpoint("llama"), device="cpu", dtype="float32",
                       lora_backend="torch_native", max_loras_per_batch=SLOTS, chunked_prefill_size=16,
@@ -168,7 +168,7 @@ def test_adapters_plus_base_around_a_chunked_prefill_in_process(adapters) -> Non
                       lora_paths=[f"{n}={p}" for n, p in adapters.items()])
     to_r, to_w = mp.Pipe(duplex=False)
     from_r, from_w = mp.Pipe(duplex=False)
-    sched = Scheduler(args, to_r, from_w)
+    sched = Scheduler(build_run_configs(args).scheduler, to_r, from_w)
     names = {ref.lora_name: lora_id for lora_id, ref in sched.model_runner.lora_manager.refs.items()}
     jobs = [("long-a", "a", prompt(70, 1)), ("b", "b", prompt(9, 2)), ("base", None, prompt(11, 3)),
             ("c", "c", prompt(8, 4)), ("d", "d", prompt(12, 5)), ("base2", None, prompt(5, 6))]

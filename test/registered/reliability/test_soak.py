@@ -24,7 +24,6 @@ import os
 import pytest
 import requests
 
-import reliability_lib  # noqa: F401  (puts the LoRA helpers on sys.path)
 from lora_server_testlib import tiny_lora_checkpoint, write_adapter
 from reliability_lib import assert_no_leaks, wait_idle
 from server_helpers import kill_server, popen_launch_server, read_log

@@ -5,7 +5,8 @@ from collections import Counter
 
 import pytest
 
-from sglang.bench_serving import lora_weights, parse_args, pick_adapters
+from sglang.bench_serving import parse_args
+from sglang.bench_workload import lora_weights, pick_adapters
 
 NAMES = [f"lora{i}" for i in range(8)]
 

@@ -20,6 +20,7 @@ from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.scheduler_output import LOGPROB_FLOOR, json_logprob
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_configs import build_run_configs
 
 
 @pytest.fixture(scope="module")
@@ -34,7 +35,7 @@ class Harness:
         args = ServerArgs(**{"model_path": model_path, "device": "cpu", **kwargs})
         self.to_r, self.to_w = mp.Pipe(duplex=False)
         self.from_r, self.from_w = mp.Pipe(duplex=False)
-        self.sched = Scheduler(args, self.to_r, self.from_w)
+        self.sched = Scheduler(build_run_configs(args).scheduler, self.to_r, self.from_w)
         self.out: dict[str, dict[str, Any]] = {}
         self.max_running_seen = 0
 

@@ -11,8 +11,6 @@ and the unload of an adapter with cached entries.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 
@@ -201,7 +199,6 @@ def test_flush_is_refused_while_requests_run(ckpt):
 
 
 def test_unloaded_adapter_entries_are_dropped(ckpt, tmp_path):
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lora"))
     from lora_server_testlib import tiny_lora_checkpoint, write_adapter
     from sglang.srt.lora.lora_registry import make_dynamic_lora_ref
 

@@ -77,6 +77,10 @@ class ForwardBatch:
 
     # LoRA: None when LoRA is off; one entry per request otherwise (None = base model).
     lora_ids: Optional[list[Optional[str]]] = None
+    # Adapters of requests outside this batch that stay resident with it (a prefill's decoding
+    # requests: the pool sees one batch at a time and would otherwise evict them only to load
+    # them back at the next decode step).
+    keep_lora_ids: frozenset = frozenset()
 
     # Logprobs. `return_logprob` is True if any request asked. Per request (EXTEND):
     # `extend_logprob_start_lens[i]` is the first position *within this pass's new tokens* whose

@@ -11,12 +11,9 @@ import json
 import logging
 import os
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Optional
+from typing import Any, Optional
 
 import torch
-
-if TYPE_CHECKING:
-    from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -137,22 +134,13 @@ class ModelConfig:
     def from_pretrained(
         cls,
         model_path: str,
-        server_args: Optional["ServerArgs"] = None,
         *,
         context_length: Optional[int] = None,
         dtype: str = "auto",
-        device: Optional[str] = None,
+        device: str = "cpu",
     ) -> "ModelConfig":
-        """Read `model_path/config.json` (and `generation_config.json` for extra EOS ids).
-
-        `server_args`, when given, supplies `--context-length`, `--dtype` and the device; the
-        keyword arguments are for callers without one (tests, tools).
-        """
-        if server_args is not None:
-            context_length = server_args.context_length
-            dtype = server_args.dtype
-            device = server_args.resolved_device()
-        device = device or "cpu"
+        """Read `model_path/config.json` (and `generation_config.json` for extra EOS ids);
+        `context_length`, `dtype` and `device` are `--context-length`, `--dtype` and the device."""
         if not os.path.isdir(model_path):
             raise ValueError(f"model path {model_path!r} is not a directory")
         cfg = _read_json(os.path.join(model_path, "config.json"))

@@ -5,11 +5,8 @@ that carries tensors (NCCL on CUDA, gloo on CPU) and a gloo group that carries P
 scheduler's incoming messages; NCCL would stage them through the GPU). The collectives are its
 methods, and at size 1 each is an identity, so a single-GPU run pays nothing for them.
 
-How a layer finds its group (DESIGN §11): it is handed one (`tp_group=`), or it takes
-`current_tp_group()`, which is the group installed by `building_model(group)` while the model
-loader constructs a model, and the single-rank group at any other time. That is the only
-module-level state of the package; a layer stores its group at construction and never looks it up
-again, so forward passes read no globals.
+A layer gets its group from its constructor (`tp_group=`, SINGLE_RANK by default): the model
+class hands the loader's group to every layer it builds. There is no module-level group to look up.
 
 CUDA graphs: `all_reduce` is an in-place `torch.distributed.all_reduce` on the NCCL group, which
 NCCL >= 2.9 lets a CUDA graph capture. What torch needs for that: the communicator must exist
@@ -22,10 +19,9 @@ thread, which queries CUDA events, cannot invalidate a capture in progress.
 
 from __future__ import annotations
 
-import contextlib
 import datetime
 import logging
-from typing import TYPE_CHECKING, Any, Iterator, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -148,38 +144,6 @@ class TensorParallelGroup:
 
 
 SINGLE_RANK = TensorParallelGroup(0, 1)
-
-# The group of the model being built (see the module doc); None outside `building_model`.
-_building_group: Optional[TensorParallelGroup] = None
-
-
-def current_tp_group() -> TensorParallelGroup:
-    """The group a layer built now belongs to: the loader's while it builds a model, else size 1."""
-    return _building_group if _building_group is not None else SINGLE_RANK
-
-
-@contextlib.contextmanager
-def building_model(group: TensorParallelGroup) -> Iterator[None]:
-    """Layers constructed inside this block take `group` as their TP group."""
-    global _building_group
-    previous, _building_group = _building_group, group
-    try:
-        yield
-    finally:
-        _building_group = previous
-
-
-def resolve_tp_group(
-    tp_group: Optional[TensorParallelGroup], tp_rank: Optional[int], tp_size: Optional[int]
-) -> TensorParallelGroup:
-    """A layer's group from its constructor arguments: `tp_group`, or a layout-only group from
-    `tp_rank`/`tp_size` (tests of the loaders), or `current_tp_group()`."""
-    if tp_rank is None and tp_size is None:
-        return tp_group if tp_group is not None else current_tp_group()
-    if tp_group is not None:
-        raise ValueError("pass either tp_group or tp_rank/tp_size, not both")
-    return TensorParallelGroup.layout_only(tp_rank or 0, tp_size or 1)
-
 
 def init_tensor_parallel(spec: "RankSpec") -> TensorParallelGroup:
     """Join this process to its TP group (blocks until every rank has joined, or the timeout)."""

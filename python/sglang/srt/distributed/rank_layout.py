@@ -9,12 +9,10 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, MutableMapping, Optional
+from typing import MutableMapping, Optional
 
-from sglang.srt.utils import get_free_port
-
-if TYPE_CHECKING:
-    from sglang.srt.server_args import ServerArgs
+from sglang.srt.configs.run_configs import TPLayout
+from sglang.srt.utils import get_free_port, parse_dist_init_addr
 
 # NVLink multicast (NVLS) stays off in every process the server starts (DESIGN §11); a value the
 # user set explicitly is kept.
@@ -46,20 +44,11 @@ class RankSpec:
         return f"TP rank {self.tp_rank}"
 
 
-def parse_dist_init_addr(addr: str) -> tuple[str, int]:
-    """'host:port' (IPv6 as '[::1]:port') -> (host, port)."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
-        raise ValueError(f"--dist-init-addr must be HOST:PORT, got {addr!r}")
-    return host.strip("[]"), int(port)
-
-
-def plan_local_ranks(server_args: "ServerArgs") -> list[RankSpec]:
+def plan_local_ranks(layout: TPLayout) -> list[RankSpec]:
     """The ranks this node starts, in rank order."""
-    tp, nnodes, node = server_args.tp_size, server_args.nnodes, server_args.node_rank
-    device = server_args.resolved_device()
+    tp, nnodes, node, device = layout.size, layout.nnodes, layout.node_rank, layout.device
     backend = "nccl" if device == "cuda" else "gloo"
-    per_node = tp // nnodes
+    per_node = layout.ranks_per_node
     if device == "cuda" and tp > 1:
         import torch
 
@@ -71,12 +60,12 @@ def plan_local_ranks(server_args: "ServerArgs") -> list[RankSpec]:
             )
     init_method = None
     if tp > 1:
-        if server_args.dist_init_addr:
-            host, port = parse_dist_init_addr(server_args.dist_init_addr)
+        if layout.dist_init_addr:
+            host, port = parse_dist_init_addr(layout.dist_init_addr)
         else:
             host, port = "127.0.0.1", get_free_port()
         init_method = f"tcp://[{host}]:{port}" if ":" in host else f"tcp://{host}:{port}"
-    timeout = float(server_args.dist_timeout) if server_args.dist_timeout else None
+    timeout = float(layout.dist_timeout) if layout.dist_timeout else None
     first = node * per_node
     return [
         RankSpec(tp_rank=first + i, tp_size=tp, local_rank=i, backend=backend, init_method=init_method,

@@ -11,66 +11,33 @@ submit coroutines to it, so an `Engine` works from plain scripts and from inside
 from __future__ import annotations
 
 import asyncio
-import copy
 import dataclasses
 import logging
-import os
 import queue
 import threading
 from typing import Any, Iterator, Optional, Union
 
-from sglang.srt.distributed import check_tensor_parallel
 from sglang.srt.managers.generate_request import GenerateReqInput
 from sglang.srt.managers.scheduler_client import SchedulerClient
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_configs import build_run_configs
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_model(server_args: ServerArgs) -> ServerArgs:
-    """Materialise the built-in demo model (and serve its two adapters) when `--model-path` is
-    `demo`. May return a modified copy."""
-    if server_args.model_path != "demo":
-        if not os.path.isdir(server_args.model_path):
-            raise ValueError(
-                f"--model-path {server_args.model_path!r} is not a directory. Pass a Hugging Face "
-                "checkpoint folder, or leave --model-path out to serve the built-in demo model."
-            )
-        return server_args
-    from sglang.srt.server_args import LoRAPathSpec
-    from sglang.srt.tools.demo import demo_lora_paths, ensure_demo_model
-
-    args = copy.copy(server_args)
-    demo = ensure_demo_model()
-    args.model_path = demo.model_path
-    if args.served_model_name is None:
-        args.served_model_name = "demo"
-    if not args.enable_lora:
-        # The zero-setup run shows multi-LoRA serving too. (With --enable-lora the user chose the
-        # pool's shape, and with --lora-paths the adapters, so their choice stands.)
-        args.lora_paths = [LoRAPathSpec.parse(entry) for entry in demo_lora_paths(demo)]
-        args.enable_lora = True
-        # Re-run what ServerArgs checks and derives from the LoRA flags (e.g. a slot for the base
-        # model beside the adapters; CUDA-graph backends LoRA cannot use).
-        args._validate()
-        args._handle_cuda_graph_config()
-    return args
-
-
 def launch_runtime(server_args: ServerArgs) -> TokenizerManager:
     """Start the scheduler processes (one per TP rank) and build the tokenizer manager in front."""
-    server_args = resolve_model(server_args)
     if server_args.node_rank != 0:
         raise ValueError(
             f"--node-rank {server_args.node_rank}: only node 0 serves requests; start the other "
             "nodes with `python -m sglang.launch_server ... --node-rank K`"
         )
-    check_tensor_parallel(server_args)  # before any process starts
-    client = SchedulerClient(server_args)
+    configs = build_run_configs(server_args)  # every check that needs no process, before any starts
+    client = SchedulerClient(configs.scheduler, configs.tp)
     info = client.start()
     try:
-        return TokenizerManager(server_args, client, info)
+        return TokenizerManager(configs.tokenizer_manager, client, info)
     except BaseException:
         client.shutdown()
         raise
@@ -83,8 +50,8 @@ class Engine:
         elif kwargs:
             raise ValueError("pass either server_args or keyword arguments, not both")
         self._closed = False
+        self.server_args = server_args
         self.tokenizer_manager = launch_runtime(server_args)
-        self.server_args = self.tokenizer_manager.server_args
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, name="sglang-engine-loop", daemon=True)
         self._thread.start()

@@ -20,6 +20,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+from sglang.srt.entrypoints.engine import launch_runtime
 from sglang.srt.entrypoints.json_text import JSONBody
 from sglang.srt.entrypoints.openai.errors import (
     describe_validation_errors,
@@ -106,8 +107,7 @@ def _lora_update_response(out: LoRAUpdateOutput, status: int) -> JSONBody:
     return JSONBody(body, status_code=status)
 
 
-def create_app(tm: TokenizerManager) -> FastAPI:
-    server_args = tm.server_args
+def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     completions = OpenAIServingCompletion(tm)
     chat = OpenAIServingChat(tm)
 
@@ -161,7 +161,7 @@ def create_app(tm: TokenizerManager) -> FastAPI:
 
     @app.get("/v1/models")
     async def models() -> dict:
-        cards = [ModelCard(id=tm.served_model_name, root=server_args.model_path, max_model_len=tm.context_len)]
+        cards = [ModelCard(id=tm.served_model_name, root=tm.config.model_path, max_model_len=tm.context_len)]
         if tm.lora_registry is not None:
             for name, ref in sorted(tm.lora_registry.get_all().items()):
                 cards.append(ModelCard(id=name, root=ref.lora_path, parent=tm.served_model_name))
@@ -275,12 +275,10 @@ def launch_server(server_args: ServerArgs) -> None:
     """Start the scheduler, then serve HTTP until SIGINT/SIGTERM; always reaps the scheduler."""
     import uvicorn
 
-    from sglang.srt.entrypoints.engine import launch_runtime
-
     t0 = time.time()
     tm = launch_runtime(server_args)
     try:
-        app = create_app(tm)
+        app = create_app(tm, server_args)
         config = uvicorn.Config(
             app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
             timeout_keep_alive=5, timeout_graceful_shutdown=3, lifespan="on",

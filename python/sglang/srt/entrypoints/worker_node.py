@@ -13,20 +13,18 @@ import signal
 import threading
 from multiprocessing.connection import wait
 
-from sglang.srt.distributed import check_tensor_parallel, plan_local_ranks
+from sglang.srt.distributed import plan_local_ranks
+from sglang.srt.managers.scheduler_process import run_scheduler_process
 from sglang.srt.managers.scheduler_ranks import SchedulerRanks, describe_exit
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_configs import build_run_configs
 
 logger = logging.getLogger(__name__)
 
 
 def run_worker_node(server_args: ServerArgs, timeout: float = 600.0) -> None:
-    from sglang.srt.entrypoints.engine import resolve_model
-    from sglang.srt.managers.scheduler_process import run_scheduler_process
-
-    server_args = resolve_model(server_args)
-    check_tensor_parallel(server_args)
-    ranks = SchedulerRanks(server_args, plan_local_ranks(server_args))
+    configs = build_run_configs(server_args)
+    ranks = SchedulerRanks(configs.scheduler, plan_local_ranks(configs.tp))
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())

@@ -4,8 +4,9 @@ Every layer holds `weight` [output_size, input_size] (this rank's shard) and `bi
 or None, and `forward(x)` returns one tensor. `input_size` / `output_size` are this rank's sizes,
 i.e. the shape of `weight`; `full_input_size` / `full_output_size` are the unsharded ones.
 
-Tensor parallelism (DESIGN §11): a layer belongs to a `TensorParallelGroup` (`tp_group`, with
-`tp_rank` / `tp_size`), given explicitly or taken at construction from `current_tp_group()`.
+Tensor parallelism (DESIGN §11): a layer belongs to the `TensorParallelGroup` its constructor is
+given (`tp_group`, default SINGLE_RANK: the whole layer; `.layout_only(rank, size)` builds a shard
+without a live group), and reads its `tp_rank` / `tp_size` from it.
 - Column-parallel layers (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear)
   split the output: each rank computes its slice of the output features, nothing is communicated.
   QKV splits the heads; KV heads are replicated when there are fewer KV heads than ranks.
@@ -33,39 +34,48 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.distributed import TensorParallelGroup, resolve_tp_group
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.model_loader.weight_utils import LoadedWeight, check_rows, load_into
 
 ShardId = Optional[Union[str, int]]
 
 
 class LinearBase(nn.Module):
+    """A linear layer of `input_size` x `output_size` features (the full, unsharded sizes) of which
+    this rank holds the part its subclass's `split` names: "output" (column-parallel), "input"
+    (row-parallel), or None (whole). `local_output_size` overrides the split output size of a
+    fused layer whose parts split unevenly (QKV under GQA)."""
+
+    split: Optional[str] = None
+
     def __init__(
         self,
         input_size: int,
         output_size: int,
         bias: bool = False,
-        tp_group: Optional[TensorParallelGroup] = None,
         params_dtype: Optional[torch.dtype] = None,
-        full_input_size: Optional[int] = None,
-        full_output_size: Optional[int] = None,
+        *,
+        tp_group: TensorParallelGroup = SINGLE_RANK,
+        local_output_size: Optional[int] = None,
     ) -> None:
         super().__init__()
-        self.input_size = input_size
-        self.output_size = output_size
-        self.full_input_size = full_input_size or input_size
-        self.full_output_size = full_output_size or output_size
-        self.tp_group = tp_group if tp_group is not None else resolve_tp_group(None, None, None)
+        self.tp_group = tp_group
         self.tp_rank = self.tp_group.rank
         self.tp_size = self.tp_group.size
+        self.full_input_size = input_size
+        self.full_output_size = output_size
+        self.input_size = _split(input_size, self.tp_size, "input size") if self.split == "input" else input_size
+        self.output_size = local_output_size or (
+            _split(output_size, self.tp_size, "output size") if self.split == "output" else output_size
+        )
         dtype = params_dtype or torch.get_default_dtype()
-        self.weight = nn.Parameter(torch.empty(output_size, input_size, dtype=dtype), requires_grad=False)
+        self.weight = nn.Parameter(torch.empty(self.output_size, self.input_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         # The unsharded parameter's shape: what the dummy initialiser generates and hands to the
         # weight_loader (shard_id None), so every tp_size gets slices of the same tensors.
         self.weight.full_shape = (self.full_output_size, self.full_input_size)
         if bias:
-            self.bias = nn.Parameter(torch.empty(output_size, dtype=dtype), requires_grad=False)
+            self.bias = nn.Parameter(torch.empty(self.output_size, dtype=dtype), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
             self.bias.full_shape = (self.full_output_size,)
         else:
@@ -93,22 +103,7 @@ def _split(total: int, tp_size: int, what: str) -> int:
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks: rank r holds rows [r*out/tp, (r+1)*out/tp)."""
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        tp_rank: Optional[int] = None,
-        tp_size: Optional[int] = None,
-        params_dtype: Optional[torch.dtype] = None,
-        *,
-        tp_group: Optional[TensorParallelGroup] = None,
-    ) -> None:
-        group = resolve_tp_group(tp_group, tp_rank, tp_size)
-        super().__init__(
-            input_size, _split(output_size, group.size, "output size"), bias, group, params_dtype,
-            full_output_size=output_size,
-        )
+    split = "output"
 
     def output_partition(self) -> list[tuple[int, int]]:
         """(start, length) in the full, unsharded output of each block of rows this rank holds, in
@@ -137,24 +132,13 @@ class RowParallelLinear(LinearBase):
     all-reduce, so it is counted once. With `reduce_results=False` the caller does the all-reduce.
     """
 
-    def __init__(
-        self,
-        input_size: int,
-        output_size: int,
-        bias: bool = False,
-        tp_rank: Optional[int] = None,
-        tp_size: Optional[int] = None,
-        params_dtype: Optional[torch.dtype] = None,
-        *,
-        reduce_results: bool = True,
-        tp_group: Optional[TensorParallelGroup] = None,
-    ) -> None:
-        group = resolve_tp_group(tp_group, tp_rank, tp_size)
+    split = "input"
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, *, reduce_results: bool = True,
+                 **kwargs: Any) -> None:
+        """kwargs: LinearBase's (`params_dtype`, `tp_group`)."""
         self.reduce_results = reduce_results
-        super().__init__(
-            _split(input_size, group.size, "input size"), output_size, bias, group, params_dtype,
-            full_input_size=input_size,
-        )
+        super().__init__(input_size, output_size, bias, **kwargs)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.reduce(self.forward_partial(x))
@@ -197,16 +181,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         input_size: int,
         output_sizes: list[int],
         bias: bool = False,
-        tp_rank: Optional[int] = None,
-        tp_size: Optional[int] = None,
         params_dtype: Optional[torch.dtype] = None,
         *,
-        tp_group: Optional[TensorParallelGroup] = None,
+        tp_group: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
-        group = resolve_tp_group(tp_group, tp_rank, tp_size)
         self.full_output_sizes = list(output_sizes)
-        self.output_sizes = [_split(s, group.size, "output size") for s in output_sizes]
-        super().__init__(input_size, sum(output_sizes), bias, params_dtype=params_dtype, tp_group=group)
+        self.output_sizes = [_split(s, tp_group.size, "output size") for s in output_sizes]
+        super().__init__(input_size, sum(output_sizes), bias, params_dtype=params_dtype, tp_group=tp_group)
 
     def output_partition(self) -> list[tuple[int, int]]:
         offsets = [sum(self.full_output_sizes[:i]) for i in range(len(self.full_output_sizes))]
@@ -239,14 +220,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         total_num_heads: int,
         total_num_kv_heads: Optional[int] = None,
         bias: bool = False,
-        tp_rank: Optional[int] = None,
-        tp_size: Optional[int] = None,
         params_dtype: Optional[torch.dtype] = None,
         *,
-        tp_group: Optional[TensorParallelGroup] = None,
+        tp_group: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
-        group = resolve_tp_group(tp_group, tp_rank, tp_size)
-        tp = group.size
+        tp = tp_group.size
         total_num_kv_heads = total_num_kv_heads or total_num_heads
         self.head_size = head_size
         self.total_num_heads = total_num_heads
@@ -260,14 +238,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_head_replicas = 1
         self.q_proj_shard_size = self.num_heads * head_size
         self.kv_proj_shard_size = self.num_kv_heads * head_size
-        LinearBase.__init__(
-            self,
-            hidden_size,
-            self.q_proj_shard_size + 2 * self.kv_proj_shard_size,
-            bias,
-            group,
-            params_dtype,
-            full_output_size=(total_num_heads + 2 * total_num_kv_heads) * head_size,
+        super().__init__(
+            hidden_size, (total_num_heads + 2 * total_num_kv_heads) * head_size, bias, params_dtype,
+            tp_group=tp_group, local_output_size=self.q_proj_shard_size + 2 * self.kv_proj_shard_size,
         )
         self.output_sizes = [self.q_proj_shard_size, self.kv_proj_shard_size, self.kv_proj_shard_size]
 

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.distributed import TensorParallelGroup, resolve_tp_group
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.model_loader.weight_utils import LoadedWeight, load_into
 from sglang.srt.utils import cdiv
 
@@ -28,14 +28,12 @@ class VocabParallelEmbedding(nn.Module):
         self,
         num_embeddings: int,
         embedding_dim: int,
-        tp_rank: Optional[int] = None,
-        tp_size: Optional[int] = None,
         params_dtype: Optional[torch.dtype] = None,
         *,
-        tp_group: Optional[TensorParallelGroup] = None,
+        tp_group: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         super().__init__()
-        self.tp_group = resolve_tp_group(tp_group, tp_rank, tp_size)
+        self.tp_group = tp_group
         self.tp_rank, self.tp_size = self.tp_group.rank, self.tp_group.size
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim

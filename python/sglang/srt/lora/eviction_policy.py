@@ -14,22 +14,22 @@ class EvictionPolicy:
     name = "base"
 
     def __init__(self) -> None:
-        # uid -> None, oldest first; the meaning of "old" is the policy's.
+        # lora_id -> None, oldest first; the meaning of "old" is the policy's.
         self._order: OrderedDict[Optional[str], None] = OrderedDict()
 
-    def mark_used(self, uid: Optional[str]) -> None:
+    def mark_used(self, lora_id: Optional[str]) -> None:
         raise NotImplementedError
 
-    def remove(self, uid: Optional[str]) -> None:
-        self._order.pop(uid, None)
+    def remove(self, lora_id: Optional[str]) -> None:
+        self._order.pop(lora_id, None)
 
     def select_victim(self, candidates: Iterable[Optional[str]]) -> Optional[str]:
         cands = set(candidates)
         if not cands:
             raise ValueError("no eviction candidate")
-        for uid in self._order:
-            if uid in cands:
-                return uid
+        for lora_id in self._order:
+            if lora_id in cands:
+                return lora_id
         # A candidate the policy never saw (should not happen): pick deterministically.
         return sorted(cands, key=lambda u: (u is not None, u or ""))[0]
 
@@ -39,9 +39,9 @@ class LRUEvictionPolicy(EvictionPolicy):
 
     name = "lru"
 
-    def mark_used(self, uid: Optional[str]) -> None:
-        self._order[uid] = None
-        self._order.move_to_end(uid)
+    def mark_used(self, lora_id: Optional[str]) -> None:
+        self._order[lora_id] = None
+        self._order.move_to_end(lora_id)
 
 
 class FIFOEvictionPolicy(EvictionPolicy):
@@ -49,9 +49,9 @@ class FIFOEvictionPolicy(EvictionPolicy):
 
     name = "fifo"
 
-    def mark_used(self, uid: Optional[str]) -> None:
-        if uid not in self._order:
-            self._order[uid] = None
+    def mark_used(self, lora_id: Optional[str]) -> None:
+        if lora_id not in self._order:
+            self._order[lora_id] = None
 
 
 def get_eviction_policy(name: str) -> EvictionPolicy:

@@ -80,7 +80,7 @@ class BaseLayerWithLoRA(nn.Module):
 
     @property
     def lora_active(self) -> bool:
-        # batch_info is None before the first prepare_lora_batch (e.g. a memory-profiling forward)
+        # batch_info is None before the first fill_batch_info (e.g. a memory-profiling forward)
         # and for batches that run without LoRA; it never depends on which adapters a batch uses.
         return self.lora is not None and self.lora_backend.batch_info is not None
 

@@ -149,8 +149,8 @@ def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
 class LoRAAdapter:
     """Host copy of one adapter. `layers[i][module] = (A, B)` for the fused modules it has."""
 
-    def __init__(self, uid: str, config: LoRAConfig, shapes: LoRAModelShapes) -> None:
-        self.uid = uid
+    def __init__(self, lora_id: str, config: LoRAConfig, shapes: LoRAModelShapes) -> None:
+        self.lora_id = lora_id
         self.config = config
         self.shapes = shapes
         self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
@@ -171,8 +171,8 @@ class LoRAAdapter:
         return {m for layer in self.layers for m in layer}
 
     @classmethod
-    def load(cls, uid: str, config: LoRAConfig, shapes: LoRAModelShapes) -> "LoRAAdapter":
-        adapter = cls(uid, config, shapes)
+    def load(cls, lora_id: str, config: LoRAConfig, shapes: LoRAModelShapes) -> "LoRAAdapter":
+        adapter = cls(lora_id, config, shapes)
         adapter.initialize_weights()
         return adapter
 

@@ -19,7 +19,7 @@ import uuid
 from typing import Iterable, Optional, Union
 
 from sglang.srt.configs.lora_ref import LoRARef
-from sglang.srt.server_args import LoRAPathSpec
+from sglang.srt.configs.lora_path_spec import LoRAPathSpec
 
 
 def make_lora_ref(spec: Union[LoRAPathSpec, str, dict]) -> LoRARef:
@@ -39,14 +39,16 @@ def make_dynamic_lora_ref(lora_name: str, lora_path: str, pinned: bool = False) 
 
 
 class LoRARegistry:
-    def __init__(self, lora_paths: Optional[Iterable[Union[LoRAPathSpec, str, dict]]] = None) -> None:
+    def __init__(self, adapters: Iterable[Union[LoRARef, LoRAPathSpec, str, dict]] = ()) -> None:
+        """`adapters`: the startup adapters, as refs (the run config's, whose ids the scheduler
+        uses too) or as --lora-paths entries (their refs are made here, with the same ids)."""
         self._by_name: dict[str, LoRARef] = {}
         self._counts: dict[str, int] = {}  # lora_id -> in-flight requests
         # lora_id -> events of the waiters to wake when its count drops to 0.
         self._idle: dict[str, list[asyncio.Event]] = {}
         self._lock = asyncio.Lock()
-        for spec in lora_paths or ():
-            ref = make_lora_ref(spec)
+        for spec in adapters or ():
+            ref = spec if isinstance(spec, LoRARef) else make_lora_ref(spec)
             if ref.lora_name in self._by_name:
                 raise ValueError(f"LoRA adapter name {ref.lora_name!r} is given twice")
             self._by_name[ref.lora_name] = ref

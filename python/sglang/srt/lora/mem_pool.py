@@ -10,7 +10,7 @@ k, B columns [0, r) hold its expand weights. Whatever a previous occupant wrote 
 one's prefix is zeroed, so nothing of it survives (modules the new adapter lacks stay zero).
 
 Slots: `max_loras_per_batch` adapter slots, plus one more, the last, that holds the base model
-(uid None) for good: rank 0 and all zero, so base requests of a mixed batch run the same kernels
+(lora_id None) for good: rank 0 and all zero, so base requests of a mixed batch run the same kernels
 and add nothing. The base model therefore never takes, nor waits for, an adapter slot.
 
 Copies into a slot go through the `SlotLoader` (a side stream on CUDA); `wait_for` makes the
@@ -50,7 +50,7 @@ logger = logging.getLogger(__name__)
 
 
 class _EmptySlot:
-    """Marks a free slot. Distinct from None, which is a valid uid (the base model)."""
+    """Marks a free slot. Distinct from None, which is a valid lora_id (the base model)."""
 
     _instance: Optional["_EmptySlot"] = None
 
@@ -99,8 +99,8 @@ class LoRAMemoryPool:
 
         self._allocate(self._choose_folded(fold_candidates, fold_mode))
 
-        self.slot_to_uid: list[object] = [EMPTY] * self.num_adapter_slots + [None]  # uid (str | None) or EMPTY
-        self.uid_to_slot: dict[Optional[str], int] = {None: self.base_slot}
+        self.slot_to_lora_id: list[object] = [EMPTY] * self.num_adapter_slots + [None]  # lora_id (str | None) or EMPTY
+        self.lora_id_to_slot: dict[Optional[str], int] = {None: self.base_slot}
         # Rank and scaling of each slot's occupant (0 for EMPTY and the base model).
         self.slot_ranks: list[int] = [0] * self.num_slots
         self.slot_scalings: list[float] = [0.0] * self.num_slots
@@ -204,74 +204,74 @@ class LoRAMemoryPool:
         return self.incompatibility(config) is None
 
     # ------------------------------------------------------------------ residency
-    def is_resident(self, uid: Optional[str]) -> bool:
-        return uid in self.uid_to_slot
+    def is_resident(self, lora_id: Optional[str]) -> bool:
+        return lora_id in self.lora_id_to_slot
 
-    def get_slot(self, uid: Optional[str]) -> int:
-        return self.uid_to_slot[uid]
+    def get_slot(self, lora_id: Optional[str]) -> int:
+        return self.lora_id_to_slot[lora_id]
 
-    def prepare_lora_batch(
+    def make_resident(
         self,
-        cur_uids: set[Optional[str]],
+        lora_ids: set[Optional[str]],
         adapters: dict[str, "LoRAAdapter"],
-        pinned_uids: Iterable[str] = (),
+        pinned_ids: Iterable[str] = (),
     ) -> None:
-        """Make every uid of the batch resident, evicting others (never current or pinned ones),
+        """Give every adapter of `lora_ids` a slot, evicting others (never these or pinned ones),
         and make the current stream wait until their slots are written."""
-        wanted = {u for u in cur_uids if u is not None}
+        wanted = {u for u in lora_ids if u is not None}
         if len(wanted) > self.num_adapter_slots:
             raise ValueError(
                 f"A batch uses {len(wanted)} distinct adapters but the LoRA pool has "
                 f"{self.num_adapter_slots} adapter slots (--max-loras-per-batch); the scheduler must not admit it"
             )
-        for uid in wanted:
-            if uid not in adapters:
-                raise ValueError(f"LoRA adapter id {uid!r} is not loaded")
-        keep = set(wanted) | set(pinned_uids)  # the batch's adapters and the pinned ones stay
+        for lora_id in wanted:
+            if lora_id not in adapters:
+                raise ValueError(f"LoRA adapter id {lora_id!r} is not loaded")
+        keep = set(wanted) | set(pinned_ids)  # the batch's adapters and the pinned ones stay
         # Sorted only so that policy order and slot assignment are reproducible.
         ordered = sorted(wanted)
-        for uid in ordered:
-            self.eviction_policy.mark_used(uid)
-        for uid in ordered:
-            if uid in self.uid_to_slot:
+        for lora_id in ordered:
+            self.eviction_policy.mark_used(lora_id)
+        for lora_id in ordered:
+            if lora_id in self.lora_id_to_slot:
                 continue
             slot = self._free_slot(keep)
             assert slot is not None
-            self._load(uid, slot, adapters[uid])
-        self.loader.wait_for(self.uid_to_slot[u] for u in wanted)
+            self._load(lora_id, slot, adapters[lora_id])
+        self.loader.wait_for(self.lora_id_to_slot[u] for u in wanted)
 
     def prefetch(
         self,
         wanted: list[str],
         adapters: dict[str, "LoRAAdapter"],
         protected: Iterable[Optional[str]],
-        pinned_uids: Iterable[str] = (),
+        pinned_ids: Iterable[str] = (),
     ) -> list[str]:
         """Load adapters that waiting requests will need, most wanted first, into free slots or in
         place of resident adapters that no waiting request wants and that are neither protected
         (the running batch's) nor pinned. The copies overlap the forward in flight; the batch that
-        uses them waits for them (`prepare_lora_batch`). Returns the uids loaded."""
-        keep = set(protected) | set(pinned_uids) | set(wanted)
+        uses them waits for them (`make_resident`). Returns the lora_ids loaded."""
+        keep = set(protected) | set(pinned_ids) | set(wanted)
         loaded = []
-        for uid in wanted:
-            if uid in self.uid_to_slot or uid not in adapters:
+        for lora_id in wanted:
+            if lora_id in self.lora_id_to_slot or lora_id not in adapters:
                 continue
             slot = self._free_slot(keep, required=False)
             if slot is None:
                 break
-            self._load(uid, slot, adapters[uid])
-            self.eviction_policy.mark_used(uid)  # about to be used: not the next victim
+            self._load(lora_id, slot, adapters[lora_id])
+            self.eviction_policy.mark_used(lora_id)  # about to be used: not the next victim
             self.num_prefetches += 1
-            loaded.append(uid)
+            loaded.append(lora_id)
         return loaded
 
     def _free_slot(self, keep: set[Optional[str]], required: bool = True) -> Optional[int]:
         """An empty adapter slot, else the slot of an evicted adapter not in `keep`. None when
         every slot holds one of `keep`, or a ValueError if the slot is `required`."""
         for slot in range(self.num_adapter_slots):
-            if self.slot_to_uid[slot] is EMPTY:
+            if self.slot_to_lora_id[slot] is EMPTY:
                 return slot
-        candidates = [u for u in self.uid_to_slot if u is not None and u not in keep]
+        candidates = [u for u in self.lora_id_to_slot if u is not None and u not in keep]
         if not candidates:
             if not required:
                 return None
@@ -280,29 +280,29 @@ class LoRAMemoryPool:
                 "of the current batch or pinned adapters (the scheduler's admission must prevent this)"
             )
         victim = self.eviction_policy.select_victim(candidates)
-        slot = self.uid_to_slot[victim]
+        slot = self.lora_id_to_slot[victim]
         logger.debug("LoRA pool: evicting %r from slot %d", victim, slot)
         self.free(victim)
         self.num_evictions += 1
         return slot
 
-    def free(self, uid: Optional[str]) -> None:
+    def free(self, lora_id: Optional[str]) -> None:
         """Forget a resident adapter (unload or eviction). Its slot becomes EMPTY; nothing moves.
         The base model's slot is never freed."""
-        if uid is None:
+        if lora_id is None:
             return
-        slot = self.uid_to_slot.pop(uid, None)
-        self.eviction_policy.remove(uid)
+        slot = self.lora_id_to_slot.pop(lora_id, None)
+        self.eviction_policy.remove(lora_id)
         if slot is None:
             return
-        self.slot_to_uid[slot] = EMPTY
+        self.slot_to_lora_id[slot] = EMPTY
         self.slot_ranks[slot] = 0
         self.slot_scalings[slot] = 0.0
         self._publish_slot(slot)
 
     @torch.no_grad()
-    def _load(self, uid: str, slot: int, adapter: "LoRAAdapter") -> None:
-        assert self.slot_to_uid[slot] is EMPTY and slot != self.base_slot, "loading into an occupied slot"
+    def _load(self, lora_id: str, slot: int, adapter: "LoRAAdapter") -> None:
+        assert self.slot_to_lora_id[slot] is EMPTY and slot != self.base_slot, "loading into an occupied slot"
         start = time.perf_counter()
         assert all(b is not None for m in self.fold_modules for b in self.B_buffer[m]), "fold_base_weight missing"
         r = adapter.rank
@@ -334,8 +334,8 @@ class LoRAMemoryPool:
             self.slot_ranks[slot] = r
             self.slot_scalings[slot] = float(adapter.scaling)
             self._publish_slot(slot)  # on the loader's stream, after the weights
-        self.slot_to_uid[slot] = uid
-        self.uid_to_slot[uid] = slot
+        self.slot_to_lora_id[slot] = lora_id
+        self.lora_id_to_slot[lora_id] = slot
         self.num_adapter_loads += 1
         self.load_seconds.observe(time.perf_counter() - start)
 
@@ -346,23 +346,23 @@ class LoRAMemoryPool:
 
     def integrity_problems(self) -> list[str]:
         problems: list[str] = []
-        for uid, slot in self.uid_to_slot.items():
+        for lora_id, slot in self.lora_id_to_slot.items():
             if (
                 not 0 <= slot < self.num_slots
-                or self.slot_to_uid[slot] != uid
-                or self.slot_to_uid[slot] is EMPTY
+                or self.slot_to_lora_id[slot] != lora_id
+                or self.slot_to_lora_id[slot] is EMPTY
             ):
-                problems.append(f"uid {uid!r} maps to slot {slot}, which holds {self.slot_to_uid[slot]!r}")
-        for slot, uid in enumerate(self.slot_to_uid):
-            if uid is EMPTY:
+                problems.append(f"lora_id {lora_id!r} maps to slot {slot}, which holds {self.slot_to_lora_id[slot]!r}")
+        for slot, lora_id in enumerate(self.slot_to_lora_id):
+            if lora_id is EMPTY:
                 if self.slot_ranks[slot] != 0:
                     problems.append(f"empty slot {slot} has rank {self.slot_ranks[slot]}")
                 continue
-            if self.uid_to_slot.get(uid) != slot:
-                problems.append(f"slot {slot} holds {uid!r}, which maps to {self.uid_to_slot.get(uid)!r}")
-            if uid is None and self.slot_ranks[slot] != 0:
+            if self.lora_id_to_slot.get(lora_id) != slot:
+                problems.append(f"slot {slot} holds {lora_id!r}, which maps to {self.lora_id_to_slot.get(lora_id)!r}")
+            if lora_id is None and self.slot_ranks[slot] != 0:
                 problems.append(f"base-model slot {slot} has rank {self.slot_ranks[slot]}, expected 0")
-        if self.slot_to_uid[self.base_slot] is not None or self.uid_to_slot.get(None) != self.base_slot:
+        if self.slot_to_lora_id[self.base_slot] is not None or self.lora_id_to_slot.get(None) != self.base_slot:
             problems.append(f"the base model does not hold its own slot {self.base_slot}")
         if any(r > self.max_lora_rank for r in self.slot_ranks):
             problems.append(f"slot ranks {self.slot_ranks} exceed the pool rank {self.max_lora_rank}")

@@ -82,9 +82,11 @@ class ScheduleBatch:
 
     @classmethod
     def prepare_extend(cls, reqs: list[Req], model_runner: "ModelRunner",
-                       evict: Optional[Callable[[int], int]] = None) -> "ScheduleBatch":
+                       evict: Optional[Callable[[int], int]] = None,
+                       keep_lora_ids: frozenset = frozenset()) -> "ScheduleBatch":
         """Allocate rows and KV for each request's `extend_len` tokens and build the batch (a
         request admitted with a cached prefix already has its row, holding that prefix).
+        `keep_lora_ids`: adapters that stay resident with the batch (ForwardBatch.keep_lora_ids).
 
         Admission already checked that the memory is free or evictable; running out here is a bug.
         """
@@ -121,6 +123,7 @@ class ScheduleBatch:
             sampling_info=sampling_info_for(reqs, model_runner.device),
             enable_lora=model_runner.lora_manager is not None,
         )
+        fb.keep_lora_ids = keep_lora_ids
         return cls(ForwardMode.EXTEND, list(reqs), fb, logprob_targets=targets)
 
     @classmethod

@@ -18,10 +18,11 @@ import queue
 import threading
 from typing import Any, Callable, Optional
 
+from sglang.srt.configs.run_configs import SchedulerConfig, TPLayout
 from sglang.srt.distributed import plan_local_ranks
 from sglang.srt.managers.io_struct import SchedulerFailed, ShutdownReq
+from sglang.srt.managers.scheduler_process import run_scheduler_process
 from sglang.srt.managers.scheduler_ranks import SchedulerRanks
-from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -29,8 +30,9 @@ _STOP = object()
 
 
 class SchedulerClient:
-    def __init__(self, server_args: ServerArgs) -> None:
-        self.server_args = server_args
+    def __init__(self, config: SchedulerConfig, tp: TPLayout) -> None:
+        self.config = config
+        self.tp = tp
         self.ranks: Optional[SchedulerRanks] = None
         self._send_conn = None
         self._recv_conn = None
@@ -49,12 +51,10 @@ class SchedulerClient:
     def start(self, timeout: float = 600.0) -> dict[str, Any]:
         """Spawn the rank processes and wait until every one reports ready; returns rank 0's info
         (with `tp_ranks`, one entry per rank)."""
-        from sglang.srt.managers.scheduler_process import run_scheduler_process
-
-        specs = plan_local_ranks(self.server_args)
+        specs = plan_local_ranks(self.tp)
         assert specs[0].tp_rank == 0, "the scheduler client runs on the node of rank 0"
         to_child_r, to_child_w = mp.get_context("spawn").Pipe(duplex=False)
-        self.ranks = SchedulerRanks(self.server_args, specs)
+        self.ranks = SchedulerRanks(self.config, specs)
         atexit.register(self.shutdown)
         try:
             self.ranks.spawn(run_scheduler_process, to_child_r, mp.current_process().pid)

@@ -1,4 +1,5 @@
-"""The scheduler's side of LoRA: adapter commands, prefetching, and what /get_server_info shows.
+"""The scheduler's side of LoRA: adapter commands, which adapters stay resident with a batch,
+prefetching, and what /get_server_info shows (`SchedulerLoRAMixin`, and the functions it calls).
 
 Under tensor parallelism every rank runs these on the same messages at the same loop turn, so the
 adapters loaded, the slots they occupy and the evictions are the same on every rank (DESIGN §11).
@@ -14,11 +15,12 @@ from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from sglang.srt.distributed import TensorParallelGroup
 from sglang.srt.configs.lora_ref import LoRARef, LoRAUpdateOutput
+from sglang.srt.lora.mem_pool import EMPTY
 from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
+from sglang.srt.managers.req import Req
 
 if TYPE_CHECKING:
     from sglang.srt.lora.lora_manager import LoRAManager
-    from sglang.srt.managers.req import Req
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +59,7 @@ def agree_on_load(
     return LoRAUpdateOutput(success=False, error_message=message, loaded_adapters=lora.loaded_adapters())
 
 
-def prefetch_adapters(lora: Optional["LoRAManager"], admission: Any, waiting: list["Req"],
+def prefetch_adapters(lora: Optional["LoRAManager"], admission: Any, waiting: list[Req],
                       protected: set[Optional[str]]) -> None:
     """Start copying the adapters waiting requests want into slots the `protected` adapters (the
     running requests') do not need; on a GPU the copies run on a side stream while the forward
@@ -77,11 +79,9 @@ def lora_server_info(lora: Optional["LoRAManager"], running: Iterable[Optional[s
     `waiting`: their lora ids)."""
     if lora is None:
         return {}
-    from sglang.srt.lora.mem_pool import EMPTY
-
     names = {lora_id: ref.lora_name for lora_id, ref in lora.refs.items()}
     pool = lora.pool
-    slots = [None if uid is EMPTY else names.get(uid, uid) for uid in pool.slot_to_uid[: pool.num_adapter_slots]]
+    slots = [None if lora_id is EMPTY else names.get(lora_id, lora_id) for lora_id in pool.slot_to_lora_id[: pool.num_adapter_slots]]
     return {
         "lora": {
             "loaded_adapters": lora.loaded_adapters(),
@@ -100,3 +100,34 @@ def lora_server_info(lora: Optional["LoRAManager"], running: Iterable[Optional[s
             "slot_load_seconds": lora.pool.load_seconds.to_dict(),
         }
     }
+
+
+class SchedulerLoRAMixin:
+    """Reads the Scheduler's model runner (its `lora_manager`), queues, prefix cache and TP group."""
+
+    def update_lora(self, msg: LoadLoRAAdapterReq | UnloadLoRAAdapterReq) -> LoRAUpdateOutput:
+        lora = self.model_runner.lora_manager
+        out = update_adapters(lora, msg, self.tp_group)
+        if isinstance(msg, UnloadLoRAAdapterReq) and out.success and self.prefix_cache is not None:
+            # Adapter ids are unique per load: nothing can match the unloaded one's entries again.
+            if self.prefix_cache.drop_namespaces(lambda ns: ns.lora_id is not None and ns.lora_id not in lora.refs):
+                self._recheck_if_idle()
+        return out
+
+    def keep_resident_for(self, reqs: list[Req]) -> frozenset:
+        """The adapters that stay resident while a prefill of `reqs` runs: the decoding requests'
+        (admission made sure they fit together with the batch's). The runner makes them resident
+        with the batch's own, in the one fetch of its forward."""
+        if self.model_runner.lora_manager is None:
+            return frozenset()
+        return frozenset(r.lora_id for r in self._holders() if r.lora_id is not None)
+
+    def _prefetch_adapters(self, reqs: list[Req]) -> None:
+        if self.model_runner.lora_manager is None or not self.waiting:
+            return
+        protected = {r.lora_id for r in self._holders()} | {r.lora_id for r in reqs}
+        prefetch_adapters(self.model_runner.lora_manager, self.lora_admission, self.waiting, protected)
+
+    def lora_info(self) -> dict[str, Any]:
+        return lora_server_info(self.model_runner.lora_manager, (r.lora_id for r in self._holders()),
+                                (r.lora_id for r in self.waiting))

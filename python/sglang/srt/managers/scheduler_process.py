@@ -25,7 +25,7 @@ from sglang.srt.distributed import (
     init_tensor_parallel,
 )
 from sglang.srt.managers.io_struct import SchedulerFailed, SchedulerReady
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.configs.run_configs import SchedulerConfig
 from sglang.srt.utils import configure_logger
 
 logger = logging.getLogger(__name__)
@@ -43,23 +43,25 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
-def _start_rank(server_args: ServerArgs, rank: RankSpec, recv_conn: Any, status_conn: Any) -> Any:
+def _start_rank(config: SchedulerConfig, rank: RankSpec, recv_conn: Any, status_conn: Any) -> Any:
+    # Here, in the rank process, not at the top: the main process imports this module for the
+    # spawn target only and never needs the model code (torch, Triton, the models) behind these.
     import torch
 
     from sglang.srt.managers.scheduler import Scheduler
 
-    if server_args.enable_test_hooks and os.environ.get(FAIL_AT_START_TEST_ENV) == str(rank.tp_rank):
+    if config.enable_test_hooks and os.environ.get(FAIL_AT_START_TEST_ENV) == str(rank.tp_rank):
         raise RuntimeError(f"injected start-up failure of TP rank {rank.tp_rank} ({FAIL_AT_START_TEST_ENV})")
     if rank.backend == "gloo" and rank.tp_size > 1:
         # The ranks of one CPU share its cores: without this each would start a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.tp_size))
     tp_group = init_tensor_parallel(rank)
     reply_conn = status_conn if rank.tp_rank == 0 else None
-    return Scheduler(server_args, recv_conn, reply_conn, tp_group=tp_group, gpu_id=rank.local_rank)
+    return Scheduler(config, recv_conn, reply_conn, tp_group=tp_group, gpu_id=rank.local_rank)
 
 
 def run_scheduler_process(
-    server_args: ServerArgs,
+    config: SchedulerConfig,
     recv_conn: Optional[Any],
     status_conn: Any,
     parent_pid: int,
@@ -68,10 +70,10 @@ def run_scheduler_process(
     disable_nvlink_multicast()
     # Ctrl-C reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    configure_logger(server_args.log_level, prefix=" Scheduler" + (f" TP{rank.tp_rank}" if rank.tp_size > 1 else ""))
+    configure_logger(config.log_level, prefix=" Scheduler" + (f" TP{rank.tp_rank}" if rank.tp_size > 1 else ""))
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     try:
-        scheduler = _start_rank(server_args, rank, recv_conn, status_conn)
+        scheduler = _start_rank(config, rank, recv_conn, status_conn)
     except ValueError as e:
         # A configuration the user can fix (e.g. a bad --lora-paths adapter): the message is the
         # whole story, a traceback would only bury it.
@@ -86,7 +88,7 @@ def run_scheduler_process(
     facts = {"tp_rank": rank.tp_rank, "pid": os.getpid(), "device": str(scheduler.model_runner.device),
              "env": {k: os.environ.get(k) for k in NVLINK_MULTICAST_OFF}}
     status_conn.send(SchedulerReady(info={**scheduler.ready_info(), "rank": facts}))
-    if rank.tp_rank != 0 and server_args.log_level != "debug":
+    if rank.tp_rank != 0 and config.log_level != "debug":
         # Every rank makes the same decisions: one copy of the batch logs (rank 0's) is enough.
         logging.getLogger().setLevel(logging.WARNING)
     try:

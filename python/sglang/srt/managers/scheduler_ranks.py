@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Optional
 
 from sglang.srt.distributed import RankSpec
 from sglang.srt.managers.io_struct import SchedulerFailed, SchedulerReady
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.configs.run_configs import SchedulerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,8 +87,8 @@ class StartupError(RuntimeError):
 
 
 class SchedulerRanks:
-    def __init__(self, server_args: ServerArgs, specs: list[RankSpec]) -> None:
-        self.server_args = server_args
+    def __init__(self, config: SchedulerConfig, specs: list[RankSpec]) -> None:
+        self.config = config  # every rank's scheduler runs on it
         self.specs = specs
         self.ranks: list[RankProcess] = []
         self.stopping = False  # set once a shutdown is under way: exits are expected from then on
@@ -108,7 +108,7 @@ class SchedulerRanks:
             requests = rank0_requests if spec.tp_rank == 0 else None
             proc = ctx.Process(
                 target=target,
-                args=(self.server_args, requests, status_w, parent_pid, spec),
+                args=(self.config, requests, status_w, parent_pid, spec),
                 name=f"sglang-scheduler-tp{spec.tp_rank}" if spec.tp_size > 1 else "sglang-scheduler",
                 daemon=True,  # multiprocessing terminates daemonic children when the parent exits
             )

@@ -14,6 +14,7 @@ from typing import Any, Optional
 
 from sglang.srt.managers.generate_request import InvalidRequestError, ModelNotFoundError
 from sglang.srt.configs.lora_ref import LoRAUpdateOutput
+from sglang.srt.lora.lora_registry import make_dynamic_lora_ref
 from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
 
 logger = logging.getLogger(__name__)
@@ -118,8 +119,6 @@ class TokenizerLoRAMixin:
                        "model=\"<name>\" could not select the adapter; choose another name")
         if problem is not None:
             return self.lora_refusal(problem, 400)
-        from sglang.srt.lora.lora_registry import make_dynamic_lora_ref
-
         async def run() -> tuple[LoRAUpdateOutput, int]:
             async with self._update_lock():
                 if self.lora_registry.get(lora_name) is not None:

@@ -15,7 +15,10 @@ import math
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Union
 
-from sglang.srt.configs.chat_templates import resolve_chat_template
+from sglang.srt.configs.lora_ref import LoRAUpdateOutput
+from sglang.srt.configs.run_configs import TokenizerManagerConfig
+from sglang.srt.configs.tokenizer import load_tokenizer
+from sglang.srt.lora.lora_registry import LoRARegistry
 from sglang.srt.managers.detokenizer import IncrementalDetokenizer
 from sglang.srt.managers.generate_request import (
     GenerateReqInput,
@@ -24,7 +27,6 @@ from sglang.srt.managers.generate_request import (
     SingleGenerateReq,
 )
 from sglang.srt.managers.integrity import IntegrityLog, tokenizer_problems
-from sglang.srt.configs.lora_ref import LoRAUpdateOutput
 from sglang.srt.managers.io_struct import (
     AbortReq,
     BatchTokenIDOut,
@@ -40,7 +42,6 @@ from sglang.srt.managers.request_log import request_log_line
 from sglang.srt.managers.scheduler_client import SchedulerClient
 from sglang.srt.managers.tokenizer_lora import TokenizerLoRAMixin
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.server_args import ServerArgs
 from sglang.srt.utils import package_version
 
 if TYPE_CHECKING:
@@ -51,46 +52,25 @@ logger = logging.getLogger(__name__)
 BASE_MODEL_ALIASES = ("default",)
 
 
-def load_tokenizer(server_args: ServerArgs) -> Any:
-    from transformers import AutoTokenizer
-
-    path = server_args.tokenizer_path or server_args.model_path
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=server_args.trust_remote_code)
-    except Exception as e:  # a missing or broken tokenizer: say where we looked
-        raise RuntimeError(
-            f"could not load a tokenizer from {path!r} ({e}). Pass --tokenizer-path, or "
-            "--skip-tokenizer-init to serve token ids only."
-        ) from e
-    template = resolve_chat_template(server_args.chat_template)
-    if template is not None:
-        tokenizer.chat_template = template
-        logger.info("Chat template: %s (--chat-template)", server_args.chat_template)
-    return tokenizer
-
-
 class TokenizerManager(TokenizerLoRAMixin):
-    def __init__(self, server_args: ServerArgs, client: SchedulerClient, scheduler_info: dict[str, Any]) -> None:
-        self.server_args = server_args
+    def __init__(self, config: TokenizerManagerConfig, client: SchedulerClient, scheduler_info: dict[str, Any]) -> None:
+        self.config = config
         self.client = client
         self.scheduler_info = scheduler_info
         self.context_len: int = scheduler_info["context_len"]
         self.max_total_num_tokens: int = scheduler_info["max_total_num_tokens"]
         self.vocab_size: int = scheduler_info["vocab_size"]
-        self.served_model_name = server_args.served_model_name or server_args.model_path
+        self.served_model_name = config.served_model_name
         self.metrics: Optional["ServerMetrics"] = None
-        if server_args.enable_metrics:
+        if config.enable_metrics:
             # prometheus_client only where metrics are on (a GPU box without it serves without them).
             from sglang.srt.managers.metrics import ServerMetrics
 
             self.metrics = ServerMetrics(self.served_model_name)
-        self.base_model_names = {self.served_model_name, server_args.model_path, *BASE_MODEL_ALIASES}
-        self.tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(server_args)
-        self.lora_registry = None
-        if server_args.enable_lora:
-            from sglang.srt.lora.lora_registry import LoRARegistry
-
-            self.lora_registry = LoRARegistry(server_args.lora_specs())
+        self.base_model_names = {self.served_model_name, config.model_path, *BASE_MODEL_ALIASES}
+        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
+        # The startup adapters with the ids the scheduler's LoRA manager has (both from the config).
+        self.lora_registry = LoRARegistry(config.lora_refs) if config.lora_refs is not None else None
         self.rid_to_state: dict[str, ReqState] = {}
         self.loop: Optional[asyncio.AbstractEventLoop] = None
         self.dead_reason: Optional[str] = None
@@ -149,8 +129,8 @@ class TokenizerManager(TokenizerLoRAMixin):
                 if state.finished:
                     if self.metrics is not None:
                         self.metrics.on_finished(state, time.time())
-                    if self.server_args.log_requests:
-                        logger.info(request_log_line(state, self.server_args.log_requests_level))
+                    if self.config.log_requests:
+                        logger.info(request_log_line(state, self.config.log_requests_level))
         elif isinstance(msg, GetServerInfoOut):
             self._resolve_first(self._info_waiters, msg.info)
         elif isinstance(msg, FlushCacheOut):
@@ -271,9 +251,9 @@ class TokenizerManager(TokenizerLoRAMixin):
                     param="max_tokens",
                 )
             params.max_new_tokens = limit - n  # the default budget shrinks to what fits
-        if req.top_logprobs_num > self.server_args.max_top_logprobs:
+        if req.top_logprobs_num > self.config.max_top_logprobs:
             raise InvalidRequestError(
-                f"top_logprobs_num must be at most {self.server_args.max_top_logprobs}, got {req.top_logprobs_num}",
+                f"top_logprobs_num must be at most {self.config.max_top_logprobs}, got {req.top_logprobs_num}",
                 param="top_logprobs",
             )
         return input_ids, params
@@ -367,7 +347,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         """What /get_server_info and Engine.get_server_info report: the public server args, the
         scheduler's start-up facts and live counters, and this process's integrity check."""
         live = await self.get_scheduler_info()
-        return {**self.server_args.to_public_dict(), **self.scheduler_info, **live,
+        return {**self.config.public_args, **self.scheduler_info, **live,
                 "tokenizer_integrity_check": self.check_integrity(), "version": package_version()}
 
     def inject_fault(self, rid_substring: str, where: str = "forward", after_tokens: int = 0,
@@ -376,7 +356,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         request has `after_tokens` output tokens) of a request whose rid contains `rid_substring`
         (on TP rank `tp_rank` only, if given), the next tokenisation of a text containing it
         ("tokenize"), or the next detokenisation of such a request's output ("detokenize")."""
-        if not self.server_args.enable_test_hooks:
+        if not self.config.enable_test_hooks:
             raise InvalidRequestError("fault injection needs --enable-test-hooks")
         if where in ("tokenize", "detokenize"):
             self.local_faults.append(FaultInjectionReq(rid_substring=rid_substring, where=where))
@@ -396,7 +376,7 @@ class TokenizerManager(TokenizerLoRAMixin):
 
     def check_integrity(self) -> dict[str, Any]:
         """The main process's idle-time check (managers/integrity.py); ERROR-logs new problems."""
-        problems, counts = tokenizer_problems(self)
+        problems, counts = tokenizer_problems(self.num_active_requests, self.rid_to_state, self.lora_registry)
         if not counts["idle"] and self.integrity_log.last:
             # Its invariants only hold when no request is in progress: keep the last idle result.
             return {**self.integrity_log.last, "now": counts}
@@ -407,8 +387,8 @@ class TokenizerManager(TokenizerLoRAMixin):
 
     def model_info(self) -> dict[str, Any]:
         return {
-            "model_path": self.server_args.model_path,
-            "tokenizer_path": self.server_args.tokenizer_path or self.server_args.model_path,
+            "model_path": self.config.model_path,
+            "tokenizer_path": self.config.tokenizer.path if self.config.tokenizer is not None else self.config.model_path,
             "served_model_name": self.served_model_name,
             "is_generation": True,
             "context_length": self.context_len,

@@ -17,7 +17,7 @@ Conventions (see forward_batch_info.py):
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
@@ -76,6 +76,16 @@ def _lora_ids(lora_ids: list[Optional[str]], enable_lora: bool) -> Optional[list
     return None
 
 
+def _logprob_fields(reqs: Sequence[Union[ExtendRequest, DecodeRequest]]) -> dict[str, Any]:
+    """The ForwardBatch's per-request logprob fields, None when no request asks for logprobs."""
+    wanted = any(r.return_logprob for r in reqs)
+    return dict(
+        return_logprob=wanted,
+        return_logprob_per_req=[r.return_logprob for r in reqs] if wanted else None,
+        top_logprobs_nums=[r.top_logprobs_num for r in reqs] if wanted else None,
+    )
+
+
 def _move(device: torch.device | str, parts: list[torch.Tensor]) -> list[torch.Tensor]:
     """One host->device copy for many int64 vectors; returns views of the device buffer."""
     sizes = [p.numel() for p in parts]
@@ -129,7 +139,7 @@ def build_extend_batch(
     )
     req_to_token_pool.req_to_token[rows_d, positions_d] = locs_d.to(torch.int32)
 
-    return_logprob = any(r.return_logprob for r in reqs)
+    logprobs = _logprob_fields(reqs)
     return ForwardBatch(
         forward_mode=ForwardMode.EXTEND,
         batch_size=len(reqs),
@@ -146,11 +156,11 @@ def build_extend_batch(
         extend_prefix_lens_cpu=prefix_lens,
         extend_num_tokens=sum(ext_lens),
         lora_ids=_lora_ids([r.lora_id for r in reqs], enable_lora),
-        return_logprob=return_logprob,
-        return_logprob_per_req=[r.return_logprob for r in reqs] if return_logprob else None,
-        top_logprobs_nums=[r.top_logprobs_num for r in reqs] if return_logprob else None,
-        extend_logprob_start_lens=[r.logprob_start_len for r in reqs] if return_logprob else None,
-        extend_logprob_target_ids=[list(r.logprob_target_ids) for r in reqs] if return_logprob else None,
+        **logprobs,
+        extend_logprob_start_lens=[r.logprob_start_len for r in reqs] if logprobs["return_logprob"] else None,
+        extend_logprob_target_ids=(
+            [list(r.logprob_target_ids) for r in reqs] if logprobs["return_logprob"] else None
+        ),
         sampling_info=sampling_info,
     )
 
@@ -179,7 +189,6 @@ def build_decode_batch(
         ],
     )
     req_to_token_pool.req_to_token[req_idx, positions] = locs.to(torch.int32)
-    return_logprob = any(r.return_logprob for r in reqs)
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         batch_size=len(reqs),
@@ -190,8 +199,6 @@ def build_decode_batch(
         seq_lens=seq_d,
         seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
         lora_ids=_lora_ids([r.lora_id for r in reqs], enable_lora),
-        return_logprob=return_logprob,
-        return_logprob_per_req=[r.return_logprob for r in reqs] if return_logprob else None,
-        top_logprobs_nums=[r.top_logprobs_num for r in reqs] if return_logprob else None,
+        **_logprob_fields(reqs),
         sampling_info=sampling_info,
     )

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup, building_model, tp_split
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.model_loader.weight_utils import find_safetensors_files, safetensors_weights_iterator
 from sglang.srt.models.registry import get_model_class
@@ -57,22 +57,19 @@ def get_model(
     checkpoint's safetensors files; `dummy`: random weights from the config alone).
 
     Under tensor parallelism (`tp_group.size > 1`) the layers are built as this rank's shards and
-    each reads only its slice of every checkpoint tensor."""
+    each reads only its slice of every checkpoint tensor. Whether the model splits that way was
+    checked once at start (server_configs.check_tensor_parallel)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"--load-format must be one of {list(LOAD_FORMATS)}, got {load_format!r}")
     model_cls = get_model_class(model_config.architectures)
-    if tp_group.size > 1:
-        tp_split(model_config, tp_group.size)  # a clear error for a model that cannot be split
-        if not getattr(model_cls, "supports_tensor_parallel", False):
-            raise ValueError(f"{model_cls.__name__} does not support --tp-size > 1 yet")
     dtype = dtype or model_config.dtype
     device = torch.device(device)
     # Resolve the files before allocating anything: a wrong path fails fast.
     files = None if load_format == "dummy" else find_safetensors_files(model_config.model_path)
 
     start = time.perf_counter()
-    with _default_dtype_and_device(dtype, device), building_model(tp_group):
-        model = model_cls(model_config)
+    with _default_dtype_and_device(dtype, device):
+        model = model_cls(model_config, tp_group=tp_group)
     with torch.no_grad():
         if files is None:
             init_dummy_weights(model, seed=seed)

@@ -2,9 +2,10 @@
 runners and the sampler, and runs one forward pass of a ForwardBatch.
 
 `forward()` decides once which path serves the batch (decode graph, prefill graph or eager) and
-whether LoRA kernels run (`ForwardPlan`), hands that same decision to the LoRA manager (so static
-LoRA metadata is refreshed in place exactly when a graph will read it), runs the body on that path,
-then the eager tail (logits, logprobs, sampling), which always runs outside graphs.
+whether LoRA kernels run (`ForwardPlan`, configs/forward_path.py), hands that same plan to the LoRA
+manager (so static LoRA metadata is refreshed in place exactly when a graph will read it), runs the
+body on that path, then the eager tail (logits, logprobs, sampling), which always runs outside
+graphs.
 
 A LoRA server captures two graph sets in one memory pool: one with the LoRA kernels, for batches
 with an adapter, and one without, for all-base batches, which therefore run as on a server without
@@ -17,26 +18,25 @@ import gc
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 
-from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup, tp_split
-from sglang.srt.model_executor.cuda_graph_config import Backend
+from sglang.srt.configs.cuda_graph_config import Backend
+from sglang.srt.configs.forward_batch_info import ForwardBatch
+from sglang.srt.configs.forward_path import ForwardPath, ForwardPlan
+from sglang.srt.configs.run_configs import RunnerConfig
+from sglang.srt.configs.runner_output import ModelRunnerOutput
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
-from sglang.srt.configs.forward_batch_info import ForwardBatch
-from sglang.srt.configs.runner_output import ModelRunnerOutput
+from sglang.srt.lora.lora_manager import LoRAManager
 from sglang.srt.model_executor.model_loading import get_model
-from sglang.srt.server_args import ServerArgs
+from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
+from sglang.srt.model_executor.runner.graph_sets import agree_on_graph_plans, plan_graph_sets
+from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 from sglang.srt.utils import get_available_gpu_memory, set_random_seed
-
-if TYPE_CHECKING:
-    from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
-    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 
 logger = logging.getLogger(__name__)
 
@@ -48,68 +48,49 @@ ACTIVATION_RESERVE_GIB = 1.0
 # req_to_token rows are context_len + this wide, so a row never needs a bounds check at its end.
 REQ_TO_TOKEN_PAD = 8
 
-# Forward paths (choose_forward_path).
-EAGER = "eager"
-DECODE_GRAPH = "decode_graph"
-PREFILL_GRAPH = "prefill_graph"
-
-
-@dataclass(frozen=True)
-class ForwardPlan:
-    """The one decision of a forward: its path, and whether LoRA kernels run (a graph path then
-    replays the graph set with LoRA kernels, the eager path applies the adapters)."""
-
-    path: str
-    lora: bool = False
-
-
 def batch_needs_lora(fb: ForwardBatch) -> bool:
     """Whether any request of the batch uses an adapter (None ids are the base model)."""
-    return fb.lora_ids is not None and any(uid is not None for uid in fb.lora_ids)
+    return fb.lora_ids is not None and any(lora_id is not None for lora_id in fb.lora_ids)
 
 
 class ModelRunner:
-    def __init__(self, server_args: ServerArgs, gpu_id: int = 0, tp_group: TensorParallelGroup = SINGLE_RANK) -> None:
-        self.server_args = server_args
+    def __init__(self, config: RunnerConfig, gpu_id: int = 0, tp_group: TensorParallelGroup = SINGLE_RANK) -> None:
+        assert config.split.tp_size == tp_group.size, "the config's split is for another group size"
+        self.config = config
         self.gpu_id = gpu_id
         self.tp_group = tp_group
-        device = server_args.resolved_device()
-        self.device = torch.device(f"cuda:{gpu_id}" if device == "cuda" else device)
+        self.device = torch.device(f"cuda:{gpu_id}" if config.device == "cuda" else config.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-            if server_args.enable_deterministic_inference:
+            if config.deterministic:
                 # Reduced-precision split-K reductions let a GEMM's result depend on its M (the
                 # padded token count of a graph bucket vs the live count of an eager pass).
                 torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
                 torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
-        set_random_seed(server_args.random_seed)
+        set_random_seed(config.random_seed)
 
-        self.model_config = ModelConfig.from_pretrained(server_args.model_path, server_args)
+        self.model_config = config.model
         self.dtype = self.model_config.dtype
         self.context_len = self.model_config.context_len
         free_before = get_available_gpu_memory(gpu_id) if self.device.type == "cuda" else None
         self.model = get_model(
             self.model_config,
-            load_format=server_args.load_format,
+            load_format=config.load_format,
             device=self.device,
             dtype=self.dtype,
-            seed=server_args.random_seed,
+            seed=config.random_seed,
             tp_group=tp_group,
         )
         # Under tensor parallelism each rank's KV pool holds its own KV heads only.
-        self.num_kv_heads = tp_split(self.model_config, tp_group.size).num_kv_heads
+        self.num_kv_heads = config.split.num_kv_heads
         if free_before is not None:
             logger.info("Weights use %.2f GiB", free_before - get_available_gpu_memory(gpu_id))
         self.sampler = Sampler()
         self.lora_manager = None
-        if server_args.enable_lora:
+        if config.lora is not None:
             # After the weights (it wraps the loaded layers), before memory sizing (its pool
-            # takes device memory). Startup ids match the main process's registry.
-            from sglang.srt.lora.lora_manager import LoRAManager
-            from sglang.srt.lora.lora_registry import make_lora_ref
-
-            refs = [make_lora_ref(spec) for spec in server_args.lora_paths or []]
-            self.lora_manager = LoRAManager.from_model_runner(self, refs)
+            # takes device memory). Startup ids are the main process's registry's (config.refs).
+            self.lora_manager = LoRAManager(self.model, self.model_config, config.lora, self.device, self.dtype)
         self.init_memory_pool()
         self.attn_backend = self._create_attn_backend()
         # The graph set with LoRA kernels on a LoRA server (the only set without LoRA), and the set
@@ -135,7 +116,7 @@ class ModelRunner:
         are already loaded), less a reserve for activations and graphs."""
         total = torch.cuda.mem_get_info(self.device)[1] / (1 << 30)
         free = get_available_gpu_memory(self.gpu_id)
-        kv_gib = free - total * (1.0 - self.server_args.mem_fraction_static) - ACTIVATION_RESERVE_GIB
+        kv_gib = free - total * (1.0 - self.config.mem_fraction_static) - ACTIVATION_RESERVE_GIB
         tokens = int(kv_gib * (1 << 30) // self._kv_bytes_per_token())
         if tokens <= 0:
             raise ValueError(
@@ -145,10 +126,10 @@ class ModelRunner:
         return tokens
 
     def _default_max_running_requests(self, tokens: int) -> int:
-        return self.server_args.max_running_requests or max(1, min(MAX_RUNNING_REQUESTS_CAP, tokens // 2))
+        return self.config.max_running_requests or max(1, min(MAX_RUNNING_REQUESTS_CAP, tokens // 2))
 
     def init_memory_pool(self) -> None:
-        args = self.server_args
+        args = self.config
         if self.device.type == "cuda":
             budget = self.profile_max_num_tokens()
             # The request table comes out of the same budget as the KV cache.
@@ -192,7 +173,7 @@ class ModelRunner:
         )
 
     def _create_attn_backend(self):
-        name = self.server_args.resolved_attention_backend()
+        name = self.config.attention_backend
         if name == "torch_native":
             from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
@@ -206,7 +187,7 @@ class ModelRunner:
     def _graph_backends(self) -> tuple[Backend, Backend]:
         """The (prefill, decode) graph backends this runner can actually serve, with the reason
         logged for each one it turns off."""
-        cfg = self.server_args.cuda_graph_config
+        cfg = self.config.cuda_graph
         prefill, decode = cfg.prefill.backend, cfg.decode.backend
         if self.device.type != "cuda":
             if prefill != Backend.DISABLED or decode != Backend.DISABLED:
@@ -226,7 +207,7 @@ class ModelRunner:
                 "Batches with LoRA adapters run eagerly: LoRA backend %r keeps its metadata on the "
                 "host. All-base batches keep the CUDA graphs.", lora.lora_backend.name,
             )
-        if self.server_args.resolved_attention_backend() == "torch_native":
+        if self.config.attention_backend == "torch_native":
             # The reference backend has no static-metadata hooks; the breakable graph runs
             # attention eagerly and needs none.
             if prefill == Backend.FULL or decode == Backend.FULL:
@@ -264,8 +245,6 @@ class ModelRunner:
         )
 
     def _capture_graph_sets(self, prefill: Backend, decode: Backend, lora_kernels: bool) -> None:
-        from sglang.srt.model_executor.runner.graph_sets import agree_on_graph_plans, plan_graph_sets
-
         with torch.no_grad():
             runners = plan_graph_sets(self, prefill, decode, lora_kernels)
             agree_on_graph_plans(self.tp_group, runners)  # before any capture: TP ranks pair up
@@ -274,7 +253,7 @@ class ModelRunner:
 
     def _graph_runners(
         self, lora: bool
-    ) -> tuple[Optional["PrefillCudaGraphRunner"], Optional["CudaGraphRunner"]]:
+    ) -> tuple[Optional[PrefillCudaGraphRunner], Optional[CudaGraphRunner]]:
         """(prefill, decode) runners of the graph set for batches with (or without) LoRA work."""
         if self.lora_manager is None or lora:
             return self.prefill_graph_runner, self.decode_graph_runner
@@ -322,26 +301,26 @@ class ModelRunner:
             reason = "graphs_disabled" if decode_runner is None else decode_runner.refusal(fb)
             if reason is None:
                 self.forward_paths["decode", "decode_graph", ""] += 1
-                return ForwardPlan(DECODE_GRAPH, lora)
+                return ForwardPlan(ForwardPath.DECODE_GRAPH, lora)
             self.num_eager_decodes += 1
             self.forward_paths["decode", "eager", reason] += 1
         elif mode.is_extend():
             reason = "graphs_disabled" if prefill_runner is None else prefill_runner.refusal(fb)
             if reason is None:
                 self.forward_paths["prefill", f"{prefill_runner.backend.value}_prefill_graph", ""] += 1
-                return ForwardPlan(PREFILL_GRAPH, lora)
+                return ForwardPlan(ForwardPath.PREFILL_GRAPH, lora)
             self.num_eager_prefills += 1
             self.forward_paths["prefill", "eager", reason] += 1
-        return ForwardPlan(EAGER, lora)
+        return ForwardPlan(ForwardPath.EAGER, lora)
 
     def run_body(self, fb: ForwardBatch, plan: ForwardPlan) -> torch.Tensor:
         """The model body on the chosen path -> hidden [T', H] (T' >= live tokens when padded)."""
         prefill_runner, decode_runner = self._graph_runners(plan.lora)
-        if plan.path == DECODE_GRAPH:
+        if plan.path is ForwardPath.DECODE_GRAPH:
             return decode_runner.replay(fb)
-        if plan.path == PREFILL_GRAPH:
+        if plan.path is ForwardPath.PREFILL_GRAPH:
             return prefill_runner.replay(fb)
-        assert plan.path == EAGER, f"no runner for forward path {plan.path!r}"
+        assert plan.path is ForwardPath.EAGER, f"no runner for forward path {plan.path!r}"
         self.attn_backend.init_forward_metadata(fb)
         return self.model.model(fb.input_ids, fb.positions, fb)
 
@@ -350,19 +329,14 @@ class ModelRunner:
         self.attach_pools(fb)
         plan = self.choose_forward_path(fb)
         if self.lora_manager is not None:
-            self.lora_manager.prepare_lora_batch(
-                fb,
-                use_cuda_graph=plan.lora and plan.path == DECODE_GRAPH,
-                use_prefill_cuda_graph=plan.lora and plan.path == PREFILL_GRAPH,
-                use_lora=plan.lora,
-            )
+            self.lora_manager.prepare_forward(fb, plan)
         return plan
 
     @torch.no_grad()
     def forward(self, fb: ForwardBatch) -> ModelRunnerOutput:
         plan = self.prepare(fb)
         hidden = self.run_body(fb, plan)
-        return self.run_eager_tail(fb, hidden, used_cuda_graph=(plan.path != EAGER))
+        return self.run_eager_tail(fb, hidden, used_cuda_graph=plan.path.is_graph)
 
     @staticmethod
     def _live_tokens(fb: ForwardBatch) -> int:

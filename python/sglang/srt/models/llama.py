@@ -26,7 +26,9 @@ from typing import Iterable, Optional
 import torch
 from torch import nn
 
+from sglang.srt.configs.forward_batch_info import ForwardBatch
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
@@ -34,7 +36,6 @@ from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorO
 from sglang.srt.layers.radix_attention import RadixAttention
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from sglang.srt.layers.vocab_embedding import ParallelLMHead, VocabParallelEmbedding
-from sglang.srt.configs.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import default_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,12 @@ class AttentionLayout:
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, hidden_size: int, intermediate_size: int, bias: bool = False) -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int, tp_group: TensorParallelGroup,
+                 bias: bool = False) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
-        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias,
+                                                       tp_group=tp_group)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias, tp_group=tp_group)
         self.act_fn = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -60,7 +63,8 @@ class LlamaMLP(nn.Module):
 
 class LlamaAttention(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, layout: AttentionLayout, rotary_emb: RotaryEmbedding
+        self, config: ModelConfig, layer_id: int, layout: AttentionLayout, rotary_emb: RotaryEmbedding,
+        tp_group: TensorParallelGroup,
     ) -> None:
         super().__init__()
         self.head_dim = config.head_dim
@@ -70,6 +74,7 @@ class LlamaAttention(nn.Module):
             config.num_attention_heads,
             config.num_key_value_heads,
             bias=layout.qkv_bias,
+            tp_group=tp_group,
         )
         # This rank's heads (all of them at tp 1), as the built layer split them: the fused RoPE
         # kernel, attention and the KV pool see only the local heads.
@@ -79,7 +84,7 @@ class LlamaAttention(nn.Module):
         self.kv_size = self.qkv_proj.kv_proj_shard_size
         # o_proj takes the full attention width; it keeps the input columns of this rank's heads.
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * self.head_dim, config.hidden_size, bias=layout.o_bias
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=layout.o_bias, tp_group=tp_group
         )
         self.qk_norm = layout.qk_norm
         if self.qk_norm:
@@ -108,12 +113,13 @@ class LlamaAttention(nn.Module):
 
 class LlamaDecoderLayer(nn.Module):
     def __init__(
-        self, config: ModelConfig, layer_id: int, layout: AttentionLayout, rotary_emb: RotaryEmbedding
+        self, config: ModelConfig, layer_id: int, layout: AttentionLayout, rotary_emb: RotaryEmbedding,
+        tp_group: TensorParallelGroup,
     ) -> None:
         super().__init__()
         self.layer_id = layer_id
-        self.self_attn = LlamaAttention(config, layer_id, layout, rotary_emb)
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, bias=config.mlp_bias)
+        self.self_attn = LlamaAttention(config, layer_id, layout, rotary_emb, tp_group)
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, tp_group, bias=config.mlp_bias)
         self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -135,10 +141,10 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig, layout: AttentionLayout) -> None:
+    def __init__(self, config: ModelConfig, layout: AttentionLayout, tp_group: TensorParallelGroup) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, tp_group=tp_group)
         rotary_emb = get_rope(
             config.head_dim,
             max(config.max_position_embeddings, config.context_len),
@@ -146,7 +152,7 @@ class LlamaModel(nn.Module):
             config.rope_scaling,
         )
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, layout, rotary_emb) for i in range(config.num_hidden_layers)
+            LlamaDecoderLayer(config, i, layout, rotary_emb, tp_group) for i in range(config.num_hidden_layers)
         )
         self.norm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -181,11 +187,12 @@ class LlamaForCausalLM(nn.Module):
     def attention_layout(config: ModelConfig) -> AttentionLayout:
         return AttentionLayout(qkv_bias=config.attention_bias, o_bias=config.attention_bias)
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, tp_group: TensorParallelGroup = SINGLE_RANK) -> None:
+        """Every layer shards over `tp_group` (SINGLE_RANK: the whole model on one device)."""
         super().__init__()
         self.config = config
-        self.model = LlamaModel(config, self.attention_layout(config))
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        self.model = LlamaModel(config, self.attention_layout(config), tp_group)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tp_group=tp_group)
         if config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self.logits_processor = LogitsProcessor(config.vocab_size)

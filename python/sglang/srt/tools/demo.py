@@ -168,7 +168,7 @@ def ensure_demo_model(cache_dir: Optional[str] = None) -> DemoModel:
 
 def demo_lora_paths(demo: Optional[DemoModel] = None) -> list[str]:
     """The demo adapters as `--lora-paths` entries (`NAME=PATH`); the demo server serves them
-    unless the user configured LoRA (entrypoints/engine.py `resolve_model`)."""
+    unless the user configured LoRA (server_configs.py `resolve_model`)."""
     demo = demo or ensure_demo_model()
     return [f"{name}={path}" for name, path in demo.adapters.items()]
 

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 import tempfile
 import time
 
@@ -28,8 +27,7 @@ import pytest
 import requests
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from server_helpers import kill_server, popen_launch_server  # noqa: E402
+from server_helpers import kill_server, popen_launch_server
 
 pytestmark = pytest.mark.gpu
 
@@ -66,7 +64,6 @@ def _assets() -> tuple[str, str]:
     if not os.path.exists(os.path.join(adapter, "adapter_config.json")):
         from transformers import AutoModelForCausalLM
 
-        sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(__file__))), "lora"))
         from lora_testlib import write_peft_adapter
 
         base = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32)

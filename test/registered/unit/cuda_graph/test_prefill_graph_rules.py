@@ -5,7 +5,7 @@ capture batches valid for the model's context length, and the shared buffer of b
 import pytest
 import torch
 
-from sglang.srt.model_executor.cuda_graph_config import (
+from sglang.srt.configs.cuda_graph_config import (
     default_prefill_graph_cap,
     fillable_buckets,
     prefill_bucket_ladder,

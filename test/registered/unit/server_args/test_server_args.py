@@ -7,7 +7,7 @@ from unittest import mock
 
 import pytest
 
-from sglang.srt.model_executor.cuda_graph_config import (
+from sglang.srt.configs.cuda_graph_config import (
     Backend,
     CudaGraphConfig,
     PhaseConfig,
@@ -30,9 +30,7 @@ def _handled_args(**overrides) -> ServerArgs:
     """ServerArgs resolved as if on a CUDA machine."""
     args = ServerArgs(model_path="dummy", **overrides)
     args.model_config = _model_config_stub()
-    with mock.patch("sglang.srt.utils.is_cuda", return_value=True), mock.patch.object(
-        ServerArgs, "use_mla_backend", return_value=False
-    ):
+    with mock.patch("sglang.srt.utils.is_cuda", return_value=True):
         args._handle_cuda_graph_config()
     return args
 

@@ -68,7 +68,7 @@ class OpenAIServingChat:
         self.tm = tokenizer_manager
 
     def _reported(self, cached: int) -> Optional[int]:
-        return cached if self.tm.server_args.enable_cache_report else None
+        return cached if self.tm.config.enable_cache_report else None
 
     def _build(self, req: ChatCompletionRequest) -> GenerateReqInput:
         reject_unsupported(req)
@@ -78,9 +78,9 @@ class OpenAIServingChat:
             raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
         if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
-        if req.top_logprobs is not None and req.top_logprobs > self.tm.server_args.max_top_logprobs:
+        if req.top_logprobs is not None and req.top_logprobs > self.tm.config.max_top_logprobs:
             raise InvalidRequestError(
-                f"top_logprobs must be at most {self.tm.server_args.max_top_logprobs}", param="top_logprobs"
+                f"top_logprobs must be at most {self.tm.config.max_top_logprobs}", param="top_logprobs"
             )
         if isinstance(req.lora_path, list):
             raise InvalidRequestError("lora_path must be a string for a chat request", param="lora_path")

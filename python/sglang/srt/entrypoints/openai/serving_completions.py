@@ -39,9 +39,9 @@ class OpenAIServingCompletion:
             raise InvalidRequestError("suffix is not supported", param="suffix")
         if req.best_of is not None and req.best_of != req.n:
             raise InvalidRequestError("best_of is not supported (it must equal n)", param="best_of")
-        if req.logprobs is not None and req.logprobs > self.tm.server_args.max_top_logprobs:
+        if req.logprobs is not None and req.logprobs > self.tm.config.max_top_logprobs:
             raise InvalidRequestError(
-                f"logprobs must be at most {self.tm.server_args.max_top_logprobs}, got {req.logprobs}",
+                f"logprobs must be at most {self.tm.config.max_top_logprobs}, got {req.logprobs}",
                 param="logprobs",
             )
         adapter = self.tm.adapter_from_model(req.model, req.lora_path)
@@ -128,7 +128,7 @@ class OpenAIServingCompletion:
                 logprobs=self._choice_logprobs(req, out, prompt_text, req.echo,
                                                text_start=0 if req.echo else len(prompt_text)),
             ))
-        usage = _usage(results, req.n, self.tm.server_args.enable_cache_report)
+        usage = _usage(results, req.n, self.tm.config.enable_cache_report)
         return JSONBody(CompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
 
     async def _stream(self, req: CompletionRequest, outs: AsyncIterator[dict],
@@ -165,7 +165,7 @@ class OpenAIServingCompletion:
         if req.stream_options is not None and req.stream_options.include_usage:
             results = [finals[i] for i in sorted(finals)]
             yield sse(CompletionChunk(id=rid, created=created, model=req.model, choices=[],
-                                      usage=_usage(results, req.n, self.tm.server_args.enable_cache_report)))
+                                      usage=_usage(results, req.n, self.tm.config.enable_cache_report)))
 
 
 def _usage(results: list[dict], n: int, report_cached: bool) -> UsageInfo:

@@ -9,7 +9,7 @@ from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 # name -> (module, class). Imported lazily: torch_native must not need Triton at import time.
 _BACKENDS: dict[str, tuple[str, str]] = {
     "csgmv": ("sglang.srt.lora.backend.chunked_backend", "ChunkedSgmvLoRABackend"),
-    "triton": ("sglang.srt.lora.backend.triton_backend", "TritonLoRABackend"),
+    "triton": ("sglang.srt.lora.backend.token_backend", "TokenLoRABackend"),
     "torch_native": ("sglang.srt.lora.backend.torch_backend", "TorchNativeLoRABackend"),
 }
 

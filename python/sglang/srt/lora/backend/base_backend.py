@@ -14,34 +14,42 @@ backend's: folded modules run one GEMM over [x | shrink] and W_aug, others add a
 `base_layer` is only called: a row-parallel wrapper under tensor parallelism passes the layer's
 partial product (`forward_partial`) and all-reduces the result itself.
 
-Metadata (`LoRABatchInfo`, lora/utils.py) is prepared by `prepare_lora_batch` before each forward,
-in one of three places, chosen by the caller (ModelRunner decides once per forward):
-  use_cuda_graph=True           the decode graph's static info, refreshed in place
-  use_prefill_cuda_graph=True   the prefill graph's static info, refreshed in place
-  neither                       a fresh info for this eager forward
+Metadata (`LoRABatchInfo`, lora/utils.py) is written by `fill_batch_info` before each forward,
+in the place the forward's path reads it (ModelRunner decides the path once per forward and the
+manager hands the same `ForwardPath` on):
+  DECODE_GRAPH    the decode graph's static info, refreshed in place
+  PREFILL_GRAPH   the prefill graph's static info, refreshed in place
+  EAGER           a fresh info for this eager forward
 """
 
 from __future__ import annotations
 
+import abc
 from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
 
+from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights
 
 if TYPE_CHECKING:
     from sglang.srt.configs.forward_batch_info import ForwardBatch
 
 
-class BaseLoRABackend:
-    name: str = "base"
-    # Whether this backend can serve the prefill CUDA graph from static, in-place metadata.
+class BaseLoRABackend(abc.ABC):
+    """A backend implements `run_module` (the wrapped layers' call) and `fill_batch_info` (the
+    metadata of one forward); one that serves CUDA graphs also allocates their static infos
+    (`init_cuda_graph_batch_info`, `init_prefill_cuda_graph_batch_info`) and says so with
+    `supports_prefill_cuda_graph`."""
+
+    name: str  # the --lora-backend value
+    # Whether its metadata can live in static buffers refreshed in place, which both graphs with
+    # LoRA kernels need (SGLang's name says prefill: that is the graph it was added for); a backend
+    # without (host-side metadata) runs adapter batches eagerly.
     supports_prefill_cuda_graph: bool = False
     # Whether modules may be folded into their base GEMM (W_aug, lora/fold.py).
     supports_fold: bool = False
-    # MoE LoRA is not supported by this engine; kept for the eligibility predicate.
-    is_moe_lora: bool = False
 
     def __init__(
         self,
@@ -75,9 +83,10 @@ class BaseLoRABackend:
         rank/scaling device tensors (fixed addresses, updated by the pool on load and free)."""
         self.specs = dict(specs)
 
+    @abc.abstractmethod
     def run_module(self, weights: LoRAModuleWeights, base_layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """x [T, in] -> base output [T, out] with every row's adapter delta added."""
-        raise NotImplementedError
+        """x [T, in] -> base output [T, out] with every row's adapter delta added, reading the
+        current `batch_info` (never None when a wrapper calls this)."""
 
     # ---- metadata --------------------------------------------------------------------------
     def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1) -> None:
@@ -98,18 +107,18 @@ class BaseLoRABackend:
         # Every builder in this engine sets the host copy; without it we must fetch (one sync).
         return forward_batch.extend_seq_lens.tolist()
 
-    def prepare_lora_batch(
+    @abc.abstractmethod
+    def fill_batch_info(
         self,
         forward_batch: "ForwardBatch",
         weight_indices: list[int],
         lora_ranks: list[int],
         scalings: list[float],
-        use_cuda_graph: bool,
-        use_prefill_cuda_graph: bool = False,
+        path: ForwardPath,
     ) -> None:
-        """Fill `self.batch_info` for this forward.
+        """Set `self.batch_info` for this forward, written where `path` reads it (the static
+        infos of the graph paths are refreshed in place, never reallocated).
 
         weight_indices: pool slot per request (length batch_size);
         lora_ranks, scalings: per slot (length max_loras_per_batch), rank 0 for empty/base slots.
         """
-        raise NotImplementedError

@@ -1,5 +1,7 @@
-"""The token-major LoRA backend (`triton`, and `csgmv` for its folded modules): the batch's rows are
-grouped into adapter segments once per forward, and each wrapped module costs one LoRA kernel.
+"""The token-major LoRA backend: `--lora-backend triton` (and `csgmv`'s folded modules, whose class
+extends this one). The batch's rows are grouped into adapter segments once per forward, and each
+wrapped module costs one LoRA kernel. Best where batches are short (decode, small prefills): every
+launch is prepared once per batch and no host-side sorting is needed; compare `csgmv`.
 
 Per module kind (qkv_proj, o_proj, gate_up_proj, down_proj), decided once at start-up
 (LoRAMemoryPool, lora/fold.py; logged by the manager):
@@ -7,9 +9,10 @@ Per module kind (qkv_proj, o_proj, gate_up_proj, down_proj), decided once at sta
             slot's block], then ONE cuBLAS GEMM `F.linear(x_aug, W_aug, bias)` gives base output
             plus LoRA delta. No expand kernel, no read-modify-write of the output.
   unfolded  the base GEMM, then a token-major shrink and expand (triton_ops/token_*.py) added in
-            place; subclasses may bring their own kernels (csgmv: chunked SGMV).
+            place, split-K and, on Hopper, the expand as a programmatic dependent of the shrink;
+            csgmv brings its own kernels here (chunked SGMV).
 
-Metadata, built once per batch in `prepare_lora_batch` (the caller picks the destination): the
+Metadata, built once per batch in `fill_batch_info` (where the forward's path reads it): the
 segments of lora/segments.py (a row order grouped by slot, cut into runs of `segment_rows`), one
 int32 buffer [permutation | seg_indptr | weight_indices] and one pinned host->device copy. Eagerly
 it is a fresh buffer of the live rows and the grid spans the live segments; under the decode and
@@ -39,6 +42,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 import torch.nn.functional as F
 
+from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend._staging import copy_into, to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
@@ -100,7 +104,7 @@ class _ModuleLaunches:
 
 
 class TokenLoRABackend(BaseLoRABackend):
-    name = "token"
+    name = "triton"  # --lora-backend triton is this class as it is; csgmv subclasses it
     supports_prefill_cuda_graph = True
     supports_fold = True
 
@@ -196,16 +200,15 @@ class TokenLoRABackend(BaseLoRABackend):
         self.prefill_cuda_graph_max_tokens = max_num_tokens
 
     # ---- per-forward metadata ----------------------------------------------------------------
-    def prepare_lora_batch(
+    def fill_batch_info(
         self,
         forward_batch: "ForwardBatch",
         weight_indices: list[int],
         lora_ranks: list[int],
         scalings: list[float],
-        use_cuda_graph: bool,
-        use_prefill_cuda_graph: bool = False,
+        path: ForwardPath,
     ) -> None:
-        """Fill `self.batch_info`: the batch's segments, where the chosen path reads them, and the
+        """Set `self.batch_info`: the batch's segments, where `path` reads them, and the
         launches of every module kind for this batch. `lora_ranks` (host list) decides which rows
         are active; `scalings` is not read: the kernels read the pool's device tensors."""
         assert self.specs, "init_modules must run before the first batch"
@@ -214,10 +217,10 @@ class TokenLoRABackend(BaseLoRABackend):
         num_rows = forward_batch.num_tokens
         lens = self._request_lens(forward_batch)
         idle = idle_slot_of(lora_ranks)
-        if use_cuda_graph or use_prefill_cuda_graph:
-            meta = self._decode if use_cuda_graph else self._prefill
+        if path.is_graph:
+            meta = self._decode if path is ForwardPath.DECODE_GRAPH else self._prefill
             assert meta is not None, "init_*_cuda_graph_batch_info must run before a graph batch"
-            assert use_cuda_graph or forward_batch.forward_mode.is_extend(), forward_batch.forward_mode
+            assert path is ForwardPath.DECODE_GRAPH or forward_batch.forward_mode.is_extend(), forward_batch.forward_mode
             assert num_rows <= meta.rows, (num_rows, meta.rows)
             # The static segments cover every row the graph kind holds (padding in row order), so
             # any bucket's grid finds all of its rows in its first segment_capacity(bucket) segments.

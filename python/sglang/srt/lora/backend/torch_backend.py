@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend._staging import to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleWeights
@@ -31,7 +32,6 @@ class _HostSegment:
 
 class TorchNativeLoRABackend(BaseLoRABackend):
     name = "torch_native"
-    supports_prefill_cuda_graph = False
 
     def __init__(
         self,
@@ -60,16 +60,15 @@ class TorchNativeLoRABackend(BaseLoRABackend):
         return out
 
     # ---- metadata --------------------------------------------------------------------------
-    def prepare_lora_batch(
+    def fill_batch_info(
         self,
         forward_batch: "ForwardBatch",
         weight_indices: list[int],
         lora_ranks: list[int],
         scalings: list[float],
-        use_cuda_graph: bool,
-        use_prefill_cuda_graph: bool = False,
+        path: ForwardPath,
     ) -> None:
-        if use_cuda_graph or use_prefill_cuda_graph:
+        if path.is_graph:
             raise ValueError(
                 "The torch_native LoRA backend runs eagerly only; it cannot serve CUDA graph batches."
             )

@@ -1,6 +1,7 @@
-"""Jit helpers shared by the token-major LoRA kernels: the rows and slot of one segment, and the
-split-K ticket reduction. Also the grid-dependency-control intrinsics (Hopper PDL), None where
-triton lacks them.
+"""Jit helpers shared by the LoRA kernels: a segment's slot and rank, where a program of the
+segmented (csgmv) kernels starts, the rows and slot of one token-major segment, and the split-K
+ticket reduction. Also the grid-dependency-control intrinsics (Hopper PDL), None where triton
+lacks them.
 """
 
 from __future__ import annotations
@@ -15,6 +16,26 @@ except ImportError:  # pragma: no cover - triton without grid dependency control
 
 
 @triton.jit
+def segment_slot_rank(weight_indices_ptr, lora_ranks_ptr, seg):
+    """(slot, rank) of segment `seg`. Slot -1 (no adapter) reads as rank 0."""
+    slot = tl.load(weight_indices_ptr + seg)
+    rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)
+    return slot, rank
+
+
+@triton.jit
+def segment_lane_start(seg_indptr_ptr, seg, n_tiles, BLOCK_S: tl.constexpr):
+    """A segmented kernel's program (axis 0 = token lane x column tile, _tiles.py): (the
+    segment's end, its column tile, the first row of its lane)."""
+    seg_start = tl.load(seg_indptr_ptr + seg)
+    seg_end = tl.load(seg_indptr_ptr + seg + 1)
+    pid = tl.program_id(0)
+    tile_n = pid % n_tiles
+    lane = pid // n_tiles
+    return seg_end, tile_n, seg_start + lane * BLOCK_S
+
+
+@triton.jit
 def segment_rows(perm_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, seg, num_rows,
                  BLOCK_S: tl.constexpr):
     """(rows, row mask, active row mask, slot, rank) of segment `seg` (lora/segments.py): up to
@@ -24,8 +45,7 @@ def segment_rows(perm_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, s
     model, padding, an empty slot: nothing to add). Slot -1 reads as rank 0."""
     start = tl.load(seg_indptr_ptr + seg)
     end = tl.load(seg_indptr_ptr + seg + 1)
-    slot = tl.load(weight_indices_ptr + seg)
-    rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)
+    slot, rank = segment_slot_rank(weight_indices_ptr, lora_ranks_ptr, seg)
     offs = start + tl.arange(0, BLOCK_S)
     in_seg = offs < end
     rows = tl.load(perm_ptr + offs, mask=in_seg, other=0)

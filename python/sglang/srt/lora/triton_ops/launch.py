@@ -7,7 +7,7 @@ then launches. For LoRA that is paid 8 times per decoder layer. Here it is paid 
 
   BoundKernel       one @triton.jit kernel with fixed constexprs and options (module level);
   PreparedLaunch    BoundKernel + grid + the int arguments of one batch (built in
-                    prepare_lora_batch); calling it with the tensors launches.
+                    fill_batch_info); calling it with the tensors launches.
 
 The first call of a signature goes through `kernel[grid]` (compiling if needed) and keeps the
 compiled kernel it returns; later calls hand the arguments straight to its launcher. That is

@@ -14,6 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang.srt.lora.triton_ops._token_rows import segment_lane_start, segment_slot_rank
 from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block, token_block, token_lanes
 from sglang.srt.lora.utils import LoRABatchInfo
 
@@ -50,16 +51,10 @@ def _segment_expand_kernel(
 ):
     # Slot and rank first: base requests, padding and unused graph segments leave here.
     seg = tl.program_id(2)
-    slot = tl.load(weight_indices_ptr + seg)
-    rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)  # -1: no adapter
+    slot, rank = segment_slot_rank(weight_indices_ptr, lora_ranks_ptr, seg)
     if rank == 0:
         return
-    seg_start = tl.load(seg_indptr_ptr + seg)
-    seg_end = tl.load(seg_indptr_ptr + seg + 1)
-    pid = tl.program_id(0)
-    tile_n = pid % n_tiles
-    lane = pid // n_tiles
-    first_row = seg_start + lane * BLOCK_S
+    seg_end, tile_n, first_row = segment_lane_start(seg_indptr_ptr, seg, n_tiles, BLOCK_S)
     if first_row >= seg_end:  # also covers empty segments
         return
     slice_id = tl.program_id(1)

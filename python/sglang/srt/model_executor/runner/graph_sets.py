@@ -17,24 +17,29 @@ whose plan differs stops the start-up with an error naming it, instead of a hang
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Union
+from typing import Any, Optional, Union
 
+from sglang.srt.configs.cuda_graph_config import Backend
 from sglang.srt.distributed import TensorParallelGroup
-from sglang.srt.model_executor.cuda_graph_config import Backend
+from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
+from sglang.srt.model_executor.runner.graph_runner import GraphHost
+from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 
-if TYPE_CHECKING:
-    from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
-    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
-
-    GraphRunner = Union[CudaGraphRunner, PrefillCudaGraphRunner]
+GraphRunner = Union[CudaGraphRunner, PrefillCudaGraphRunner]
 
 
-def plan_graph_sets(mr: "ModelRunner", prefill: Backend, decode: Backend, lora_kernels: bool) -> list["GraphRunner"]:
+class GraphSetHost(GraphHost):
+    """A GraphHost that holds both sets: `prefill_graph_runner`/`decode_graph_runner` with LoRA
+    kernels on a LoRA server (the only set otherwise), `base_*` without them for all-base batches."""
+
+    prefill_graph_runner: Optional[PrefillCudaGraphRunner]
+    decode_graph_runner: Optional[CudaGraphRunner]
+    base_prefill_graph_runner: Optional[PrefillCudaGraphRunner]
+    base_decode_graph_runner: Optional[CudaGraphRunner]
+
+
+def plan_graph_sets(mr: GraphSetHost, prefill: Backend, decode: Backend, lora_kernels: bool) -> list[GraphRunner]:
     """Build the runners (nothing captured yet) onto `mr`; returns them in capture order."""
-    from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
-    from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
-
     lora = mr.lora_manager
     if prefill != Backend.DISABLED:
         if lora is None or lora_kernels:
@@ -66,7 +71,7 @@ def graph_plan_problems(plans: list[list[dict[str, Any]]]) -> list[str]:
     return problems
 
 
-def agree_on_graph_plans(tp_group: TensorParallelGroup, runners: list["GraphRunner"]) -> list[dict[str, Any]]:
+def agree_on_graph_plans(tp_group: TensorParallelGroup, runners: list[GraphRunner]) -> list[dict[str, Any]]:
     """Every rank's plans; RuntimeError if any rank's differ (call on every rank, before capture)."""
     mine = [r.graph_plan() for r in runners]
     if tp_group.size == 1:

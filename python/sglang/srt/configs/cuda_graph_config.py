@@ -90,6 +90,57 @@ class CudaGraphConfig:
 # ~2k tokens is compute-bound and a graph no longer pays (benchmark/RESULTS.md); eager LoRA also
 # pays host time for every kernel launch, so graphs that carry LoRA kernels go up to serving-size
 # batches (the chunked-prefill size), capped to keep capture quick.
+def resolve_cuda_graph_flags(
+    on_cuda: bool,
+    disable_all: bool,
+    disable: dict[Phase, bool],
+    backend: dict[Phase, Optional[str]],
+    max_bs: dict[Phase, Optional[int]],
+    bs: dict[Phase, Optional[list[int]]],
+    json_input: Any = None,
+) -> tuple[CudaGraphConfig, set[tuple[str, str]]]:
+    """Every CUDA-graph flag as one config, and the keys the user set (*locked*: the compatibility
+    rules never override a locked prefill backend).
+
+    Precedence, highest first: --cuda-graph-config JSON, per-phase flags (--cuda-graph-backend-*,
+    --cuda-graph-max-bs-*, --cuda-graph-bs-*), per-phase disable switches, legacy
+    --disable-cuda-graph, defaults (full decode and breakable prefill graphs on CUDA, none elsewhere).
+    """
+    cfg = CudaGraphConfig(
+        decode=PhaseConfig(backend=Backend.FULL if on_cuda else Backend.DISABLED),
+        prefill=PhaseConfig(backend=Backend.BREAKABLE if on_cuda else Backend.DISABLED),
+    )
+    locked: set[tuple[str, str]] = set()
+
+    def put(phase: Phase, key: str, value: Any) -> None:
+        setattr(cfg.phase(phase), key, Backend(value) if key == "backend" else value)
+        locked.add((phase.value, key))
+
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        if disable_all or disable[phase]:
+            put(phase, "backend", Backend.DISABLED)
+    for phase in (Phase.DECODE, Phase.PREFILL):
+        if backend[phase] is not None:
+            put(phase, "backend", backend[phase])
+        if max_bs[phase] is not None:
+            put(phase, "max_bs", max_bs[phase])
+        if bs[phase]:
+            put(phase, "bs", sorted(set(bs[phase])))
+    if json_input is not None:
+        for phase_name, phase_cfg in CudaGraphConfig.parse_json(json_input).items():
+            for key, value in phase_cfg.items():
+                put(Phase(phase_name), key, value)
+
+    allowed = {Phase.PREFILL: PREFILL_BACKENDS, Phase.DECODE: DECODE_BACKENDS}
+    for phase, backends in allowed.items():
+        if cfg.phase(phase).backend not in backends:
+            raise ValueError(
+                f"cuda graph backend {cfg.phase(phase).backend.value!r} is not allowed for the "
+                f"{phase.value} phase; allowed: {[b.value for b in backends]}"
+            )
+    return cfg, locked
+
+
 DEFAULT_MAX_PREFILL_GRAPH_TOKENS = 2048
 DEFAULT_MAX_LORA_PREFILL_GRAPH_TOKENS = 8192
 # Below this many tokens a prefill costs about the same whatever its size (weight reads and

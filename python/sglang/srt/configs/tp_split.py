@@ -10,13 +10,10 @@ are zero and sliced off the logits), so it never prevents a split.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
 
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.utils import cdiv
 
-if TYPE_CHECKING:
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.server_args import ServerArgs
 
 @dataclass(frozen=True)
 class TPSplit:
@@ -31,7 +28,7 @@ class TPSplit:
     vocab_per_rank: int
 
 
-def split_problems(config: "ModelConfig", tp_size: int) -> list[str]:
+def split_problems(config: ModelConfig, tp_size: int) -> list[str]:
     heads, kv, inter = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     problems = []
     if heads % tp_size:
@@ -48,7 +45,7 @@ def split_problems(config: "ModelConfig", tp_size: int) -> list[str]:
     return problems
 
 
-def tp_split(config: "ModelConfig", tp_size: int) -> TPSplit:
+def tp_split(config: ModelConfig, tp_size: int) -> TPSplit:
     """This model's per-rank sizes; ValueError saying every reason it cannot be split N ways."""
     if tp_size < 1:
         raise ValueError(f"--tp-size must be >= 1, got {tp_size}")
@@ -70,22 +67,3 @@ def tp_split(config: "ModelConfig", tp_size: int) -> TPSplit:
         vocab_size_padded=padded,
         vocab_per_rank=padded // tp_size,
     )
-
-
-def check_tensor_parallel(server_args: "ServerArgs", config: Optional["ModelConfig"] = None) -> Optional[TPSplit]:
-    """Everything about --tp-size that can be known from the config: the split itself, and whether
-    the architecture's model class shards its layers. None at tp_size 1."""
-    if server_args.tp_size == 1:
-        return None
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.models.registry import get_model_class
-
-    config = config or ModelConfig.from_pretrained(server_args.model_path, server_args)
-    split = tp_split(config, server_args.tp_size)
-    model_cls = get_model_class(config.architectures)
-    if not getattr(model_cls, "supports_tensor_parallel", False):
-        raise ValueError(
-            f"{model_cls.__name__} does not support --tp-size > 1 yet (its layers are not wired for "
-            "tensor parallelism); run it with --tp-size 1"
-        )
-    return split

@@ -1,0 +1,39 @@
+"""The tokenizer both processes load: where it is, and the chat template that replaces its own.
+
+The tokenizer manager tokenises and detokenises with it; the scheduler matches stop strings with
+it. Both load it from the same `TokenizerSpec`, so they agree on every id.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sglang.srt.configs.chat_templates import resolve_chat_template
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TokenizerSpec:
+    path: str
+    trust_remote_code: bool = False
+    chat_template: Optional[str] = None  # --chat-template: a Jinja file or a built-in name
+
+
+def load_tokenizer(spec: TokenizerSpec) -> Any:
+    from transformers import AutoTokenizer  # heavy: only where a tokenizer is loaded
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
+    except Exception as e:  # a missing or broken tokenizer: say where we looked
+        raise RuntimeError(
+            f"could not load a tokenizer from {spec.path!r} ({e}). Pass --tokenizer-path, or "
+            "--skip-tokenizer-init to serve token ids only."
+        ) from e
+    template = resolve_chat_template(spec.chat_template)
+    if template is not None:
+        tokenizer.chat_template = template
+        logger.info("Chat template: %s (--chat-template)", spec.chat_template)
+    return tokenizer

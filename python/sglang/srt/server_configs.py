@@ -1,0 +1,116 @@
+"""From `ServerArgs` (what the user asked for) to the frozen `RunConfigs` the engine runs on
+(configs/run_configs.py), once, at start. Everything derived from the flags is derived here: the
+demo model when no model is given, the device and backends that can run, the model's config
+(read once) and its tensor-parallel split (computed once), the startup adapters' ids.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Optional
+
+from sglang.srt.configs.lora_path_spec import LoRAPathSpec
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.configs.run_configs import (
+    LoRARunConfig,
+    RunConfigs,
+    RunnerConfig,
+    SchedulerConfig,
+    TokenizerManagerConfig,
+    TPLayout,
+)
+from sglang.srt.configs.tokenizer import TokenizerSpec
+from sglang.srt.configs.tp_split import TPSplit, tp_split
+from sglang.srt.lora.lora_registry import make_lora_ref
+from sglang.srt.models.registry import get_model_class
+from sglang.srt.server_args import ServerArgs
+
+
+def resolve_model(server_args: ServerArgs) -> ServerArgs:
+    """The arguments to run: as given, or, for `--model-path demo`, the built-in demo model (and
+    its two adapters) materialised into the cache folder. A new ServerArgs, validated again."""
+    if server_args.model_path != "demo":
+        if not os.path.isdir(server_args.model_path):
+            raise ValueError(
+                f"--model-path {server_args.model_path!r} is not a directory. Pass a Hugging Face "
+                "checkpoint folder, or leave --model-path out to serve the built-in demo model."
+            )
+        return server_args
+    from sglang.srt.tools.demo import demo_lora_paths, ensure_demo_model  # writes files: only for the demo
+
+    demo = ensure_demo_model()
+    changes: dict = {"model_path": demo.model_path, "served_model_name": server_args.served_model_name or "demo"}
+    if not server_args.enable_lora:
+        # The zero-setup run shows multi-LoRA serving too. (With --enable-lora the user chose the
+        # pool's shape, and with --lora-paths the adapters, so their choice stands.)
+        changes.update(lora_paths=[LoRAPathSpec.parse(entry) for entry in demo_lora_paths(demo)], enable_lora=True)
+    return dataclasses.replace(server_args, **changes)
+
+
+def check_tensor_parallel(model: ModelConfig, tp_size: int) -> TPSplit:
+    """The model's split over `tp_size` ranks; ValueError, before any process starts, if it cannot
+    be split so or its model class does not shard its layers."""
+    split = tp_split(model, tp_size)
+    model_cls = get_model_class(model.architectures)
+    if tp_size > 1 and not getattr(model_cls, "supports_tensor_parallel", False):
+        raise ValueError(
+            f"{model_cls.__name__} does not support --tp-size > 1 yet (its layers are not wired for "
+            "tensor parallelism); run it with --tp-size 1"
+        )
+    return split
+
+
+def _lora_config(args: ServerArgs) -> Optional[LoRARunConfig]:
+    if not args.enable_lora:
+        return None
+    return LoRARunConfig(
+        refs=tuple(make_lora_ref(spec) for spec in args.lora_paths or ()),
+        max_loras_per_batch=args.max_loras_per_batch,
+        backend=args.resolved_lora_backend(),
+        requested_backend=args.lora_backend,
+        eviction_policy=args.lora_eviction_policy,
+        chunk_size=args.max_lora_chunk_size,
+        fold=args.lora_fold,
+        max_lora_rank=args.max_lora_rank,
+        target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
+        max_loaded_loras=args.max_loaded_loras,
+    )
+
+
+def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = None) -> RunConfigs:
+    """Everything the engine runs on. `model`: the model's config when the caller read it already
+    (tests); else it is read here, once."""
+    args = resolve_model(server_args)
+    device = args.resolved_device()
+    if model is None:
+        model = ModelConfig.from_pretrained(args.model_path, context_length=args.context_length, dtype=args.dtype,
+                                            device=device)
+    split = check_tensor_parallel(model, args.tp_size)
+    lora = _lora_config(args)
+    tokenizer = None if args.skip_tokenizer_init else TokenizerSpec(
+        args.tokenizer_path or args.model_path, args.trust_remote_code, args.chat_template)
+    runner = RunnerConfig(
+        model=model, split=split, device=device, attention_backend=args.resolved_attention_backend(),
+        cuda_graph=args.cuda_graph_config, load_format=args.load_format, random_seed=args.random_seed,
+        deterministic=args.enable_deterministic_inference, mem_fraction_static=args.mem_fraction_static,
+        max_total_tokens=args.max_total_tokens, max_running_requests=args.max_running_requests,
+        chunked_prefill_size=args.chunked_prefill_size, max_prefill_tokens=args.max_prefill_tokens, lora=lora,
+    )
+    scheduler = SchedulerConfig(
+        runner=runner, tokenizer=tokenizer, schedule_policy=args.schedule_policy,
+        disable_radix_cache=args.disable_radix_cache, decode_log_interval=args.decode_log_interval,
+        lora_max_wait_turns=args.lora_max_wait_turns, log_level=args.log_level,
+        enable_test_hooks=args.enable_test_hooks,
+    )
+    tokenizer_manager = TokenizerManagerConfig(
+        model_path=args.model_path, served_model_name=args.served_model_name or args.model_path,
+        tokenizer=tokenizer, lora_refs=lora.refs if lora is not None else None,
+        max_top_logprobs=args.max_top_logprobs, log_requests=args.log_requests,
+        log_requests_level=args.log_requests_level, enable_metrics=args.enable_metrics,
+        enable_cache_report=args.enable_cache_report, enable_test_hooks=args.enable_test_hooks,
+        public_args=args.to_public_dict(),
+    )
+    tp = TPLayout(size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank, device=device, split=split,
+                  dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout)
+    return RunConfigs(tp=tp, scheduler=scheduler, tokenizer_manager=tokenizer_manager)
