@@ -5,8 +5,8 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_decode",
-# "lora_serving", "profile", "prefix_cache", "soak", and "tp" on a machine with 2 GPUs). Files past
-# the summary and the markdown tables are packed into logs.tar.gz at the end.
+# "lora_serving", "many_adapters", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
 # are installed into ./.site first when the machine lacks them (it has no network).
@@ -109,6 +109,33 @@ if [[ " $PARTS " == *" profile "* ]]; then
   done
 fi
 
+if [[ " $PARTS " == *" profile_compare "* ]]; then
+  # One forward shape profiled from two trees in this one call, alternating (before, after,
+  # before, after), so a refactor can show it is no slower: GPU_SUITE_BEFORE is a tarball of the
+  # other tree (`git archive -o before.tar.gz REV python benchmark`, carried to the machine).
+  # Default shape: the 8B, 128-token prefill and decode batch 1 on the graphs, base and LoRA.
+  say "== profile_compare (${GPU_SUITE_BEFORE:-no GPU_SUITE_BEFORE given})"
+  before=$(mktemp -d)
+  if [ -n "${GPU_SUITE_BEFORE:-}" ] && tar xzf "$GPU_SUITE_BEFORE" -C "$before"; then
+    : >"$OUT/profile_compare.md"
+    for round in 1 2; do
+      for side in before after; do
+        tree=$ROOT; [ $side = before ] && tree=$before
+        start=$(date +%s)
+        PYTHONPATH=$tree/python:$ROOT/.site $PY "$tree/benchmark/profile_forward.py" --model llama-3.1-8b \
+          --tokens 128 --paths graph --no-hf-anchor ${GPU_SUITE_COMPARE_ARGS:-} --out "/tmp/compare_$side$round.md" \
+          >>"$OUT/profile_compare.log" 2>&1 || status=1
+        { echo "### $side (round $round)"; cat "/tmp/compare_$side$round.md" 2>/dev/null; echo; } >>"$OUT/profile_compare.md"
+        say "$side round $round: $(( $(date +%s) - start ))s"
+        grep -E "^\| llama-3.1-8b \| (none|lora) \| (prefill 128|decode bs1) \|" "/tmp/compare_$side$round.md" 2>/dev/null \
+          | cut -d'|' -f3-10 | sed "s/^/$side$round /" >>"$SUMMARY"
+      done
+    done
+  else
+    status=1
+  fi
+fi
+
 if [[ " $PARTS " == *" lora_decode "* ]]; then
   # Issue 16's measurements: the LoRA kernels at serving shapes (decode batch x distinct adapters x
   # rank, prefill 4x512 / 8x256 on 8 adapters) against the base GEMMs, then whole steps with
@@ -169,6 +196,21 @@ if [[ " $PARTS " == *" lora_serving "* ]]; then
   say "lora_serving: $(( $(date +%s) - start ))s"
   grep -E "^\[lora_serving\]" "$OUT/lora_serving.log" | tee -a "$SUMMARY"
   cat "$OUT/lora_serving.md" 2>/dev/null | tee -a "$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" many_adapters "* ]]; then
+  # More adapters than slots (issue 18's table): the same load against the base server and csgmv
+  # servers with 64 adapters (zipf alpha 1) on 64 and on 16 slots, 8 adapters (uniform) on 4
+  # slots; GPU_SUITE_MANY_CONFIGS=base,z256-64 runs the 256-adapter server (its own call: 256
+  # adapters to load at start). Reports per-adapter p99 TTFT against the base's and start-up times.
+  say "== many_adapters (Qwen3-4B shape, dummy weights, triton attention, graphs on)"
+  start=$(date +%s)
+  $PY benchmark/lora/bench_lora_serving.py --out "$OUT/many_adapters.md" --log-dir "$OUT/many_adapters" \
+    --configs "${GPU_SUITE_MANY_CONFIGS:-base,z64-64,z64-16,u8-4}" ${GPU_SUITE_DRY_RUN:+--dry-run} \
+    >"$OUT/many_adapters.log" 2>&1 || status=1
+  say "many_adapters: $(( $(date +%s) - start ))s"
+  grep -E "^\[lora_serving\]" "$OUT/many_adapters.log" | tee -a "$SUMMARY"
+  cat "$OUT/many_adapters.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" soak "* ]]; then

@@ -15,7 +15,9 @@ every launch over the batch's adapter segments (lora/segments.py):
 PDL is on where the GPU has it. Cases: decode batches (one token per request) of `--decode-bs` on
 `--adapters` distinct adapters (requests take them in turn), and prefill batches (`--prefill`,
 requests x tokens) on 8 adapters. Pool slots: 9 (8 adapters + the base model, the serving
-default) up to 8 adapters, else adapters + 1. Every variant's LoRA deltas (output - base GEMM) are
+default) up to 8 adapters, else adapters + 1. A last table per model holds the batch's adapters at
+8 and grows the pool (`--slots`): where folding stops paying (lora/fold.py's rule should fall
+there). Every variant's LoRA deltas (output - base GEMM) are
 first checked against an fp32 reference (`check`: worst relative Frobenius error; bf16 gives ~3e-3).
 
 Columns: `base` = the four base GEMMs (µs per layer, graph replay); each variant's LoRA µs per layer
@@ -76,6 +78,13 @@ def make_case(lens: list[int], mode: ForwardMode, adapters: int, num_slots: int,
     ranks = [0] + [R] * adapters + [0] * (num_slots - 1 - adapters)
     scalings = [0.0] + [0.5 + 0.1 * i for i in range(adapters)] + [0.0] * (num_slots - 1 - adapters)
     return Case(lens, slots, mode, ranks, scalings, device)
+
+
+def slot_cases(args) -> list[tuple[str, list[int], ForwardMode, int, int]]:
+    """The fold crossover: decode of `--slot-sweep-bs` requests on 8 adapters (fewer if the pool
+    is smaller) with the pool's slot count growing (W_aug widens with every slot)."""
+    bs = args.slot_sweep_bs
+    return [(f"decode {bs}", [1] * bs, ForwardMode.DECODE, min(8, slots - 1), slots) for slots in args.slots]
 
 
 def serving_cases(args) -> list[tuple[str, list[int], ForwardMode, int]]:
@@ -170,8 +179,8 @@ class Bench:
         head += ["check"]
         self.emit("| " + " | ".join(head) + " |")
         self.emit("|---|" + "---:|" * (len(head) - 2) + "---|")
-        for label, lens, mode, adapters in cases:
-            num_slots = max(SERVING_SLOTS, adapters + 1)
+        for label, lens, mode, adapters, *slots in cases:
+            num_slots = slots[0] if slots else max(SERVING_SLOTS, adapters + 1)
             weights = self.weights(shapes, num_slots, rank)
             case = make_case(lens, mode, adapters, num_slots, rank, self.device)
             io = make_io(shapes, case.rows, self.dtype, self.device, self.gen)
@@ -245,6 +254,9 @@ def main() -> None:
                    help="extra fold variants with token_lora's knobs, e.g. k256 k256w8 d128 (K per split, warps, K tile)")
     p.add_argument("--high-rank-decode-bs", type=int, nargs="*", default=[1, 64],
                    help="decode batches of the tables past the first rank (fewer rows)")
+    p.add_argument("--slots", type=int, nargs="*", default=[9, 17, 33, 65],
+                   help="pool slot counts of the fold-crossover table (slots include the base model's)")
+    p.add_argument("--slot-sweep-bs", type=int, default=64, help="decode batch of the fold-crossover table")
     p.add_argument("--out", help="also write the tables to this markdown file")
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes, fp32, CPU interpreter, no timing")
     args = p.parse_args()
@@ -255,6 +267,7 @@ def main() -> None:
     if dry:
         models = {"TINY (dry run)": (TINY, 2)}
         args.decode_bs, args.adapters, args.prefill, args.ranks = [1, 16], [1, 3], ["2x20"], [16]
+        args.slots, args.slot_sweep_bs = [3, 5], 8
     else:
         models = {m: MODELS[m] for m in args.models}
     t0 = time.perf_counter()
@@ -267,6 +280,12 @@ def main() -> None:
             bench.emit(f"## {name}, rank {rank}: LoRA µs per layer = (four modules) - (four base GEMMs), graph replay")
             bench.emit()
             bench.table(shapes, layers, rank, serving_cases(sub), per_module=i == 0)
+        if args.slots:
+            bench.emit()
+            bench.emit(f"## {name}, rank {args.ranks[0]}: the fold crossover, more slots in the pool "
+                       "(`auto` = what --lora-fold auto picks per module)")
+            bench.emit()
+            bench.table(shapes, layers, args.ranks[0], slot_cases(args), per_module=False)
     bench.host_table(next(iter(models.values()))[0])
     bench.emit(f"\n({time.perf_counter() - t0:.0f} s)")
 

@@ -16,6 +16,12 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
     csgmv-16      csgmv, 16 adapters on 16 slots        csgmv-r64    csgmv, 8 rank-64 adapters, 8 slots
     base-metrics  no LoRA, --enable-metrics, /metrics scraped every second during the load (against
                   `base`: what metrics cost)
+  Many adapters (more adapters than slots, zipf alpha 1 unless said; csgmv):
+    z64-64        64 adapters on 64 slots               z64-16       64 adapters on 16 slots
+    z256-64       256 adapters on 64 slots              u8-4         8 adapters, uniform, on 4 slots
+  (Adapters beyond the first 32 reuse their files round-robin: the weights do not change a step's
+  cost, and 256 rank-16 adapters of this shape would take 17 GB of disk; each name is its own
+  adapter to the server, with its own host copy and slot.)
 
 Loads of one server configuration run back to back on one server. For each load the table has:
 request throughput and its ratio to the base's, mean / median TTFT, mean ITL, prefill batches that
@@ -71,7 +77,12 @@ CONFIGS = {
     "csgmv-16": Config("csgmv-16", _lora("csgmv", 16), adapters=16),
     "csgmv-r64": Config("csgmv-r64", _lora("csgmv", NUM_ADAPTERS), rank=64),
     "base-metrics": Config("base-metrics", (), None, extra=("--enable-metrics",), scrape_s=1.0),
+    "z64-64": Config("z64-64", _lora("csgmv", 64), "zipf", adapters=64),
+    "z64-16": Config("z64-16", _lora("csgmv", 16), "zipf", adapters=64),
+    "z256-64": Config("z256-64", _lora("csgmv", 64), "zipf", adapters=256),
+    "u8-4": Config("u8-4", _lora("csgmv", 4)),
 }
+DISTINCT_ADAPTER_FILES = 32
 
 
 @dataclass
@@ -97,14 +108,16 @@ def make_checkpoint_for(root: str, dry_run: bool) -> str:
 
 
 def make_adapter_set(root: str, ckpt: str, num: int, rank: int) -> dict[str, str]:
-    """`num` rank-`rank` adapters lora0.. for the checkpoint (written once, then reused)."""
+    """`num` adapter names lora0.. for the checkpoint, on at most DISTINCT_ADAPTER_FILES rank-`rank`
+    adapter folders (written once, then reused; names past them reuse the folders round-robin)."""
     from sglang.srt.tools.make_adapter import make_adapters
 
+    files = min(num, DISTINCT_ADAPTER_FILES)
     adapters_dir = os.path.join(root, f"adapters-{os.path.basename(ckpt)}-r{rank}")
-    adapters = {f"lora{i}": os.path.join(adapters_dir, f"lora{i}") for i in range(num)}
-    if not all(os.path.exists(os.path.join(p, "adapter_config.json")) for p in adapters.values()):
-        adapters = make_adapters(ckpt, adapters_dir, num=num, rank=rank, alpha=2 * rank, seed=100)
-    return adapters
+    paths = [os.path.join(adapters_dir, f"lora{i}") for i in range(files)]
+    if not all(os.path.exists(os.path.join(p, "adapter_config.json")) for p in paths):
+        paths = list(make_adapters(ckpt, adapters_dir, num=files, rank=rank, alpha=2 * rank, seed=100).values())
+    return {f"lora{i}": paths[i % files] for i in range(num)}
 
 
 def launch(ckpt: str, cfg: Config, adapters: dict[str, str], port: int, log_path: str, dry_run: bool,
@@ -207,21 +220,26 @@ def bench_server(ckpt: str, configs: list[Config], args: argparse.Namespace, por
 def to_markdown(rows: list[Row], header: str) -> str:
     base = next((r for r in rows if r.config.name == "base" and r.result), None)
     base_rps = base.result["request_throughput"] if base else None
+    base_p99 = base.result["ttft_ms"]["p99"] if base else None
     lines = [header, "",
-             "| server | req/s | vs base | mean TTFT (ms) | median TTFT (ms) | mean ITL (ms) | prefill graph / eager "
-             "| mean running batch | adapter loads | start-up (s) | graphs (capture s) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| server | req/s | vs base | mean TTFT (ms) | median TTFT (ms) | p99 TTFT (ms) | worst adapter p99 TTFT "
+             "(x base p99) | mean ITL (ms) | prefill graph / eager | mean running batch | adapter loads "
+             "| start-up (s) | graphs (capture s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.error or not r.result:
-            lines.append(f"| {r.config.name} | failed: {r.error[:120]} |" + " |" * 9)
+            lines.append(f"| {r.config.name} | failed: {r.error[:120]} |" + " |" * 11)
             continue
         res, d = r.result, r.delta
         rps = res["request_throughput"]
         ratio = f"{rps / base_rps:.2f}" if base_rps else "-"
         batch = d["decode_reqs"] / d["decode_steps"] if d.get("decode_steps") else 0.0
         graph = d["prefill_graph_replays"]
+        worst = res.get("worst_adapter_p99_ttft_ms")
+        worst_cell = "-" if worst is None else (f"{worst:.0f} ({worst / base_p99:.1f})" if base_p99 else f"{worst:.0f}")
         lines.append(
             f"| {r.config.name} | {rps:.1f} | {ratio} | {res['ttft_ms']['mean']:.0f} | {res['ttft_ms']['median']:.0f} "
+            f"| {res['ttft_ms']['p99']:.0f} | {worst_cell} "
             f"| {res['itl_ms']['mean']:.1f} | {graph:.0f} / {d['eager_prefills']:.0f} | {batch:.1f} "
             f"| {d['num_adapter_loads']:.0f} | {r.server['startup_s']:.0f} "
             f"| {r.server['num_graphs']} ({r.server['capture_s']:.0f}) |"
@@ -278,7 +296,8 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
         rows += bench_server(ckpt, group, args, args.port + i)
         print(f"[lora_serving] {'+'.join(c.name for c in group)}: {time.perf_counter() - start:.0f} s", flush=True)
     header = (f"`bench_serving`: {args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len}, "
-              f"concurrency {args.concurrency}, rank-16 adapters (8 unless the name says) on all seven modules "
+              f"concurrency {args.concurrency}, rank-16 adapters (8 unless the name says) on all seven modules, "
+              f"zipf alpha {args.zipf_alpha} "
               f"({'tiny CPU dry run' if args.dry_run else 'Qwen3-4B shape, dummy weights, triton attention'}).")
     md = to_markdown(rows, header)
     print(md)

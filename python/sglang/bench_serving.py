@@ -158,11 +158,20 @@ def summarize(results: list[RequestResult], duration: float, args: argparse.Name
     lora: dict[str, Any] = {}
     if args.lora_name:
         counts = Counter(s.body.get("lora_path") for s in specs or [])
+        # Results come back in the order of the specs: each request's adapter is its spec's.
+        ttfts: dict[str, list[float]] = {name: [] for name in args.lora_name}
+        for spec, r in zip(specs or [], results):
+            if r.ok and spec.body.get("lora_path") in ttfts:
+                ttfts[spec.body["lora_path"]].append(r.ttft)
+        per_adapter = {name: _stats(v) for name, v in ttfts.items() if v}
         lora = {
             "lora_distribution": args.lora_distribution,
             "lora_zipf_alpha": args.lora_zipf_alpha if args.lora_distribution == "zipf" else None,
             # Requests sent per adapter, in --lora-name order.
             "lora_requests": {name: counts.get(name, 0) for name in args.lora_name},
+            # TTFT per adapter (of its completed requests): starvation shows as one adapter's p99.
+            "lora_ttft_ms": per_adapter,
+            "worst_adapter_p99_ttft_ms": max((v["p99"] for v in per_adapter.values()), default=0.0),
         }
     cached = sum(r.cached_tokens for r in ok)
     return {
@@ -215,6 +224,9 @@ def print_report(res: dict) -> None:
     if res.get("lora_requests"):
         counts = ", ".join(f"{k} {v}" for k, v in res["lora_requests"].items())
         print(f"{'LoRA requests (' + res['lora_distribution'] + ')':<40}{counts}")
+        worst = max(res["lora_ttft_ms"].items(), key=lambda kv: kv[1]["p99"], default=None)
+        if worst is not None:
+            print(f"{'Worst adapter p99 TTFT (ms)':<40}{worst[1]['p99']:>20.2f} ({worst[0]})")
     for err in res["errors"]:
         print(f"error: {err}")
     print(line)

@@ -89,7 +89,7 @@ class ServerArgs:
     # LoRA
     enable_lora: Optional[bool] = None
     lora_paths: Optional[list[Any]] = None
-    max_loras_per_batch: int = 8
+    max_loras_per_batch: Optional[int] = None  # None: sized at start (lora/pool_sizing.py)
     max_lora_rank: Optional[int] = None
     lora_target_modules: Optional[list[str]] = None
     max_loaded_loras: Optional[int] = None
@@ -221,7 +221,7 @@ class ServerArgs:
         self._validate_parallelism(positive)
 
         # LoRA
-        positive("--max-loras-per-batch", self.max_loras_per_batch, allow_none=False)
+        positive("--max-loras-per-batch", self.max_loras_per_batch)
         positive("--max-lora-rank", self.max_lora_rank)
         positive("--max-loaded-loras", self.max_loaded_loras)
         positive("--lora-max-wait-turns", self.lora_max_wait_turns, allow_none=False)
@@ -237,7 +237,7 @@ class ServerArgs:
                     "--lora-target-modules (the pool is sized from them)"
                 )
             if self.max_loaded_loras is not None:
-                if self.max_loaded_loras < self.max_loras_per_batch:
+                if self.max_loras_per_batch is not None and self.max_loaded_loras < self.max_loras_per_batch:
                     raise ValueError(
                         f"--max-loaded-loras ({self.max_loaded_loras}) must be >= "
                         f"--max-loras-per-batch ({self.max_loras_per_batch})"
@@ -248,7 +248,7 @@ class ServerArgs:
                         f"--max-loaded-loras ({self.max_loaded_loras})"
                     )
             pinned = sum(1 for p in (self.lora_paths or []) if p.pinned)
-            if pinned > max(self.max_loras_per_batch - 1, 0):
+            if self.max_loras_per_batch is not None and pinned > max(self.max_loras_per_batch - 1, 0):
                 raise ValueError(
                     f"--lora-paths pins {pinned} adapters; at most --max-loras-per-batch - 1 "
                     f"({self.max_loras_per_batch - 1}) may be pinned, so one slot stays free for the others"

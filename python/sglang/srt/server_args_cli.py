@@ -100,7 +100,8 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                    help="Adapters to load at start: PATH, NAME=PATH, or JSON "
                         '{"lora_name": ..., "lora_path": ..., "pinned": bool}.')
     g.add_argument("--max-loras-per-batch", type=int, default=default("max_loras_per_batch"),
-                   help="GPU adapter slots: adapters one batch may use (the base model needs no slot).")
+                   help="GPU adapter slots: adapters one batch may use (the base model needs no slot). "
+                        "Default: one per startup adapter, at least 8, within 5%% of the GPU memory.")
     g.add_argument("--max-lora-rank", type=int, default=None,
                    help="Pool rank; defaults to the largest rank of --lora-paths.")
     g.add_argument("--lora-target-modules", nargs="*", default=None, choices=LORA_TARGET_MODULES,

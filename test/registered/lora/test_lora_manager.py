@@ -93,6 +93,42 @@ def test_startup_failure_names_the_adapter(setup):
         runner_for(setup, names=("a", "b"), max_lora_rank=4)
 
 
+def test_startup_adapters_read_in_parallel_equal_one_by_one(setup, tmp_path):
+    """Many startup adapters are read by threads, then committed in their order: each one's host
+    tensors equal a load of that adapter alone, and the first bad adapter (in order) is named."""
+    from sglang.srt.lora.lora import LoRAAdapter
+    from sglang.srt.lora.lora_config import LoRAConfig
+
+    ckpt, paths = setup[0], dict(setup[1])
+    names = [f"n{i}" for i in range(12)]
+    for i, name in enumerate(names):  # 12 adapters, three files each used four times
+        paths[name] = paths[("a", "b", "c")[i % 3]]
+    mgr = runner_for((ckpt, paths), names=names, lora_backend="torch_native", max_loras_per_batch=4).lora_manager
+    assert list(mgr.loaded_adapters()) == names
+    for lora_id, adapter in mgr.adapters.items():
+        alone = LoRAAdapter.load(lora_id, LoRAConfig.from_path(mgr.refs[lora_id].lora_path), mgr.shapes)
+        assert [sorted(layer) for layer in adapter.layers] == [sorted(layer) for layer in alone.layers]
+        for layer, ref_layer in zip(adapter.layers, alone.layers):
+            for module, (a, b) in layer.items():
+                assert torch.equal(a, ref_layer[module][0]) and torch.equal(b, ref_layer[module][1])
+    with pytest.raises(ValueError, match="'bad'.*DoRA"):
+        paths["bad"], paths["worse"] = paths["dora"], paths["r32"]
+        runner_for((ckpt, paths), names=("a", "bad", "b", "worse"), max_lora_rank=8)
+
+
+def test_host_copies_are_one_buffer_per_dtype():
+    """An adapter's host tensors share one (pinned on CUDA) buffer per dtype, in order, unchanged."""
+    from sglang.srt.lora.lora import pack_tensors
+
+    tensors = [torch.randn(3, 4), torch.randn(2, 5, dtype=torch.float64), torch.randn(6, 1)[::2],
+               torch.randn(7)]
+    packed = pack_tensors(tensors, pin=False)
+    assert all(torch.equal(p, t) and p.shape == t.shape and p.is_contiguous() for p, t in zip(packed, tensors))
+    float32 = [p for p in packed if p.dtype == torch.float32]
+    assert len({p.untyped_storage().data_ptr() for p in float32}) == 1
+    assert float32[1].data_ptr() == float32[0].data_ptr() + 12 * 4  # back to back, in order
+
+
 # ---------------------------------------------------------------------- dynamic load / unload
 def test_load_validation_leaves_no_trace(setup):
     mgr = runner_for(setup, lora_backend="torch_native").lora_manager

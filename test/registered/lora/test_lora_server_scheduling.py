@@ -6,7 +6,8 @@ one other adapter, so nearly every switch between adapters evicts one. Checked: 
 distinct adapters than slots all complete with the outputs they get alone; the pinned adapter is
 never evicted (its slot, read from /get_server_info, never changes); and a request for an adapter
 that does not fit completes within a bounded time while a steady stream of requests for a running
-adapter keeps the slots busy.
+adapter keeps the slots busy; and unloading an adapter whose request waits for a slot waits for
+that request to complete in full, refuses new requests for it at once, and loses nothing else.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from lora_server_testlib import PROMPTS, lora_info, post, tiny_lora_checkpoint, write_adapters
+from lora_server_testlib import PROMPTS, load_adapter, lora_info, post, tiny_lora_checkpoint, unload_adapter, write_adapters
 from server_helpers import kill_server, popen_launch_server, read_log
 
 SPECS = {
@@ -41,7 +42,7 @@ def server(tmp_path_factory):
         "--max-loras-per-batch", "2", "--lora-max-wait-turns", str(MAX_WAIT_TURNS),
         "--max-total-tokens", "4096", "--lora-paths", *specs,
     ])
-    yield proc, url
+    yield proc, url, paths
     assert kill_server(proc) == 0, read_log(proc)[-3000:]
 
 
@@ -130,3 +131,50 @@ def test_waiting_adapter_is_not_starved_by_a_running_one(server) -> None:
     assert len(out) == 4
     assert waited < 30, f"the request for b waited {waited:.1f} s"
     assert started > 0, "the stream of a's requests never got going"
+
+
+def test_unloading_an_adapter_whose_request_waits_for_a_slot(server) -> None:
+    """a holds the only free slot with a long request; c's request waits for it. Unloading c then
+    waits until c's request has completed in full (it was accepted, so it is served), new requests
+    for c are refused at once with a clear message, and a's request completes untouched."""
+    url, paths = server[1], server[2]
+    results: dict[str, object] = {}
+
+    def call(key: str, fn, *args, **kwargs) -> None:
+        try:
+            results[key] = fn(*args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            results[key] = e
+
+    long_a = threading.Thread(target=call, args=("a", run, url, "a", PROMPTS[0]), kwargs={"n": 200})
+    long_a.start()
+    deadline = time.monotonic() + 60
+    while "a" not in lora_info(url)["resident_adapters"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    waiting_c = threading.Thread(target=call, args=("c", run, url, "c", PROMPTS[1]), kwargs={"n": 4})
+    waiting_c.start()
+    deadline = time.monotonic() + 60
+    while "c" not in lora_info(url)["waiting_adapters"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "c" in lora_info(url)["waiting_adapters"] and "c" not in lora_info(url)["resident_adapters"]
+    unload = threading.Thread(target=call, args=("unload", unload_adapter, url, "c"))
+    unload.start()
+    deadline = time.monotonic() + 30
+    refused = None
+    while time.monotonic() < deadline:  # the name is gone at once, while c's request still waits
+        r = post(url, "/generate", {"input_ids": PROMPTS[2], "lora_path": "c",
+                                    "sampling_params": {"max_new_tokens": 2}})
+        if r.status_code != 200:
+            refused = r
+            break
+    for t in (long_a, waiting_c, unload):
+        t.join(300)
+    assert refused is not None and refused.status_code == 400, refused
+    assert "c" in refused.json()["error"]["message"] and "not loaded" in refused.json()["error"]["message"]
+    # Unloaded while it waited for a slot, c's request was still served in full: the unload waited.
+    assert isinstance(results["c"], list) and len(results["c"]) == 4, results["c"]
+    assert len(results["a"]) == 200, results["a"]
+    assert results["unload"].status_code == 200 and results["unload"].json()["success"] is True
+    assert "c" not in lora_info(url)["loaded_adapters"]
+    assert load_adapter(url, "c", paths["c"]).status_code == 200  # as the other tests expect
+    assert run(url, "c", PROMPTS[1], n=4) == results["c"]  # the waiting request got c's own answer

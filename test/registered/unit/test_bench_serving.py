@@ -55,3 +55,23 @@ def test_summary_is_strict_json_with_the_default_unlimited_rate() -> None:
     res = summarize([done, RequestResult()], 0.5, args, "threads")
     line = json.dumps(res, allow_nan=False)
     assert json.loads(line)["request_rate"] is None and "Infinity" not in line
+
+
+def test_summary_reports_ttft_per_adapter() -> None:
+    """Starvation must be visible: each adapter's TTFT is summarised on its own, and the worst p99."""
+    from sglang.bench_serving import RequestResult, summarize
+    from sglang.bench_workload import RequestSpec
+
+    args = parse_args(["--lora-name", "a", "b", "c"])
+    specs, results = [], []
+    for i, (name, ttft) in enumerate([("a", 0.01), ("b", 0.02), ("a", 0.03), ("b", 0.5), ("c", 9.0)]):
+        specs.append(RequestSpec({"input_ids": [1], "lora_path": name}, 1))
+        r = RequestResult()
+        r.ok, r.ttft, r.latency = i != 4, ttft, ttft  # c's only request failed
+        results.append(r)
+    res = summarize(results, 1.0, args, "threads", specs)
+    assert set(res["lora_ttft_ms"]) == {"a", "b"}  # no completed request of c: no TTFT to report
+    assert res["lora_ttft_ms"]["a"]["mean"] == pytest.approx(20.0)
+    assert res["lora_ttft_ms"]["b"]["p99"] == pytest.approx(500.0)
+    assert res["worst_adapter_p99_ttft_ms"] == pytest.approx(500.0)
+    assert res["lora_requests"] == {"a": 2, "b": 2, "c": 1}

@@ -46,7 +46,7 @@ class LoRARunConfig:
     """The adapter pool and its kernels (the `--lora-*` flags), the same on every rank."""
 
     refs: tuple[LoRARef, ...]  # adapters loaded at start; their ids are the registry's too
-    max_loras_per_batch: int
+    max_loras_per_batch: Optional[int]  # None: sized at start (lora/pool_sizing.py)
     backend: str  # the backend that runs here (triton ones need a GPU or the interpreter)
     requested_backend: str  # what --lora-backend asked for
     eviction_policy: str = "lru"

@@ -11,26 +11,33 @@ never re-derives that choice (DESIGN §6).
 from __future__ import annotations
 
 import logging
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 import torch
 from torch import nn
+from tqdm import tqdm
 
 from sglang.srt.configs.forward_path import ForwardPlan
 from sglang.srt.configs.lora_ref import LoRARef, LoRAUpdateOutput
 from sglang.srt.configs.run_configs import LoRARunConfig
+from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.lora.backend import get_backend_from_name
 from sglang.srt.lora.layers import BaseLayerWithLoRA
 from sglang.srt.lora.lora import LoRAAdapter
 from sglang.srt.lora.lora_config import LoRAConfig, normalize_target_modules
 from sglang.srt.lora.mem_pool import EMPTY, LoRAMemoryPool
 from sglang.srt.lora.model_wrapping import fold_base_weights, fold_candidates, model_shapes, wrap_lora_modules
+from sglang.srt.lora.pool_sizing import auto_slot_count
 
 if TYPE_CHECKING:
     from sglang.srt.configs.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
+
+# Threads reading startup adapters at once (file reads, tensor checks and pinning overlap).
+STARTUP_LOAD_THREADS = 8
 
 
 @dataclass
@@ -51,28 +58,15 @@ class LoRAManager:
         config: LoRARunConfig,
         device: torch.device | str,
         dtype: torch.dtype,
+        tp_group: TensorParallelGroup = SINGLE_RANK,
     ) -> None:
         self.base_model = base_model
         self.model_config = model_config
         self.config = config
         self.device = torch.device(device)
         self.dtype = dtype
-        self.max_loras_per_batch = config.max_loras_per_batch
         self.max_loaded_loras = config.max_loaded_loras
         self.base_vocab_size: Optional[int] = getattr(model_config, "vocab_size", None)
-
-        if config.backend != config.requested_backend:
-            logger.warning(
-                "LoRA backend %r needs a GPU (or TRITON_INTERPRET=1 on a CPU); using %r on the CPU.",
-                config.requested_backend, config.backend,
-            )
-        backend_cls = get_backend_from_name(config.backend)
-        self.lora_backend = backend_cls(
-            # The kernels index every slot of the pool: the adapters' and the base model's.
-            max_loras_per_batch=self.max_loras_per_batch + 1,
-            device=self.device,
-            max_lora_chunk_size=config.chunk_size,
-        )
 
         # Host state of the loaded adapters, keyed by lora_id.
         self.adapters: dict[str, LoRAAdapter] = {}
@@ -88,6 +82,22 @@ class LoRAManager:
             raise ValueError(
                 "LoRA is enabled but the pool rank is unknown: give --max-lora-rank or --lora-paths"
             )
+        self.max_loras_per_batch = config.max_loras_per_batch or auto_slot_count(
+            self.shapes, target_modules, max_rank, dtype, self.device, len(config.refs), config.max_loaded_loras,
+            tp_group.min_over_ranks,
+        )
+
+        if config.backend != config.requested_backend:
+            logger.warning(
+                "LoRA backend %r needs a GPU (or TRITON_INTERPRET=1 on a CPU); using %r on the CPU.",
+                config.requested_backend, config.backend,
+            )
+        self.lora_backend = get_backend_from_name(config.backend)(
+            # The kernels index every slot of the pool: the adapters' and the base model's.
+            max_loras_per_batch=self.max_loras_per_batch + 1,
+            device=self.device,
+            max_lora_chunk_size=config.chunk_size,
+        )
 
         foldable = (fold_candidates(base_model, target_modules, dtype)
                     if self.lora_backend.supports_fold and config.fold != "off" else [])
@@ -107,11 +117,7 @@ class LoRAManager:
             base_model, self.pool, self.shapes, self.lora_backend, dtype
         )
 
-        for ref in config.refs:
-            try:
-                self._load_adapter(ref, startup_configs[ref.lora_id])
-            except ValueError as e:
-                raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} at startup: {e}") from None
+        self._load_startup_adapters(list(config.refs), startup_configs)
         logger.info(
             "LoRA: backend %s, %d slots, max rank %d, modules %s, adapters %s",
             self.lora_backend.name,
@@ -122,6 +128,29 @@ class LoRAManager:
         )
 
     # ------------------------------------------------------------------ set-up
+    def _load_startup_adapters(self, refs: list[LoRARef], configs: dict[str, LoRAConfig]) -> None:
+        """Read the startup adapters' tensors in parallel threads (the slow part: the files, the
+        checks, pinning; torch releases the GIL), then check and commit them in their order."""
+        if not refs:
+            return
+
+        def read(ref: LoRARef) -> LoRAAdapter:
+            reason = self.pool.incompatibility(configs[ref.lora_id])
+            if reason is not None:
+                raise ValueError(reason)
+            return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes)
+
+        with ThreadPoolExecutor(min(STARTUP_LOAD_THREADS, len(refs))) as threads:
+            futures = [threads.submit(read, ref) for ref in refs]
+            for _ in tqdm(as_completed(futures), total=len(futures), desc="Loading LoRA adapters", unit="adapter",
+                          disable=len(refs) < 2):
+                pass
+        for ref, future in zip(refs, futures):
+            try:
+                self._load_adapter(ref, configs[ref.lora_id], future.result())
+            except ValueError as e:
+                raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} at startup: {e}") from None
+
     def _read_startup_config(self, ref: LoRARef) -> LoRAConfig:
         try:
             return LoRAConfig.from_path(ref.lora_path, self.base_vocab_size)
@@ -150,8 +179,10 @@ class LoRAManager:
     def loaded_adapters(self) -> dict[str, str]:
         return {ref.lora_name: ref.lora_path for ref in self.refs.values()}
 
-    def _load_adapter(self, ref: LoRARef, config: Optional[LoRAConfig] = None) -> None:
-        """Validate and load; raises ValueError and changes nothing on failure."""
+    def _load_adapter(self, ref: LoRARef, config: Optional[LoRAConfig] = None,
+                      adapter: Optional[LoRAAdapter] = None) -> None:
+        """Validate and load (`adapter`: its tensors, read already); raises ValueError and changes
+        nothing on failure."""
         if any(r.lora_name == ref.lora_name for r in self.refs.values()):
             raise ValueError("an adapter with this name is already loaded")
         if ref.lora_id in self.refs:
@@ -177,7 +208,8 @@ class LoRAManager:
         reason = self.pool.incompatibility(config)
         if reason is not None:
             raise ValueError(reason)
-        adapter = LoRAAdapter.load(ref.lora_id, config, self.shapes)
+        if adapter is None:
+            adapter = LoRAAdapter.load(ref.lora_id, config, self.shapes)
         # Commit only now: every check passed.
         self.adapters[ref.lora_id] = adapter
         self.refs[ref.lora_id] = ref

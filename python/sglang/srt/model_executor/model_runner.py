@@ -90,7 +90,8 @@ class ModelRunner:
         if config.lora is not None:
             # After the weights (it wraps the loaded layers), before memory sizing (its pool
             # takes device memory). Startup ids are the main process's registry's (config.refs).
-            self.lora_manager = LoRAManager(self.model, self.model_config, config.lora, self.device, self.dtype)
+            self.lora_manager = LoRAManager(self.model, self.model_config, config.lora, self.device, self.dtype,
+                                            tp_group)
         self.init_memory_pool()
         self.attn_backend = self._create_attn_backend()
         # The graph set with LoRA kernels on a LoRA server (the only set without LoRA), and the set

@@ -174,7 +174,7 @@ class TestValidation(unittest.TestCase):
             (dict(enable_lora=True, max_lora_rank=8), "--lora-target-modules"),
             (dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["q_proj", "all"]), "'all' must be given alone"),
             (dict(enable_lora=True, max_lora_rank=8, lora_target_modules=["lm_head"]), "--lora-target-modules"),
-            (dict(lora_paths=["a=/x"], max_loaded_loras=2), "--max-loaded-loras"),
+            (dict(lora_paths=["a=/x"], max_loaded_loras=2, max_loras_per_batch=8), "--max-loaded-loras"),
             (dict(lora_paths=["a=/x", "b=/y", "c=/z"], max_loaded_loras=8, max_loras_per_batch=8), None),
             (dict(lora_paths=["a=/x", "a=/y"]), "duplicate adapter name"),
             (dict(lora_paths=['{"lora_name": "a"}']), "lora_path"),
@@ -222,7 +222,7 @@ class TestCli(unittest.TestCase):
     def test_defaults_match_the_design(self):
         args = prepare_server_args([])
         self.assertEqual(args.model_path, "demo")
-        self.assertEqual(args.max_loras_per_batch, 8)
+        self.assertIsNone(args.max_loras_per_batch)  # sized at start: lora/pool_sizing.py
         self.assertEqual(args.lora_backend, "csgmv")
         self.assertEqual(args.lora_eviction_policy, "lru")
         self.assertEqual(args.max_lora_chunk_size, 16)
