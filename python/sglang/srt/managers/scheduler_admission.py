@@ -20,7 +20,9 @@ from sglang.srt.configs.forward_batch_info import ForwardMode
 from sglang.srt.managers.req import Req
 from sglang.srt.managers.schedule_policy import PrefillBudget, longest_prefix_first, plan_prefill
 
-logger = logging.getLogger(__name__)
+# The scheduler's own logger: these mixins are parts of the Scheduler, and operators filter its
+# log lines ("Prefill batch, ...") by that name.
+logger = logging.getLogger("sglang.srt.managers.scheduler")
 
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO = 0.1

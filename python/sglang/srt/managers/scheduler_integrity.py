@@ -10,7 +10,9 @@ import torch
 
 from sglang.srt.managers.integrity import Problem, duplicates, lockstep_problems
 
-logger = logging.getLogger(__name__)
+# The scheduler's own logger: these mixins are parts of the Scheduler, and operators filter its
+# log lines ("Prefill batch, ...") by that name.
+logger = logging.getLogger("sglang.srt.managers.scheduler")
 
 
 class SchedulerIntegrityMixin:

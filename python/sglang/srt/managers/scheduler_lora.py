@@ -22,7 +22,9 @@ from sglang.srt.managers.req import Req
 if TYPE_CHECKING:
     from sglang.srt.lora.lora_manager import LoRAManager
 
-logger = logging.getLogger(__name__)
+# The scheduler's own logger: these mixins are parts of the Scheduler, and operators filter its
+# log lines ("Prefill batch, ...") by that name.
+logger = logging.getLogger("sglang.srt.managers.scheduler")
 
 NOT_ENABLED = "LoRA is not enabled on this server"
 

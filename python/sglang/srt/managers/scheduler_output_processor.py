@@ -14,7 +14,9 @@ from sglang.srt.managers.req import Req
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler_output import record_output_token, record_prompt_logprobs
 
-logger = logging.getLogger(__name__)
+# The scheduler's own logger: these mixins are parts of the Scheduler, and operators filter its
+# log lines ("Prefill batch, ...") by that name.
+logger = logging.getLogger("sglang.srt.managers.scheduler")
 
 
 class SchedulerOutputMixin:
