@@ -25,6 +25,7 @@ class Backend(str, Enum):
 
 
 PREFILL_BACKENDS = (Backend.BREAKABLE, Backend.FULL, Backend.TC_PIECEWISE, Backend.DISABLED)
+COMPILE_MODES = (None, "default", "max-autotune")
 DECODE_BACKENDS = (Backend.FULL, Backend.BREAKABLE, Backend.DISABLED)
 
 
@@ -35,6 +36,9 @@ class PhaseConfig:
     bs: Optional[list[int]] = None
     # Full prefill graph only: request slots captured per bucket.
     full_prefill_max_req: Optional[int] = None
+    # tc_piecewise only: torch.compile's mode for the body, "default" or "max-autotune" (inductor
+    # autotunes its GEMM templates against cuBLAS; never its own CUDA graphs: we capture).
+    compile_mode: Optional[str] = None
 
     def __post_init__(self) -> None:
         self.backend = Backend(self.backend)
@@ -82,6 +86,7 @@ class CudaGraphConfig:
                 "max_bs": pc.max_bs,
                 "bs": pc.bs,
                 "full_prefill_max_req": pc.full_prefill_max_req,
+                "compile_mode": pc.compile_mode,
             }
         return out
 
@@ -137,6 +142,11 @@ def resolve_cuda_graph_flags(
             raise ValueError(
                 f"cuda graph backend {cfg.phase(phase).backend.value!r} is not allowed for the "
                 f"{phase.value} phase; allowed: {[b.value for b in backends]}"
+            )
+        if cfg.phase(phase).compile_mode not in COMPILE_MODES:
+            raise ValueError(
+                f"--cuda-graph-config: compile_mode must be one of {[m for m in COMPILE_MODES if m]}, "
+                f"got {cfg.phase(phase).compile_mode!r}"
             )
     return cfg, locked
 

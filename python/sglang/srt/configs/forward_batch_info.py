@@ -50,6 +50,11 @@ class GraphBreaker:
     def eager(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
+    def eager_into(self, fn: Callable[..., None], out: torch.Tensor, *tensors: torch.Tensor) -> None:
+        """Like `eager`, for a `fn(forward_batch, *tensors, out)` that writes into the caller's `out`
+        (a buffer the captured code allocated and reads next), so the break keeps no output."""
+        raise NotImplementedError
+
     def output_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         """Where the next `eager` call should write its output (so the break copies nothing)."""
         return torch.empty(shape, dtype=dtype, device=device)

@@ -194,13 +194,12 @@ class ModelRunner:
             if prefill != Backend.DISABLED or decode != Backend.DISABLED:
                 logger.info("CUDA graphs need a CUDA device; running eagerly on %s.", self.device)
             return Backend.DISABLED, Backend.DISABLED
-        if prefill == Backend.TC_PIECEWISE:
-            logger.warning(
-                "cuda_graph_config[prefill].backend='tc_piecewise' is not available in this engine; "
-                "prefill runs eagerly (use 'breakable' or 'full')."
-            )
-            prefill = Backend.DISABLED
         lora = self.lora_manager
+        if prefill == Backend.TC_PIECEWISE and lora is not None:
+            # The flag's rule turns it off under LoRA unless it was asked for explicitly: the
+            # compiled body cannot follow per-batch LoRA metadata, the breakable graph can.
+            logger.warning("tc_piecewise prefill graphs cannot carry LoRA; using the breakable graph.")
+            prefill = Backend.BREAKABLE
         if lora is not None and not lora.supports_prefill_cuda_graph and (
             prefill != Backend.DISABLED or decode != Backend.DISABLED
         ):

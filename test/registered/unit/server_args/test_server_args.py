@@ -131,9 +131,16 @@ class TestCudaGraphResolution(unittest.TestCase):
             ('{"prefill": {"backend": "breakable", "speed": 1}}', "unknown key"),
             ('{"decode": {"backend": "tc_piecewise"}}', "not allowed for the decode phase"),
             ('{"prefill": {"backend": "warp"}}', "warp"),
+            ('{"prefill": {"backend": "tc_piecewise", "compile_mode": "fastest"}}', "compile_mode must be one of"),
         ):
             with self.subTest(bad=bad), self.assertRaisesRegex(ValueError, needle):
                 ServerArgs(model_path="dummy", cuda_graph_config=bad)
+
+    def test_tc_piecewise_compile_mode(self):
+        args = ServerArgs(model_path="dummy", cuda_graph_config=(
+            '{"prefill": {"backend": "tc_piecewise", "compile_mode": "max-autotune"}}'))
+        self.assertEqual(args.cuda_graph_config.prefill.compile_mode, "max-autotune")
+        self.assertEqual(args.cuda_graph_config.to_dict()["prefill"]["compile_mode"], "max-autotune")
 
     def test_bucket_ladders(self):
         ladder = prefill_bucket_ladder(1024)

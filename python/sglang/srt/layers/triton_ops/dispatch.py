@@ -8,6 +8,8 @@
   torch   the references everywhere (e.g. to bisect a numerical difference on the GPU).
 
 Eager forwards and captured graphs call the same function, so both paths run the same kernels.
+Code that torch.compile traces (the tc_piecewise prefill graph) takes the torch references, which
+inductor fuses into kernels of its own.
 """
 
 from __future__ import annotations
@@ -40,6 +42,8 @@ def fused_kernels_mode() -> str:
 
 def use_triton(x: torch.Tensor) -> bool:
     """True when the fused layers should run their Triton kernel on `x`'s device."""
+    if torch.compiler.is_compiling():
+        return False
     mode = _mode if _mode is not None else fused_kernels_mode()
     if mode == "auto":
         return x.is_cuda

@@ -40,9 +40,10 @@ T = TypeVar("T")
 class _Break:
     fn: Callable[..., torch.Tensor]
     # Inputs produced by the preceding segment (borrowed), and the output the next segment reads
-    # (a view of BreakOutputs); the segments captured both addresses.
+    # (a view of BreakOutputs; None when `fn` writes into its last, borrowed, argument); the
+    # segments captured both addresses.
     args: tuple[torch.Tensor, ...]
-    out: torch.Tensor
+    out: Optional[torch.Tensor]
 
 
 class _DeviceMemory:
@@ -121,19 +122,22 @@ class BreakableCUDAGraph(GraphBreaker):
         """
         assert not self.segments, "a BreakableCUDAGraph is captured once"
         self._ctx = ctx
-        try:
-            with torch.cuda.stream(stream):
+        with torch.cuda.stream(stream):
+            try:
                 self._begin_segment()
                 out = body()
                 self._end_segment()
-        finally:
-            self._ctx = None
-            if self._current is not None:  # body raised mid-segment: close it before unwinding
-                try:
-                    self._current.capture_end()
-                except Exception:
-                    pass
-                self._current = None
+            finally:
+                self._ctx = None
+                # Body raised mid-segment: end the capture before unwinding, on the stream it began
+                # on (still current here), or the stream stays capturing and every later CUDA call
+                # of the process fails.
+                if self._current is not None:
+                    try:
+                        self._current.capture_end()
+                    except Exception:
+                        pass
+                    self._current = None
         return out
 
     def eager(self, fn: Callable[..., torch.Tensor], *tensors: torch.Tensor) -> torch.Tensor:
@@ -149,6 +153,16 @@ class BreakableCUDAGraph(GraphBreaker):
         self.breaks.append(_Break(fn=fn, args=args, out=out))
         self._begin_segment()
         return out
+
+    def eager_into(self, fn: Callable[..., None], out: torch.Tensor, *tensors: torch.Tensor) -> None:
+        if self._current is None:
+            fn(self._ctx, *tensors, out)
+            return
+        self._end_segment()
+        fn(self._ctx, *tensors, out)
+        # `out` is borrowed like the inputs: the segment before allocated it and the next one reads it.
+        self.breaks.append(_Break(fn=fn, args=tuple(borrow(t) for t in (*tensors, out)), out=None))
+        self._begin_segment()
 
     def output_buffer(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         # Under capture: the shared buffer, so the break writes where the next segment reads and a
@@ -177,7 +191,7 @@ class BreakableCUDAGraph(GraphBreaker):
         for i, brk in enumerate(self.breaks):
             self.segments[i].replay()
             result = brk.fn(ctx, *brk.args)
-            if result is not brk.out:
+            if brk.out is not None and result is not brk.out:
                 brk.out.copy_(result)
         self.segments[-1].replay()
 

@@ -12,7 +12,7 @@ records its base layer alone.
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Optional, Protocol
 
 import torch
 from torch import nn
@@ -65,11 +65,18 @@ class GraphRunnerBase:
         # This runner records LoRA kernels only if the LoRA backend serves them from static metadata.
         assert not capture_lora or (self.enable_lora and model_runner.lora_manager.supports_prefill_cuda_graph)
         self.capture_lora = capture_lora
+        # What the captured graphs run: the model body (tc_piecewise: its compiled pieces).
+        self.body: Callable[..., torch.Tensor] = model_runner.model.model
         self.buckets: list[int] = []
         self.graphs: dict[int, AnyGraph] = {}
         # The breakable graphs' break outputs, one buffer for every bucket (captured largest first).
         self.break_outputs = BreakOutputs()
         self.num_replays = 0
+
+    @property
+    def breakable(self) -> bool:
+        """Captured as segments broken at attention (breakable, tc_piecewise), or whole (full)."""
+        return self.backend in (Backend.BREAKABLE, Backend.TC_PIECEWISE)
 
     def _allocate(self, max_tokens: int, req_slots: int) -> None:
         """The static inputs, the full backend's attention state, and the body's output buffer."""
@@ -100,7 +107,7 @@ class GraphRunnerBase:
             bar.set_postfix_str(f"{n} free={free_gib:.1f}GiB")
             fb = self._capture_batch(n)
             self.graphs[n] = capture_graph(
-                self.backend == Backend.BREAKABLE, lambda: self._run_body(fb, n), fb, mr.graph_memory_pool,
+                self.breakable, lambda: self._run_body(fb, n), fb, mr.graph_memory_pool,
                 mr.graph_capture_stream, self.break_outputs,
             )
         torch.cuda.synchronize(mr.device)
@@ -130,5 +137,5 @@ class GraphRunnerBase:
         return fb
 
     def _run_body(self, fb: ForwardBatch, n: int) -> None:
-        hidden = self.model_runner.model.model(fb.input_ids, fb.positions, fb)
+        hidden = self.body(fb.input_ids, fb.positions, fb)
         self.hidden_out[:n].copy_(hidden)

@@ -1,11 +1,13 @@
 """Prefill CUDA graphs: the model body captured per token-count bucket (DESIGN §6).
 
-Two backends:
-  breakable  the body is a chain of segments broken at every attention call; attention runs eagerly
-             with the live batch's metadata, so one graph captured with one request serves any batch
-             whose tokens fit the bucket.
-  full       the whole body, attention included, with a fixed number of request slots
-             (`_capture_req_slots`); the attention metadata lives in static buffers too.
+Three backends:
+  breakable     the body is a chain of segments broken at every attention call; attention runs
+                eagerly with the live batch's metadata, so one graph captured with one request
+                serves any batch whose tokens fit the bucket.
+  full          the whole body, attention included, with a fixed number of request slots
+                (`_capture_req_slots`); the attention metadata lives in static buffers too.
+  tc_piecewise  breakable, with the segments compiled by torch.compile (piecewise_compile.py);
+                base-model servers only.
 
 Only the body (`model.model`) is captured. The lm_head, logprobs and sampling run in the eager tail
 on the live, unpadded batch.
@@ -27,6 +29,7 @@ What both graph runners share: graph_runner.py.
 from __future__ import annotations
 
 import logging
+import time
 from typing import Any, Optional
 
 import torch
@@ -41,6 +44,7 @@ from sglang.srt.configs.forward_batch_info import ForwardBatch
 from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.model_executor.runner.graph_buffers import prefill_replay_bucket
 from sglang.srt.model_executor.runner.graph_runner import GraphHost, GraphRunnerBase
+from sglang.srt.model_executor.runner.piecewise_compile import compile_body
 from sglang.srt.utils import cdiv
 
 logger = logging.getLogger(__name__)
@@ -54,14 +58,20 @@ class PrefillCudaGraphRunner(GraphRunnerBase):
     path = ForwardPath.PREFILL_GRAPH
 
     def __init__(
-        self, model_runner: GraphHost, backend: Backend, capture_lora: bool, capture: bool = True
+        self, model_runner: GraphHost, backend: Backend, capture_lora: bool, capture: bool = True,
+        compile_mode: Optional[str] = None,
     ) -> None:
         """`capture=False` plans the buckets and allocates the buffers without capturing (the
-        path decision can then be tested where no CUDA graph can run)."""
-        assert backend in (Backend.BREAKABLE, Backend.FULL)
+        path decision can then be tested where no CUDA graph can run). `compile_mode`:
+        tc_piecewise's, in place of the config's (benchmarks compare them)."""
+        assert backend in (Backend.BREAKABLE, Backend.FULL, Backend.TC_PIECEWISE)
+        assert backend != Backend.TC_PIECEWISE or not capture_lora, "tc_piecewise cannot follow LoRA metadata"
         super().__init__(model_runner, backend, capture_lora)
         config = model_runner.config
         cfg = config.cuda_graph.prefill
+        if backend == Backend.TC_PIECEWISE:
+            self.body = compile_body(model_runner.model, compile_mode or cfg.compile_mode)
+        self.compile_s = 0.0
         lora_manager = model_runner.lora_manager
         # A capture request never exceeds the context length (its positions index the rotary table).
         self.max_req_tokens = model_runner.context_len
@@ -132,6 +142,19 @@ class PrefillCudaGraphRunner(GraphRunnerBase):
         return None
 
     # ---------------------------------------------------------------------------- capture
+    def capture(self) -> None:
+        if self.backend == Backend.TC_PIECEWISE:
+            # Compile before the first capture, on the largest bucket (dynamic shapes: one
+            # compilation for the others), so its cost is measured and logged on its own.
+            start = time.perf_counter()
+            with torch.cuda.stream(self.model_runner.graph_capture_stream):
+                fb = self._capture_batch(self.buckets[-1])
+                self._run_body(fb, self.buckets[-1])
+            torch.cuda.synchronize(self.model_runner.device)
+            self.compile_s = time.perf_counter() - start
+            logger.info("tc_piecewise: torch.compile took %.1f s", self.compile_s)
+        super().capture()
+
     def _capture_batch(self, n: int) -> ForwardBatch:
         reqs = self._capture_req_slots if self.backend == Backend.FULL else cdiv(n, self.max_req_tokens)
         fb = self.buffers.capture_extend_batch(n, reqs, self.enable_lora, self.max_req_tokens)
@@ -149,7 +172,7 @@ class PrefillCudaGraphRunner(GraphRunnerBase):
         # The body sees bucket-sized token tensors but the live per-request metadata.
         static_fb = self.buffers.padded_view(fb, bucket)
         graph = self.graphs[bucket]
-        if self.backend == Backend.BREAKABLE:
+        if self.breakable:
             mr.attn_backend.init_forward_metadata(static_fb)
             graph.replay(static_fb)
         else:
