@@ -169,6 +169,12 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
             graphs["breakable"] = runner.prefill_graph_runner
             if args.paths != "graph":
                 graphs["full"] = PrefillCudaGraphRunner(runner, Backend.FULL, capture_lora=lora != "none")
+            if lora == "none":  # base models only: compiled code cannot follow LoRA metadata
+                for mode in args.tc_modes:
+                    t1 = time.perf_counter()
+                    graphs[f"tc_piecewise/{mode}"] = PrefillCudaGraphRunner(
+                        runner, Backend.TC_PIECEWISE, capture_lora=False, compile_mode=mode)
+                    log(f"{shape}: tc_piecewise ({mode}) compiled and captured in {time.perf_counter() - t1:.1f}s")
         decode_graph = runner.decode_graph_runner
         log(f"{shape} lora={lora}: runner and graphs ready in {time.perf_counter() - t0:.1f}s")
         names = [None] if lora == "none" else sorted(adapters)
@@ -280,7 +286,7 @@ def to_markdown(rows: list[Row], notes: list[str]) -> str:
     for r in rows:
         if not r.path.startswith("HF"):
             continue
-        for path in ("breakable", "full", "eager"):
+        for path in ("breakable", "full", *(f"tc_piecewise/{m}" for m in args.tc_modes), "eager"):
             ours = table.get((r.model, r.lora, r.case, path))
             if ours is not None:
                 ratios.append(f"- {r.model} {r.lora} {r.case}: ours {path} / {r.path} = "
@@ -301,6 +307,14 @@ def to_markdown(rows: list[Row], notes: list[str]) -> str:
                            f"LoRA kernels {p.lora_us:.0f} µs in {p.lora_launches:.0f} launches{per}")
     if vs_base:
         out += ["", "LoRA against the base model, same case and path (wall):", *vs_base]
+    vs_breakable = []
+    for r in rows:
+        breakable = table.get((r.model, r.lora, r.case, "breakable"))
+        if r.path.startswith("tc_piecewise") and breakable is not None:
+            vs_breakable.append(f"- {r.model} {r.case}: {r.path} / breakable = {r.wall_ms:.3f} / "
+                                f"{breakable.wall_ms:.3f} = **{r.wall_ms / breakable.wall_ms:.2f}**")
+    if vs_breakable:
+        out += ["", "tc_piecewise against the breakable graph (wall):", *vs_breakable]
     if notes:
         out += ["", *[f"- {n}" for n in notes]]
     out += ["", "Top kernels (µs per forward, calls per forward):", ""]
@@ -338,6 +352,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--decode-adapters", type=_ints, default=[1], help="distinct adapters per decode batch")
     p.add_argument("--prefill-batches", type=_batches, default=[], help="e.g. 4x512,8x256 (requests x tokens)")
     p.add_argument("--paths", default="all", choices=["all", "graph"], help="graph: breakable and decode graph only")
+    p.add_argument("--tc-modes", type=lambda v: [m for m in v.split(",") if m], default=["default"],
+                   help="tc_piecewise prefill graphs to measure on the base model: compile modes, e.g. "
+                        "default,max-autotune ('' for none)")
     p.add_argument("--hf-anchor", dest="hf_anchor", action="store_true", default=None)
     p.add_argument("--no-hf-anchor", dest="hf_anchor", action="store_false")
     p.add_argument("--hf-tokens", type=_ints, default=[128, 2048])

@@ -99,7 +99,8 @@ if [[ " $PARTS " == *" profile "* ]]; then
       llama-3.1-8b) extra=(--tokens 128,2048,4096) ;;
       *) extra=(--tokens 128 --lora none --no-hf-anchor) ;;
     esac
-    $PY benchmark/profile_forward.py --model "$model" "${extra[@]}" --out "/tmp/profile_forward_$model.md" \
+    $PY benchmark/profile_forward.py --model "$model" "${extra[@]}" ${GPU_SUITE_TC_MODES+--tc-modes "$GPU_SUITE_TC_MODES"} \
+      --out "/tmp/profile_forward_$model.md" \
       >>"$OUT/profile.log" 2>&1 || status=1
     cat "/tmp/profile_forward_$model.md" >>"$OUT/profile_forward.md" 2>/dev/null
     say "$model: $(( $(date +%s) - start ))s"
@@ -120,10 +121,12 @@ if [[ " $PARTS " == *" profile_compare "* ]]; then
     : >"$OUT/profile_compare.md"
     for round in 1 2; do
       for side in before after; do
-        tree=$ROOT; [ $side = before ] && tree=$before
+        tree=$ROOT; extra=(--tc-modes "")  # the same paths on both sides: no tc_piecewise
+        [ $side = before ] && tree=$before && extra=()
         start=$(date +%s)
         PYTHONPATH=$tree/python:$ROOT/.site $PY "$tree/benchmark/profile_forward.py" --model llama-3.1-8b \
-          --tokens 128 --paths graph --no-hf-anchor ${GPU_SUITE_COMPARE_ARGS:-} --out "/tmp/compare_$side$round.md" \
+          --tokens 128 --paths graph --no-hf-anchor "${extra[@]}" ${GPU_SUITE_COMPARE_ARGS:-} \
+          --out "/tmp/compare_$side$round.md" \
           >>"$OUT/profile_compare.log" 2>&1 || status=1
         { echo "### $side (round $round)"; cat "/tmp/compare_$side$round.md" 2>/dev/null; echo; } >>"$OUT/profile_compare.md"
         say "$side round $round: $(( $(date +%s) - start ))s"
@@ -154,7 +157,7 @@ if [[ " $PARTS " == *" lora_decode "* ]]; then
     start=$(date +%s)
     $PY benchmark/profile_forward.py --model "$model" --adapters 8 --lora none,lora --lora-backend csgmv \
       --paths graph --no-hf-anchor --tokens 128 --prefill-batches 4x512,8x256 --decode-bs 1,8,32,64,128 \
-      --decode-adapters 1,4,8 --out "/tmp/lora_steps_$model.md" >>"$OUT/lora_decode.log" 2>&1 || status=1
+      --decode-adapters 1,4,8 --tc-modes "" --out "/tmp/lora_steps_$model.md" >>"$OUT/lora_decode.log" 2>&1 || status=1
     cat "/tmp/lora_steps_$model.md" >>"$OUT/lora_steps.md" 2>/dev/null
     say "$model steps: $(( $(date +%s) - start ))s"
     grep -E "LoRA / base" "/tmp/lora_steps_$model.md" 2>/dev/null | tee -a "$SUMMARY"
@@ -201,12 +204,13 @@ fi
 if [[ " $PARTS " == *" many_adapters "* ]]; then
   # More adapters than slots (issue 18's table): the same load against the base server and csgmv
   # servers with 64 adapters (zipf alpha 1) on 64 and on 16 slots, 8 adapters (uniform) on 4
-  # slots; GPU_SUITE_MANY_CONFIGS=base,z256-64 runs the 256-adapter server (its own call: 256
+  # slots, and a 64-slot LoRA server with no adapter at start (its start-up against z64-64's is what
+  # loading 64 adapters costs); GPU_SUITE_MANY_CONFIGS=base,z256-64 runs the 256-adapter server (its own call: 256
   # adapters to load at start). Reports per-adapter p99 TTFT against the base's and start-up times.
   say "== many_adapters (Qwen3-4B shape, dummy weights, triton attention, graphs on)"
   start=$(date +%s)
   $PY benchmark/lora/bench_lora_serving.py --out "$OUT/many_adapters.md" --log-dir "$OUT/many_adapters" \
-    --configs "${GPU_SUITE_MANY_CONFIGS:-base,z64-64,z64-16,u8-4}" ${GPU_SUITE_DRY_RUN:+--dry-run} \
+    --configs "${GPU_SUITE_MANY_CONFIGS:-base,lora0-64,z64-64,z64-16,u8-4}" ${GPU_SUITE_DRY_RUN:+--dry-run} \
     >"$OUT/many_adapters.log" 2>&1 || status=1
   say "many_adapters: $(( $(date +%s) - start ))s"
   grep -E "^\[lora_serving\]" "$OUT/many_adapters.log" | tee -a "$SUMMARY"

@@ -19,6 +19,8 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
   Many adapters (more adapters than slots, zipf alpha 1 unless said; csgmv):
     z64-64        64 adapters on 64 slots               z64-16       64 adapters on 16 slots
     z256-64       256 adapters on 64 slots              u8-4         8 adapters, uniform, on 4 slots
+    lora0-64      a LoRA server with 64 slots and no adapter at start, base requests (against
+                  z64-64: what loading 64 adapters at start costs the start-up)
   (Adapters beyond the first 32 reuse their files round-robin: the weights do not change a step's
   cost, and 256 rank-16 adapters of this shape would take 17 GB of disk; each name is its own
   adapter to the server, with its own host copy and slot.)
@@ -81,6 +83,7 @@ CONFIGS = {
     "z64-16": Config("z64-16", _lora("csgmv", 16), "zipf", adapters=64),
     "z256-64": Config("z256-64", _lora("csgmv", 64), "zipf", adapters=256),
     "u8-4": Config("u8-4", _lora("csgmv", 4)),
+    "lora0-64": Config("lora0-64", _lora("csgmv", 64), None, adapters=0),
 }
 DISTINCT_ADAPTER_FILES = 32
 
@@ -126,7 +129,11 @@ def launch(ckpt: str, cfg: Config, adapters: dict[str, str], port: int, log_path
     args += ["--device", "cpu", "--dtype", "float32"] if dry_run else ["--load-format", "dummy", "--attention-backend", "triton"]
     args += list(cfg.extra)
     if cfg.server:
-        args += ["--lora-paths", *[f"{n}={p}" for n, p in adapters.items()], *cfg.server]
+        if adapters:
+            args += ["--lora-paths", *[f"{n}={p}" for n, p in adapters.items()]]
+        else:  # nothing to infer the pool's shape from: name it
+            args += ["--enable-lora", "--max-lora-rank", str(cfg.rank), "--lora-target-modules", "all"]
+        args += list(cfg.server)
         if dry_run:
             args[args.index("--lora-backend") + 1] = "torch_native"  # the Triton backends need a GPU
     return start_server(args, port, log_path, timeout)
@@ -186,7 +193,8 @@ def run_load(url: str, cfg: Config, adapters: dict[str, str], args: argparse.Nam
 
 def bench_server(ckpt: str, configs: list[Config], args: argparse.Namespace, port: int) -> list[Row]:
     rows = [Row(cfg) for cfg in configs]
-    adapters = make_adapter_set(args.root, ckpt, configs[0].adapters, configs[0].rank) if configs[0].server else {}
+    adapters = (make_adapter_set(args.root, ckpt, configs[0].adapters, configs[0].rank)
+                if configs[0].server and configs[0].adapters else {})
     log_path = os.path.join(args.log_dir, f"server-{configs[0].name}.log")
     try:
         proc, startup = launch(ckpt, configs[0], adapters, port, log_path, args.dry_run, args.server_timeout)
@@ -291,22 +299,23 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
     configs = [CONFIGS[name.strip()] for name in args.configs.split(",") if name.strip()]
     ckpt = make_checkpoint_for(args.root, args.dry_run)
     rows: list[Row] = []
-    for i, group in enumerate(group_by_server(configs)):
-        start = time.perf_counter()
-        rows += bench_server(ckpt, group, args, args.port + i)
-        print(f"[lora_serving] {'+'.join(c.name for c in group)}: {time.perf_counter() - start:.0f} s", flush=True)
     header = (f"`bench_serving`: {args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len}, "
               f"concurrency {args.concurrency}, rank-16 adapters (8 unless the name says) on all seven modules, "
               f"zipf alpha {args.zipf_alpha} "
               f"({'tiny CPU dry run' if args.dry_run else 'Qwen3-4B shape, dummy weights, triton attention'}).")
-    md = to_markdown(rows, header)
-    print(md)
-    with open(os.path.join(args.log_dir, "lora_serving.json"), "w") as f:
-        json.dump([dict(config=r.config.name, result=r.result, delta=r.delta, server=r.server, error=r.error)
-                   for r in rows], f, indent=1)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(md)
+    for i, group in enumerate(group_by_server(configs)):
+        start = time.perf_counter()
+        rows += bench_server(ckpt, group, args, args.port + i)
+        print(f"[lora_serving] {'+'.join(c.name for c in group)}: {time.perf_counter() - start:.0f} s", flush=True)
+        # After every server, so a run cut short keeps the servers it finished.
+        md = to_markdown(rows, header)
+        with open(os.path.join(args.log_dir, "lora_serving.json"), "w") as f:
+            json.dump([dict(config=r.config.name, result=r.result, delta=r.delta, server=r.server, error=r.error)
+                       for r in rows], f, indent=1)
+        if args.out:
+            with open(args.out, "w") as f:
+                f.write(md)
+    print(to_markdown(rows, header))
     return rows
 
 
