@@ -233,14 +233,15 @@ def test_bound_kernel_checks_its_signature():
         launch.bound.prepare(launch.grid, launch.ints[:-1] + (2**40,))
 
 
-def _compile_for_hopper(kernel, tensors: dict, ints: list[str], constexprs: dict, **options):
+def _compile_for_hopper(kernel, tensors: dict, ints: list[str], constexprs: dict, floats: tuple[str, ...] = (),
+                        **options):
     """Compile for sm_90 without a GPU (bundled ptxas), the way the JIT specialises real shapes:
-    16-byte aligned pointers and ints divisible by 16."""
+    16-byte aligned pointers and ints divisible by 16 (`floats`: fp32 scalars after the ints)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import triton
 
-    sig = {**tensors, **{n: "i32" for n in ints}, **{k: "constexpr" for k in constexprs}}
+    sig = {**tensors, **{n: "i32" for n in ints}, **{n: "fp32" for n in floats}, **{k: "constexpr" for k in constexprs}}
     names = list(sig)
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in list(tensors) + ints}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},

@@ -18,6 +18,28 @@ from sglang.srt.layers.triton_ops.common import cast_rne, interpreting
 
 
 @triton.jit
+def load_row(X, R, row, stride_x, stride_r, offs, mask, HAS_RESIDUAL: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """Row `row` of X, plus the same row of R (rounded to the model dtype: the new residual)."""
+    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    if HAS_RESIDUAL:
+        r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
+        x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE_RNE)
+    return x
+
+
+@triton.jit
+def rms_normalize(x, W, offs, mask, n_cols, eps, OUT_DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """The normalised row (a row `x` in the model dtype, already summed with its residual) times
+    the weight, in OUT_DTYPE, with the roundings above. Shared by every kernel that normalises a
+    row (lora/triton_ops/norm_shrink_pack.py), so they all give the same bits."""
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    normed = cast_rne(xf * rstd, x.dtype, EMULATE_RNE).to(tl.float32)
+    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
+    return cast_rne(normed * w, OUT_DTYPE, EMULATE_RNE)
+
+
+@triton.jit
 def _rmsnorm_kernel(
     X, R, W, Y,
     stride_x, stride_r, stride_y,
@@ -29,16 +51,11 @@ def _rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
-    x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+    x = load_row(X, R, row, stride_x, stride_r, offs, mask, HAS_RESIDUAL, EMULATE_RNE)
     if HAS_RESIDUAL:
-        r = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
-        x = cast_rne(x.to(tl.float32) + r.to(tl.float32), x.dtype, EMULATE_RNE)
         tl.store(R + row * stride_r + offs, x, mask=mask)
-    xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = cast_rne(xf * rstd, x.dtype, EMULATE_RNE).to(tl.float32)
-    w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(Y + row * stride_y + offs, cast_rne(normed * w, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
+    y = rms_normalize(x, W, offs, mask, n_cols, eps, Y.dtype.element_ty, EMULATE_RNE)
+    tl.store(Y + row * stride_y + offs, y, mask=mask)
 
 
 def _rows(t: torch.Tensor, n_cols: int, written: bool) -> torch.Tensor:

@@ -1,0 +1,185 @@
+"""Does fusing the norm into a folded module's shrink_pack pay at decode (`--lora-fuse-norm`, opt-in until it does)?
+
+    PYTHONPATH=$PWD/python python benchmark/lora/bench_norm_shrink.py [--models qwen3-4b llama-3.1-8b]
+        [--decode-bs 1 8 32 64 128] [--adapters 8] [--rank 16] [--out f.md]
+    PYTHONPATH=$PWD/python python benchmark/lora/bench_norm_shrink.py --cpu-dry-run   # tiny, interpreter
+
+One decode step's worth of the two norm-fed folded modules, every layer its own weights (so
+nothing stays in L2 that would not in a model): per layer, the input norm -> qkv_proj and the
+post-attention norm -> gate_up_proj, each as
+  unfused  rmsnorm_fwd (residual add fused), shrink_pack (PDL where the GPU has it), F.linear(x_aug, W_aug)
+  fused    norm_shrink_pack, F.linear(x_aug, W_aug)
+  base     rmsnorm_fwd, F.linear(x, W)          (no LoRA: what the GEMMs and norms cost alone)
+captured as one CUDA graph per variant and replayed; GPU µs per step and per module. The rows
+take the batch's adapters in turn (8 adapters in 9 slots, the serving default). The outputs of
+the two LoRA variants are compared first (max |fused - unfused| of the GEMM outputs, relative to
+their scale).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parents[1] / "python"))
+if "--cpu-dry-run" in sys.argv:
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd  # noqa: E402
+from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
+from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack  # noqa: E402
+from sglang.srt.lora.triton_ops.token_lora import pdl_available, plan_pack, prepare_pack, token_segments  # noqa: E402
+
+# (hidden, q, kv, intermediate, layers) of the real HF configs.
+SHAPES = {
+    "qwen3-4b": (2560, 4096, 1024, 9728, 36),
+    "llama-3.1-8b": (4096, 4096, 1024, 14336, 32),
+    "tiny": (64, 64, 32, 96, 2),
+}
+EPS = 1e-6
+
+
+class Module:
+    """One folded module of one layer: its norm weight, A [S, c*R, K], W_aug [N, K + E], W = W_aug[:, :K]."""
+
+    def __init__(self, in_dim: int, out_dim: int, stack: int, slots: int, rank: int, dtype, device, gen) -> None:
+        self.in_dim, self.stack, self.rank = in_dim, stack, rank
+        self.extra = fold_extra_columns(slots, stack, rank)
+        self.norm_w = (1 + 0.1 * torch.randn(in_dim, generator=gen)).to(dtype).to(device)
+        self.a = (torch.randn(slots, stack * rank, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(device)
+        self.w_aug = (torch.randn(out_dim, in_dim + self.extra, generator=gen) / in_dim**0.5).to(dtype).to(device)
+        self.w = self.w_aug[:, :in_dim]
+
+
+def build(shape: str, rank: int, slots: int, dtype, device) -> list[Module]:
+    hidden, q, kv, inter, layers = SHAPES[shape]
+    gen = torch.Generator().manual_seed(0)
+    mods = []
+    for _ in range(layers):
+        mods.append(Module(hidden, q + 2 * kv, 3, slots, rank, dtype, device, gen))
+        mods.append(Module(hidden, 2 * inter, 2, slots, rank, dtype, device, gen))
+    return mods
+
+
+class Step:
+    """The variants over one batch: inputs, per-module scratch and prepared launches."""
+
+    def __init__(self, mods: list[Module], bs: int, adapters: int, slots: int, dtype, device) -> None:
+        self.mods, self.bs = mods, bs
+        hidden = mods[0].in_dim
+        gen = torch.Generator().manual_seed(bs)
+        self.x = torch.randn(bs, hidden, generator=gen).to(dtype).to(device)
+        self.residual = torch.randn(bs, hidden, generator=gen).to(dtype).to(device)
+        self.res_work = torch.empty_like(self.residual)
+        self.res_out = torch.empty_like(self.residual)
+        ranks = [0] + [mods[0].rank] * (slots - 1)  # slot 0: the base model
+        self.ranks = torch.tensor(ranks, dtype=torch.int32, device=device)
+        self.scalings = torch.tensor([0.0] + [2.0] * (slots - 1), dtype=torch.float32, device=device)
+        self.row_slots = torch.tensor([1 + i % adapters for i in range(bs)], dtype=torch.int32, device=device)
+        perm, indptr, seg_slots, n_segs = token_segments(self.row_slots.cpu(), self.ranks.cpu(), 16)
+        self.segments = (perm.to(device), indptr.to(device), seg_slots.to(device))
+        use_pdl = pdl_available(torch.device(device))
+        self.launches, self.x_aug, self.scratch = [], [], []
+        for m in mods:
+            plan = plan_pack(m.in_dim, m.stack, m.rank, m.extra, self.x.element_size())
+            width = m.in_dim + m.extra
+            self.x_aug.append(torch.empty(bs, width, dtype=dtype, device=device))
+            workspace = torch.empty(max(plan.shrink.workspace_numel(bs), 1), dtype=torch.float32, device=device)
+            counters = torch.zeros(max(plan.shrink.num_counters(n_segs), 1), dtype=torch.int32, device=device)
+            self.scratch.append((workspace, counters))
+            self.launches.append(prepare_pack(plan, bs, n_segs, self.x, m.a, width, use_pdl))
+        self.outs: list[torch.Tensor] = []
+
+    def unfused(self) -> None:
+        self.outs = []
+        self.res_work.copy_(self.residual)
+        for i, m in enumerate(self.mods):
+            normed = rmsnorm_fwd(self.x, m.norm_w, EPS, residual=self.res_work)
+            workspace, counters = self.scratch[i]
+            self.launches[i](normed, m.a, self.x_aug[i], workspace, counters, *self.segments, self.ranks,
+                             self.scalings)
+            self.outs.append(F.linear(self.x_aug[i], m.w_aug))
+
+    def fused(self) -> None:
+        self.outs = []
+        self.res_work.copy_(self.residual)  # unused here: the same copy as the other variants
+        res, out = self.residual, self.res_out
+        for i, m in enumerate(self.mods):
+            new = norm_shrink_pack(self.x, res, m.norm_w, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks,
+                                   self.scalings, m.stack, m.rank, residual_out=out)
+            res, out = new, (self.res_work if new is self.res_out else self.res_out)
+            self.outs.append(F.linear(self.x_aug[i], m.w_aug))
+
+    def base(self) -> None:
+        self.outs = []
+        self.res_work.copy_(self.residual)
+        for m in self.mods:
+            normed = rmsnorm_fwd(self.x, m.norm_w, EPS, residual=self.res_work)
+            self.outs.append(F.linear(normed, m.w))
+
+
+def graph_us(fn) -> float:
+    """GPU µs of one `fn()` from CUDA-graph replays (no Python launch cost)."""
+    import triton
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return triton.testing.do_bench(graph.replay, warmup=10, rep=100) * 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--models", nargs="+", default=["qwen3-4b", "llama-3.1-8b"])
+    p.add_argument("--decode-bs", nargs="+", type=int, default=[1, 8, 32, 64, 128])
+    p.add_argument("--adapters", type=int, default=8)
+    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--out", default=None)
+    p.add_argument("--cpu-dry-run", action="store_true")
+    args = p.parse_args()
+    dry = args.cpu_dry_run
+    device, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
+    models = ["tiny"] if dry else args.models
+    bss = [1, 3] if dry else args.decode_bs
+    slots = args.adapters + 1
+    lines = []
+    for shape in models:
+        mods = build(shape, args.rank, slots, dtype, device)
+        layers = SHAPES[shape][4]
+        title = (f"### {shape}: norm + folded qkv / gate_up, {layers} layers, {args.adapters} rank-{args.rank} "
+                 f"adapters in {slots} slots ({'CPU dry run' if dry else torch.cuda.get_device_name(0)})")
+        lines += [title, "", "| decode bs | base µs/step | unfused µs/step | fused µs/step | LoRA unfused | "
+                  "LoRA fused | fused saves µs/module | max rel diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for bs in bss:
+            step = Step(mods, bs, args.adapters, slots, dtype, device)
+            step.unfused()
+            ref = [o.float().clone() for o in step.outs]
+            step.fused()
+            diff = max(float((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-6)) for o, r in zip(step.outs, ref))
+            if dry:
+                lines.append(f"| {bs} | - | - | - | - | - | - | {diff:.1e} |")
+                continue
+            base, unfused, fused = graph_us(step.base), graph_us(step.unfused), graph_us(step.fused)
+            lines.append(f"| {bs} | {base:.0f} | {unfused:.0f} | {fused:.0f} | {unfused - base:.0f} | "
+                         f"{fused - base:.0f} | {(unfused - fused) / len(mods):.2f} | {diff:.1e} |")
+            print(lines[-1], flush=True)
+        lines.append("")
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()

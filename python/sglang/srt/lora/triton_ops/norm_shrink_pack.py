@@ -1,0 +1,148 @@
+"""RMSNorm (residual add fused) and a folded module's shrink_pack in one kernel, for decode.
+
+A folded module (shrink_pack.py, lora/fold.py) needs `x_aug = [x | packed pre-scaled shrink]`,
+and the x of qkv_proj and gate_up_proj is an RMSNorm's output. Run apart, a decode step pays two
+dependent kernels per module: the norm, then shrink_pack (its launch and the idle GPU between
+them inside the graph: ~10 µs per module on an H200, most of a LoRA decode step's excess). This
+kernel writes the norm's output straight into `x_aug[:, :K]` and the row's shrink into its slot's
+block, so the module's GEMM follows the norm directly.
+
+Grid: rows x column tiles of the stacked rank. Every program normalises its row in registers (the
+same code and roundings as layers/triton_ops/rmsnorm.py, so `x_aug[:, :K]` equals `rmsnorm_fwd`'s
+output bit for bit) and reduces BLOCK_J columns of its row's adapter, `A[slot, j, :]`, against it.
+The column-tile-0 program also writes the new residual, the normalised row and the zeros (every
+extra column that is not one of the row's own values, all of E for a row without an adapter);
+the other programs write only their values. So every element is written once, and nothing needs
+clearing between launches.
+
+The new residual goes to its own buffer, never over the old one: the other programs of the row
+read the old residual while the first writes.
+
+Per row, not per segment: a decode batch has one row per request, and a row's sums depend on that
+row alone, so a graph replay on a padded bucket and an eager pass over the live rows give the same
+values. At prefill sizes every row would read its adapter's A again; there shrink_pack's segments
+(one A read per 16 rows) stay the better kernel.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sglang.srt.layers.triton_ops.common import interpreting
+from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize
+
+# Elements of one A tile a program holds in registers (BLOCK_J x next_pow2(K)).
+TILE_ELEMENTS = 16384
+
+
+@triton.jit
+def _norm_shrink_pack_kernel(
+    X, R, R_OUT, NORM_W, A, XAUG, ROW_SLOTS, RANKS, SCALINGS,
+    stride_x, stride_r, stride_ro, stride_xaug, a_stride_s, a_stride_n,
+    K, eps,
+    STACK: tl.constexpr,
+    MAX_RANK: tl.constexpr,
+    E_COLS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    BLOCK_J: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    EMULATE_RNE: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    tile = tl.program_id(1)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < K
+
+    # ---- the norm: _rmsnorm_kernel's own code -------------------------------------------------
+    x = load_row(X, R, row, stride_x, stride_r, offs, mask, HAS_RESIDUAL, EMULATE_RNE)
+    if HAS_RESIDUAL and tile == 0:
+        tl.store(R_OUT + row * stride_ro + offs, x, mask=mask)
+    y = rms_normalize(x, NORM_W, offs, mask, K, eps, XAUG.dtype.element_ty, EMULATE_RNE)
+
+    slot = tl.load(ROW_SLOTS + row)
+    rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
+    block_w: tl.constexpr = STACK * MAX_RANK
+    if tile == 0:
+        tl.store(XAUG + row * stride_xaug + offs, y, mask=mask)
+        for e0 in range(0, E_COLS, BLOCK_E):
+            cols = e0 + tl.arange(0, BLOCK_E)
+            is_value = ((cols // block_w) == slot) & (((cols % block_w) % MAX_RANK) < rank)
+            tl.store(XAUG + row * stride_xaug + K + cols, tl.zeros((BLOCK_E,), dtype=XAUG.dtype.element_ty),
+                     mask=(cols < E_COLS) & ~is_value)
+
+    # ---- this tile's columns of the row's shrink: compact column n = k*r + j of A[slot] --------
+    offs_n = tile * BLOCK_J + tl.arange(0, BLOCK_J)
+    col_mask = offs_n < STACK * rank
+    if tile * BLOCK_J < STACK * rank:
+        a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
+                    mask=col_mask[:, None] & mask[None, :], other=0.0)
+        acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
+        scaling = tl.load(SCALINGS + slot)
+        k_slice = offs_n // rank
+        col = slot * block_w + k_slice * MAX_RANK + (offs_n - k_slice * rank)
+        tl.store(XAUG + row * stride_xaug + K + col, (acc * scaling).to(XAUG.dtype.element_ty), mask=col_mask)
+
+
+def column_tile(in_dim: int) -> int:
+    """BLOCK_J: how many of the stacked rank's columns one program reduces (a layer constant)."""
+    return max(1, min(16, TILE_ELEMENTS // triton.next_power_of_2(in_dim)))
+
+
+def norm_shrink_pack(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    norm_weight: torch.Tensor,
+    eps: float,
+    weights: torch.Tensor,
+    x_aug: torch.Tensor,
+    row_slots: torch.Tensor,
+    lora_ranks: torch.Tensor,
+    scalings: torch.Tensor,
+    stack_num: int,
+    max_rank: int,
+    residual_out: Optional[torch.Tensor] = None,
+) -> Optional[torch.Tensor]:
+    """x_aug [T, K + E] = [RMSNorm(x (+ residual)) | its packed pre-scaled shrink] in one launch.
+
+    `weights` is the module's A [S, stack*max_rank, K] (an adapter of rank r in its first
+    stack*r rows), `row_slots` int32 [T] each row's slot (-1: none). With `residual`, the sum
+    x + residual (the new residual) goes to `residual_out` (allocated when None; never `residual`
+    itself) and is returned; without, returns None.
+    """
+    rows, in_dim = x.shape
+    extra = x_aug.shape[1] - in_dim
+    if norm_weight.shape != (in_dim,):
+        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} does not match rows of {in_dim}")
+    assert weights.shape[1:] == (stack_num * max_rank, in_dim) and weights.stride(2) == 1, weights.shape
+    assert x_aug.shape[0] == rows and x_aug.stride(1) == 1 and extra >= weights.shape[0] * stack_num * max_rank
+    assert x.stride(1) == 1 and row_slots.shape == (rows,)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1
+        if residual_out is None:
+            residual_out = torch.empty_like(residual)
+        assert residual_out.data_ptr() != residual.data_ptr(), "the new residual needs its own buffer"
+    if rows == 0:
+        return residual_out
+    block = triton.next_power_of_2(in_dim)
+    block_j = column_tile(in_dim)
+    r = residual if residual is not None else x
+    ro = residual_out if residual is not None else x
+    _norm_shrink_pack_kernel[(rows, triton.cdiv(stack_num * max_rank, block_j))](
+        x, r, ro, norm_weight, weights, x_aug, row_slots, lora_ranks, scalings,
+        x.stride(0), r.stride(0), ro.stride(0), x_aug.stride(0), weights.stride(0), weights.stride(1),
+        in_dim, eps,
+        STACK=stack_num, MAX_RANK=max_rank, E_COLS=extra, BLOCK=block, BLOCK_J=block_j,
+        BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
+        HAS_RESIDUAL=residual is not None, EMULATE_RNE=interpreting(),
+        # rmsnorm_fwd's warps for the row: the same reduction tree, so x_aug[:, :K] equals its output.
+        num_warps=8 if block >= 4096 else (4 if block >= 1024 else 2),
+    )
+    return residual_out
+
+
+__all__ = ["norm_shrink_pack", "column_tile"]

@@ -1,0 +1,128 @@
+"""RMSNorm + shrink_pack in one kernel (lora/triton_ops/norm_shrink_pack.py), CPU interpreter.
+
+Checked against the two kernels it replaces: `x_aug[:, :K]` is `rmsnorm_fwd`'s output bit for bit
+(float32 and bf16), the new residual is `x + residual` bit for bit and the old one is untouched,
+and the extra columns are shrink_pack's of that output (every column written: NaN poison in x_aug
+disappears; NaN past each adapter's compact prefix in A is never read). Rows are independent of
+the row count (a padded graph bucket and the live rows give the same bits).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd
+from sglang.srt.lora.fold import fold_extra_columns
+from sglang.srt.lora.triton_ops.norm_shrink_pack import column_tile, norm_shrink_pack
+from sglang.srt.lora.triton_ops.token_lora import shrink_pack
+from test_lora_fold import RANKS, RANKS_T, ROW_SLOTS, SCALINGS_T, S, R, _poisoned_a, ref_x_aug
+
+EPS = 1e-6
+
+
+def inputs(in_dim: int, stack: int, dtype: torch.dtype, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    slots = torch.tensor(ROW_SLOTS, dtype=torch.int32)
+    rows = slots.numel()
+    x = (3 * torch.randn(rows, in_dim, generator=gen)).to(dtype)
+    residual = torch.randn(rows, in_dim, generator=gen).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(in_dim, generator=gen)).to(dtype)
+    a = _poisoned_a(stack, in_dim, gen).to(dtype)
+    extra = fold_extra_columns(S, stack, R) + 16  # more alignment padding than the pool adds
+    return slots, x, residual, norm_w, a, extra
+
+
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("stack", [1, 2, 3])
+@pytest.mark.parametrize("in_dim", [40, 300])
+def test_writes_the_norm_and_the_packed_shrink(in_dim, stack, with_residual):
+    slots, x, residual, norm_w, a, extra = inputs(in_dim, stack, torch.float32, 7 * stack + in_dim)
+    rows = slots.numel()
+    res_in = residual.clone()
+    x_aug = torch.full((rows, in_dim + extra), float("nan"))
+    new_res = norm_shrink_pack(x, residual if with_residual else None, norm_w, EPS, a, x_aug, slots, RANKS_T,
+                               SCALINGS_T, stack, R)
+    ref_res = residual.clone()
+    normed = rmsnorm_fwd(x, norm_w, EPS, residual=ref_res if with_residual else None)
+    assert not torch.isnan(x_aug).any()
+    assert torch.equal(x_aug[:, :in_dim], normed)
+    if with_residual:
+        assert torch.equal(new_res, ref_res) and torch.equal(residual, res_in)
+    else:
+        assert new_res is None
+    torch.testing.assert_close(x_aug, ref_x_aug(normed, a, ROW_SLOTS, stack, extra), rtol=1e-5, atol=1e-4)
+    # The same x_aug as the two kernels it replaces (shrink_pack's split-K sums in another order).
+    unfused = torch.empty_like(x_aug)
+    shrink_pack(normed, a, unfused, slots, RANKS_T, SCALINGS_T, stack, R)
+    torch.testing.assert_close(x_aug, unfused, rtol=1e-5, atol=1e-4)
+
+
+def test_bf16_norm_is_rmsnorm_bit_for_bit():
+    slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.bfloat16, 1)
+    x_aug = torch.empty((slots.numel(), 300 + extra), dtype=torch.bfloat16)
+    new_res = norm_shrink_pack(x, residual, norm_w, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 3, R)
+    ref_res = residual.clone()
+    normed = rmsnorm_fwd(x, norm_w, EPS, residual=ref_res)
+    assert torch.equal(x_aug[:, :300], normed) and torch.equal(new_res, ref_res)
+    expected = ref_x_aug(normed.float(), a.float(), ROW_SLOTS, 3, extra)
+    torch.testing.assert_close(x_aug.float(), expected, rtol=2e-2, atol=2e-2)
+
+
+def test_rows_do_not_depend_on_the_row_count():
+    slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.float32, 2)
+    live = slots.numel()
+    bucket = torch.cat([slots, torch.full((21,), -1, dtype=torch.int32)])
+    xb = torch.cat([x, torch.randn(21, 300)])
+    rb = torch.cat([residual, torch.randn(21, 300)])
+    eager = torch.empty(live, 300 + extra)
+    norm_shrink_pack(x, residual, norm_w, EPS, a, eager, slots, RANKS_T, SCALINGS_T, 3, R)
+    replay = torch.empty(bucket.numel(), 300 + extra)
+    norm_shrink_pack(xb, rb, norm_w, EPS, a, replay, bucket, RANKS_T, SCALINGS_T, 3, R)
+    assert torch.equal(replay[:live], eager)
+    assert torch.equal(replay[live:, 300:], torch.zeros(21, extra))
+
+
+def test_refuses_to_overwrite_the_residual_it_reads():
+    slots, x, residual, norm_w, a, extra = inputs(40, 1, torch.float32, 3)
+    x_aug = torch.empty((slots.numel(), 40 + extra))
+    with pytest.raises(AssertionError, match="own buffer"):
+        norm_shrink_pack(x, residual, norm_w, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 1, R, residual_out=residual)
+    with pytest.raises(ValueError, match="norm weight"):
+        norm_shrink_pack(x, residual, norm_w[:-1], EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 1, R)
+
+
+def test_column_tile_is_a_layer_constant():
+    assert column_tile(2560) == 4 and column_tile(4096) == 4 and column_tile(8192) == 2 and column_tile(40) == 16
+    assert all(RANKS[s] <= R for s in range(S))
+
+
+def hopper_ptx() -> str:
+    """The kernel compiled for sm_90 at the Qwen3-4B qkv shape (run without TRITON_INTERPRET)."""
+    from sglang.srt.lora.triton_ops.norm_shrink_pack import _norm_shrink_pack_kernel
+    from test_lora_token_kernels import _compile_for_hopper
+
+    bf16 = {n: "*bf16" for n in ("X", "R", "R_OUT", "NORM_W", "A", "XAUG")}
+    return _compile_for_hopper(
+        _norm_shrink_pack_kernel, {**bf16, "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32"},
+        ["stride_x", "stride_r", "stride_ro", "stride_xaug", "a_stride_s", "a_stride_n", "K"],
+        dict(STACK=3, MAX_RANK=16, E_COLS=432, BLOCK=4096, BLOCK_J=column_tile(2560), BLOCK_E=512, HAS_RESIDUAL=True,
+             EMULATE_RNE=False),
+        floats=("eps",), num_warps=8,
+    )
+
+
+def test_compiles_for_hopper():
+    """What only the compiler checks (types, scalar conditions), in a subprocess without
+    TRITON_INTERPRET (bundled ptxas, no GPU needed)."""
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = (f"import sys; sys.path[:0] = {[here] + sys.path[:3]!r}; "
+            "import test_lora_norm_shrink as t; ptx = t.hopper_ptx(); print('ok', len(ptx), 'st.global' in ptx)")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.split()[-1] == "True", proc.stdout
