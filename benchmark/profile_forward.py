@@ -160,6 +160,8 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
             overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
                              disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
         overrides.setdefault("max_running_requests", max(64, *args.decode_bs))
+        if lora == "lora-fused":  # --lora-fuse-norm: the norms inside the folded shrink_pack at decode
+            overrides["lora_fuse_norm"] = True
         buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
         runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
                               prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
@@ -225,7 +227,7 @@ def bench_hf_anchor(args, shape: str, ckpt: str) -> tuple[list[Row], list[str]]:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     config = AutoConfig.from_pretrained(ckpt)
     rows, notes = [], []
-    for lora in args.lora:
+    for lora in [x for x in args.lora if x != "lora-fused"]:  # the engine's own variant: no HF twin
         t0 = time.perf_counter()
         torch.manual_seed(0)
         with device:
@@ -302,7 +304,7 @@ def to_markdown(rows: list[Row], notes: list[str]) -> str:
             p = r.prof
             per = f", {p.lora_us / p.lora_launches:.1f} µs per launch" if p.lora_launches else ""
             busy = f"{p.busy_ms / base.prof.busy_ms:.2f}" if base.prof.busy_ms > 0 else "—"
-            vs_base.append(f"- {r.model} {r.case} {r.path}: LoRA / base = {r.wall_ms:.3f} / {base.wall_ms:.3f} = "
+            vs_base.append(f"- {r.model} {r.case} {r.path}{'' if r.lora == 'lora' else f' ({r.lora})'}: LoRA / base = {r.wall_ms:.3f} / {base.wall_ms:.3f} = "
                            f"**{r.wall_ms / base.wall_ms:.2f}** (GPU busy {busy}); "
                            f"LoRA kernels {p.lora_us:.0f} µs in {p.lora_launches:.0f} launches{per}")
     if vs_base:
@@ -346,7 +348,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--model", default="llama-3.1-8b", choices=sorted(SHAPES))
     p.add_argument("--tokens", type=_ints, default=[128, 2048, 4096], help="prefill token counts (batch 1)")
     p.add_argument("--decode-bs", type=_ints, default=[1])
-    p.add_argument("--lora", default="none,lora", help="which of none,lora to run")
+    p.add_argument("--lora", default="none,lora",
+                   help="which of none,lora,lora-fused to run (lora-fused: LoRA with --lora-fuse-norm)")
     p.add_argument("--lora-backend", default="csgmv")
     p.add_argument("--adapters", type=int, default=1, help="rank-16 adapters loaded (= pool slots)")
     p.add_argument("--decode-adapters", type=_ints, default=[1], help="distinct adapters per decode batch")
@@ -368,8 +371,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the markdown here")
     args = p.parse_args(argv)
     args.lora = [x.strip() for x in args.lora.split(",") if x.strip()]
-    if any(x not in ("none", "lora") for x in args.lora):
-        p.error("--lora takes none and/or lora")
+    if any(x not in ("none", "lora", "lora-fused") for x in args.lora):
+        p.error("--lora takes none, lora and/or lora-fused")
     if args.hf_anchor is None:
         try:
             import peft  # noqa: F401

@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_decode",
-# "lora_serving", "many_adapters", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -137,6 +137,26 @@ if [[ " $PARTS " == *" profile_compare "* ]]; then
   else
     status=1
   fi
+fi
+
+if [[ " $PARTS " == *" norm_shrink "* ]]; then
+  # Issue 16: the norm fused into the folded qkv /
+  # gate_up shrink_pack at decode (--lora-fuse-norm, opt-in until this shows it pays;
+  # benchmark/lora/bench_norm_shrink.py), GPU µs per step under
+  # graph replay against the two kernels it replaces and the base, then whole Qwen3-4B decode steps
+  # with and without --lora-fuse-norm (~2 min).
+  say "== norm + shrink_pack fused (decode)"
+  start=$(date +%s)
+  $PY benchmark/lora/bench_norm_shrink.py --out "$OUT/norm_shrink.md" >"$OUT/norm_shrink.log" 2>&1 || status=1
+  say "norm_shrink: $(( $(date +%s) - start ))s"
+  grep -E "^\| [0-9]+ \|" "$OUT/norm_shrink.md" 2>/dev/null >>"$SUMMARY"
+  # The whole decode step with --lora-fuse-norm against LoRA without it and the base, in one process.
+  start=$(date +%s)
+  $PY benchmark/profile_forward.py --model qwen3-4b --adapters 8 --lora none,lora,lora-fused --lora-backend csgmv \
+    --paths graph --no-hf-anchor --tokens 128 --decode-bs 1,64 --decode-adapters 1,8 --tc-modes "" \
+    --out "$OUT/norm_shrink_steps.md" >>"$OUT/norm_shrink.log" 2>&1 || status=1
+  say "norm_shrink steps: $(( $(date +%s) - start ))s"
+  grep -E "LoRA / base" "$OUT/norm_shrink_steps.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" lora_decode "* ]]; then

@@ -97,6 +97,7 @@ class ServerArgs:
     lora_backend: str = "csgmv"
     max_lora_chunk_size: int = 16
     lora_fold: str = "auto"
+    lora_fuse_norm: bool = False
     # Bound, in scheduler turns, on how long a request whose adapter does not fit may wait before
     # requests for other adapters are held back until it fits (anti-starvation). Adapters rotate
     # through the slots before that (GroupedLoRAAdmission); a larger bound lets rotation, rather

@@ -72,6 +72,7 @@ def _lora_config(args: ServerArgs) -> Optional[LoRARunConfig]:
         eviction_policy=args.lora_eviction_policy,
         chunk_size=args.max_lora_chunk_size,
         fold=args.lora_fold,
+        fuse_norm=args.lora_fuse_norm,
         max_lora_rank=args.max_lora_rank,
         target_modules=tuple(args.lora_target_modules) if args.lora_target_modules else None,
         max_loaded_loras=args.max_loaded_loras,

@@ -141,6 +141,59 @@ def test_decode_graph_greedy_matches_eager(lora_backend, prefill):
     assert g_ids == e_ids
 
 
+@functools.lru_cache(maxsize=None)
+def fused_norm_runner(lora_backend: str, graphs: bool):
+    ckpt, adapters = assets()
+    mode = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
+                cuda_graph_bs_decode=DECODE_BUCKETS) if graphs else dict(disable_cuda_graph=True)
+    return make_runner(
+        ckpt, device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=16384,
+        max_running_requests=64, lora_paths=[f"{n}={p}" for n, p in adapters.items()],
+        max_loras_per_batch=3, lora_backend=lora_backend, lora_fuse_norm=True, **mode,
+    )
+
+
+def decode_logprobs(r, prompts, names, steps: int) -> tuple[list[list[int]], torch.Tensor, list[bool]]:
+    drv = EngineDriver(r)
+    seqs = [drv.add(p, lora_id(r, n)) for p, n in zip(prompts, names)]
+    out, tokens, logprobs, used = drv.extend(seqs), [], [], []
+    for _ in range(steps):
+        for seq, t in zip(seqs, out.next_token_ids.tolist()):
+            seq.tokens.append(t)
+        out = drv.decode(seqs, return_logprob=True)
+        tokens.append(out.next_token_ids.tolist())
+        logprobs.append(out.next_token_logprobs)
+        used.append(out.used_cuda_graph)
+    for s in seqs:
+        drv.release(s)
+    return tokens, torch.tensor(logprobs, dtype=torch.float64), used
+
+
+@pytest.mark.parametrize("lora_backend", ["triton", "csgmv"])
+def test_fused_norm_decode_graph_equals_eager(lora_backend):
+    """--lora-fuse-norm: the decode graph replays the fused norm + shrink_pack kernels and equals
+    fused eager bit for bit; both match the unfused engine within the graph tolerance."""
+    names = ["a", None, "b", "a", None]
+    prompts = _prompts([11, 4, 30, 17, 8], seed=6)
+    g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True), prompts, names, steps=12)
+    e_tok, e_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False), prompts, names, steps=12)
+    u_tok, u_lp, _ = decode_logprobs(runner(lora_backend, "disabled"), prompts, names, steps=12)
+    assert all(used), "some decode steps did not replay the decode graph"
+    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
+    # Each request up to its first other token (bf16: a near tie may pick another, and from then on
+    # the two runs see different contexts).
+    diffs = []
+    for j in range(len(prompts)):
+        for step in range(12):
+            if e_tok[step][j] != u_tok[step][j]:
+                break
+            diffs.append(abs(float(e_lp[step, j] - u_lp[step, j])))
+    diff, bound = max(diffs), tc_tolerance([e_lp], [u_lp], "bfloat16")
+    print(f"{lora_backend}: fused norm, {len(diffs)} of {12 * len(prompts)} tokens compared, "
+          f"max |fused - unfused| {diff:.2e} (allowed {bound:.2e})")
+    assert len(diffs) >= 6 * len(prompts) and diff < bound
+
+
 @pytest.mark.parametrize("lora_backend,prefill", CONFIGS)
 def test_forty_adapter_requests(lora_backend, prefill):
     assert runner(lora_backend, prefill).lora_manager.pool.fold_modules  # the folded path is what runs

@@ -52,6 +52,7 @@ class LoRARunConfig:
     eviction_policy: str = "lru"
     chunk_size: int = 16
     fold: str = "auto"
+    fuse_norm: bool = False  # decode: the norm before a folded module runs inside its shrink_pack
     max_lora_rank: Optional[int] = None  # None: the largest rank of `refs`
     target_modules: Optional[tuple[str, ...]] = None  # None: the union of `refs`
     max_loaded_loras: Optional[int] = None

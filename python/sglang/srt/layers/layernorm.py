@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import torch
 from torch import nn
@@ -11,12 +11,19 @@ from sglang.srt.layers.triton_ops.dispatch import use_triton
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd
 
 
+NormResult = Union[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]
+
+
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.hidden_size = hidden_size
         self.variance_epsilon = eps
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
+        # A seam for the layer this norm feeds, to run the norm inside its own first kernel (LoRA's
+        # folded modules at decode: lora/norm_fusion.py sets it; models never do). Called with
+        # (x, residual); returns what forward would, or None to let the norm run as written.
+        self.fusion: Optional[Callable[[torch.Tensor, Optional[torch.Tensor]], Optional[NormResult]]] = None
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
@@ -27,6 +34,10 @@ class RMSNorm(nn.Module):
         `residual` and the normalised rows into `x`, which are returned. Callers treat both inputs
         as consumed, whichever path runs.
         """
+        if self.fusion is not None:
+            fused = self.fusion(x, residual)
+            if fused is not None:
+                return fused
         if use_triton(x):
             if residual is None:
                 return rmsnorm_fwd(x, self.weight, self.variance_epsilon)

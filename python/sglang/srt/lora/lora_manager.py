@@ -28,7 +28,14 @@ from sglang.srt.lora.layers import BaseLayerWithLoRA
 from sglang.srt.lora.lora import LoRAAdapter
 from sglang.srt.lora.lora_config import LoRAConfig, normalize_target_modules
 from sglang.srt.lora.mem_pool import EMPTY, LoRAMemoryPool
-from sglang.srt.lora.model_wrapping import fold_base_weights, fold_candidates, model_shapes, wrap_lora_modules
+from sglang.srt.lora.model_wrapping import (
+    find_lora_target_layers,
+    fold_base_weights,
+    fold_candidates,
+    model_shapes,
+    wrap_lora_modules,
+)
+from sglang.srt.lora.norm_fusion import attach_norm_fusion
 from sglang.srt.lora.pool_sizing import auto_slot_count
 
 if TYPE_CHECKING:
@@ -116,6 +123,8 @@ class LoRAManager:
         self.lora_modules: dict[int, dict[str, BaseLayerWithLoRA]] = wrap_lora_modules(
             base_model, self.pool, self.shapes, self.lora_backend, dtype
         )
+        if config.fuse_norm:
+            self._attach_norm_fusion(base_model)
 
         self._load_startup_adapters(list(config.refs), startup_configs)
         logger.info(
@@ -128,6 +137,15 @@ class LoRAManager:
         )
 
     # ------------------------------------------------------------------ set-up
+    def _attach_norm_fusion(self, model: torch.nn.Module) -> None:
+        if not self.lora_backend.supports_norm_fusion:
+            logger.warning("--lora-fuse-norm: the %s LoRA backend has no fused norm kernels; the norms run apart",
+                           self.lora_backend.name)
+            return
+        self.lora_backend.enable_norm_fusion()
+        count = attach_norm_fusion(model, self.lora_modules, find_lora_target_layers(model), self.lora_backend)
+        logger.info("LoRA: %d norms run inside their folded module's shrink_pack at decode", count)
+
     def _load_startup_adapters(self, refs: list[LoRARef], configs: dict[str, LoRAConfig]) -> None:
         """Read the startup adapters' tensors in parallel threads (the slow part: the files, the
         checks, pinning; torch releases the GIL), then check and commit them in their order."""

@@ -39,6 +39,9 @@ class LoRABatchInfo:
     weight_indices: Optional[torch.Tensor] = None  # int32 [bs]: pool slot of each segment
     seg_lens: Optional[torch.Tensor] = None  # int32 [bs] (torch_native)
     permutation: Optional[torch.Tensor] = None  # int32 [>= num_rows]: position -> token row
+    # int32 [>= num_rows]: each row's slot (-1: none). Decode batches only, with the norm fused
+    # into the folded modules' shrink_pack (lora/norm_fusion.py); None otherwise.
+    row_slots: Optional[torch.Tensor] = None
 
 
 @dataclass(frozen=True)

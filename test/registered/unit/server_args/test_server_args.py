@@ -234,6 +234,15 @@ class TestCli(unittest.TestCase):
         self.assertEqual(args.lora_eviction_policy, "lru")
         self.assertEqual(args.max_lora_chunk_size, 16)
         self.assertIsNone(args.enable_lora or None)
+        self.assertFalse(args.lora_fuse_norm)  # opt-in until the H200 shows it pays
+
+    def test_lora_fuse_norm_reaches_the_run_config(self):
+        from sglang.srt.server_configs import build_run_configs
+
+        args = prepare_server_args(["--model-path", "demo", "--enable-lora", "--max-lora-rank", "8",
+                                    "--lora-target-modules", "all", "--lora-fuse-norm"])
+        self.assertTrue(args.lora_fuse_norm)
+        self.assertTrue(build_run_configs(args).scheduler.runner.lora.fuse_norm)
 
     def test_graph_flags_parse(self):
         args = prepare_server_args([

@@ -50,6 +50,9 @@ class BaseLoRABackend(abc.ABC):
     supports_prefill_cuda_graph: bool = False
     # Whether modules may be folded into their base GEMM (W_aug, lora/fold.py).
     supports_fold: bool = False
+    # Whether the norm before a folded module can run inside its shrink_pack at decode
+    # (--lora-fuse-norm, lora/norm_fusion.py).
+    supports_norm_fusion: bool = False
 
     def __init__(
         self,
@@ -87,6 +90,19 @@ class BaseLoRABackend(abc.ABC):
     def run_module(self, weights: LoRAModuleWeights, base_layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
         """x [T, in] -> base output [T, out] with every row's adapter delta added, reading the
         current `batch_info` (never None when a wrapper calls this)."""
+
+    def fuses_norm(self, weights: LoRAModuleWeights) -> bool:
+        """Whether this forward runs the norm before `weights`' module inside its shrink_pack."""
+        return False
+
+    def norm_shrink_pack(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
+                         residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(x_aug, new residual): the norm of x (+ residual) and the module's packed shrink."""
+        raise NotImplementedError(f"LoRA backend {self.name} does not fuse norms")
+
+    def run_prepared(self, weights: LoRAModuleWeights, x_aug: torch.Tensor) -> torch.Tensor:
+        """The folded module's output from an x_aug that `norm_shrink_pack` wrote."""
+        raise NotImplementedError(f"LoRA backend {self.name} does not fuse norms")
 
     # ---- metadata --------------------------------------------------------------------------
     def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1) -> None:

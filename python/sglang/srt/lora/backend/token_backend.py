@@ -47,6 +47,7 @@ from sglang.srt.lora.backend._staging import copy_into, to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
+from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack
 from sglang.srt.lora.triton_ops.token_lora import (
     SEGMENT_ROWS,
     pdl_available,
@@ -90,7 +91,9 @@ class _GraphMeta:
     int32 buffer behind the info's segment tensors, the rows it covers and its scratch."""
 
     info: LoRABatchInfo
-    buffer: torch.Tensor  # [permutation (rows) | seg_indptr (capacity + 1) | weight_indices (capacity)]
+    # [permutation (rows) | seg_indptr (capacity + 1) | weight_indices (capacity) | row_slots (rows,
+    # the decode graph's with norm fusion only)]
+    buffer: torch.Tensor
     rows: int
     capacity: int
     scratch: _Scratch
@@ -107,6 +110,7 @@ class TokenLoRABackend(BaseLoRABackend):
     name = "triton"  # --lora-backend triton is this class as it is; csgmv subclasses it
     supports_prefill_cuda_graph = True
     supports_fold = True
+    supports_norm_fusion = True
 
     def __init__(
         self,
@@ -133,6 +137,13 @@ class TokenLoRABackend(BaseLoRABackend):
         self._launch_cache: dict[tuple[int, int], dict[str, _ModuleLaunches]] = {}
         self._layouts: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._launches: dict[str, _ModuleLaunches] = {}
+        self.fuse_norm = False  # enable_norm_fusion
+
+    def enable_norm_fusion(self) -> None:
+        """Decode batches carry each row's slot, for the norm kernels that write x_aug themselves
+        (lora/norm_fusion.py). Before the graphs' static infos are allocated."""
+        assert self._decode is None, "enable_norm_fusion runs before init_cuda_graph_batch_info"
+        self.fuse_norm = True
 
     # ---- start-up ----------------------------------------------------------------------------
     def init_modules(
@@ -177,17 +188,19 @@ class TokenLoRABackend(BaseLoRABackend):
         return True
 
     # ---- static infos ------------------------------------------------------------------------
-    def _graph_meta(self, rows: int) -> _GraphMeta:
+    def _graph_meta(self, rows: int, with_row_slots: bool = False) -> _GraphMeta:
         cap = self.segment_capacity(rows)
-        buffer = torch.zeros(rows + 2 * cap + 1, dtype=torch.int32, device=self.device)
+        end = rows + 2 * cap + 1
+        buffer = torch.zeros(end + (rows if with_row_slots else 0), dtype=torch.int32, device=self.device)
         info = LoRABatchInfo(
             rows, self._slot_ranks, self._slot_scalings, use_cuda_graph=True, bs=cap, max_len=self.segment_rows,
-            permutation=buffer[:rows], seg_indptr=buffer[rows : rows + cap + 1], weight_indices=buffer[rows + cap + 1 :],
+            permutation=buffer[:rows], seg_indptr=buffer[rows : rows + cap + 1], weight_indices=buffer[rows + cap + 1 : end],
+            row_slots=buffer[end:] if with_row_slots else None,
         )
         return _GraphMeta(info, buffer, rows, cap, self._scratch_for(rows))
 
     def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1) -> None:
-        self._decode = self._graph_meta(max_bs_in_cuda_graph * num_tokens_per_bs)
+        self._decode = self._graph_meta(max_bs_in_cuda_graph * num_tokens_per_bs, with_row_slots=self.fuse_norm)
         self.cuda_graph_batch_info = self._decode.info
         self.max_bs_in_cuda_graph = max_bs_in_cuda_graph
 
@@ -217,6 +230,9 @@ class TokenLoRABackend(BaseLoRABackend):
         num_rows = forward_batch.num_tokens
         lens = self._request_lens(forward_batch)
         idle = idle_slot_of(lora_ranks)
+        # Decode rows are requests: each row's slot, for the fused norm kernels.
+        fused = self.fuse_norm and not forward_batch.forward_mode.is_extend()
+        assert not fused or num_rows == bs, (num_rows, bs)
         if path.is_graph:
             meta = self._decode if path is ForwardPath.DECODE_GRAPH else self._prefill
             assert meta is not None, "init_*_cuda_graph_batch_info must run before a graph batch"
@@ -226,7 +242,8 @@ class TokenLoRABackend(BaseLoRABackend):
             # any bucket's grid finds all of its rows in its first segment_capacity(bucket) segments.
             segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, meta.rows, idle)
             assert segs.num_segments <= meta.capacity, (segs.num_segments, meta.capacity)
-            copy_into(meta.buffer, self._packed(segs, meta.capacity, idle))
+            row_slots = weight_indices + [-1] * (meta.rows - bs) if meta.info.row_slots is not None else None
+            copy_into(meta.buffer, self._packed(segs, meta.capacity, idle, row_slots))
             info, scratch = meta.info, meta.scratch
             info.num_rows, info.num_segments = num_rows, segs.num_segments
             # The grid's segment axis for this row count: at capture, the bucket's capacity.
@@ -234,11 +251,12 @@ class TokenLoRABackend(BaseLoRABackend):
         else:
             segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, num_rows, idle)
             n = segs.num_segments
-            packed = to_device(self._packed(segs, n, idle), torch.int32, self.device)
+            end = num_rows + 2 * n + 1
+            packed = to_device(self._packed(segs, n, idle, weight_indices if fused else None), torch.int32, self.device)
             info = LoRABatchInfo(
                 num_rows, self._slot_ranks, self._slot_scalings, bs=n, num_segments=n, max_len=self.segment_rows,
                 permutation=packed[:num_rows], seg_indptr=packed[num_rows : num_rows + n + 1],
-                weight_indices=packed[num_rows + n + 1 :],
+                weight_indices=packed[num_rows + n + 1 : end], row_slots=packed[end:] if fused else None,
             )
             scratch = self._eager_scratch_for(num_rows)
         self._scratch = scratch
@@ -246,12 +264,13 @@ class TokenLoRABackend(BaseLoRABackend):
         self.batch_info = info
 
     @staticmethod
-    def _packed(segs: Segments, capacity: int, idle: int) -> torch.Tensor:
-        """[permutation | seg_indptr | weight_indices], the segment lists padded to `capacity` with
-        empty segments of the idle slot (a larger earlier batch's segments never run again)."""
+    def _packed(segs: Segments, capacity: int, idle: int, row_slots: Optional[list[int]] = None) -> torch.Tensor:
+        """[permutation | seg_indptr | weight_indices (| row_slots)], the segment lists padded to
+        `capacity` with empty segments of the idle slot (a larger earlier batch's segments never
+        run again)."""
         pad = capacity - segs.num_segments
         tail = segs.seg_indptr + [segs.seg_indptr[-1]] * pad + segs.weight_indices + [idle] * pad
-        return torch.cat([segs.permutation, int32_tensor(tail)])
+        return torch.cat([segs.permutation, int32_tensor(tail + (row_slots or []))])
 
     def _eager_scratch_for(self, rows: int) -> _Scratch:
         for meta in (self._prefill, self._decode):
@@ -303,6 +322,25 @@ class TokenLoRABackend(BaseLoRABackend):
                              torch.empty((0, s.stack * s.max_rank, s.in_dim), dtype=dtype, device=dev),
                              torch.empty((0, s.out_dim, s.max_rank), dtype=dtype, device=dev))
         return out
+
+    # ---- the norm fused into a folded module (decode) ------------------------------------------
+    def fuses_norm(self, weights: LoRAModuleWeights) -> bool:
+        info = self.batch_info
+        return info is not None and info.row_slots is not None and weights.spec.folded
+
+    def norm_shrink_pack(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
+                         residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        spec, info = weights.spec, self.batch_info
+        rows = x.shape[0]
+        assert rows == info.num_rows and x.dim() == 2, (x.shape, info.num_rows)
+        # The scratch x_aug: read by the module's GEMM, the very next kernel (as shrink_pack's is).
+        x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
+        new_residual = norm_shrink_pack(x, residual, norm_weight, eps, weights.A, x_aug, info.row_slots[:rows],
+                                        self._slot_ranks, self._slot_scalings, spec.stack, spec.max_rank)
+        return x_aug, new_residual
+
+    def run_prepared(self, weights: LoRAModuleWeights, x_aug: torch.Tensor) -> torch.Tensor:
+        return F.linear(x_aug, weights.folded, weights.bias)
 
     # ---- the module call ---------------------------------------------------------------------
     def run_module(self, weights: LoRAModuleWeights, base_layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,74 @@
+"""`--lora-fuse-norm`: at decode, the RMSNorm before a folded qkv_proj / gate_up_proj runs inside
+that module's shrink_pack (triton_ops/norm_shrink_pack.py), one kernel instead of two.
+
+The norm and the module stay what they are; they meet through two seams:
+  - `RMSNorm.fusion` (layers/layernorm.py): a `NormShrinkFusion` that, when this forward fuses
+    (a decode batch with LoRA on: `backend.fuses_norm`), writes x_aug = [norm(x) | packed shrink]
+    and returns the view x_aug[:, :K] as the norm's output (and the new residual);
+  - `BaseLayerWithLoRA.prepared_x_aug` (lora/layers.py): the module's next call recognises that
+    view (same address and rows) and runs its GEMM over x_aug alone.
+Anything else (prefill, LoRA off for the batch, a caller that hands the module another tensor)
+takes the unfused path, which computes the same function.
+
+Both decode paths fuse (graph capture and eager decode take the same decision from the batch's
+metadata), so graph = eager stays bit for bit. Against the unfused path the norm's output is the
+same bits and only the adapters' shrink sums run in another order (float32 accumulation).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Optional
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.layernorm import NormResult, RMSNorm
+from sglang.srt.lora.layers import BaseLayerWithLoRA
+
+if TYPE_CHECKING:
+    from sglang.srt.lora.backend.base_backend import BaseLoRABackend
+
+logger = logging.getLogger(__name__)
+
+# (norm attribute of the decoder layer, path of the module it feeds, relative to the layer).
+NORM_FED_MODULES = (("input_layernorm", "self_attn.qkv_proj"), ("post_attention_layernorm", "mlp.gate_up_proj"))
+
+
+class NormShrinkFusion:
+    """The `fusion` of one RMSNorm whose output feeds one folded LoRA module. A plain object, not a
+    module: it must not put the target into the norm's module tree."""
+
+    def __init__(self, norm: RMSNorm, target: BaseLayerWithLoRA, backend: "BaseLoRABackend") -> None:
+        self.norm, self.target, self.backend = norm, target, backend
+
+    def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Optional[NormResult]:
+        target = self.target
+        if not target.lora_active or not self.backend.fuses_norm(target.lora):
+            return None
+        x_aug, new_residual = self.backend.norm_shrink_pack(target.lora, self.norm.weight,
+                                                            self.norm.variance_epsilon, x, residual)
+        target.prepared_x_aug = x_aug
+        normed = x_aug[:, : x.shape[-1]]
+        return normed if residual is None else (normed, new_residual)
+
+
+def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerWithLoRA]],
+                       module_names: dict[str, dict[int, str]], backend: "BaseLoRABackend") -> int:
+    """Set the fusion of every norm that feeds a folded module; returns how many."""
+    count = 0
+    for layer_id, modules in wrapped.items():
+        for norm_attr, path in NORM_FED_MODULES:
+            kind = path.rsplit(".", 1)[1]
+            target = modules.get(kind)
+            name = module_names.get(kind, {}).get(layer_id)
+            if target is None or name is None or target.lora is None or target.lora.folded is None:
+                continue
+            if not name.endswith("." + path):
+                continue  # another layout: leave it unfused
+            layer = model.get_submodule(name[: -len(path) - 1])
+            norm = getattr(layer, norm_attr, None)
+            if isinstance(norm, RMSNorm):
+                norm.fusion = NormShrinkFusion(norm, target, backend)
+                count += 1
+    return count

@@ -1,0 +1,100 @@
+"""`--lora-fuse-norm` through the model (CPU, TRITON_INTERPRET=1, float32): at decode the norms
+before the folded qkv_proj and gate_up_proj run inside their shrink_pack, and a mixed batch
+(two adapters and the base model) decodes what the unfused engine decodes, with the same logprobs
+to float32 rounding. Prefill never fuses; a backend without the kernels warns and runs apart; the
+model's parameters and modules stay the same."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from helpers import EngineDriver, hf_model, make_runner, tiny_checkpoint
+from lora_testlib import write_peft_adapter
+from sglang.srt.layers.layernorm import RMSNorm
+from sglang.srt.lora.norm_fusion import NormShrinkFusion
+
+PROMPTS = [[5, 9, 13, 200, 7, 3, 99], [11, 4, 250], [17, 18, 19, 20, 21], [300, 2, 8, 8]]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("norm-fusion")
+    ckpt = tiny_checkpoint("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    return ckpt, {
+        "a": write_peft_adapter(str(root / "a"), r=8, base_model=hf_model(ckpt), seed=7),
+        "b": write_peft_adapter(str(root / "b"), r=4, target_modules=["q_proj", "v_proj", "up_proj"],
+                                base_model=hf_model(ckpt), seed=8),
+    }
+
+
+def runner_for(assets, backend: str, fuse: bool):
+    ckpt, paths = assets
+    return make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
+                       max_lora_rank=8, lora_fuse_norm=fuse)
+
+
+def decode_run(runner, steps: int = 4, names=("a", None, "b", "a")):
+    """Prefill the prompts (adapters a, base, b, a by default), then `steps` greedy decode passes; the
+    tokens and decode logprobs, and how many fused norm calls each pass made."""
+    ids = {r.lora_name: i for i, r in runner.lora_manager.refs.items()}
+    backend = runner.lora_manager.lora_backend
+    calls = []
+    original = backend.norm_shrink_pack
+
+    def counting(*args, **kwargs):
+        calls[-1] += 1
+        return original(*args, **kwargs)
+
+    backend.norm_shrink_pack = counting
+    driver = EngineDriver(runner)
+    seqs = [driver.add(p, lora_id=ids.get(n)) for p, n in zip(PROMPTS, names)]
+    calls.append(0)
+    out = driver.extend(seqs)
+    tokens, logprobs = [], []
+    for _ in range(steps):
+        for seq, t in zip(seqs, out.next_token_ids.tolist()):
+            seq.tokens.append(t)
+        calls.append(0)
+        out = driver.decode(seqs, return_logprob=True)
+        tokens.append(out.next_token_ids.tolist())
+        logprobs.append(out.next_token_logprobs)
+    del backend.norm_shrink_pack
+    return tokens, torch.tensor(logprobs, dtype=torch.float64), calls
+
+
+@pytest.mark.parametrize("backend", ["triton", "csgmv"])
+def test_fused_decode_equals_unfused(assets, backend):
+    fused_runner = runner_for(assets, backend, fuse=True)
+    layers = fused_runner.model.model.layers
+    assert all(isinstance(l.input_layernorm.fusion, NormShrinkFusion) for l in layers)
+    assert all(isinstance(l.post_attention_layernorm.fusion, NormShrinkFusion) for l in layers)
+    tokens, logprobs, calls = decode_run(fused_runner)
+    ref_tokens, ref_logprobs, ref_calls = decode_run(runner_for(assets, backend, fuse=False))
+    assert calls == [0] + [2 * len(layers)] * 4  # never at prefill, both norms of every layer at decode
+    assert ref_calls == [0] * 5
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
+    # The adapters moved the fused run's outputs (their deltas were not dropped).
+    _, base_logprobs, _ = decode_run(fused_runner, names=(None,) * 4)
+    assert float((logprobs - base_logprobs)[:, [0, 2, 3]].abs().max()) > 1e-3
+    assert float((logprobs - base_logprobs)[:, 1].abs().max()) < 1e-5
+
+
+def test_fusion_keeps_the_model_tree(assets):
+    plain = runner_for(assets, "triton", fuse=False)
+    fused = runner_for(assets, "triton", fuse=True)
+    assert [n for n, _ in fused.model.named_parameters()] == [n for n, _ in plain.model.named_parameters()]
+    assert [n for n, _ in fused.model.named_modules()] == [n for n, _ in plain.model.named_modules()]
+
+
+def test_a_backend_without_the_kernels_warns_and_runs_apart(assets, caplog):
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
+        runner = runner_for(assets, "torch_native", fuse=True)
+    assert "no fused norm kernels" in caplog.text
+    norms = [m for m in runner.model.modules() if isinstance(m, RMSNorm)]
+    assert norms and all(m.fusion is None for m in norms)
+    _, _, calls = decode_run(runner, steps=1)
+    assert calls == [0, 0]
