@@ -86,7 +86,10 @@ def test_tp2_logprobs_equal_tp1(results, arch, backend) -> None:
     assert shapes["o_proj"][1] == full["o_proj"][1]  # B whole
     # csgmv ran every module folded into its base GEMM ([x_shard | partial shrink] @ [W_shard | B]^T
     # for o_proj / down_proj, before the all-reduce); the others ran separate LoRA kernels.
-    assert ranks[0]["folded"] == (["down_proj", "gate_up_proj", "o_proj", "qkv_proj"] if backend == "csgmv" else [])
+    folded = checks.FOLD[backend] == "on"
+    assert ranks[0]["folded"] == (["down_proj", "gate_up_proj", "o_proj", "qkv_proj"] if folded else [])
+    # --lora-fuse-norm: both norms of every layer ran inside the folded shrink_pack at decode.
+    assert ranks[0]["fused_norms"] == (2 * want["num_layers"] if backend == "csgmv+fuse-norm" else 0)
 
 
 def test_a_load_failing_on_one_rank_fails_on_all(results) -> None:

@@ -28,11 +28,14 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.server_configs import build_run_configs
 
 # (architecture, LoRA backend) cases of the tp-2 runs: every backend on Llama, every architecture.
-CASES = [("llama", "torch_native"), ("llama", "triton"), ("llama", "csgmv"), ("mistral", "torch_native"),
-         ("qwen2", "torch_native"), ("qwen3", "torch_native")]
+CASES = [("llama", "torch_native"), ("llama", "triton"), ("llama", "csgmv"), ("qwen3", "csgmv+fuse-norm"),
+         ("mistral", "torch_native"), ("qwen2", "torch_native"), ("qwen3", "torch_native")]
 # The Triton backends' two layouts: csgmv folds every module into its base GEMM (the default,
-# --lora-fold auto, at these sizes), triton keeps separate shrink and expand kernels.
-FOLD = {"csgmv": "on", "triton": "off", "torch_native": "off"}
+# --lora-fold auto, at these sizes), triton keeps separate shrink and expand kernels; with
+# --lora-fuse-norm the decode step's norms run inside the folded modules' shrink_pack.
+FOLD = {"csgmv": "on", "triton": "off", "torch_native": "off", "csgmv+fuse-norm": "on"}
+# Case name -> (LoRA backend, other runner arguments).
+BACKENDS = {"csgmv+fuse-norm": ("csgmv", {"lora_fuse_norm": True})}
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
 
@@ -77,6 +80,8 @@ def scenario(mr: ModelRunner, prompts: list[list[int]], paths: dict[str, str],
     got["pool_shapes"] = {m: [tuple(lora.pool.A_buffer[m][0].shape), tuple(lora.pool.B_buffer[m][0].shape)]
                           for m in lora.pool.target_modules}
     got["folded"] = list(lora.pool.fold_modules)
+    got["fused_norms"] = sum(getattr(m, "fusion", None) is not None for m in mr.model.modules())
+    got["num_layers"] = mr.model_config.num_hidden_layers
     if not adapter_updates:
         got["slots"] = [repr(lora_id) for lora_id in lora.pool.slot_to_lora_id]
         return got
@@ -158,7 +163,8 @@ def all_checks(group: TensorParallelGroup, ckpts: dict[str, str], prompts: list[
     torch.manual_seed(0)
     out: dict[str, Any] = {"tp1": tp1_references(group, ckpts, prompts, adapters), "tp2": {}}
     for arch, backend in CASES:
-        mr = make_runner(ckpts[arch], backend, adapters[arch], group, lora_fold=FOLD[backend])
+        name, extra = BACKENDS.get(backend, (backend, {}))
+        mr = make_runner(ckpts[arch], name, adapters[arch], group, lora_fold=FOLD[backend], **extra)
         out["tp2"][f"{arch}/{backend}"] = scenario(mr, prompts, adapters[arch], group,
                                                    adapter_updates=backend == "torch_native")
     out["graph_decisions"] = graph_decisions(group, ckpts["llama"], adapters["llama"])
