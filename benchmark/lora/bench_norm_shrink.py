@@ -1,19 +1,21 @@
-"""Does fusing the norm into a folded module's shrink_pack pay at decode (`--lora-fuse-norm`, opt-in until it does)?
+"""LoRA's decode kernels before the folded GEMMs: do the row-wise kernels pay (`--lora-fuse-norm`)?
 
     PYTHONPATH=$PWD/python python benchmark/lora/bench_norm_shrink.py [--models qwen3-4b llama-3.1-8b]
         [--decode-bs 1 8 32 64 128] [--adapters 8] [--rank 16] [--out f.md]
     PYTHONPATH=$PWD/python python benchmark/lora/bench_norm_shrink.py --cpu-dry-run   # tiny, interpreter
 
-One decode step's worth of the two norm-fed folded modules, every layer its own weights (so
-nothing stays in L2 that would not in a model): per layer, the input norm -> qkv_proj and the
-post-attention norm -> gate_up_proj, each as
-  unfused  rmsnorm_fwd (residual add fused), shrink_pack (PDL where the GPU has it), F.linear(x_aug, W_aug)
-  fused    norm_shrink_pack, F.linear(x_aug, W_aug)
-  base     rmsnorm_fwd, F.linear(x, W)          (no LoRA: what the GEMMs and norms cost alone)
-captured as one CUDA graph per variant and replayed; GPU µs per step and per module. The rows
-take the batch's adapters in turn (8 adapters in 9 slots, the serving default). The outputs of
-the two LoRA variants are compared first (max |fused - unfused| of the GEMM outputs, relative to
-their scale).
+One decode step's worth of the four folded modules, every layer its own weights (so nothing stays
+in L2 that would not in a model): per layer qkv_proj and gate_up_proj (each after its RMSNorm,
+residual add fused) and o_proj and down_proj (no norm before them). Variants:
+  base     the norms, F.linear(x, W)                              (no LoRA)
+  unfused  the norms, shrink_pack before every module (segments, split-K, PDL where the GPU has
+           it), F.linear(x_aug, W_aug)                            (what serves today)
+  fused    norm_shrink_pack for qkv / gate_up, shrink_pack for o / down  (--lora-fuse-norm)
+  rowwise  fused, and o / down's shrink_pack replaced by the same row-wise kernel without a norm
+captured as one CUDA graph per variant and replayed; GPU µs per step, and per module saved against
+`unfused`. The rows take the batch's adapters in turn (8 adapters in 9 slots, the serving
+default). Every LoRA variant's outputs are compared with `unfused`'s first (max |diff| of the GEMM
+outputs relative to their scale).
 """
 
 from __future__ import annotations
@@ -46,10 +48,12 @@ EPS = 1e-6
 
 
 class Module:
-    """One folded module of one layer: its norm weight, A [S, c*R, K], W_aug [N, K + E], W = W_aug[:, :K]."""
+    """One folded module of one layer: its norm weight (None: no norm before it), A [S, c*R, K],
+    W_aug [N, K + E], W = W_aug[:, :K]."""
 
-    def __init__(self, in_dim: int, out_dim: int, stack: int, slots: int, rank: int, dtype, device, gen) -> None:
-        self.in_dim, self.stack, self.rank = in_dim, stack, rank
+    def __init__(self, in_dim: int, out_dim: int, stack: int, slots: int, rank: int, dtype, device, gen,
+                 norm: bool) -> None:
+        self.in_dim, self.stack, self.rank, self.norm = in_dim, stack, rank, norm
         self.extra = fold_extra_columns(slots, stack, rank)
         self.norm_w = (1 + 0.1 * torch.randn(in_dim, generator=gen)).to(dtype).to(device)
         self.a = (torch.randn(slots, stack * rank, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(device)
@@ -62,8 +66,10 @@ def build(shape: str, rank: int, slots: int, dtype, device) -> list[Module]:
     gen = torch.Generator().manual_seed(0)
     mods = []
     for _ in range(layers):
-        mods.append(Module(hidden, q + 2 * kv, 3, slots, rank, dtype, device, gen))
-        mods.append(Module(hidden, 2 * inter, 2, slots, rank, dtype, device, gen))
+        mods.append(Module(hidden, q + 2 * kv, 3, slots, rank, dtype, device, gen, norm=True))  # qkv_proj
+        mods.append(Module(q, hidden, 1, slots, rank, dtype, device, gen, norm=False))  # o_proj
+        mods.append(Module(hidden, 2 * inter, 2, slots, rank, dtype, device, gen, norm=True))  # gate_up_proj
+        mods.append(Module(inter, hidden, 1, slots, rank, dtype, device, gen, norm=False))  # down_proj
     return mods
 
 
@@ -72,12 +78,14 @@ class Step:
 
     def __init__(self, mods: list[Module], bs: int, adapters: int, slots: int, dtype, device) -> None:
         self.mods, self.bs = mods, bs
-        hidden = mods[0].in_dim
         gen = torch.Generator().manual_seed(bs)
-        self.x = torch.randn(bs, hidden, generator=gen).to(dtype).to(device)
+        # Each module's input (the hidden state before a norm; the attention or MLP activation else).
+        self.x = {m.in_dim: torch.randn(bs, m.in_dim, generator=gen).to(dtype).to(device) for m in mods}
+        hidden = mods[0].in_dim
         self.residual = torch.randn(bs, hidden, generator=gen).to(dtype).to(device)
         self.res_work = torch.empty_like(self.residual)
         self.res_out = torch.empty_like(self.residual)
+        self.normed = torch.empty_like(self.residual)
         ranks = [0] + [mods[0].rank] * (slots - 1)  # slot 0: the base model
         self.ranks = torch.tensor(ranks, dtype=torch.int32, device=device)
         self.scalings = torch.tensor([0.0] + [2.0] * (slots - 1), dtype=torch.float32, device=device)
@@ -87,41 +95,66 @@ class Step:
         use_pdl = pdl_available(torch.device(device))
         self.launches, self.x_aug, self.scratch = [], [], []
         for m in mods:
-            plan = plan_pack(m.in_dim, m.stack, m.rank, m.extra, self.x.element_size())
+            plan = plan_pack(m.in_dim, m.stack, m.rank, m.extra, self.residual.element_size())
             width = m.in_dim + m.extra
             self.x_aug.append(torch.empty(bs, width, dtype=dtype, device=device))
             workspace = torch.empty(max(plan.shrink.workspace_numel(bs), 1), dtype=torch.float32, device=device)
             counters = torch.zeros(max(plan.shrink.num_counters(n_segs), 1), dtype=torch.int32, device=device)
             self.scratch.append((workspace, counters))
-            self.launches.append(prepare_pack(plan, bs, n_segs, self.x, m.a, width, use_pdl))
+            self.launches.append(prepare_pack(plan, bs, n_segs, self.x[m.in_dim], m.a, width, use_pdl))
         self.outs: list[torch.Tensor] = []
 
-    def unfused(self) -> None:
-        self.outs = []
-        self.res_work.copy_(self.residual)
-        for i, m in enumerate(self.mods):
-            normed = rmsnorm_fwd(self.x, m.norm_w, EPS, residual=self.res_work)
-            workspace, counters = self.scratch[i]
-            self.launches[i](normed, m.a, self.x_aug[i], workspace, counters, *self.segments, self.ranks,
-                             self.scalings)
-            self.outs.append(F.linear(self.x_aug[i], m.w_aug))
+    def _input(self, m: Module) -> torch.Tensor:
+        """The module's x: the norm's output (residual add fused) or its own activation."""
+        if not m.norm:
+            return self.x[m.in_dim]
+        return rmsnorm_fwd(self.x[m.in_dim], m.norm_w, EPS, residual=self.res_work, out=self.normed)
 
-    def fused(self) -> None:
-        self.outs = []
-        self.res_work.copy_(self.residual)  # unused here: the same copy as the other variants
-        res, out = self.residual, self.res_out
-        for i, m in enumerate(self.mods):
-            new = norm_shrink_pack(self.x, res, m.norm_w, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks,
-                                   self.scalings, m.stack, m.rank, residual_out=out)
-            res, out = new, (self.res_work if new is self.res_out else self.res_out)
-            self.outs.append(F.linear(self.x_aug[i], m.w_aug))
+    def _segmented(self, i: int, m: Module, x: torch.Tensor) -> None:
+        workspace, counters = self.scratch[i]
+        self.launches[i](x, m.a, self.x_aug[i], workspace, counters, *self.segments, self.ranks, self.scalings)
+
+    def _rowwise(self, i: int, m: Module) -> None:
+        """norm_shrink_pack: with the module's norm, or (o / down) the row-wise pack alone."""
+        x = self.x[m.in_dim]
+        if m.norm:
+            # The new residual to its own buffer (ping-pong), as the fused engine does.
+            new = norm_shrink_pack(x, self.res_work, m.norm_w, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks,
+                                   self.scalings, m.stack, m.rank, residual_out=self.res_out)
+            self.res_work, self.res_out = new, self.res_work
+        else:
+            norm_shrink_pack(x, None, None, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings,
+                             m.stack, m.rank)
 
     def base(self) -> None:
         self.outs = []
         self.res_work.copy_(self.residual)
         for m in self.mods:
-            normed = rmsnorm_fwd(self.x, m.norm_w, EPS, residual=self.res_work)
-            self.outs.append(F.linear(normed, m.w))
+            self.outs.append(F.linear(self._input(m), m.w))
+
+    def unfused(self) -> None:
+        self.outs = []
+        self.res_work.copy_(self.residual)
+        for i, m in enumerate(self.mods):
+            self._segmented(i, m, self._input(m))
+            self.outs.append(F.linear(self.x_aug[i], m.w_aug))
+
+    def fused(self) -> None:
+        self.outs = []
+        self.res_work.copy_(self.residual)
+        for i, m in enumerate(self.mods):
+            if m.norm:
+                self._rowwise(i, m)
+            else:
+                self._segmented(i, m, self.x[m.in_dim])
+            self.outs.append(F.linear(self.x_aug[i], m.w_aug))
+
+    def rowwise(self) -> None:
+        self.outs = []
+        self.res_work.copy_(self.residual)
+        for i, m in enumerate(self.mods):
+            self._rowwise(i, m)
+            self.outs.append(F.linear(self.x_aug[i], m.w_aug))
 
 
 def graph_us(fn) -> float:
@@ -157,22 +190,28 @@ def main() -> None:
     for shape in models:
         mods = build(shape, args.rank, slots, dtype, device)
         layers = SHAPES[shape][4]
-        title = (f"### {shape}: norm + folded qkv / gate_up, {layers} layers, {args.adapters} rank-{args.rank} "
+        title = (f"### {shape}: the four folded modules, {layers} layers, {args.adapters} rank-{args.rank} "
                  f"adapters in {slots} slots ({'CPU dry run' if dry else torch.cuda.get_device_name(0)})")
-        lines += [title, "", "| decode bs | base µs/step | unfused µs/step | fused µs/step | LoRA unfused | "
-                  "LoRA fused | fused saves µs/module | max rel diff |", "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [title, "", "| decode bs | base µs/step | unfused | fused | rowwise | LoRA unfused | LoRA fused | "
+                  "LoRA rowwise | fused saves µs/norm-fed module | rowwise saves µs/module | max rel diff |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for bs in bss:
             step = Step(mods, bs, args.adapters, slots, dtype, device)
             step.unfused()
             ref = [o.float().clone() for o in step.outs]
-            step.fused()
-            diff = max(float((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-6)) for o, r in zip(step.outs, ref))
+            diff = 0.0
+            for variant in (step.fused, step.rowwise):
+                variant()
+                diff = max(diff, max(float((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-6))
+                                     for o, r in zip(step.outs, ref)))
             if dry:
-                lines.append(f"| {bs} | - | - | - | - | - | - | {diff:.1e} |")
+                lines.append(f"| {bs} | - | - | - | - | - | - | - | - | - | {diff:.1e} |")
                 continue
-            base, unfused, fused = graph_us(step.base), graph_us(step.unfused), graph_us(step.fused)
-            lines.append(f"| {bs} | {base:.0f} | {unfused:.0f} | {fused:.0f} | {unfused - base:.0f} | "
-                         f"{fused - base:.0f} | {(unfused - fused) / len(mods):.2f} | {diff:.1e} |")
+            base, unfused, fused, rowwise = (graph_us(f) for f in (step.base, step.unfused, step.fused, step.rowwise))
+            n = len(mods)
+            lines.append(f"| {bs} | {base:.0f} | {unfused:.0f} | {fused:.0f} | {rowwise:.0f} | {unfused - base:.0f} | "
+                         f"{fused - base:.0f} | {rowwise - base:.0f} | {2 * (unfused - fused) / n:.2f} | "
+                         f"{(unfused - rowwise) / n:.2f} | {diff:.1e} |")
             print(lines[-1], flush=True)
         lines.append("")
     text = "\n".join(lines)

@@ -58,6 +58,18 @@ def test_writes_the_norm_and_the_packed_shrink(in_dim, stack, with_residual):
     torch.testing.assert_close(x_aug, unfused, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("stack", [1, 3])
+def test_without_a_norm_it_is_shrink_pack_row_by_row(stack):
+    """o_proj / down_proj have no norm before them: the same kernel then packs x itself."""
+    slots, x, _, _, a, extra = inputs(300, stack, torch.float32, 5 + stack)
+    x_aug = torch.full((slots.numel(), 300 + extra), float("nan"))
+    assert norm_shrink_pack(x, None, None, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, stack, R) is None
+    unfused = torch.empty_like(x_aug)
+    shrink_pack(x, a, unfused, slots, RANKS_T, SCALINGS_T, stack, R)
+    assert torch.equal(x_aug[:, :300], x)
+    torch.testing.assert_close(x_aug, unfused, rtol=1e-5, atol=1e-4)
+
+
 def test_bf16_norm_is_rmsnorm_bit_for_bit():
     slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.bfloat16, 1)
     x_aug = torch.empty((slots.numel(), 300 + extra), dtype=torch.bfloat16)
@@ -106,8 +118,8 @@ def hopper_ptx() -> str:
     return _compile_for_hopper(
         _norm_shrink_pack_kernel, {**bf16, "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32"},
         ["stride_x", "stride_r", "stride_ro", "stride_xaug", "a_stride_s", "a_stride_n", "K"],
-        dict(STACK=3, MAX_RANK=16, E_COLS=432, BLOCK=4096, BLOCK_J=column_tile(2560), BLOCK_E=512, HAS_RESIDUAL=True,
-             EMULATE_RNE=False),
+        dict(STACK=3, MAX_RANK=16, E_COLS=432, BLOCK=4096, BLOCK_J=column_tile(2560), BLOCK_E=512, HAS_NORM=True,
+             HAS_RESIDUAL=True, EMULATE_RNE=False),
         floats=("eps",), num_warps=8,
     )
 
@@ -120,7 +132,8 @@ def test_compiles_for_hopper():
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
-    code = (f"import sys; sys.path[:0] = {[here] + sys.path[:3]!r}; "
+    python_dir = os.path.join(here, "..", "..", "..", "python")  # this checkout's package, not an installed one
+    code = (f"import sys; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
             "import test_lora_norm_shrink as t; ptx = t.hopper_ptx(); print('ok', len(ptx), 'st.global' in ptx)")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -307,8 +307,9 @@ def test_token_kernels_compile_for_hopper():
     import sys
 
     here = os.path.dirname(os.path.abspath(__file__))
+    python_dir = os.path.join(here, "..", "..", "..", "python")  # this checkout's package, not an installed one
     code = (
-        f"import sys, json; sys.path[:0] = {[here] + sys.path[:3]!r}; "
+        f"import sys, json; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
         "import test_lora_token_kernels as t; print(json.dumps([t.hopper_ptx_flags(p) for p in (False, True)]))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

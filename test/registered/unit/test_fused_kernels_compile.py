@@ -21,7 +21,10 @@ def _has_nvidia_backend() -> bool:
 
 @pytest.mark.skipif(not _has_nvidia_backend(), reason="Triton's NVIDIA backend (ptxas) is not installed")
 def test_fused_kernels_compile_for_sm90() -> None:
-    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1")
+    # This checkout's package, not an installed one.
+    python_dir = os.path.join(HERE, "..", "..", "..", "python")
+    env = dict(os.environ, TRITON_INTERPRET="0", TRITON_DEFAULT_FP_FUSION="1",
+               PYTHONPATH=os.pathsep.join([python_dir, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run(
         [sys.executable, os.path.join(HERE, "fused_kernels_sm90.py")],
         env=env, capture_output=True, text=True, timeout=600,

@@ -50,6 +50,7 @@ def _norm_shrink_pack_kernel(
     BLOCK: tl.constexpr,
     BLOCK_J: tl.constexpr,
     BLOCK_E: tl.constexpr,
+    HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
@@ -62,7 +63,10 @@ def _norm_shrink_pack_kernel(
     x = load_row(X, R, row, stride_x, stride_r, offs, mask, HAS_RESIDUAL, EMULATE_RNE)
     if HAS_RESIDUAL and tile == 0:
         tl.store(R_OUT + row * stride_ro + offs, x, mask=mask)
-    y = rms_normalize(x, NORM_W, offs, mask, K, eps, XAUG.dtype.element_ty, EMULATE_RNE)
+    if HAS_NORM:
+        y = rms_normalize(x, NORM_W, offs, mask, K, eps, XAUG.dtype.element_ty, EMULATE_RNE)
+    else:  # the row-wise shrink_pack alone (a module without a norm before it)
+        y = x
 
     slot = tl.load(ROW_SLOTS + row)
     rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
@@ -96,7 +100,7 @@ def column_tile(in_dim: int) -> int:
 def norm_shrink_pack(
     x: torch.Tensor,
     residual: Optional[torch.Tensor],
-    norm_weight: torch.Tensor,
+    norm_weight: Optional[torch.Tensor],
     eps: float,
     weights: torch.Tensor,
     x_aug: torch.Tensor,
@@ -112,12 +116,14 @@ def norm_shrink_pack(
     `weights` is the module's A [S, stack*max_rank, K] (an adapter of rank r in its first
     stack*r rows), `row_slots` int32 [T] each row's slot (-1: none). With `residual`, the sum
     x + residual (the new residual) goes to `residual_out` (allocated when None; never `residual`
-    itself) and is returned; without, returns None.
+    itself) and is returned; without, returns None. `norm_weight` None: no norm (and no
+    residual), x_aug = [x | packed shrink of x], shrink_pack's result computed row by row.
     """
     rows, in_dim = x.shape
     extra = x_aug.shape[1] - in_dim
-    if norm_weight.shape != (in_dim,):
+    if norm_weight is not None and norm_weight.shape != (in_dim,):
         raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} does not match rows of {in_dim}")
+    assert norm_weight is not None or residual is None, "a residual comes with a norm"
     assert weights.shape[1:] == (stack_num * max_rank, in_dim) and weights.stride(2) == 1, weights.shape
     assert x_aug.shape[0] == rows and x_aug.stride(1) == 1 and extra >= weights.shape[0] * stack_num * max_rank
     assert x.stride(1) == 1 and row_slots.shape == (rows,)
@@ -133,12 +139,12 @@ def norm_shrink_pack(
     r = residual if residual is not None else x
     ro = residual_out if residual is not None else x
     _norm_shrink_pack_kernel[(rows, triton.cdiv(stack_num * max_rank, block_j))](
-        x, r, ro, norm_weight, weights, x_aug, row_slots, lora_ranks, scalings,
+        x, r, ro, norm_weight if norm_weight is not None else x, weights, x_aug, row_slots, lora_ranks, scalings,
         x.stride(0), r.stride(0), ro.stride(0), x_aug.stride(0), weights.stride(0), weights.stride(1),
         in_dim, eps,
         STACK=stack_num, MAX_RANK=max_rank, E_COLS=extra, BLOCK=block, BLOCK_J=block_j,
         BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
-        HAS_RESIDUAL=residual is not None, EMULATE_RNE=interpreting(),
+        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, EMULATE_RNE=interpreting(),
         # rmsnorm_fwd's warps for the row: the same reduction tree, so x_aug[:, :K] equals its output.
         num_warps=8 if block >= 4096 else (4 if block >= 1024 else 2),
     )
