@@ -59,9 +59,10 @@ from sglang.srt.lora.lora_config import PEFT_PROJECTIONS  # noqa: E402
 from sglang.srt.configs.cuda_graph_config import Backend  # noqa: E402
 
 TOP_KERNELS = 6
-# The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones.
+# The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
+# the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",
-                "_segment_expand_kernel")
+                "_segment_expand_kernel", "_norm_shrink_pack_kernel")
 
 
 @dataclass
@@ -160,11 +161,14 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
             overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
                              disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
         overrides.setdefault("max_running_requests", max(64, *args.decode_bs))
-        if lora == "lora-fused":  # --lora-fuse-norm: the norms inside the folded shrink_pack at decode
+        if lora in ("lora-fused", "lora-rowwise"):  # --lora-fuse-norm: the norms inside the folded shrink_pack
             overrides["lora_fuse_norm"] = True
+        # lora-rowwise: o_proj / down_proj take the row-wise kernel at decode too (read at backend build).
+        os.environ["SGLANG_LORA_ROWWISE_DECODE"] = "1" if lora == "lora-rowwise" else "0"
         buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
         runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
                               prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
+        os.environ.pop("SGLANG_LORA_ROWWISE_DECODE")
         layers = runner.model_config.num_hidden_layers
         graphs: dict[str, Any] = {} if args.paths == "graph" else {"eager": None}
         if on_gpu:
@@ -227,7 +231,7 @@ def bench_hf_anchor(args, shape: str, ckpt: str) -> tuple[list[Row], list[str]]:
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     config = AutoConfig.from_pretrained(ckpt)
     rows, notes = [], []
-    for lora in [x for x in args.lora if x != "lora-fused"]:  # the engine's own variant: no HF twin
+    for lora in [x for x in args.lora if x in ("none", "lora")]:  # the engine's own variants have no HF twin
         t0 = time.perf_counter()
         torch.manual_seed(0)
         with device:
@@ -349,7 +353,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=_ints, default=[128, 2048, 4096], help="prefill token counts (batch 1)")
     p.add_argument("--decode-bs", type=_ints, default=[1])
     p.add_argument("--lora", default="none,lora",
-                   help="which of none,lora,lora-fused to run (lora-fused: LoRA with --lora-fuse-norm)")
+                   help="which of none,lora,lora-fused,lora-rowwise to run (lora-fused: LoRA with --lora-fuse-norm; "
+                        "lora-rowwise: also SGLANG_LORA_ROWWISE_DECODE=1)")
     p.add_argument("--lora-backend", default="csgmv")
     p.add_argument("--adapters", type=int, default=1, help="rank-16 adapters loaded (= pool slots)")
     p.add_argument("--decode-adapters", type=_ints, default=[1], help="distinct adapters per decode batch")
@@ -371,8 +376,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the markdown here")
     args = p.parse_args(argv)
     args.lora = [x.strip() for x in args.lora.split(",") if x.strip()]
-    if any(x not in ("none", "lora", "lora-fused") for x in args.lora):
-        p.error("--lora takes none, lora and/or lora-fused")
+    if any(x not in ("none", "lora", "lora-fused", "lora-rowwise") for x in args.lora):
+        p.error("--lora takes none, lora, lora-fused and/or lora-rowwise")
     if args.hf_anchor is None:
         try:
             import peft  # noqa: F401

@@ -152,7 +152,7 @@ if [[ " $PARTS " == *" norm_shrink "* ]]; then
   grep -E "^\| [0-9]+ \|" "$OUT/norm_shrink.md" 2>/dev/null >>"$SUMMARY"
   # The whole decode step with --lora-fuse-norm against LoRA without it and the base, in one process.
   start=$(date +%s)
-  $PY benchmark/profile_forward.py --model qwen3-4b --adapters 8 --lora none,lora,lora-fused --lora-backend csgmv \
+  $PY benchmark/profile_forward.py --model qwen3-4b --adapters 8 --lora none,lora,lora-fused,lora-rowwise --lora-backend csgmv \
     --paths graph --no-hf-anchor --tokens 128 --decode-bs 1,64 --decode-adapters 1,8 --tc-modes "" \
     --out "$OUT/norm_shrink_steps.md" >>"$OUT/norm_shrink.log" 2>&1 || status=1
   say "norm_shrink steps: $(( $(date +%s) - start ))s"

@@ -30,10 +30,16 @@ def assets(tmp_path_factory):
     }
 
 
-def runner_for(assets, backend: str, fuse: bool):
+def runner_for(assets, backend: str, fuse: bool, rowwise: bool = False, monkeypatch=None):
+    if rowwise:  # o_proj / down_proj take the row-wise kernel too (read when the backend is built)
+        monkeypatch.setenv("SGLANG_LORA_ROWWISE_DECODE", "1")
     ckpt, paths = assets
-    return make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
-                       max_lora_rank=8, lora_fuse_norm=fuse)
+    runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
+                         max_lora_rank=8, lora_fuse_norm=fuse)
+    if rowwise:
+        monkeypatch.delenv("SGLANG_LORA_ROWWISE_DECODE")
+    assert runner.lora_manager.lora_backend.__dict__.get("rowwise_decode", False) == rowwise
+    return runner
 
 
 def decode_run(runner, steps: int = 4, names=("a", None, "b", "a")):
@@ -65,13 +71,21 @@ def decode_run(runner, steps: int = 4, names=("a", None, "b", "a")):
     return tokens, torch.tensor(logprobs, dtype=torch.float64), calls
 
 
-@pytest.mark.parametrize("backend", ["triton", "csgmv"])
-def test_fused_decode_equals_unfused(assets, backend):
-    fused_runner = runner_for(assets, backend, fuse=True)
+@pytest.mark.parametrize("backend,rowwise", [("triton", False), ("csgmv", False), ("csgmv", True)])
+def test_fused_decode_equals_unfused(assets, backend, rowwise, monkeypatch):
+    fused_runner = runner_for(assets, backend, fuse=True, rowwise=rowwise, monkeypatch=monkeypatch)
     layers = fused_runner.model.model.layers
     assert all(isinstance(l.input_layernorm.fusion, NormShrinkFusion) for l in layers)
     assert all(isinstance(l.post_attention_layernorm.fusion, NormShrinkFusion) for l in layers)
+    from sglang.srt.lora.backend import token_backend
+
+    kernel_calls = []
+    kernel = token_backend.norm_shrink_pack
+    monkeypatch.setattr(token_backend, "norm_shrink_pack", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
     tokens, logprobs, calls = decode_run(fused_runner)
+    monkeypatch.undo()
+    # The row-wise kernel also runs for o_proj and down_proj when asked.
+    assert len(kernel_calls) == (4 if rowwise else 2) * len(layers) * 4
     ref_tokens, ref_logprobs, ref_calls = decode_run(runner_for(assets, backend, fuse=False))
     assert calls == [0] + [2 * len(layers)] * 4  # never at prefill, both norms of every layer at decode
     assert ref_calls == [0] * 5

@@ -138,6 +138,10 @@ class TokenLoRABackend(BaseLoRABackend):
         self._layouts: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._launches: dict[str, _ModuleLaunches] = {}
         self.fuse_norm = False  # enable_norm_fusion
+        # With norm fusion, the folded modules without a norm before them (o_proj, down_proj) may
+        # take the same row-wise kernel at decode instead of shrink_pack's segments: an experiment
+        # (SGLANG_LORA_ROWWISE_DECODE=1) that benchmark/lora/bench_norm_shrink.py measures.
+        self.rowwise_decode = os.environ.get("SGLANG_LORA_ROWWISE_DECODE", "0") == "1"
 
     def enable_norm_fusion(self) -> None:
         """Decode batches carry each row's slot, for the norm kernels that write x_aug themselves
@@ -354,8 +358,12 @@ class TokenLoRABackend(BaseLoRABackend):
         launches = self._launches[spec.name]
         if spec.folded:
             x_aug = scratch.matrix(rows, spec.in_dim + spec.extra_cols)
-            launches.pack(x, weights.A, x_aug, scratch.workspace, scratch.counters, info.permutation, info.seg_indptr,
-                          info.weight_indices, info.lora_ranks, info.scalings)
+            if self.rowwise_decode and info.row_slots is not None:
+                norm_shrink_pack(x, None, None, 0.0, weights.A, x_aug, info.row_slots[:rows], info.lora_ranks,
+                                 info.scalings, spec.stack, spec.max_rank)
+            else:
+                launches.pack(x, weights.A, x_aug, scratch.workspace, scratch.counters, info.permutation,
+                              info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings)
             return F.linear(x_aug, weights.folded, weights.bias)
         out = base_layer(x)
         self._add_unfolded(weights, x, out, launches)
