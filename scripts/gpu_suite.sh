@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -157,6 +157,16 @@ if [[ " $PARTS " == *" norm_shrink "* ]]; then
     --out "$OUT/norm_shrink_steps.md" >>"$OUT/norm_shrink.log" 2>&1 || status=1
   say "norm_shrink steps: $(( $(date +%s) - start ))s"
   grep -E "LoRA / base" "$OUT/norm_shrink_steps.md" 2>/dev/null | tee -a "$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" gemv "* ]]; then
+  # Issue 21: the decode GEMMs at batch 1-8 against the weight-read floor, cuBLAS against a
+  # candidate Triton GEMV (benchmark/bench_gemv.py), before anything is built on it (~1.5 min).
+  say "== decode GEMMs: cuBLAS vs a Triton GEMV"
+  start=$(date +%s)
+  $PY benchmark/bench_gemv.py --out "$OUT/gemv.md" >"$OUT/gemv.log" 2>&1 || status=1
+  say "gemv: $(( $(date +%s) - start ))s"
+  grep -E "^\| (llama|qwen)" "$OUT/gemv.md" 2>/dev/null | cut -d'|' -f2-10 >>"$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" lora_decode "* ]]; then

@@ -27,12 +27,14 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "python"))
+sys.path.insert(0, str(HERE.parent))  # benchmark/: bench_util
 if "--cpu-dry-run" in sys.argv:
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from bench_util import add_output_args, emit_table, graph_us, target  # noqa: E402
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd  # noqa: E402
 from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack  # noqa: E402
@@ -157,33 +159,15 @@ class Step:
             self.outs.append(F.linear(self.x_aug[i], m.w_aug))
 
 
-def graph_us(fn) -> float:
-    """GPU µs of one `fn()` from CUDA-graph replays (no Python launch cost)."""
-    import triton
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return triton.testing.do_bench(graph.replay, warmup=10, rep=100) * 1e3
-
-
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["qwen3-4b", "llama-3.1-8b"])
     p.add_argument("--decode-bs", nargs="+", type=int, default=[1, 8, 32, 64, 128])
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
-    p.add_argument("--out", default=None)
-    p.add_argument("--cpu-dry-run", action="store_true")
+    add_output_args(p)
     args = p.parse_args()
-    dry = args.cpu_dry_run
-    device, dtype = ("cpu", torch.float32) if dry else ("cuda", torch.bfloat16)
-    models = ["tiny"] if dry else args.models
+    dry, device, dtype, models = target(args)
     bss = [1, 3] if dry else args.decode_bs
     slots = args.adapters + 1
     lines = []
@@ -207,17 +191,15 @@ def main() -> None:
             if dry:
                 lines.append(f"| {bs} | - | - | - | - | - | - | - | - | - | {diff:.1e} |")
                 continue
-            base, unfused, fused, rowwise = (graph_us(f) for f in (step.base, step.unfused, step.fused, step.rowwise))
+            base, unfused, fused, rowwise = (graph_us(lambda _, f=f: f()) for f in
+                                             (step.base, step.unfused, step.fused, step.rowwise))
             n = len(mods)
             lines.append(f"| {bs} | {base:.0f} | {unfused:.0f} | {fused:.0f} | {rowwise:.0f} | {unfused - base:.0f} | "
                          f"{fused - base:.0f} | {rowwise - base:.0f} | {2 * (unfused - fused) / n:.2f} | "
                          f"{(unfused - rowwise) / n:.2f} | {diff:.1e} |")
             print(lines[-1], flush=True)
         lines.append("")
-    text = "\n".join(lines)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit_table(lines, args.out)
 
 
 if __name__ == "__main__":
