@@ -44,7 +44,8 @@ if [[ " $PARTS " == *" tests "* ]]; then
   start=$(date +%s)
   kexpr=()
   [ -n "${GPU_SUITE_PYTEST_K:-}" ] && kexpr=(-k "$GPU_SUITE_PYTEST_K")
-  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE ${GPU_SUITE_PYTEST_ARGS:-} "${kexpr[@]}" test/registered \
+  # --durations: the slowest tests, for planning the device minutes.
+  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE --durations=25 ${GPU_SUITE_PYTEST_ARGS:-} "${kexpr[@]}" test/registered \
     >"$OUT/gpu_tests.log" 2>&1
   rc=$?
   [ $rc -ne 0 ] && status=1
