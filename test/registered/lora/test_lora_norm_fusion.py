@@ -112,3 +112,12 @@ def test_a_backend_without_the_kernels_warns_and_runs_apart(assets, caplog):
     assert norms and all(m.fusion is None for m in norms)
     _, _, calls = decode_run(runner, steps=1)
     assert calls == [0, 0]
+
+
+def test_nothing_folded_nothing_fused(assets, caplog):
+    ckpt, paths = assets
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
+        runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend="triton",
+                             max_lora_rank=8, lora_fuse_norm=True, lora_fold="off")
+    assert "no norm feeds a folded" in caplog.text
+    assert all(m.fusion is None for m in runner.model.modules() if isinstance(m, RMSNorm))

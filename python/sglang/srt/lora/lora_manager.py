@@ -144,7 +144,11 @@ class LoRAManager:
             return
         self.lora_backend.enable_norm_fusion()
         count = attach_norm_fusion(model, self.lora_modules, find_lora_target_layers(model), self.lora_backend)
-        logger.info("LoRA: %d norms run inside their folded module's shrink_pack at decode", count)
+        if count == 0:
+            logger.warning("--lora-fuse-norm: no norm feeds a folded qkv_proj / gate_up_proj (folded: %s); "
+                           "nothing to fuse", self.pool.fold_modules or "none")
+        else:
+            logger.info("LoRA: %d norms run inside their folded module's shrink_pack at decode", count)
 
     def _load_startup_adapters(self, refs: list[LoRARef], configs: dict[str, LoRAConfig]) -> None:
         """Read the startup adapters' tensors in parallel threads (the slow part: the files, the
