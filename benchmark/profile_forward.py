@@ -161,8 +161,10 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
             overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
                              disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
         overrides.setdefault("max_running_requests", max(64, *args.decode_bs))
-        if lora in ("lora-fused", "lora-rowwise"):  # --lora-fuse-norm: the norms inside the folded shrink_pack
+        if lora in ("lora-fused", "lora-rowwise"):  # --lora-fuse-norm: the norms compute the shrink
             overrides["lora_fuse_norm"] = True
+        if lora != "none":
+            overrides["lora_fold"] = args.lora_fold
         # lora-rowwise: o_proj / down_proj take the row-wise kernel at decode too (read at backend build).
         os.environ["SGLANG_LORA_ROWWISE_DECODE"] = "1" if lora == "lora-rowwise" else "0"
         buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
@@ -356,6 +358,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
                    help="which of none,lora,lora-fused,lora-rowwise to run (lora-fused: LoRA with --lora-fuse-norm; "
                         "lora-rowwise: also SGLANG_LORA_ROWWISE_DECODE=1)")
     p.add_argument("--lora-backend", default="csgmv")
+    p.add_argument("--lora-fold", default="auto", choices=["auto", "on", "off"],
+                   help="off: every module unfolded (base GEMM + shrink + expand), as many slots make qkv / gate_up")
     p.add_argument("--adapters", type=int, default=1, help="rank-16 adapters loaded (= pool slots)")
     p.add_argument("--decode-adapters", type=_ints, default=[1], help="distinct adapters per decode batch")
     p.add_argument("--prefill-batches", type=_batches, default=[], help="e.g. 4x512,8x256 (requests x tokens)")

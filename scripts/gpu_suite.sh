@@ -145,7 +145,7 @@ if [[ " $PARTS " == *" norm_shrink "* ]]; then
   # gate_up shrink_pack at decode (--lora-fuse-norm, opt-in until this shows it pays;
   # benchmark/lora/bench_norm_shrink.py), GPU µs per step under
   # graph replay against the two kernels it replaces and the base, then whole Qwen3-4B decode steps
-  # with and without --lora-fuse-norm (~2 min).
+  # with and without --lora-fuse-norm, folded and unfolded (~3 min).
   say "== norm + shrink_pack fused (decode)"
   start=$(date +%s)
   $PY benchmark/lora/bench_norm_shrink.py --out "$OUT/norm_shrink.md" >"$OUT/norm_shrink.log" 2>&1 || status=1
@@ -158,6 +158,14 @@ if [[ " $PARTS " == *" norm_shrink "* ]]; then
     --out "$OUT/norm_shrink_steps.md" >>"$OUT/norm_shrink.log" 2>&1 || status=1
   say "norm_shrink steps: $(( $(date +%s) - start ))s"
   grep -E "LoRA / base" "$OUT/norm_shrink_steps.md" 2>/dev/null | tee -a "$SUMMARY"
+  # Unfolded modules (what qkv / gate_up are with many slots): base GEMM + shrink + expand, the
+  # norm computing the shrink with --lora-fuse-norm.
+  start=$(date +%s)
+  $PY benchmark/profile_forward.py --model qwen3-4b --adapters 8 --lora none,lora,lora-fused --lora-backend csgmv \
+    --lora-fold off --paths graph --no-hf-anchor --tokens 128 --decode-bs 1,64 --decode-adapters 1,8 --tc-modes "" \
+    --out "$OUT/norm_shrink_unfolded.md" >>"$OUT/norm_shrink.log" 2>&1 || status=1
+  say "norm_shrink unfolded steps: $(( $(date +%s) - start ))s"
+  grep -E "LoRA / base" "$OUT/norm_shrink_unfolded.md" 2>/dev/null | sed "s/^/unfolded /" | tee -a "$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" gemv "* ]]; then

@@ -117,8 +117,8 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                    help="triton/csgmv: fold each module's adapters into its base GEMM (one GEMM over "
                         "[x | shrink] and [W | B]); auto folds where the extra weight bytes are small.")
     g.add_argument("--lora-fuse-norm", action="store_true", default=default("lora_fuse_norm"),
-                   help="triton/csgmv, decode: fuse the RMSNorm before a folded qkv_proj / gate_up_proj "
-                        "into its shrink_pack (one kernel fewer per module; opt-in while it is measured).")
+                   help="triton/csgmv, decode: the RMSNorm before qkv_proj / gate_up_proj also computes "
+                        "their LoRA shrink (one kernel fewer per module; opt-in while it is measured).")
     g.add_argument("--lora-max-wait-turns", type=int, default=default("lora_max_wait_turns"),
                    help="Scheduler turns a request may wait for an adapter slot before requests "
                         "for other adapters are held back until it fits.")

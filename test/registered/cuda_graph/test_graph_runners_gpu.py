@@ -143,7 +143,7 @@ def test_decode_graph_greedy_matches_eager(lora_backend, prefill):
 
 
 @functools.lru_cache(maxsize=None)
-def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool = False):
+def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool = False, fold: str = "auto"):
     ckpt, adapters = assets()
     mode = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
                 cuda_graph_bs_decode=DECODE_BUCKETS) if graphs else dict(disable_cuda_graph=True)
@@ -152,7 +152,7 @@ def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool = False):
         return make_runner(
             ckpt, device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=16384,
             max_running_requests=64, lora_paths=[f"{n}={p}" for n, p in adapters.items()],
-            max_loras_per_batch=3, lora_backend=lora_backend, lora_fuse_norm=True, **mode,
+            max_loras_per_batch=3, lora_backend=lora_backend, lora_fuse_norm=True, lora_fold=fold, **mode,
         )
     finally:
         del os.environ["SGLANG_LORA_ROWWISE_DECODE"]
@@ -174,15 +174,16 @@ def decode_logprobs(r, prompts, names, steps: int) -> tuple[list[list[int]], tor
     return tokens, torch.tensor(logprobs, dtype=torch.float64), used
 
 
-@pytest.mark.parametrize("lora_backend,rowwise", [("triton", False), ("csgmv", False), ("csgmv", True)])
-def test_fused_norm_decode_graph_equals_eager(lora_backend, rowwise):
+@pytest.mark.parametrize("lora_backend,rowwise,fold", [("triton", False, "auto"), ("csgmv", False, "auto"),
+                                                       ("csgmv", True, "auto"), ("csgmv", False, "off")])
+def test_fused_norm_decode_graph_equals_eager(lora_backend, rowwise, fold):
     """--lora-fuse-norm (and SGLANG_LORA_ROWWISE_DECODE=1): the decode graph replays the row-wise
     kernels and equals fused eager bit for bit; both match the unfused engine within the graph
     tolerance."""
     names = ["a", None, "b", "a", None]
     prompts = _prompts([11, 4, 30, 17, 8], seed=6)
-    g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, rowwise), prompts, names, steps=12)
-    e_tok, e_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, rowwise), prompts, names, steps=12)
+    g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, rowwise, fold), prompts, names, steps=12)
+    e_tok, e_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, rowwise, fold), prompts, names, steps=12)
     u_tok, u_lp, _ = decode_logprobs(runner(lora_backend, "disabled"), prompts, names, steps=12)
     assert all(used), "some decode steps did not replay the decode graph"
     assert g_tok == e_tok and torch.equal(g_lp, e_lp)

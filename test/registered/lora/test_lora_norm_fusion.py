@@ -30,12 +30,12 @@ def assets(tmp_path_factory):
     }
 
 
-def runner_for(assets, backend: str, fuse: bool, rowwise: bool = False, monkeypatch=None):
+def runner_for(assets, backend: str, fuse: bool, rowwise: bool = False, monkeypatch=None, fold: str = "auto"):
     if rowwise:  # o_proj / down_proj take the row-wise kernel too (read when the backend is built)
         monkeypatch.setenv("SGLANG_LORA_ROWWISE_DECODE", "1")
     ckpt, paths = assets
     runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
-                         max_lora_rank=8, lora_fuse_norm=fuse)
+                         max_lora_rank=8, lora_fuse_norm=fuse, lora_fold=fold)
     if rowwise:
         monkeypatch.delenv("SGLANG_LORA_ROWWISE_DECODE")
     assert runner.lora_manager.lora_backend.__dict__.get("rowwise_decode", False) == rowwise
@@ -48,13 +48,13 @@ def decode_run(runner, steps: int = 4, names=("a", None, "b", "a")):
     ids = {r.lora_name: i for i, r in runner.lora_manager.refs.items()}
     backend = runner.lora_manager.lora_backend
     calls = []
-    original = backend.norm_shrink_pack
+    original = backend.run_norm
 
     def counting(*args, **kwargs):
         calls[-1] += 1
         return original(*args, **kwargs)
 
-    backend.norm_shrink_pack = counting
+    backend.run_norm = counting
     driver = EngineDriver(runner)
     seqs = [driver.add(p, lora_id=ids.get(n)) for p, n in zip(PROMPTS, names)]
     calls.append(0)
@@ -67,26 +67,34 @@ def decode_run(runner, steps: int = 4, names=("a", None, "b", "a")):
         out = driver.decode(seqs, return_logprob=True)
         tokens.append(out.next_token_ids.tolist())
         logprobs.append(out.next_token_logprobs)
-    del backend.norm_shrink_pack
+    del backend.run_norm
     return tokens, torch.tensor(logprobs, dtype=torch.float64), calls
 
 
-@pytest.mark.parametrize("backend,rowwise", [("triton", False), ("csgmv", False), ("csgmv", True)])
-def test_fused_decode_equals_unfused(assets, backend, rowwise, monkeypatch):
-    fused_runner = runner_for(assets, backend, fuse=True, rowwise=rowwise, monkeypatch=monkeypatch)
+@pytest.mark.parametrize("backend,fold,rowwise", [("triton", "auto", False), ("csgmv", "auto", False),
+                                                  ("csgmv", "auto", True), ("triton", "off", False),
+                                                  ("csgmv", "off", False)])
+def test_fused_decode_equals_unfused(assets, backend, fold, rowwise, monkeypatch):
+    """Folded (auto, at these sizes) and unfolded (off) modules; with SGLANG_LORA_ROWWISE_DECODE the
+    folded o_proj / down_proj take the row-wise kernel too."""
+    fused_runner = runner_for(assets, backend, fuse=True, rowwise=rowwise, monkeypatch=monkeypatch, fold=fold)
+    assert bool(fused_runner.lora_manager.pool.fold_modules) == (fold == "auto")
     layers = fused_runner.model.model.layers
     assert all(isinstance(l.input_layernorm.fusion, NormShrinkFusion) for l in layers)
     assert all(isinstance(l.post_attention_layernorm.fusion, NormShrinkFusion) for l in layers)
     from sglang.srt.lora.backend import token_backend
 
     kernel_calls = []
-    kernel = token_backend.norm_shrink_pack
-    monkeypatch.setattr(token_backend, "norm_shrink_pack", lambda *a, **k: kernel_calls.append(1) or kernel(*a, **k))
+    for name in ("norm_shrink_pack", "norm_shrink"):  # the folded and the unfolded layout
+        kernel = getattr(token_backend, name)
+        monkeypatch.setattr(token_backend, name,
+                            lambda *a, _k=kernel, _n=name, **kw: kernel_calls.append(_n) or _k(*a, **kw))
     tokens, logprobs, calls = decode_run(fused_runner)
     monkeypatch.undo()
-    # The row-wise kernel also runs for o_proj and down_proj when asked.
-    assert len(kernel_calls) == (4 if rowwise else 2) * len(layers) * 4
-    ref_tokens, ref_logprobs, ref_calls = decode_run(runner_for(assets, backend, fuse=False))
+    # One row-wise kernel per norm-fed module, of its layout; also for o_proj and down_proj when asked.
+    layout = "norm_shrink_pack" if fold == "auto" else "norm_shrink"
+    assert kernel_calls.count(layout) == (4 if rowwise else 2) * len(layers) * 4 == len(kernel_calls)
+    ref_tokens, ref_logprobs, ref_calls = decode_run(runner_for(assets, backend, fuse=False, fold=fold))
     assert calls == [0] + [2 * len(layers)] * 4  # never at prefill, both norms of every layer at decode
     assert ref_calls == [0] * 5
     assert tokens == ref_tokens
@@ -114,10 +122,11 @@ def test_a_backend_without_the_kernels_warns_and_runs_apart(assets, caplog):
     assert calls == [0, 0]
 
 
-def test_nothing_folded_nothing_fused(assets, caplog):
-    ckpt, paths = assets
+def test_no_lora_on_the_norm_fed_modules_nothing_fused(assets, caplog, tmp_path):
+    ckpt, _ = assets
+    path = write_peft_adapter(str(tmp_path / "od"), r=4, target_modules=["o_proj", "down_proj"],
+                              base_model=hf_model(ckpt), seed=9)
     with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
-        runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend="triton",
-                             max_lora_rank=8, lora_fuse_norm=True, lora_fold="off")
-    assert "no norm feeds a folded" in caplog.text
+        runner = make_runner(ckpt, lora_paths=[f"od={path}"], lora_backend="triton", lora_fuse_norm=True)
+    assert "no norm feeds a LoRA" in caplog.text
     assert all(m.fusion is None for m in runner.model.modules() if isinstance(m, RMSNorm))

@@ -14,8 +14,8 @@ import torch
 
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd
 from sglang.srt.lora.fold import fold_extra_columns
-from sglang.srt.lora.triton_ops.norm_shrink_pack import column_tile, norm_shrink_pack
-from sglang.srt.lora.triton_ops.token_lora import shrink_pack
+from sglang.srt.lora.triton_ops.norm_shrink_pack import column_tile, norm_shrink, norm_shrink_pack
+from sglang.srt.lora.triton_ops.token_lora import shrink_pack, token_shrink
 from test_lora_fold import RANKS, RANKS_T, ROW_SLOTS, SCALINGS_T, S, R, _poisoned_a, ref_x_aug
 
 EPS = 1e-6
@@ -70,6 +70,26 @@ def test_without_a_norm_it_is_shrink_pack_row_by_row(stack):
     torch.testing.assert_close(x_aug, unfused, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("stack", [1, 2, 3])
+def test_unfolded_layout_is_rmsnorm_then_token_shrink(stack):
+    """An unfolded module: the normed rows to their own tensor, the compact unscaled shrink to xa
+    (token_shrink's layout); rows without an adapter and columns past c*r are left alone."""
+    slots, x, residual, norm_w, a, _ = inputs(300, stack, torch.float32, 20 + stack)
+    rows, width = slots.numel(), stack * R
+    normed = torch.full((rows, 300), float("nan"))
+    xa = torch.full((rows, width), -777.0)
+    new_res = norm_shrink(x, residual, norm_w, EPS, a, normed, xa, slots, RANKS_T, stack, R)
+    ref_res = residual.clone()
+    ref = rmsnorm_fwd(x, norm_w, EPS, residual=ref_res)
+    assert torch.equal(normed, ref) and torch.equal(new_res, ref_res)
+    expected = torch.full((rows, width), -777.0)
+    token_shrink(ref, a, slots, RANKS_T, stack, out=expected)
+    torch.testing.assert_close(xa, expected, rtol=1e-5, atol=1e-4)
+    for t, s in enumerate(ROW_SLOTS):
+        r = RANKS[s] if s >= 0 else 0
+        assert torch.equal(xa[t, stack * r :], torch.full((width - stack * r,), -777.0)), t
+
+
 def test_bf16_norm_is_rmsnorm_bit_for_bit():
     slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.bfloat16, 1)
     x_aug = torch.empty((slots.numel(), 300 + extra), dtype=torch.bfloat16)
@@ -109,17 +129,17 @@ def test_column_tile_is_a_layer_constant():
     assert all(RANKS[s] <= R for s in range(S))
 
 
-def hopper_ptx() -> str:
+def hopper_ptx(packed: bool) -> str:
     """The kernel compiled for sm_90 at the Qwen3-4B qkv shape (run without TRITON_INTERPRET)."""
     from sglang.srt.lora.triton_ops.norm_shrink_pack import _norm_shrink_pack_kernel
     from test_lora_token_kernels import _compile_for_hopper
 
-    bf16 = {n: "*bf16" for n in ("X", "R", "R_OUT", "NORM_W", "A", "XAUG")}
+    bf16 = {n: "*bf16" for n in ("X", "R", "R_OUT", "NORM_W", "A", "XAUG", "Y")}
     return _compile_for_hopper(
         _norm_shrink_pack_kernel, {**bf16, "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32"},
-        ["stride_x", "stride_r", "stride_ro", "stride_xaug", "a_stride_s", "a_stride_n", "K"],
+        ["stride_x", "stride_r", "stride_ro", "stride_xaug", "stride_y", "a_stride_s", "a_stride_n", "K"],
         dict(STACK=3, MAX_RANK=16, E_COLS=432, BLOCK=4096, BLOCK_J=column_tile(2560), BLOCK_E=512, HAS_NORM=True,
-             HAS_RESIDUAL=True, EMULATE_RNE=False),
+             HAS_RESIDUAL=True, PACKED=packed, EMULATE_RNE=False),
         floats=("eps",), num_warps=8,
     )
 
@@ -134,7 +154,8 @@ def test_compiles_for_hopper():
     here = os.path.dirname(os.path.abspath(__file__))
     python_dir = os.path.join(here, "..", "..", "..", "python")  # this checkout's package, not an installed one
     code = (f"import sys; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
-            "import test_lora_norm_shrink as t; ptx = t.hopper_ptx(); print('ok', len(ptx), 'st.global' in ptx)")
+            "import test_lora_norm_shrink as t; ptx = [t.hopper_ptx(p) for p in (True, False)]; "
+            "print('ok', all('st.global' in p for p in ptx))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

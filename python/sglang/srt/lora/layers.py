@@ -34,7 +34,7 @@ from sglang.srt.layers.linear import (
     RowParallelLinear,
 )
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
-from sglang.srt.lora.utils import LoRAModuleWeights
+from sglang.srt.lora.utils import LoRAModuleWeights, PreparedInput
 
 
 class BaseLayerWithLoRA(nn.Module):
@@ -43,8 +43,8 @@ class BaseLayerWithLoRA(nn.Module):
         self.base_layer = base_layer
         self.lora_backend = lora_backend
         self.lora: Optional[LoRAModuleWeights] = None
-        # x_aug the norm before this module already wrote (lora/norm_fusion.py), for the next call.
-        self.prepared_x_aug: Optional[torch.Tensor] = None
+        # What the norm before this module already wrote (lora/norm_fusion.py), for the next call.
+        self.prepared: Optional[PreparedInput] = None
 
     # The rest of the engine may read the wrapped layer's attributes through the wrapper.
     @property
@@ -87,12 +87,12 @@ class BaseLayerWithLoRA(nn.Module):
         return self.lora is not None and self.lora_backend.batch_info is not None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        prepared, self.prepared_x_aug = self.prepared_x_aug, None
+        prepared, self.prepared = self.prepared, None
         if not self.lora_active:
             return self.base_layer(x)
-        if prepared is not None and x.data_ptr() == prepared.data_ptr() and x.shape[0] == prepared.shape[0]:
-            # x is the norm's output inside x_aug, whose extra columns hold the shrink: the GEMM alone.
-            return self.lora_backend.run_prepared(self.lora, prepared)
+        if prepared is not None and x.data_ptr() == prepared.normed.data_ptr() and x.shape == prepared.normed.shape:
+            # x is the norm's output, and the norm already computed this module's shrink.
+            return self.lora_backend.run_prepared(self.lora, prepared, self.base_layer)
         out = self.lora_backend.run_module(self.lora, self.base_layer, x.reshape(-1, x.shape[-1]))
         return out.view(*x.shape[:-1], out.shape[-1])
 

@@ -145,10 +145,10 @@ class LoRAManager:
         self.lora_backend.enable_norm_fusion()
         count = attach_norm_fusion(model, self.lora_modules, find_lora_target_layers(model), self.lora_backend)
         if count == 0:
-            logger.warning("--lora-fuse-norm: no norm feeds a folded qkv_proj / gate_up_proj (folded: %s); "
-                           "nothing to fuse", self.pool.fold_modules or "none")
+            logger.warning("--lora-fuse-norm: no norm feeds a LoRA qkv_proj / gate_up_proj (targets: %s); "
+                           "nothing to fuse", self.pool.target_modules)
         else:
-            logger.info("LoRA: %d norms run inside their folded module's shrink_pack at decode", count)
+            logger.info("LoRA: %d norms compute their module's LoRA shrink at decode", count)
 
     def _load_startup_adapters(self, refs: list[LoRARef], configs: dict[str, LoRAConfig]) -> None:
         """Read the startup adapters' tensors in parallel threads (the slow part: the files, the

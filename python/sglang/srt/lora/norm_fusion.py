@@ -1,12 +1,15 @@
-"""`--lora-fuse-norm`: at decode, the RMSNorm before a folded qkv_proj / gate_up_proj runs inside
-that module's shrink_pack (triton_ops/norm_shrink_pack.py), one kernel instead of two.
+"""`--lora-fuse-norm`: at decode, the RMSNorm before qkv_proj and gate_up_proj also computes the
+LoRA shrink of the module it feeds (triton_ops/norm_shrink_pack.py), one kernel instead of two.
 
 The norm and the module stay what they are; they meet through two seams:
   - `RMSNorm.fusion` (layers/layernorm.py): a `NormShrinkFusion` that, when this forward fuses
-    (a decode batch with LoRA on: `backend.fuses_norm`), writes x_aug = [norm(x) | packed shrink]
-    and returns the view x_aug[:, :K] as the norm's output (and the new residual);
-  - `BaseLayerWithLoRA.prepared_x_aug` (lora/layers.py): the module's next call recognises that
-    view (same address and rows) and runs its GEMM over x_aug alone.
+    (a decode batch with LoRA on: `backend.fuses_norm`), runs the norm with the shrink
+    (`backend.run_norm`) and returns the normalised rows as the norm's output (and the new
+    residual). For a folded module it writes x_aug = [norm(x) | packed shrink] and the rows are
+    its view; for an unfolded one, the rows and xa (the shrink the expand reads);
+  - `BaseLayerWithLoRA.prepared` (lora/layers.py): the module's next call recognises those rows
+    (same address and shape) and runs only the rest: the GEMM over x_aug, or the base GEMM and the
+    expand.
 Anything else (prefill, LoRA off for the batch, a caller that hands the module another tensor)
 takes the unfused path, which computes the same function.
 
@@ -36,7 +39,7 @@ NORM_FED_MODULES = (("input_layernorm", "self_attn.qkv_proj"), ("post_attention_
 
 
 class NormShrinkFusion:
-    """The `fusion` of one RMSNorm whose output feeds one folded LoRA module. A plain object, not a
+    """The `fusion` of one RMSNorm whose output feeds one LoRA module. A plain object, not a
     module: it must not put the target into the norm's module tree."""
 
     def __init__(self, norm: RMSNorm, target: BaseLayerWithLoRA, backend: "BaseLoRABackend") -> None:
@@ -46,23 +49,22 @@ class NormShrinkFusion:
         target = self.target
         if not target.lora_active or not self.backend.fuses_norm(target.lora):
             return None
-        x_aug, new_residual = self.backend.norm_shrink_pack(target.lora, self.norm.weight,
-                                                            self.norm.variance_epsilon, x, residual)
-        target.prepared_x_aug = x_aug
-        normed = x_aug[:, : x.shape[-1]]
-        return normed if residual is None else (normed, new_residual)
+        prepared, new_residual = self.backend.run_norm(target.lora, self.norm.weight, self.norm.variance_epsilon,
+                                                       x, residual)
+        target.prepared = prepared
+        return prepared.normed if residual is None else (prepared.normed, new_residual)
 
 
 def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerWithLoRA]],
                        module_names: dict[str, dict[int, str]], backend: "BaseLoRABackend") -> int:
-    """Set the fusion of every norm that feeds a folded module; returns how many."""
+    """Set the fusion of every norm that feeds a wrapped qkv_proj / gate_up_proj; returns how many."""
     count = 0
     for layer_id, modules in wrapped.items():
         for norm_attr, path in NORM_FED_MODULES:
             kind = path.rsplit(".", 1)[1]
             target = modules.get(kind)
             name = module_names.get(kind, {}).get(layer_id)
-            if target is None or name is None or target.lora is None or target.lora.folded is None:
+            if target is None or name is None or target.lora is None:
                 continue
             if not name.endswith("." + path):
                 continue  # another layout: leave it unfused

@@ -87,3 +87,15 @@ class LoRAModuleWeights:
     B: Any  # [slots, out, R]: a tensor, or a fold.SlicedB inside `folded`
     bias: Optional[torch.Tensor]
     folded: Optional[torch.Tensor] = None  # W_aug [out, in + E] when folded
+
+
+@dataclass
+class PreparedInput:
+    """What a fused norm (lora/norm_fusion.py) wrote for the module it feeds: the normalised rows
+    (the norm's output, which the module is then called with) and the module's shrink, as x_aug
+    [normed | packed shrink] for a folded module (`normed` is its view), as xa (compact, unscaled)
+    for an unfolded one."""
+
+    normed: torch.Tensor
+    x_aug: Optional[torch.Tensor] = None
+    xa: Optional[torch.Tensor] = None

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.forward_path import ForwardPath
-from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights
+from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights, PreparedInput
 
 if TYPE_CHECKING:
     from sglang.srt.configs.forward_batch_info import ForwardBatch
@@ -92,16 +92,16 @@ class BaseLoRABackend(abc.ABC):
         current `batch_info` (never None when a wrapper calls this)."""
 
     def fuses_norm(self, weights: LoRAModuleWeights) -> bool:
-        """Whether this forward runs the norm before `weights`' module inside its shrink_pack."""
+        """Whether this forward runs the norm before `weights`' module together with its shrink."""
         return False
 
-    def norm_shrink_pack(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
-                         residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
-        """(x_aug, new residual): the norm of x (+ residual) and the module's packed shrink."""
+    def run_norm(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
+                 residual: Optional[torch.Tensor]) -> tuple[PreparedInput, Optional[torch.Tensor]]:
+        """(the norm of x (+ residual) with the module's shrink, the new residual)."""
         raise NotImplementedError(f"LoRA backend {self.name} does not fuse norms")
 
-    def run_prepared(self, weights: LoRAModuleWeights, x_aug: torch.Tensor) -> torch.Tensor:
-        """The folded module's output from an x_aug that `norm_shrink_pack` wrote."""
+    def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: nn.Module) -> torch.Tensor:
+        """The module's output (base + LoRA) from what `run_norm` wrote."""
         raise NotImplementedError(f"LoRA backend {self.name} does not fuse norms")
 
     # ---- metadata --------------------------------------------------------------------------

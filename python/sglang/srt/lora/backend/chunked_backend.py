@@ -50,6 +50,11 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         xa = self._scratch.matrix(x.shape[0], spec.stack * spec.max_rank)
         # `out` given: one program per chunk reduces all of K (no split, no atomics, no memset).
         chunked_sgmv_lora_shrink_forward(x, weights.A, info, num_slices=spec.stack, out=xa)
+        self._expand_unfolded(weights, xa, out, launches)
+
+    def _expand_unfolded(self, weights: LoRAModuleWeights, xa: torch.Tensor, out: torch.Tensor,
+                         launches: _ModuleLaunches) -> None:
+        spec, info = weights.spec, self.batch_info
         offsets = self._slice_offsets.get(spec.name)
         chunked_sgmv_lora_expand_forward(
             xa, weights.B, info, out, num_slices=spec.stack, slice_offsets=offsets,

@@ -47,7 +47,7 @@ from sglang.srt.lora.backend._staging import copy_into, to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
-from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack
+from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack
 from sglang.srt.lora.triton_ops.token_lora import (
     SEGMENT_ROWS,
     pdl_available,
@@ -58,7 +58,7 @@ from sglang.srt.lora.triton_ops.token_lora import (
     prepare_pack,
     prepare_shrink,
 )
-from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights
+from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights, PreparedInput
 
 if TYPE_CHECKING:
     from sglang.srt.configs.forward_batch_info import ForwardBatch
@@ -327,24 +327,36 @@ class TokenLoRABackend(BaseLoRABackend):
                              torch.empty((0, s.out_dim, s.max_rank), dtype=dtype, device=dev))
         return out
 
-    # ---- the norm fused into a folded module (decode) ------------------------------------------
+    # ---- the norm fused with the module's shrink (decode) --------------------------------------
     def fuses_norm(self, weights: LoRAModuleWeights) -> bool:
         info = self.batch_info
-        return info is not None and info.row_slots is not None and weights.spec.folded
+        return info is not None and info.row_slots is not None
 
-    def norm_shrink_pack(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
-                         residual: Optional[torch.Tensor]) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+    def run_norm(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
+                 residual: Optional[torch.Tensor]) -> tuple[PreparedInput, Optional[torch.Tensor]]:
         spec, info = weights.spec, self.batch_info
         rows = x.shape[0]
         assert rows == info.num_rows and x.dim() == 2, (x.shape, info.num_rows)
-        # The scratch x_aug: read by the module's GEMM, the very next kernel (as shrink_pack's is).
-        x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
-        new_residual = norm_shrink_pack(x, residual, norm_weight, eps, weights.A, x_aug, info.row_slots[:rows],
-                                        self._slot_ranks, self._slot_scalings, spec.stack, spec.max_rank)
-        return x_aug, new_residual
+        slots = info.row_slots[:rows]
+        if spec.folded:
+            # The scratch x_aug: read by the module's GEMM, the very next kernel (as shrink_pack's is).
+            x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
+            new_residual = norm_shrink_pack(x, residual, norm_weight, eps, weights.A, x_aug, slots, self._slot_ranks,
+                                            self._slot_scalings, spec.stack, spec.max_rank)
+            return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug), new_residual
+        # Unfolded: the shrink output in the scratch, read by the expand after the base GEMM.
+        normed = torch.empty_like(x)
+        xa = self._scratch.matrix(rows, spec.stack * spec.max_rank)
+        new_residual = norm_shrink(x, residual, norm_weight, eps, weights.A, normed, xa, slots, self._slot_ranks,
+                                   spec.stack, spec.max_rank)
+        return PreparedInput(normed, xa=xa), new_residual
 
-    def run_prepared(self, weights: LoRAModuleWeights, x_aug: torch.Tensor) -> torch.Tensor:
-        return F.linear(x_aug, weights.folded, weights.bias)
+    def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: torch.nn.Module) -> torch.Tensor:
+        if prepared.x_aug is not None:
+            return F.linear(prepared.x_aug, weights.folded, weights.bias)
+        out = base_layer(prepared.normed)
+        self._expand_unfolded(weights, prepared.xa, out, self._launches[weights.spec.name])
+        return out
 
     # ---- the module call ---------------------------------------------------------------------
     def run_module(self, weights: LoRAModuleWeights, base_layer: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
@@ -376,5 +388,12 @@ class TokenLoRABackend(BaseLoRABackend):
         xa = scratch.matrix(x.shape[0], spec.stack * spec.max_rank)
         segments = (info.permutation, info.seg_indptr, info.weight_indices)
         launches.shrink(x, weights.A, xa, scratch.workspace, scratch.counters, *segments, info.lora_ranks)
+        self._expand_unfolded(weights, xa, out, launches)
+
+    def _expand_unfolded(self, weights: LoRAModuleWeights, xa: torch.Tensor, out: torch.Tensor,
+                         launches: _ModuleLaunches) -> None:
+        """out += each row's scaling * xa @ B^T: the expand half of an unfolded module."""
+        spec, info = weights.spec, self.batch_info
+        segments = (info.permutation, info.seg_indptr, info.weight_indices)
         offsets = self._slice_offsets.get(spec.name, info.seg_indptr)  # unused for equal slices
         launches.expand(xa, weights.B, out, *segments, info.lora_ranks, info.scalings, offsets)

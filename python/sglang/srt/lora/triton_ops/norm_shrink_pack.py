@@ -41,8 +41,8 @@ TILE_ELEMENTS = 16384
 
 @triton.jit
 def _norm_shrink_pack_kernel(
-    X, R, R_OUT, NORM_W, A, XAUG, ROW_SLOTS, RANKS, SCALINGS,
-    stride_x, stride_r, stride_ro, stride_xaug, a_stride_s, a_stride_n,
+    X, R, R_OUT, NORM_W, A, XAUG, Y, ROW_SLOTS, RANKS, SCALINGS,
+    stride_x, stride_r, stride_ro, stride_xaug, stride_y, a_stride_s, a_stride_n,
     K, eps,
     STACK: tl.constexpr,
     MAX_RANK: tl.constexpr,
@@ -52,8 +52,12 @@ def _norm_shrink_pack_kernel(
     BLOCK_E: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    PACKED: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
+    # PACKED (a folded module): XAUG is x_aug [T, K + E], Y unused. Otherwise (an unfolded one) Y
+    # gets the normalised rows [T, K] and XAUG is the shrink output [T, STACK * MAX_RANK], each
+    # row's compact c*r values, unscaled (the expand scales), as token_shrink writes it.
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
@@ -71,7 +75,9 @@ def _norm_shrink_pack_kernel(
     slot = tl.load(ROW_SLOTS + row)
     rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
     block_w: tl.constexpr = STACK * MAX_RANK
-    if tile == 0:
+    if tile == 0 and not PACKED:
+        tl.store(Y + row * stride_y + offs, y, mask=mask)
+    if tile == 0 and PACKED:
         tl.store(XAUG + row * stride_xaug + offs, y, mask=mask)
         for e0 in range(0, E_COLS, BLOCK_E):
             cols = e0 + tl.arange(0, BLOCK_E)
@@ -86,15 +92,53 @@ def _norm_shrink_pack_kernel(
         a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
                     mask=col_mask[:, None] & mask[None, :], other=0.0)
         acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
-        scaling = tl.load(SCALINGS + slot)
-        k_slice = offs_n // rank
-        col = slot * block_w + k_slice * MAX_RANK + (offs_n - k_slice * rank)
-        tl.store(XAUG + row * stride_xaug + K + col, (acc * scaling).to(XAUG.dtype.element_ty), mask=col_mask)
+        if PACKED:
+            scaling = tl.load(SCALINGS + slot)
+            k_slice = offs_n // rank
+            col = slot * block_w + k_slice * MAX_RANK + (offs_n - k_slice * rank)
+            tl.store(XAUG + row * stride_xaug + K + col, (acc * scaling).to(XAUG.dtype.element_ty), mask=col_mask)
+        else:
+            tl.store(XAUG + row * stride_xaug + offs_n, acc.to(XAUG.dtype.element_ty), mask=col_mask)
 
 
 def column_tile(in_dim: int) -> int:
     """BLOCK_J: how many of the stacked rank's columns one program reduces (a layer constant)."""
     return max(1, min(16, TILE_ELEMENTS // triton.next_power_of_2(in_dim)))
+
+
+def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_ranks, scalings, stack_num, max_rank,
+            residual_out, packed: bool) -> Optional[torch.Tensor]:
+    rows, in_dim = x.shape
+    if norm_weight is not None and norm_weight.shape != (in_dim,):
+        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} does not match rows of {in_dim}")
+    assert norm_weight is not None or residual is None, "a residual comes with a norm"
+    assert weights.shape[1:] == (stack_num * max_rank, in_dim) and weights.stride(2) == 1, weights.shape
+    assert out.shape[0] == rows and out.stride(1) == 1 and x.stride(1) == 1 and row_slots.shape == (rows,)
+    if residual is not None:
+        assert residual.shape == x.shape and residual.stride(1) == 1
+        if residual_out is None:
+            residual_out = torch.empty_like(residual)
+        assert residual_out.data_ptr() != residual.data_ptr(), "the new residual needs its own buffer"
+    if rows == 0:
+        return residual_out
+    block = triton.next_power_of_2(in_dim)
+    block_j = column_tile(in_dim)
+    extra = out.shape[1] - in_dim if packed else 0
+    r = residual if residual is not None else x
+    ro = residual_out if residual is not None else x
+    y = y if y is not None else out
+    _norm_shrink_pack_kernel[(rows, triton.cdiv(stack_num * max_rank, block_j))](
+        x, r, ro, norm_weight if norm_weight is not None else x, weights, out, y, row_slots, lora_ranks, scalings,
+        x.stride(0), r.stride(0), ro.stride(0), out.stride(0), y.stride(0), weights.stride(0), weights.stride(1),
+        in_dim, eps,
+        STACK=stack_num, MAX_RANK=max_rank, E_COLS=extra, BLOCK=block, BLOCK_J=block_j,
+        BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
+        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PACKED=packed,
+        EMULATE_RNE=interpreting(),
+        # rmsnorm_fwd's warps for the row: the same reduction tree, so the norm equals its output.
+        num_warps=8 if block >= 4096 else (4 if block >= 1024 else 2),
+    )
+    return residual_out
 
 
 def norm_shrink_pack(
@@ -119,36 +163,33 @@ def norm_shrink_pack(
     itself) and is returned; without, returns None. `norm_weight` None: no norm (and no
     residual), x_aug = [x | packed shrink of x], shrink_pack's result computed row by row.
     """
-    rows, in_dim = x.shape
-    extra = x_aug.shape[1] - in_dim
-    if norm_weight is not None and norm_weight.shape != (in_dim,):
-        raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} does not match rows of {in_dim}")
-    assert norm_weight is not None or residual is None, "a residual comes with a norm"
-    assert weights.shape[1:] == (stack_num * max_rank, in_dim) and weights.stride(2) == 1, weights.shape
-    assert x_aug.shape[0] == rows and x_aug.stride(1) == 1 and extra >= weights.shape[0] * stack_num * max_rank
-    assert x.stride(1) == 1 and row_slots.shape == (rows,)
-    if residual is not None:
-        assert residual.shape == x.shape and residual.stride(1) == 1
-        if residual_out is None:
-            residual_out = torch.empty_like(residual)
-        assert residual_out.data_ptr() != residual.data_ptr(), "the new residual needs its own buffer"
-    if rows == 0:
-        return residual_out
-    block = triton.next_power_of_2(in_dim)
-    block_j = column_tile(in_dim)
-    r = residual if residual is not None else x
-    ro = residual_out if residual is not None else x
-    _norm_shrink_pack_kernel[(rows, triton.cdiv(stack_num * max_rank, block_j))](
-        x, r, ro, norm_weight if norm_weight is not None else x, weights, x_aug, row_slots, lora_ranks, scalings,
-        x.stride(0), r.stride(0), ro.stride(0), x_aug.stride(0), weights.stride(0), weights.stride(1),
-        in_dim, eps,
-        STACK=stack_num, MAX_RANK=max_rank, E_COLS=extra, BLOCK=block, BLOCK_J=block_j,
-        BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
-        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, EMULATE_RNE=interpreting(),
-        # rmsnorm_fwd's warps for the row: the same reduction tree, so x_aug[:, :K] equals its output.
-        num_warps=8 if block >= 4096 else (4 if block >= 1024 else 2),
-    )
-    return residual_out
+    assert x_aug.shape[1] - x.shape[1] >= weights.shape[0] * stack_num * max_rank, x_aug.shape
+    return _launch(x, residual, norm_weight, eps, weights, x_aug, None, row_slots, lora_ranks, scalings, stack_num,
+                   max_rank, residual_out, packed=True)
 
 
-__all__ = ["norm_shrink_pack", "column_tile"]
+def norm_shrink(
+    x: torch.Tensor,
+    residual: Optional[torch.Tensor],
+    norm_weight: torch.Tensor,
+    eps: float,
+    weights: torch.Tensor,
+    normed_out: torch.Tensor,
+    xa: torch.Tensor,
+    row_slots: torch.Tensor,
+    lora_ranks: torch.Tensor,
+    stack_num: int,
+    max_rank: int,
+    residual_out: Optional[torch.Tensor] = None,
+) -> Optional[torch.Tensor]:
+    """For an unfolded module: normed_out [T, K] = RMSNorm(x (+ residual)) and xa [T, stack*max_rank]
+    its shrink, xa[t, :c*r] = normed[t] @ A[slot(t), :c*r]^T (unscaled; what token_shrink writes, and
+    the expand kernels read). Rows without an adapter get nothing in xa. Returns as norm_shrink_pack."""
+    assert normed_out.shape == x.shape and normed_out.stride(1) == 1
+    assert xa.shape[1] >= stack_num * max_rank, xa.shape
+    # No scalings here (the expand applies them): the kernel's scalings argument goes unread.
+    return _launch(x, residual, norm_weight, eps, weights, xa, normed_out, row_slots, lora_ranks, lora_ranks,
+                   stack_num, max_rank, residual_out, packed=False)
+
+
+__all__ = ["norm_shrink_pack", "norm_shrink", "column_tile"]
