@@ -6,12 +6,14 @@
 
 One decode step's worth of the four folded modules, every layer its own weights (so nothing stays
 in L2 that would not in a model): per layer qkv_proj and gate_up_proj (each after its RMSNorm,
-residual add fused) and o_proj and down_proj (no norm before them). Variants:
+residual add fused), o_proj, and down_proj after SiLU-and-mul. Variants:
   base     the norms, F.linear(x, W)                              (no LoRA)
   unfused  the norms, shrink_pack before every module (segments, split-K, PDL where the GPU has
            it), F.linear(x_aug, W_aug)                            (what serves today)
   fused    norm_shrink_pack for qkv / gate_up, shrink_pack for o / down  (--lora-fuse-norm)
-  rowwise  fused, and o / down's shrink_pack replaced by the same row-wise kernel without a norm
+  rowwise  fused, o_proj's shrink_pack replaced by the row-wise kernel without a norm, and
+           down_proj's SiLU-and-mul + shrink_pack by the row-wise kernel with SiLU-and-mul
+           (SGLANG_LORA_ROWWISE_DECODE=1)
 captured as one CUDA graph per variant and replayed; GPU µs per step, and per module saved against
 `unfused`. The rows take the batch's adapters in turn (8 adapters in 9 slots, the serving
 default). Every LoRA variant's outputs are compared with `unfused`'s first (max |diff| of the GEMM
@@ -37,7 +39,8 @@ import torch.nn.functional as F  # noqa: E402
 from bench_util import add_output_args, emit_table, graph_us, target  # noqa: E402
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd  # noqa: E402
 from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
-from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack  # noqa: E402
+from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd  # noqa: E402
+from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack, silu_shrink_pack  # noqa: E402
 from sglang.srt.lora.triton_ops.token_lora import pdl_available, plan_pack, prepare_pack, token_segments  # noqa: E402
 
 # (hidden, q, kv, intermediate, layers) of the real HF configs.
@@ -54,8 +57,9 @@ class Module:
     W_aug [N, K + E], W = W_aug[:, :K]."""
 
     def __init__(self, in_dim: int, out_dim: int, stack: int, slots: int, rank: int, dtype, device, gen,
-                 norm: bool) -> None:
-        self.in_dim, self.stack, self.rank, self.norm = in_dim, stack, rank, norm
+                 norm: bool, act: bool = False) -> None:
+        # act: the input is SiLU-and-mul of a [gate | up] row (down_proj).
+        self.in_dim, self.stack, self.rank, self.norm, self.act = in_dim, stack, rank, norm, act
         self.extra = fold_extra_columns(slots, stack, rank)
         self.norm_w = (1 + 0.1 * torch.randn(in_dim, generator=gen)).to(dtype).to(device)
         self.a = (torch.randn(slots, stack * rank, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(device)
@@ -71,7 +75,7 @@ def build(shape: str, rank: int, slots: int, dtype, device) -> list[Module]:
         mods.append(Module(hidden, q + 2 * kv, 3, slots, rank, dtype, device, gen, norm=True))  # qkv_proj
         mods.append(Module(q, hidden, 1, slots, rank, dtype, device, gen, norm=False))  # o_proj
         mods.append(Module(hidden, 2 * inter, 2, slots, rank, dtype, device, gen, norm=True))  # gate_up_proj
-        mods.append(Module(inter, hidden, 1, slots, rank, dtype, device, gen, norm=False))  # down_proj
+        mods.append(Module(inter, hidden, 1, slots, rank, dtype, device, gen, norm=False, act=True))  # down_proj
     return mods
 
 
@@ -83,6 +87,8 @@ class Step:
         gen = torch.Generator().manual_seed(bs)
         # Each module's input (the hidden state before a norm; the attention or MLP activation else).
         self.x = {m.in_dim: torch.randn(bs, m.in_dim, generator=gen).to(dtype).to(device) for m in mods}
+        inter = next(m.in_dim for m in mods if m.act)
+        self.gate_up = torch.randn(bs, 2 * inter, generator=gen).to(dtype).to(device)
         hidden = mods[0].in_dim
         self.residual = torch.randn(bs, hidden, generator=gen).to(dtype).to(device)
         self.res_work = torch.empty_like(self.residual)
@@ -107,7 +113,9 @@ class Step:
         self.outs: list[torch.Tensor] = []
 
     def _input(self, m: Module) -> torch.Tensor:
-        """The module's x: the norm's output (residual add fused) or its own activation."""
+        """The module's x: the norm's output (residual add fused), SiLU-and-mul's, or its own."""
+        if m.act:
+            return silu_and_mul_fwd(self.gate_up)
         if not m.norm:
             return self.x[m.in_dim]
         return rmsnorm_fwd(self.x[m.in_dim], m.norm_w, EPS, residual=self.res_work, out=self.normed)
@@ -117,9 +125,12 @@ class Step:
         self.launches[i](x, m.a, self.x_aug[i], workspace, counters, *self.segments, self.ranks, self.scalings)
 
     def _rowwise(self, i: int, m: Module) -> None:
-        """norm_shrink_pack: with the module's norm, or (o / down) the row-wise pack alone."""
+        """The row-wise kernels: with the module's norm, with down_proj's SiLU-and-mul, or (o_proj)
+        the row-wise pack alone."""
         x = self.x[m.in_dim]
-        if m.norm:
+        if m.act:
+            silu_shrink_pack(self.gate_up, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings, m.rank)
+        elif m.norm:
             # The new residual to its own buffer (ping-pong), as the fused engine does.
             new = norm_shrink_pack(x, self.res_work, m.norm_w, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks,
                                    self.scalings, m.stack, m.rank, residual_out=self.res_out)
@@ -148,7 +159,7 @@ class Step:
             if m.norm:
                 self._rowwise(i, m)
             else:
-                self._segmented(i, m, self.x[m.in_dim])
+                self._segmented(i, m, self._input(m))
             self.outs.append(F.linear(self.x_aug[i], m.w_aug))
 
     def rowwise(self) -> None:

@@ -73,7 +73,7 @@ def decode_run(runner, steps: int = 4, names=("a", None, "b", "a")):
 
 @pytest.mark.parametrize("backend,fold,rowwise", [("triton", "auto", False), ("csgmv", "auto", False),
                                                   ("csgmv", "auto", True), ("triton", "off", False),
-                                                  ("csgmv", "off", False)])
+                                                  ("csgmv", "off", False), ("triton", "off", True)])
 def test_fused_decode_equals_unfused(assets, backend, fold, rowwise, monkeypatch):
     """Folded (auto, at these sizes) and unfolded (off) modules; with SGLANG_LORA_ROWWISE_DECODE the
     folded o_proj / down_proj take the row-wise kernel too."""
@@ -85,15 +85,21 @@ def test_fused_decode_equals_unfused(assets, backend, fold, rowwise, monkeypatch
     from sglang.srt.lora.backend import token_backend
 
     kernel_calls = []
-    for name in ("norm_shrink_pack", "norm_shrink"):  # the folded and the unfolded layout
+    for name in ("norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink"):  # folded / unfolded
         kernel = getattr(token_backend, name)
         monkeypatch.setattr(token_backend, name,
                             lambda *a, _k=kernel, _n=name, **kw: kernel_calls.append(_n) or _k(*a, **kw))
     tokens, logprobs, calls = decode_run(fused_runner)
     monkeypatch.undo()
-    # One row-wise kernel per norm-fed module, of its layout; also for o_proj and down_proj when asked.
-    layout = "norm_shrink_pack" if fold == "auto" else "norm_shrink"
-    assert kernel_calls.count(layout) == (4 if rowwise else 2) * len(layers) * 4 == len(kernel_calls)
+    # One row-wise kernel per norm-fed module, of its layout; when asked, also for o_proj (in place of
+    # shrink_pack) and down_proj (with the SiLU-and-mul before it).
+    folded = fold == "auto"
+    steps = 4 * len(layers)
+    norm_calls = kernel_calls.count("norm_shrink_pack" if folded else "norm_shrink")
+    silu_calls = kernel_calls.count("silu_shrink_pack" if folded else "silu_shrink")
+    assert norm_calls == (3 if rowwise and folded else 2) * steps  # an unfolded o_proj keeps its kernels
+    assert silu_calls == (steps if rowwise else 0)
+    assert len(kernel_calls) == norm_calls + silu_calls
     ref_tokens, ref_logprobs, ref_calls = decode_run(runner_for(assets, backend, fuse=False, fold=fold))
     assert calls == [0] + [2 * len(layers)] * 4  # never at prefill, both norms of every layer at decode
     assert ref_calls == [0] * 5

@@ -14,7 +14,14 @@ import torch
 
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd
 from sglang.srt.lora.fold import fold_extra_columns
-from sglang.srt.lora.triton_ops.norm_shrink_pack import column_tile, norm_shrink, norm_shrink_pack
+from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd
+from sglang.srt.lora.triton_ops.norm_shrink_pack import (
+    column_tile,
+    norm_shrink,
+    norm_shrink_pack,
+    silu_shrink,
+    silu_shrink_pack,
+)
 from sglang.srt.lora.triton_ops.token_lora import shrink_pack, token_shrink
 from test_lora_fold import RANKS, RANKS_T, ROW_SLOTS, SCALINGS_T, S, R, _poisoned_a, ref_x_aug
 
@@ -90,6 +97,33 @@ def test_unfolded_layout_is_rmsnorm_then_token_shrink(stack):
         assert torch.equal(xa[t, stack * r :], torch.full((width - stack * r,), -777.0)), t
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_and_mul_before_down_proj(dtype):
+    """down_proj's input is SiLU-and-mul of [gate | up]: the same bits as silu_and_mul_fwd, then
+    the packed (folded) or compact (unfolded) shrink of it."""
+    slots, _, _, _, a, extra = inputs(300, 1, dtype, 31)
+    gen = torch.Generator().manual_seed(32)
+    gate_up = (2 * torch.randn(slots.numel(), 600, generator=gen)).to(dtype)
+    act = silu_and_mul_fwd(gate_up)
+    x_aug = torch.full((slots.numel(), 300 + extra), float("nan"), dtype=dtype)
+    silu_shrink_pack(gate_up, a, x_aug, slots, RANKS_T, SCALINGS_T, R)
+    # The torch reference of the packed row, in float32 from the same bf16 inputs (the interpreter's
+    # bf16 tl.dot is not a reference).
+    expected = ref_x_aug(act.float(), a.float(), ROW_SLOTS, 1, extra)
+    assert torch.equal(x_aug[:, :300], act)
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(x_aug.float(), expected, **tol)
+    act_out = torch.empty_like(act)
+    xa = torch.full((slots.numel(), R), -777.0, dtype=dtype)
+    silu_shrink(gate_up, a, act_out, xa, slots, RANKS_T, R)
+    assert torch.equal(act_out, act)
+    for t, s in enumerate(ROW_SLOTS):
+        r = RANKS[s] if s >= 0 else 0
+        want = act[t].float() @ a[s, :r].float().T if r else torch.empty(0)
+        torch.testing.assert_close(xa[t, :r].float(), want, **tol)
+        assert torch.equal(xa[t, r:], torch.full((R - r,), -777.0, dtype=dtype)), t  # untouched
+
+
 def test_bf16_norm_is_rmsnorm_bit_for_bit():
     slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.bfloat16, 1)
     x_aug = torch.empty((slots.numel(), 300 + extra), dtype=torch.bfloat16)
@@ -129,19 +163,25 @@ def test_column_tile_is_a_layer_constant():
     assert all(RANKS[s] <= R for s in range(S))
 
 
-def hopper_ptx(packed: bool) -> str:
-    """The kernel compiled for sm_90 at the Qwen3-4B qkv shape (run without TRITON_INTERPRET)."""
+def hopper_ptx(packed: bool, silu: bool = False) -> str:
+    """The kernel compiled for sm_90 at Qwen3-4B shapes: qkv after its norm, or down_proj after
+    SiLU-and-mul (run without TRITON_INTERPRET)."""
     from sglang.srt.lora.triton_ops.norm_shrink_pack import _norm_shrink_pack_kernel
     from test_lora_token_kernels import _compile_for_hopper
 
+    k, stack = (9728, 1) if silu else (2560, 3)
     bf16 = {n: "*bf16" for n in ("X", "R", "R_OUT", "NORM_W", "A", "XAUG", "Y")}
     return _compile_for_hopper(
         _norm_shrink_pack_kernel, {**bf16, "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32"},
         ["stride_x", "stride_r", "stride_ro", "stride_xaug", "stride_y", "a_stride_s", "a_stride_n", "K"],
-        dict(STACK=3, MAX_RANK=16, E_COLS=432, BLOCK=4096, BLOCK_J=column_tile(2560), BLOCK_E=512, HAS_NORM=True,
-             HAS_RESIDUAL=True, PACKED=packed, EMULATE_RNE=False),
+        dict(STACK=stack, MAX_RANK=16, E_COLS=9 * stack * 16, BLOCK=triton_next_pow2(k), BLOCK_J=column_tile(k),
+             BLOCK_E=512, HAS_NORM=not silu, HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False),
         floats=("eps",), num_warps=8,
     )
+
+
+def triton_next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
 
 
 def test_compiles_for_hopper():
@@ -154,7 +194,8 @@ def test_compiles_for_hopper():
     here = os.path.dirname(os.path.abspath(__file__))
     python_dir = os.path.join(here, "..", "..", "..", "python")  # this checkout's package, not an installed one
     code = (f"import sys; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
-            "import test_lora_norm_shrink as t; ptx = [t.hopper_ptx(p) for p in (True, False)]; "
+            "import test_lora_norm_shrink as t; ptx = [t.hopper_ptx(p, s) for p, s in ((True, False), (False, False), "
+            "(True, True), (False, True))]; "
             "print('ok', all('st.global' in p for p in ptx))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -86,12 +86,19 @@ class BaseLayerWithLoRA(nn.Module):
         # and for batches that run without LoRA; it never depends on which adapters a batch uses.
         return self.lora is not None and self.lora_backend.batch_info is not None
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def take_prepared(self, x: torch.Tensor) -> Optional[PreparedInput]:
+        """What the kernel before this module wrote for it, if `x` is its output (same address and
+        shape): that kernel already computed this module's shrink. Cleared either way."""
         prepared, self.prepared = self.prepared, None
+        if prepared is not None and x.data_ptr() == prepared.normed.data_ptr() and x.shape == prepared.normed.shape:
+            return prepared
+        return None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prepared = self.take_prepared(x)
         if not self.lora_active:
             return self.base_layer(x)
-        if prepared is not None and x.data_ptr() == prepared.normed.data_ptr() and x.shape == prepared.normed.shape:
-            # x is the norm's output, and the norm already computed this module's shrink.
+        if prepared is not None:
             return self.lora_backend.run_prepared(self.lora, prepared, self.base_layer)
         out = self.lora_backend.run_module(self.lora, self.base_layer, x.reshape(-1, x.shape[-1]))
         return out.view(*x.shape[:-1], out.shape[-1])
@@ -122,10 +129,14 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
         return self.base_layer.partial_bias  # rank 0's alone: the all-reduce must count it once
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        prepared = self.take_prepared(x)
         if not self.lora_active:
             return self.base_layer(x)
         base = self.base_layer
-        partial = self.lora_backend.run_module(self.lora, base.forward_partial, x.reshape(-1, x.shape[-1]))
+        if prepared is not None:  # down_proj after the fused SiLU-and-mul (lora/norm_fusion.py)
+            partial = self.lora_backend.run_prepared(self.lora, prepared, base.forward_partial)
+        else:
+            partial = self.lora_backend.run_module(self.lora, base.forward_partial, x.reshape(-1, x.shape[-1]))
         return base.reduce(partial).view(*x.shape[:-1], partial.shape[-1])
 
 

@@ -148,7 +148,7 @@ class LoRAManager:
             logger.warning("--lora-fuse-norm: no norm feeds a LoRA qkv_proj / gate_up_proj (targets: %s); "
                            "nothing to fuse", self.pool.target_modules)
         else:
-            logger.info("LoRA: %d norms compute their module's LoRA shrink at decode", count)
+            logger.info("LoRA: %d norms (and activations) compute their module's LoRA shrink at decode", count)
 
     def _load_startup_adapters(self, refs: list[LoRARef], configs: dict[str, LoRAConfig]) -> None:
         """Read the startup adapters' tensors in parallel threads (the slow part: the files, the

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 from torch import nn
 
+from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import NormResult, RMSNorm
 from sglang.srt.lora.layers import BaseLayerWithLoRA
 
@@ -55,9 +56,26 @@ class NormShrinkFusion:
         return prepared.normed if residual is None else (prepared.normed, new_residual)
 
 
+class ActShrinkFusion:
+    """The `fusion` of the SiLU-and-mul before down_proj (SGLANG_LORA_ROWWISE_DECODE=1): the
+    activation and down_proj's shrink in one kernel."""
+
+    def __init__(self, target: BaseLayerWithLoRA, backend: "BaseLoRABackend") -> None:
+        self.target, self.backend = target, backend
+
+    def __call__(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+        target = self.target
+        if not target.lora_active or not self.backend.fuses_norm(target.lora) or gate_up.dim() != 2:
+            return None
+        target.prepared = self.backend.run_act(target.lora, gate_up)
+        return target.prepared.normed
+
+
 def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerWithLoRA]],
                        module_names: dict[str, dict[int, str]], backend: "BaseLoRABackend") -> int:
-    """Set the fusion of every norm that feeds a wrapped qkv_proj / gate_up_proj; returns how many."""
+    """Set the fusion of every norm that feeds a wrapped qkv_proj / gate_up_proj and, with the
+    backend's row-wise decode (SGLANG_LORA_ROWWISE_DECODE=1), of the SiLU-and-mul before a wrapped
+    down_proj; returns how many."""
     count = 0
     for layer_id, modules in wrapped.items():
         for norm_attr, path in NORM_FED_MODULES:
@@ -72,5 +90,11 @@ def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerW
             norm = getattr(layer, norm_attr, None)
             if isinstance(norm, RMSNorm):
                 norm.fusion = NormShrinkFusion(norm, target, backend)
+                count += 1
+        down, name = modules.get("down_proj"), module_names.get("down_proj", {}).get(layer_id)
+        if getattr(backend, "rowwise_decode", False) and down is not None and name and name.endswith(".mlp.down_proj"):
+            act = getattr(model.get_submodule(name[: -len(".down_proj")]), "act_fn", None)
+            if isinstance(act, SiluAndMul):
+                act.fusion = ActShrinkFusion(down, backend)
                 count += 1
     return count

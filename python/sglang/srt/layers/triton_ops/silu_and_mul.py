@@ -16,16 +16,22 @@ _BLOCK = 1024
 
 
 @triton.jit
+def silu_mul(gate, up, OUT_DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """silu(gate) * up with the roundings above; shared by every kernel that computes it
+    (lora/triton_ops/norm_shrink_pack.py), so they all give the same bits."""
+    g = gate.to(tl.float32)
+    act = cast_rne(g / (1.0 + tl.exp(-g)), gate.dtype, EMULATE_RNE).to(tl.float32)
+    return cast_rne(act * up.to(tl.float32), OUT_DTYPE, EMULATE_RNE)
+
+
+@triton.jit
 def _silu_and_mul_kernel(X, Y, stride_x, stride_y, d, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     gate = tl.load(X + row * stride_x + cols, mask=mask, other=0.0)
     up = tl.load(X + row * stride_x + d + cols, mask=mask, other=0.0)
-    g = gate.to(tl.float32)
-    act = cast_rne(g / (1.0 + tl.exp(-g)), gate.dtype, EMULATE_RNE).to(tl.float32)
-    out = cast_rne(act * up.to(tl.float32), Y.dtype.element_ty, EMULATE_RNE)
-    tl.store(Y + row * stride_y + cols, out, mask=mask)
+    tl.store(Y + row * stride_y + cols, silu_mul(gate, up, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
 def silu_and_mul_fwd(x: torch.Tensor) -> torch.Tensor:

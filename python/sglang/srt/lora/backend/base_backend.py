@@ -100,6 +100,10 @@ class BaseLoRABackend(abc.ABC):
         """(the norm of x (+ residual) with the module's shrink, the new residual)."""
         raise NotImplementedError(f"LoRA backend {self.name} does not fuse norms")
 
+    def run_act(self, weights: LoRAModuleWeights, gate_up: torch.Tensor) -> PreparedInput:
+        """SiLU-and-mul of gate_up with the shrink of the module it feeds (down_proj)."""
+        raise NotImplementedError(f"LoRA backend {self.name} does not fuse activations")
+
     def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: nn.Module) -> torch.Tensor:
         """The module's output (base + LoRA) from what `run_norm` wrote."""
         raise NotImplementedError(f"LoRA backend {self.name} does not fuse norms")

@@ -47,7 +47,7 @@ from sglang.srt.lora.backend._staging import copy_into, to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
-from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack
+from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack, silu_shrink, silu_shrink_pack
 from sglang.srt.lora.triton_ops.token_lora import (
     SEGMENT_ROWS,
     pdl_available,
@@ -138,8 +138,9 @@ class TokenLoRABackend(BaseLoRABackend):
         self._layouts: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._launches: dict[str, _ModuleLaunches] = {}
         self.fuse_norm = False  # enable_norm_fusion
-        # With norm fusion, the folded modules without a norm before them (o_proj, down_proj) may
-        # take the same row-wise kernel at decode instead of shrink_pack's segments: an experiment
+        # With norm fusion, the modules without a norm before them may take row-wise kernels at
+        # decode too: down_proj's fused with the SiLU-and-mul before it (lora/norm_fusion.py), a
+        # folded o_proj's in place of shrink_pack's segments. An experiment
         # (SGLANG_LORA_ROWWISE_DECODE=1) that benchmark/lora/bench_norm_shrink.py measures.
         self.rowwise_decode = os.environ.get("SGLANG_LORA_ROWWISE_DECODE", "0") == "1"
 
@@ -350,6 +351,20 @@ class TokenLoRABackend(BaseLoRABackend):
         new_residual = norm_shrink(x, residual, norm_weight, eps, weights.A, normed, xa, slots, self._slot_ranks,
                                    spec.stack, spec.max_rank)
         return PreparedInput(normed, xa=xa), new_residual
+
+    def run_act(self, weights: LoRAModuleWeights, gate_up: torch.Tensor) -> PreparedInput:
+        spec, info = weights.spec, self.batch_info
+        rows, d = gate_up.shape[0], gate_up.shape[1] // 2
+        assert rows == info.num_rows and gate_up.dim() == 2 and d == spec.in_dim, (gate_up.shape, spec.in_dim)
+        slots = info.row_slots[:rows]
+        if spec.folded:
+            x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
+            silu_shrink_pack(gate_up, weights.A, x_aug, slots, self._slot_ranks, self._slot_scalings, spec.max_rank)
+            return PreparedInput(x_aug[:, :d], x_aug=x_aug)
+        act = torch.empty((rows, d), dtype=gate_up.dtype, device=gate_up.device)
+        xa = self._scratch.matrix(rows, spec.max_rank)
+        silu_shrink(gate_up, weights.A, act, xa, slots, self._slot_ranks, spec.max_rank)
+        return PreparedInput(act, xa=xa)
 
     def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: torch.nn.Module) -> torch.Tensor:
         if prepared.x_aug is not None:

@@ -34,6 +34,7 @@ import triton.language as tl
 
 from sglang.srt.layers.triton_ops.common import interpreting
 from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize
+from sglang.srt.layers.triton_ops.silu_and_mul import silu_mul
 
 # Elements of one A tile a program holds in registers (BLOCK_J x next_pow2(K)).
 TILE_ELEMENTS = 16384
@@ -52,6 +53,7 @@ def _norm_shrink_pack_kernel(
     BLOCK_E: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
+    HAS_SILU: tl.constexpr,
     PACKED: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
 ):
@@ -63,14 +65,20 @@ def _norm_shrink_pack_kernel(
     offs = tl.arange(0, BLOCK)
     mask = offs < K
 
-    # ---- the norm: _rmsnorm_kernel's own code -------------------------------------------------
-    x = load_row(X, R, row, stride_x, stride_r, offs, mask, HAS_RESIDUAL, EMULATE_RNE)
-    if HAS_RESIDUAL and tile == 0:
-        tl.store(R_OUT + row * stride_ro + offs, x, mask=mask)
-    if HAS_NORM:
-        y = rms_normalize(x, NORM_W, offs, mask, K, eps, XAUG.dtype.element_ty, EMULATE_RNE)
-    else:  # the row-wise shrink_pack alone (a module without a norm before it)
-        y = x
+    # ---- the module's input: the norm (_rmsnorm_kernel's own code), SiLU-and-mul of X = [gate |
+    # up] (_silu_and_mul_kernel's), or the row as it is ------------------------------------------
+    if HAS_SILU:
+        gate = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+        up = tl.load(X + row * stride_x + K + offs, mask=mask, other=0.0)
+        y = silu_mul(gate, up, XAUG.dtype.element_ty, EMULATE_RNE)
+    else:
+        x = load_row(X, R, row, stride_x, stride_r, offs, mask, HAS_RESIDUAL, EMULATE_RNE)
+        if HAS_RESIDUAL and tile == 0:
+            tl.store(R_OUT + row * stride_ro + offs, x, mask=mask)
+        if HAS_NORM:
+            y = rms_normalize(x, NORM_W, offs, mask, K, eps, XAUG.dtype.element_ty, EMULATE_RNE)
+        else:  # the row-wise shrink_pack alone (a module with nothing fused before it)
+            y = x
 
     slot = tl.load(ROW_SLOTS + row)
     rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
@@ -107,8 +115,10 @@ def column_tile(in_dim: int) -> int:
 
 
 def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_ranks, scalings, stack_num, max_rank,
-            residual_out, packed: bool) -> Optional[torch.Tensor]:
-    rows, in_dim = x.shape
+            residual_out, packed: bool, silu: bool = False) -> Optional[torch.Tensor]:
+    rows = x.shape[0]
+    in_dim = x.shape[1] // 2 if silu else x.shape[1]  # SiLU-and-mul: x = [gate | up]
+    assert not silu or (norm_weight is None and residual is None and x.shape[1] == 2 * in_dim)
     if norm_weight is not None and norm_weight.shape != (in_dim,):
         raise ValueError(f"norm weight shape {tuple(norm_weight.shape)} does not match rows of {in_dim}")
     assert norm_weight is not None or residual is None, "a residual comes with a norm"
@@ -133,7 +143,7 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
         in_dim, eps,
         STACK=stack_num, MAX_RANK=max_rank, E_COLS=extra, BLOCK=block, BLOCK_J=block_j,
         BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
-        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, PACKED=packed,
+        HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_SILU=silu, PACKED=packed,
         EMULATE_RNE=interpreting(),
         # rmsnorm_fwd's warps for the row: the same reduction tree, so the norm equals its output.
         num_warps=8 if block >= 4096 else (4 if block >= 1024 else 2),
@@ -168,6 +178,24 @@ def norm_shrink_pack(
                    max_rank, residual_out, packed=True)
 
 
+def silu_shrink_pack(gate_up: torch.Tensor, weights: torch.Tensor, x_aug: torch.Tensor, row_slots: torch.Tensor,
+                     lora_ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int) -> None:
+    """x_aug [T, d + E] = [silu(gate) * up | its packed pre-scaled shrink] from gate_up [T, 2d]:
+    the SiLU-and-mul before a folded down_proj and its shrink_pack in one launch."""
+    d = gate_up.shape[1] // 2
+    assert x_aug.shape[1] - d >= weights.shape[0] * max_rank, x_aug.shape
+    _launch(gate_up, None, None, 0.0, weights, x_aug, None, row_slots, lora_ranks, scalings, 1, max_rank, None,
+            packed=True, silu=True)
+
+
+def silu_shrink(gate_up: torch.Tensor, weights: torch.Tensor, act_out: torch.Tensor, xa: torch.Tensor,
+                row_slots: torch.Tensor, lora_ranks: torch.Tensor, max_rank: int) -> None:
+    """act_out [T, d] = silu(gate) * up and xa its compact unscaled shrink (an unfolded down_proj)."""
+    assert act_out.shape == (gate_up.shape[0], gate_up.shape[1] // 2) and act_out.stride(1) == 1
+    _launch(gate_up, None, None, 0.0, weights, xa, act_out, row_slots, lora_ranks, lora_ranks, 1, max_rank, None,
+            packed=False, silu=True)
+
+
 def norm_shrink(
     x: torch.Tensor,
     residual: Optional[torch.Tensor],
@@ -192,4 +220,4 @@ def norm_shrink(
                    stack_num, max_rank, residual_out, packed=False)
 
 
-__all__ = ["norm_shrink_pack", "norm_shrink", "column_tile"]
+__all__ = ["norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
