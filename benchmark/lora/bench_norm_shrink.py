@@ -26,6 +26,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
+from typing import Callable
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "python"))
@@ -145,29 +146,25 @@ class Step:
         for m in self.mods:
             self.outs.append(F.linear(self._input(m), m.w))
 
-    def unfused(self) -> None:
+    def _lora(self, rowwise: Callable[[Module], bool]) -> None:
+        """Every module folded, its input and shrink written row-wise where `rowwise(m)`."""
         self.outs = []
         self.res_work.copy_(self.residual)
         for i, m in enumerate(self.mods):
-            self._segmented(i, m, self._input(m))
-            self.outs.append(F.linear(self.x_aug[i], m.w_aug))
-
-    def fused(self) -> None:
-        self.outs = []
-        self.res_work.copy_(self.residual)
-        for i, m in enumerate(self.mods):
-            if m.norm:
+            if rowwise(m):
                 self._rowwise(i, m)
             else:
                 self._segmented(i, m, self._input(m))
             self.outs.append(F.linear(self.x_aug[i], m.w_aug))
 
-    def rowwise(self) -> None:
-        self.outs = []
-        self.res_work.copy_(self.residual)
-        for i, m in enumerate(self.mods):
-            self._rowwise(i, m)
-            self.outs.append(F.linear(self.x_aug[i], m.w_aug))
+    def unfused(self) -> None:
+        self._lora(lambda m: False)
+
+    def fused(self) -> None:  # --lora-fuse-norm
+        self._lora(lambda m: m.norm)
+
+    def rowwise(self) -> None:  # and SGLANG_LORA_ROWWISE_DECODE=1
+        self._lora(lambda m: True)
 
 
 def main() -> None:

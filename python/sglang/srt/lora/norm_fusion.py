@@ -92,7 +92,7 @@ def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerW
                 norm.fusion = NormShrinkFusion(norm, target, backend)
                 count += 1
         down, name = modules.get("down_proj"), module_names.get("down_proj", {}).get(layer_id)
-        if getattr(backend, "rowwise_decode", False) and down is not None and name and name.endswith(".mlp.down_proj"):
+        if backend.rowwise_decode and down is not None and name and name.endswith(".mlp.down_proj"):
             act = getattr(model.get_submodule(name[: -len(".down_proj")]), "act_fn", None)
             if isinstance(act, SiluAndMul):
                 act.fusion = ActShrinkFusion(down, backend)

@@ -53,6 +53,8 @@ class BaseLoRABackend(abc.ABC):
     # Whether the norm before a folded module can run inside its shrink_pack at decode
     # (--lora-fuse-norm, lora/norm_fusion.py).
     supports_norm_fusion: bool = False
+    # With it, whether the kernels before o_proj / down_proj go row-wise too (token_backend.py).
+    rowwise_decode: bool = False
 
     def __init__(
         self,
