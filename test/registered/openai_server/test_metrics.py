@@ -151,3 +151,26 @@ def test_no_metrics_without_the_flag():
         assert r.status_code == 404 and r.json()["error"]["code"] == 404
     finally:
         kill_server(proc)
+
+
+def test_a_client_that_goes_away_is_counted_as_aborted(server):
+    """A stream whose client disconnects ends without the scheduler's news reaching a waiting
+    reply: it still counts as a request and as an abort."""
+    url = server[1]
+    before = scrape(url)
+    with requests.post(f"{url}/generate", headers=AUTH, stream=True, timeout=120, json={
+            "text": "a client that leaves", "stream": True,
+            "sampling_params": {"max_new_tokens": 1000, "ignore_eos": True}}) as r:
+        for line in r.iter_lines():
+            if line.startswith(b"data: {"):
+                break  # leave after the first event; closing the response drops the connection
+    key = ("sglang:num_aborted_requests_total", ())
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        after = scrape(url)
+        if after.get(key, 0.0) > before.get(key, 0.0):
+            break
+        time.sleep(0.2)
+    assert after.get(key, 0.0) - before.get(key, 0.0) == 1
+    req_key = ("sglang:num_requests_total", ())
+    assert after.get(req_key, 0.0) - before.get(req_key, 0.0) == 1

@@ -126,11 +126,6 @@ class TokenizerManager(TokenizerLoRAMixin):
                     state.fail(f"internal error while detokenizing the output: {type(e).__name__}: {e}", 500)
                     if msg.finished_reasons[i] is None:
                         self.client.send(AbortReq(rid=rid))  # free its KV now
-                if state.finished:
-                    if self.metrics is not None:
-                        self.metrics.on_finished(state, time.time())
-                    if self.config.log_requests:
-                        logger.info(request_log_line(state, self.config.log_requests_level))
         elif isinstance(msg, GetServerInfoOut):
             self._resolve_first(self._info_waiters, msg.info)
         elif isinstance(msg, FlushCacheOut):
@@ -311,6 +306,12 @@ class TokenizerManager(TokenizerLoRAMixin):
                 if not state.finished:
                     # The caller went away (disconnect, cancellation): free its KV at once.
                     self.client.send(AbortReq(rid=state.req.rid))
+                    state.fail("the client went away", 499)
+                # Every request's life ends here (finished, failed or abandoned): counted once.
+                if self.metrics is not None:
+                    self.metrics.on_finished(state, time.time())
+                if self.config.log_requests:
+                    logger.info(request_log_line(state, self.config.log_requests_level))
             await self.release_adapters(lora_ids)
 
     async def generate_one(self, obj: GenerateReqInput, request: Any = None) -> Union[dict, list]:
