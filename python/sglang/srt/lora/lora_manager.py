@@ -290,7 +290,7 @@ class LoRAManager:
         return self.pool.prefetch(wanted, self.adapters, protected, self.pinned_ids)
 
     def prepare_forward(self, forward_batch: "ForwardBatch", plan: ForwardPlan) -> None:
-        """Make the batch's adapters (and `keep_lora_ids`) resident and write its metadata where
+        """Make the batch's adapters resident (never evicting `keep_lora_ids`) and write its metadata where
         `plan.path` reads it.
 
         `plan.lora` False (an all-base batch, or a capture of the graphs without LoRA) clears the
@@ -304,7 +304,9 @@ class LoRAManager:
         lora_ids = forward_batch.lora_ids if forward_batch.lora_ids is not None else [None] * bs
         if len(lora_ids) != bs:
             raise ValueError(f"forward batch has {bs} requests but {len(lora_ids)} lora_ids")
-        self.make_resident(set(lora_ids) | set(forward_batch.keep_lora_ids))
+        # The running requests' adapters (keep_lora_ids) only must not be evicted: they are not
+        # this batch's, so they are neither loaded, marked used nor counted against the slots here.
+        self.pool.make_resident(set(lora_ids), self.adapters, self.pinned_ids | set(forward_batch.keep_lora_ids))
         weight_indices = [self.pool.get_slot(lora_id) for lora_id in lora_ids]
         self.lora_backend.fill_batch_info(
             forward_batch,
