@@ -63,7 +63,8 @@ class SchedulerAdmissionMixin:
             new_token_ratio=self.new_token_ratio,
         )
         waiting = self.waiting
-        if self.longest_prefix_first:
+        # Ranking walks the tree for every waiting request: only on turns that can admit one.
+        if self.longest_prefix_first and min(budget.rows_free, budget.max_new_reqs) > 0:
             waiting = longest_prefix_first(waiting, self.prefix_cache.cached_len)
         plan = plan_prefill(
             self.lora_admission.order(waiting), self.chunked_req, self.running, budget, self.lora_admission,
