@@ -67,9 +67,12 @@ class ServerMetrics:
                                           registry=r)
         self.lora_generation_tokens = Counter("sglang:lora_generation_tokens",
                                               "Generation tokens processed, per adapter.", lm, registry=r)
-        for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens, self.requests, self.aborted,
-                       self.ttft, self.itl, self.e2e):
-            metric.labels(model_name)  # every core series shows from the first scrape, at 0
+        # The model's series, looked up once (every core series shows from the first scrape, at 0;
+        # `.labels()` takes a lock per call, and the request path observes per token).
+        (self._prompt_tokens, self._generation_tokens, self._cached_tokens, self._requests, self._aborted,
+         self._ttft, self._itl, self._e2e) = (
+            metric.labels(model_name) for metric in (self.prompt_tokens, self.generation_tokens, self.cached_tokens,
+                                                     self.requests, self.aborted, self.ttft, self.itl, self.e2e))
         self._live: dict[str, Any] = {}
         self.registry.register(_SchedulerCollector(self))
 
@@ -84,25 +87,25 @@ class ServerMetrics:
         since = state.last_token_time
         if since is None:
             first = first_token_time if first_token_time is not None else now
-            self.ttft.labels(self.model_name).observe(first - state.created)
+            self._ttft.observe(first - state.created)
             new_tokens -= 1  # the first token's latency is the TTFT, not an inter-token gap
             since = first
         if new_tokens:
             gap = max(now - since, 0.0) / new_tokens
             for _ in range(new_tokens):
-                self.itl.labels(self.model_name).observe(gap)
+                self._itl.observe(gap)
         state.last_token_time = now
 
     def on_finished(self, state: "ReqState", now: float) -> None:
         name = self.model_name
         lora = (state.req.lora_name or "") if state.lora_id is not None else ""
-        self.requests.labels(name).inc()
-        self.prompt_tokens.labels(name).inc(state.prompt_tokens)
-        self.generation_tokens.labels(name).inc(state.completion_tokens)
-        self.cached_tokens.labels(name).inc(state.cached_tokens)
-        self.e2e.labels(name).observe(now - state.created)
+        self._requests.inc()
+        self._prompt_tokens.inc(state.prompt_tokens)
+        self._generation_tokens.inc(state.completion_tokens)
+        self._cached_tokens.inc(state.cached_tokens)
+        self._e2e.observe(now - state.created)
         if (state.finished_reason or {}).get("type") == "abort":
-            self.aborted.labels(name).inc()
+            self._aborted.inc()
         self.lora_requests.labels(name, lora).inc()
         self.lora_prompt_tokens.labels(name, lora).inc(state.prompt_tokens)
         self.lora_generation_tokens.labels(name, lora).inc(state.completion_tokens)
