@@ -25,7 +25,10 @@ class Backend(str, Enum):
 
 
 PREFILL_BACKENDS = (Backend.BREAKABLE, Backend.FULL, Backend.TC_PIECEWISE, Backend.DISABLED)
-COMPILE_MODES = (None, "default", "max-autotune")
+# compile_mode (tc_piecewise) -> torch.compile mode. Never inductor's own CUDA graphs: the runner
+# captures the compiled body itself, broken at attention (model_executor/runner/piecewise_compile.py).
+TORCH_COMPILE_MODES = {None: None, "default": None, "max-autotune": "max-autotune-no-cudagraphs"}
+COMPILE_MODES = tuple(TORCH_COMPILE_MODES)
 DECODE_BACKENDS = (Backend.FULL, Backend.BREAKABLE, Backend.DISABLED)
 
 

@@ -25,6 +25,7 @@ from typing import Callable
 import torch
 from torch import nn
 
+from sglang.srt.configs.cuda_graph_config import TORCH_COMPILE_MODES
 from sglang.srt.configs.forward_batch_info import ForwardBatch
 from sglang.srt.layers.radix_attention import RadixAttention, attention_context
 from sglang.srt.utils import get_cache_dir
@@ -33,15 +34,11 @@ logger = logging.getLogger(__name__)
 
 # Graph variants Dynamo may keep (the 1-token bucket, the others; headroom for a guard that fails).
 RECOMPILE_LIMIT = 16
-# --cuda-graph-config compile_mode -> torch.compile mode. Never inductor's own CUDA graphs: the
-# runner captures the compiled body itself, broken at attention.
-TORCH_COMPILE_MODES = {None: None, "default": None, "max-autotune": "max-autotune-no-cudagraphs"}
 
 
 def compile_body(model: nn.Module, compile_mode: str | None = None) -> Callable[..., torch.Tensor]:
     """(input_ids, positions, forward_batch) -> hidden, through `model.model` compiled."""
-    if compile_mode not in TORCH_COMPILE_MODES:
-        raise ValueError(f"compile_mode must be one of {sorted(m for m in TORCH_COMPILE_MODES if m)}")
+    assert compile_mode in TORCH_COMPILE_MODES, compile_mode  # resolve_cuda_graph_flags checked it
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(get_cache_dir(), "inductor"))
     torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, RECOMPILE_LIMIT)
     layers = {m.layer_id: m for m in model.modules() if isinstance(m, RadixAttention)}
