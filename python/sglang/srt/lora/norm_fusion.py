@@ -48,7 +48,7 @@ class NormShrinkFusion:
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Optional[NormResult]:
         target = self.target
-        if not target.lora_active or not self.backend.fuses_norm(target.lora):
+        if not target.lora_active or not self.backend.fuses_norm():
             return None
         prepared, new_residual = self.backend.run_norm(target.lora, self.norm.weight, self.norm.variance_epsilon,
                                                        x, residual)
@@ -65,7 +65,7 @@ class ActShrinkFusion:
 
     def __call__(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
         target = self.target
-        if not target.lora_active or not self.backend.fuses_norm(target.lora) or gate_up.dim() != 2:
+        if not target.lora_active or not self.backend.fuses_norm() or gate_up.dim() != 2:
             return None
         target.prepared = self.backend.run_act(target.lora, gate_up)
         return target.prepared.normed

@@ -93,8 +93,8 @@ class BaseLoRABackend(abc.ABC):
         """x [T, in] -> base output [T, out] with every row's adapter delta added, reading the
         current `batch_info` (never None when a wrapper calls this)."""
 
-    def fuses_norm(self, weights: LoRAModuleWeights) -> bool:
-        """Whether this forward runs the norm before `weights`' module together with its shrink."""
+    def fuses_norm(self) -> bool:
+        """Whether this forward runs the kernels before the LoRA modules together with their shrink."""
         return False
 
     def run_norm(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,

@@ -329,7 +329,7 @@ class TokenLoRABackend(BaseLoRABackend):
         return out
 
     # ---- the norm fused with the module's shrink (decode) --------------------------------------
-    def fuses_norm(self, weights: LoRAModuleWeights) -> bool:
+    def fuses_norm(self) -> bool:
         info = self.batch_info
         return info is not None and info.row_slots is not None
 
