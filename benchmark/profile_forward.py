@@ -161,8 +161,10 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
             overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
                              disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
         overrides.setdefault("max_running_requests", max(64, *args.decode_bs))
-        if lora in ("lora-fused", "lora-rowwise"):  # --lora-fuse-norm: the norms compute the shrink
-            overrides["lora_fuse_norm"] = True
+        # --lora-fuse-norm: lora runs the default (auto: the norms before folded modules compute
+        # their shrink), lora-unfused none, lora-fused / lora-rowwise every norm-fed module's.
+        if lora != "none":
+            overrides["lora_fuse_norm"] = {"lora": "auto", "lora-unfused": "off"}.get(lora, "on")
         if lora != "none":
             overrides["lora_fold"] = args.lora_fold
         # lora-rowwise: o_proj / down_proj take the row-wise kernel at decode too (read at backend build).
@@ -355,8 +357,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=_ints, default=[128, 2048, 4096], help="prefill token counts (batch 1)")
     p.add_argument("--decode-bs", type=_ints, default=[1])
     p.add_argument("--lora", default="none,lora",
-                   help="which of none,lora,lora-fused,lora-rowwise to run (lora-fused: LoRA with --lora-fuse-norm; "
-                        "lora-rowwise: also SGLANG_LORA_ROWWISE_DECODE=1)")
+                   help="which of none,lora,lora-unfused,lora-fused,lora-rowwise to run (lora: the default "
+                        "--lora-fuse-norm auto; lora-unfused: off; lora-fused: on; lora-rowwise: on and "
+                        "SGLANG_LORA_ROWWISE_DECODE=1)")
     p.add_argument("--lora-backend", default="csgmv")
     p.add_argument("--lora-fold", default="auto", choices=["auto", "on", "off"],
                    help="off: every module unfolded (base GEMM + shrink + expand), as many slots make qkv / gate_up")
@@ -380,8 +383,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the markdown here")
     args = p.parse_args(argv)
     args.lora = [x.strip() for x in args.lora.split(",") if x.strip()]
-    if any(x not in ("none", "lora", "lora-fused", "lora-rowwise") for x in args.lora):
-        p.error("--lora takes none, lora, lora-fused and/or lora-rowwise")
+    if any(x not in ("none", "lora", "lora-unfused", "lora-fused", "lora-rowwise") for x in args.lora):
+        p.error("--lora takes none, lora, lora-unfused, lora-fused and/or lora-rowwise")
     if args.hf_anchor is None:
         try:
             import peft  # noqa: F401

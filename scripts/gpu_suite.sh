@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -166,6 +166,23 @@ if [[ " $PARTS " == *" norm_shrink "* ]]; then
     --out "$OUT/norm_shrink_unfolded.md" >>"$OUT/norm_shrink.log" 2>&1 || status=1
   say "norm_shrink unfolded steps: $(( $(date +%s) - start ))s"
   grep -E "LoRA / base" "$OUT/norm_shrink_unfolded.md" 2>/dev/null | sed "s/^/unfolded /" | tee -a "$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" lora_steps "* ]]; then
+  # Issue 16's whole-step rows in one process per shape (~1 min each): the base, LoRA as served
+  # (--lora-fuse-norm auto) and LoRA with the norms apart (off), 8 rank-16 adapters, csgmv, graphs:
+  # prefill 128 (breakable), decode 1 and 64 on 1 and 8 adapters. GPU_SUITE_STEPS_MODELS picks shapes.
+  say "== LoRA steps: default (fused norms) vs unfused vs base"
+  : >"$OUT/lora_steps.md"
+  for model in ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b}; do
+    start=$(date +%s)
+    $PY benchmark/profile_forward.py --model "$model" --adapters 8 --lora none,lora-unfused,lora --lora-backend csgmv \
+      --paths graph --no-hf-anchor --tokens 128 --decode-bs 1,64 --decode-adapters 1,8 --tc-modes "" \
+      --out "/tmp/lora_steps_$model.md" >>"$OUT/lora_steps.log" 2>&1 || status=1
+    cat "/tmp/lora_steps_$model.md" >>"$OUT/lora_steps.md" 2>/dev/null
+    say "$model steps: $(( $(date +%s) - start ))s"
+    grep -E "LoRA / base" "/tmp/lora_steps_$model.md" 2>/dev/null | tee -a "$SUMMARY"
+  done
 fi
 
 if [[ " $PARTS " == *" gemv "* ]]; then

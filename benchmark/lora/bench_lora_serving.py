@@ -21,7 +21,8 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
     z256-64       256 adapters on 64 slots              u8-4         8 adapters, uniform, on 4 slots
     lora0-64      a LoRA server with 64 slots and no adapter at start, base requests (against
                   z64-64: what loading 64 adapters at start costs the start-up)
-  With --lora-fuse-norm: csgmv-fn (csgmv's server), z64-64-fn (z64-64's).
+  --lora-fuse-norm (auto by default: the norms before folded modules): csgmv-fn and z64-64-fn
+  (csgmv's and z64-64's servers with it on: unfolded modules too), csgmv-nofn (off).
   (Adapters beyond the first 32 reuse their files round-robin: the weights do not change a step's
   cost, and 256 rank-16 adapters of this shape would take 17 GB of disk; each name is its own
   adapter to the server, with its own host copy and slot.)
@@ -86,8 +87,9 @@ CONFIGS = {
     "u8-4": Config("u8-4", _lora("csgmv", 4)),
     "lora0-64": Config("lora0-64", _lora("csgmv", 64), None, adapters=0),
     # --lora-fuse-norm (issue 16): the norms compute the qkv / gate_up shrink at decode.
-    "csgmv-fn": Config("csgmv-fn", _lora("csgmv", NUM_ADAPTERS), extra=("--lora-fuse-norm",)),
-    "z64-64-fn": Config("z64-64-fn", _lora("csgmv", 64), "zipf", adapters=64, extra=("--lora-fuse-norm",)),
+    "csgmv-fn": Config("csgmv-fn", _lora("csgmv", NUM_ADAPTERS), extra=("--lora-fuse-norm", "on")),
+    "csgmv-nofn": Config("csgmv-nofn", _lora("csgmv", NUM_ADAPTERS), extra=("--lora-fuse-norm", "off")),
+    "z64-64-fn": Config("z64-64-fn", _lora("csgmv", 64), "zipf", adapters=64, extra=("--lora-fuse-norm", "on")),
 }
 DISTINCT_ADAPTER_FILES = 32
 

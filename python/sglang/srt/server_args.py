@@ -37,6 +37,7 @@ from sglang.srt.server_args_cli import (  # the flags' choices: validated here, 
     LORA_CHUNK_SIZES,
     LORA_EVICTION_POLICIES,
     LORA_FOLD_MODES,
+    LORA_FUSE_NORM_MODES,
     LORA_TARGET_MODULES,
     SCHEDULE_POLICIES,
     add_cli_args,
@@ -97,7 +98,7 @@ class ServerArgs:
     lora_backend: str = "csgmv"
     max_lora_chunk_size: int = 16
     lora_fold: str = "auto"
-    lora_fuse_norm: bool = False
+    lora_fuse_norm: str = "auto"  # LORA_FUSE_NORM_MODES; True / False mean "on" / "off"
     # Bound, in scheduler turns, on how long a request whose adapter does not fit may wait before
     # requests for other adapters are held back until it fits (anti-starvation). Adapters rotate
     # through the slots before that (GroupedLoRAAdmission); a larger bound lets rotation, rather
@@ -191,6 +192,9 @@ class ServerArgs:
         choice("--lora-eviction-policy", self.lora_eviction_policy, LORA_EVICTION_POLICIES)
         choice("--max-lora-chunk-size", self.max_lora_chunk_size, LORA_CHUNK_SIZES)
         choice("--lora-fold", self.lora_fold, LORA_FOLD_MODES)
+        if isinstance(self.lora_fuse_norm, bool):  # the Python API's flag form
+            self.lora_fuse_norm = "on" if self.lora_fuse_norm else "off"
+        choice("--lora-fuse-norm", self.lora_fuse_norm, LORA_FUSE_NORM_MODES)
         resolve_chat_template(self.chat_template)  # a missing file or unknown name fails at start
         choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
         if self.page_size != 1:

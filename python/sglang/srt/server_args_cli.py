@@ -17,6 +17,8 @@ LORA_BACKENDS = ("csgmv", "triton", "torch_native")
 LORA_EVICTION_POLICIES = ("lru", "fifo")
 LORA_CHUNK_SIZES = (16, 32, 64, 128)
 LORA_FOLD_MODES = ("auto", "on", "off")
+# auto: the norms before folded modules (the same numbers as apart); on: before unfolded ones too.
+LORA_FUSE_NORM_MODES = ("auto", "on", "off")
 LORA_TARGET_MODULES = (
     "q_proj",
     "k_proj",
@@ -116,9 +118,12 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
     g.add_argument("--lora-fold", default=default("lora_fold"), choices=LORA_FOLD_MODES,
                    help="triton/csgmv: fold each module's adapters into its base GEMM (one GEMM over "
                         "[x | shrink] and [W | B]); auto folds where the extra weight bytes are small.")
-    g.add_argument("--lora-fuse-norm", action="store_true", default=default("lora_fuse_norm"),
+    g.add_argument("--lora-fuse-norm", nargs="?", const="on", default=default("lora_fuse_norm"),
+                   choices=LORA_FUSE_NORM_MODES,
                    help="triton/csgmv, decode: the RMSNorm before qkv_proj / gate_up_proj also computes "
-                        "their LoRA shrink (one kernel fewer per module; opt-in while it is measured).")
+                        "their LoRA shrink, one kernel fewer per module. auto (default): before folded "
+                        "modules, whose output stays the same; on (or the bare flag): before unfolded "
+                        "ones too (their shrink sums in another order); off: never.")
     g.add_argument("--lora-max-wait-turns", type=int, default=default("lora_max_wait_turns"),
                    help="Scheduler turns a request may wait for an adapter slot before requests "
                         "for other adapters are held back until it fits.")

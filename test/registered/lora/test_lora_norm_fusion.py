@@ -1,5 +1,6 @@
 """`--lora-fuse-norm` through the model (CPU, TRITON_INTERPRET=1, float32): at decode the norms
-before the folded qkv_proj and gate_up_proj run inside their shrink_pack, and a mixed batch
+before qkv_proj and gate_up_proj compute their shrink (auto, the default: folded modules only; on:
+unfolded ones too), and a mixed batch
 (two adapters and the base model) decodes what the unfused engine decodes, with the same logprobs
 to float32 rounding. Prefill never fuses; a backend without the kernels warns and runs apart; the
 model's parameters and modules stay the same."""
@@ -30,7 +31,8 @@ def assets(tmp_path_factory):
     }
 
 
-def runner_for(assets, backend: str, fuse: bool, rowwise: bool = False, monkeypatch=None, fold: str = "auto"):
+def runner_for(assets, backend: str, fuse, rowwise: bool = False, monkeypatch=None, fold: str = "auto"):
+    """fuse: a --lora-fuse-norm mode, or True / False for on / off."""
     if rowwise:  # o_proj / down_proj take the row-wise kernel too (read when the backend is built)
         monkeypatch.setenv("SGLANG_LORA_ROWWISE_DECODE", "1")
     ckpt, paths = assets
@@ -109,6 +111,27 @@ def test_fused_decode_equals_unfused(assets, backend, fold, rowwise, monkeypatch
     _, base_logprobs, _ = decode_run(fused_runner, names=(None,) * 4)
     assert float((logprobs - base_logprobs)[:, [0, 2, 3]].abs().max()) > 1e-3
     assert float((logprobs - base_logprobs)[:, 1].abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("fold", ["auto", "off"])
+def test_the_default_fuses_the_norms_before_folded_modules_only(assets, fold, caplog):
+    """--lora-fuse-norm auto (the default): the norms before folded modules compute their shrink;
+    before unfolded ones (another rounding) they run apart, and decode batches carry no row slots."""
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
+        runner = runner_for(assets, "csgmv", fuse="auto", fold=fold)
+    assert "--lora-fuse-norm" not in caplog.text  # the default says nothing when nothing fuses
+    layers = runner.model.model.layers
+    fused = [isinstance(n.fusion, NormShrinkFusion) for l in layers for n in (l.input_layernorm,
+                                                                             l.post_attention_layernorm)]
+    assert all(fused) if fold == "auto" else not any(fused)
+    assert runner.lora_manager.lora_backend.fuse_norm == (fold == "auto")
+    _, logprobs, calls = decode_run(runner)
+    assert calls == [0] + [2 * len(layers) if fold == "auto" else 0] * 4
+    _, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse="off", fold=fold))
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
+        runner_for(assets, "torch_native", fuse="auto")
+    assert "no fused norm kernels" not in caplog.text
 
 
 def test_fusion_keeps_the_model_tree(assets):

@@ -52,7 +52,9 @@ class LoRARunConfig:
     eviction_policy: str = "lru"
     chunk_size: int = 16
     fold: str = "auto"
-    fuse_norm: bool = False  # decode: the norm before a folded module runs inside its shrink_pack
+    # decode: the norm before a module computes its shrink (lora/norm_fusion.py). auto: folded
+    # modules only; on: unfolded too; off.
+    fuse_norm: str = "auto"
     max_lora_rank: Optional[int] = None  # None: the largest rank of `refs`
     target_modules: Optional[tuple[str, ...]] = None  # None: the union of `refs`
     max_loaded_loras: Optional[int] = None

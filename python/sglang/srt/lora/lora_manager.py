@@ -123,8 +123,8 @@ class LoRAManager:
         self.lora_modules: dict[int, dict[str, BaseLayerWithLoRA]] = wrap_lora_modules(
             base_model, self.pool, self.shapes, self.lora_backend, dtype
         )
-        if config.fuse_norm:
-            self._attach_norm_fusion(base_model)
+        if config.fuse_norm != "off":
+            self._attach_norm_fusion(base_model, folded_only=config.fuse_norm == "auto")
 
         self._load_startup_adapters(list(config.refs), startup_configs)
         logger.info(
@@ -137,18 +137,25 @@ class LoRAManager:
         )
 
     # ------------------------------------------------------------------ set-up
-    def _attach_norm_fusion(self, model: torch.nn.Module) -> None:
+    def _attach_norm_fusion(self, model: torch.nn.Module, folded_only: bool) -> None:
+        """`--lora-fuse-norm auto` (folded_only) is the default and says nothing when nothing fuses;
+        an explicit `on` that fuses nothing warns."""
         if not self.lora_backend.supports_norm_fusion:
-            logger.warning("--lora-fuse-norm: the %s LoRA backend has no fused norm kernels; the norms run apart",
-                           self.lora_backend.name)
+            if not folded_only:
+                logger.warning("--lora-fuse-norm: the %s LoRA backend has no fused norm kernels; the norms run "
+                               "apart", self.lora_backend.name)
             return
-        self.lora_backend.enable_norm_fusion()
-        count = attach_norm_fusion(model, self.lora_modules, find_lora_target_layers(model), self.lora_backend)
+        count = attach_norm_fusion(model, self.lora_modules, find_lora_target_layers(model), self.lora_backend,
+                                   folded_only=folded_only)
         if count == 0:
-            logger.warning("--lora-fuse-norm: no norm feeds a LoRA qkv_proj / gate_up_proj (targets: %s); "
-                           "nothing to fuse", self.pool.target_modules)
-        else:
-            logger.info("LoRA: %d norms (and activations) compute their module's LoRA shrink at decode", count)
+            if not folded_only:
+                logger.warning("--lora-fuse-norm: no norm feeds a LoRA qkv_proj / gate_up_proj (targets: %s); "
+                               "nothing to fuse", self.pool.target_modules)
+            return
+        # Decode batches carry each row's slot from now on (before the graphs' static infos exist).
+        self.lora_backend.enable_norm_fusion()
+        logger.info("LoRA: %d norms (and activations) compute their module's LoRA shrink at decode%s", count,
+                    " (folded modules)" if folded_only else "")
 
     def _load_startup_adapters(self, refs: list[LoRARef], configs: dict[str, LoRAConfig]) -> None:
         """Read the startup adapters' tensors in parallel threads (the slow part: the files, the

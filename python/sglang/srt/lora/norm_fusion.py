@@ -1,5 +1,6 @@
-"""`--lora-fuse-norm`: at decode, the RMSNorm before qkv_proj and gate_up_proj also computes the
-LoRA shrink of the module it feeds (triton_ops/norm_shrink_pack.py), one kernel instead of two.
+"""`--lora-fuse-norm` (default auto): at decode, the RMSNorm before qkv_proj and gate_up_proj also
+computes the LoRA shrink of the module it feeds (triton_ops/norm_shrink_pack.py), one kernel instead
+of two. auto does it for folded modules only, `on` for unfolded ones too (see attach_norm_fusion).
 
 The norm and the module stay what they are; they meet through two seams:
   - `RMSNorm.fusion` (layers/layernorm.py): a `NormShrinkFusion` that, when this forward fuses
@@ -72,10 +73,16 @@ class ActShrinkFusion:
 
 
 def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerWithLoRA]],
-                       module_names: dict[str, dict[int, str]], backend: "BaseLoRABackend") -> int:
+                       module_names: dict[str, dict[int, str]], backend: "BaseLoRABackend",
+                       folded_only: bool = False) -> int:
     """Set the fusion of every norm that feeds a wrapped qkv_proj / gate_up_proj and, with the
     backend's row-wise decode (SGLANG_LORA_ROWWISE_DECODE=1), of the SiLU-and-mul before a wrapped
-    down_proj; returns how many."""
+    down_proj; returns how many.
+
+    folded_only (`--lora-fuse-norm auto`): only where the module is folded. There the fused kernel
+    packs the same x_aug as shrink_pack (the H200 test measured the logprobs equal to the unfused
+    engine's, bit for bit). An unfolded module's unfused shrink reduces with tensor-core dots, the
+    fused one row by row: the same function, other roundings, so that stays `on`'s choice."""
     count = 0
     for layer_id, modules in wrapped.items():
         for norm_attr, path in NORM_FED_MODULES:
@@ -83,6 +90,8 @@ def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerW
             target = modules.get(kind)
             name = module_names.get(kind, {}).get(layer_id)
             if target is None or name is None or target.lora is None:
+                continue
+            if folded_only and not target.lora.spec.folded:
                 continue
             if not name.endswith("." + path):
                 continue  # another layout: leave it unfused
@@ -92,7 +101,8 @@ def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerW
                 norm.fusion = NormShrinkFusion(norm, target, backend)
                 count += 1
         down, name = modules.get("down_proj"), module_names.get("down_proj", {}).get(layer_id)
-        if backend.rowwise_decode and down is not None and name and name.endswith(".mlp.down_proj"):
+        if (backend.rowwise_decode and down is not None and down.lora is not None and name
+                and name.endswith(".mlp.down_proj") and (down.lora.spec.folded or not folded_only)):
             act = getattr(model.get_submodule(name[: -len(".down_proj")]), "act_fn", None)
             if isinstance(act, SiluAndMul):
                 act.fusion = ActShrinkFusion(down, backend)
