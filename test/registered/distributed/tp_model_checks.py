@@ -28,14 +28,16 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.server_configs import build_run_configs
 
 # (architecture, LoRA backend) cases of the tp-2 runs: every backend on Llama, every architecture.
-CASES = [("llama", "torch_native"), ("llama", "triton"), ("llama", "csgmv"), ("qwen3", "csgmv+fuse-norm"),
+CASES = [("llama", "torch_native"), ("llama", "triton"), ("llama", "csgmv"), ("qwen3", "csgmv+norms-apart"),
          ("mistral", "torch_native"), ("qwen2", "torch_native"), ("qwen3", "torch_native")]
 # The Triton backends' two layouts: csgmv folds every module into its base GEMM (the default,
-# --lora-fold auto, at these sizes), triton keeps separate shrink and expand kernels; with
-# --lora-fuse-norm the decode step's norms run inside the folded modules' shrink_pack.
-FOLD = {"csgmv": "on", "triton": "off", "torch_native": "off", "csgmv+fuse-norm": "on"}
+# --lora-fold auto, at these sizes), triton keeps separate shrink and expand kernels. With the
+# default --lora-fuse-norm auto the decode step's norms before folded modules compute their shrink
+# (csgmv); csgmv+norms-apart runs them apart (off).
+FOLD = {"csgmv": "on", "triton": "off", "torch_native": "off", "csgmv+norms-apart": "on"}
+FUSED_NORMS = {"csgmv"}  # cases whose norms fuse: 2 per layer
 # Case name -> (LoRA backend, other runner arguments).
-BACKENDS = {"csgmv+fuse-norm": ("csgmv", {"lora_fuse_norm": True})}
+BACKENDS = {"csgmv+norms-apart": ("csgmv", {"lora_fuse_norm": "off"})}
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
 
