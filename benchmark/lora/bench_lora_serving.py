@@ -22,7 +22,8 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
     lora0-64      a LoRA server with 64 slots and no adapter at start, base requests (against
                   z64-64: what loading 64 adapters at start costs the start-up)
   --lora-fuse-norm (auto by default: the norms before folded modules): csgmv-fn and z64-64-fn
-  (csgmv's and z64-64's servers with it on: unfolded modules too), csgmv-nofn (off).
+  (csgmv's and z64-64's servers with it on: unfolded modules too), csgmv-nofn (off); z64-64-fold
+  (z64-64 with --lora-fold on: the fold crossover at 64 slots).
   (Adapters beyond the first 32 reuse their files round-robin: the weights do not change a step's
   cost, and 256 rank-16 adapters of this shape would take 17 GB of disk; each name is its own
   adapter to the server, with its own host copy and slot.)
@@ -90,6 +91,9 @@ CONFIGS = {
     "csgmv-fn": Config("csgmv-fn", _lora("csgmv", NUM_ADAPTERS), extra=("--lora-fuse-norm", "on")),
     "csgmv-nofn": Config("csgmv-nofn", _lora("csgmv", NUM_ADAPTERS), extra=("--lora-fuse-norm", "off")),
     "z64-64-fn": Config("z64-64-fn", _lora("csgmv", 64), "zipf", adapters=64, extra=("--lora-fuse-norm", "on")),
+    # The fold crossover at many slots (issue 18): every module folded (W_aug carries all 64 slots'
+    # B) against auto, which keeps qkv / gate_up unfolded at 64 slots of rank 16.
+    "z64-64-fold": Config("z64-64-fold", _lora("csgmv", 64), "zipf", adapters=64, extra=("--lora-fold", "on")),
 }
 DISTINCT_ADAPTER_FILES = 32
 

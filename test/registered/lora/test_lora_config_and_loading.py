@@ -237,6 +237,33 @@ def test_non_finite_weights_refused(adapters, tmp_path):
     tensors[name][0, 0] = float("inf")
     save_file(tensors, file)
     _refused(path, name, "inf or NaN")
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, file)
+    _refused(path, name, "inf or NaN")
+
+
+def test_host_copy_in_the_pool_dtype(adapters, tmp_path):
+    """The host copy is kept in the pool's dtype (rounded once, as a copy into the pool would);
+    a value that overflows in it is refused like an inf in the file."""
+    from safetensors.torch import load_file, save_file
+
+    ref = load(adapters["qv"])
+    half = LoRAAdapter.load("id", LoRAConfig.from_path(adapters["qv"], base_vocab_size=256), SHAPES, torch.bfloat16)
+    for layer, ref_layer in zip(half.layers, ref.layers):
+        assert sorted(layer) == sorted(ref_layer)
+        for module, (a, b) in layer.items():
+            assert a.dtype == b.dtype == torch.bfloat16
+            assert torch.equal(a, ref_layer[module][0].to(torch.bfloat16))
+            assert torch.equal(b, ref_layer[module][1].to(torch.bfloat16))
+    path = copy_adapter(adapters["qv"], tmp_path)
+    file = f"{path}/adapter_model.safetensors"
+    tensors = load_file(file)
+    name = next(n for n in sorted(tensors) if "q_proj.lora_A" in n)
+    tensors[name][1, 2] = 1e6  # finite in float32, inf in float16
+    save_file(tensors, file)
+    assert load(path).layers  # float32: fine
+    with pytest.raises(ValueError, match=f"{name}.*inf or NaN.*float16"):
+        LoRAAdapter.load("id", LoRAConfig.from_path(path, base_vocab_size=256), SHAPES, torch.float16)
 
 
 def test_tensor_outside_config_targets_refused(adapters, tmp_path):

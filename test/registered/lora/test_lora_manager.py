@@ -122,11 +122,16 @@ def test_host_copies_are_one_buffer_per_dtype():
 
     tensors = [torch.randn(3, 4), torch.randn(2, 5, dtype=torch.float64), torch.randn(6, 1)[::2],
                torch.randn(7)]
-    packed = pack_tensors(tensors, pin=False)
+    packed, buffers = pack_tensors(tensors, pin=False)
     assert all(torch.equal(p, t) and p.shape == t.shape and p.is_contiguous() for p, t in zip(packed, tensors))
     float32 = [p for p in packed if p.dtype == torch.float32]
     assert len({p.untyped_storage().data_ptr() for p in float32}) == 1
     assert float32[1].data_ptr() == float32[0].data_ptr() + 12 * 4  # back to back, in order
+    assert sorted(b.numel() for b in buffers) == [10, 12 + 3 + 7]
+    # With a dtype: one buffer, every tensor converted.
+    packed, buffers = pack_tensors(tensors, pin=False, dtype=torch.bfloat16)
+    assert len(buffers) == 1 and buffers[0].numel() == 32
+    assert all(p.dtype == torch.bfloat16 and torch.equal(p, t.to(torch.bfloat16)) for p, t in zip(packed, tensors))
 
 
 # ---------------------------------------------------------------------- dynamic load / unload

@@ -167,18 +167,26 @@ class LoRAManager:
             reason = self.pool.incompatibility(configs[ref.lora_id])
             if reason is not None:
                 raise ValueError(reason)
-            return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes)
+            return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes, self.dtype)
 
         with ThreadPoolExecutor(min(STARTUP_LOAD_THREADS, len(refs))) as threads:
             futures = [threads.submit(read, ref) for ref in refs]
             for _ in tqdm(as_completed(futures), total=len(futures), desc="Loading LoRA adapters", unit="adapter",
                           disable=len(refs) < 2):
                 pass
+        first_by_path: dict[str, str] = {}
+        shared: list[str] = []
         for ref, future in zip(refs, futures):
             try:
-                self._load_adapter(ref, configs[ref.lora_id], future.result())
+                self._load_adapter(ref, configs[ref.lora_id], future.result(), warn_shared_path=False)
             except ValueError as e:
                 raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} at startup: {e}") from None
+            if first_by_path.setdefault(ref.lora_path, ref.lora_name) != ref.lora_name:
+                shared.append(ref.lora_name)
+        if shared:  # one line, not one per adapter (a benchmark may serve 256 names from 32 folders)
+            logger.warning("LoRA: %d adapter(s) load the files of another loaded adapter (e.g. %r loads %r's)",
+                           len(shared), shared[0], first_by_path[next(r.lora_path for r in refs
+                                                                       if r.lora_name == shared[0])])
 
     def _read_startup_config(self, ref: LoRARef) -> LoRAConfig:
         try:
@@ -209,7 +217,7 @@ class LoRAManager:
         return {ref.lora_name: ref.lora_path for ref in self.refs.values()}
 
     def _load_adapter(self, ref: LoRARef, config: Optional[LoRAConfig] = None,
-                      adapter: Optional[LoRAAdapter] = None) -> None:
+                      adapter: Optional[LoRAAdapter] = None, warn_shared_path: bool = True) -> None:
         """Validate and load (`adapter`: its tensors, read already); raises ValueError and changes
         nothing on failure."""
         if any(r.lora_name == ref.lora_name for r in self.refs.values()):
@@ -226,7 +234,7 @@ class LoRAManager:
                 f"--max-loras-per-batch - 1 = {self.max_loras_per_batch - 1} may be, so that one slot stays "
                 "free for unpinned adapters"
             )
-        if any(r.lora_path == ref.lora_path for r in self.refs.values()):
+        if warn_shared_path and any(r.lora_path == ref.lora_path for r in self.refs.values()):
             logger.warning(
                 "LoRA adapter %r loads %s, which another loaded adapter uses too",
                 ref.lora_name,
@@ -238,7 +246,7 @@ class LoRAManager:
         if reason is not None:
             raise ValueError(reason)
         if adapter is None:
-            adapter = LoRAAdapter.load(ref.lora_id, config, self.shapes)
+            adapter = LoRAAdapter.load(ref.lora_id, config, self.shapes, self.dtype)
         # Commit only now: every check passed.
         self.adapters[ref.lora_id] = adapter
         self.refs[ref.lora_id] = ref
