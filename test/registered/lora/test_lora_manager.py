@@ -117,7 +117,7 @@ def test_startup_adapters_read_in_parallel_equal_one_by_one(setup, tmp_path):
 
 
 def test_host_copies_are_one_buffer_per_dtype():
-    """An adapter's host tensors share one (pinned on CUDA) buffer per dtype, in order, unchanged."""
+    """An adapter's host tensors share (pinned on CUDA) buffers per dtype, in order, unchanged."""
     from sglang.srt.lora.lora import pack_tensors
 
     tensors = [torch.randn(3, 4), torch.randn(2, 5, dtype=torch.float64), torch.randn(6, 1)[::2],
@@ -132,6 +132,10 @@ def test_host_copies_are_one_buffer_per_dtype():
     packed, buffers = pack_tensors(tensors, pin=False, dtype=torch.bfloat16)
     assert len(buffers) == 1 and buffers[0].numel() == 32
     assert all(p.dtype == torch.bfloat16 and torch.equal(p, t.to(torch.bfloat16)) for p, t in zip(packed, tensors))
+    # With a buffer size (16 floats): a new buffer before one would pass it.
+    packed, buffers = pack_tensors(tensors, pin=False, dtype=torch.float32, buffer_bytes=16 * 4)
+    assert [b.numel() for b in buffers] == [12, 10 + 3, 7]
+    assert all(torch.equal(p, t.float()) for p, t in zip(packed, tensors))
 
 
 # ---------------------------------------------------------------------- dynamic load / unload

@@ -147,17 +147,29 @@ def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
     raise ValueError(f"LoRA adapter at {path!r} has no adapter_model.safetensors or adapter_model.bin")
 
 
-def pack_tensors(tensors: list[torch.Tensor], pin: bool,
-                 dtype: Optional[torch.dtype] = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def pack_tensors(tensors: list[torch.Tensor], pin: bool, dtype: Optional[torch.dtype] = None,
+                 buffer_bytes: Optional[int] = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(the tensors as views of their own shapes, in order; the buffers behind them): copied into
-    one contiguous host buffer per dtype (pinned if `pin`), converted to `dtype` when given (then
-    one buffer)."""
+    contiguous host buffers per dtype (pinned if `pin`), converted to `dtype` when given.
+
+    buffer_bytes: start a new buffer before one would pass this size (a tensor larger than it
+    gets its own). PyTorch's pinned allocator rounds every block up to a power of two, so one
+    66 MB buffer would pin 128 MB; blocks of a power-of-two size pin what they hold."""
     out: list[Optional[torch.Tensor]] = [None] * len(tensors)
-    by_dtype: dict[torch.dtype, list[int]] = {}
+    groups: list[tuple[torch.dtype, list[int]]] = []  # (dtype, tensor indices) per buffer
+    open_group: dict[torch.dtype, tuple[list[int], list[int]]] = {}  # dtype -> (indices, [bytes])
     for i, t in enumerate(tensors):
-        by_dtype.setdefault(dtype or t.dtype, []).append(i)
+        buf_dtype = dtype or t.dtype
+        size = t.numel() * torch.empty((), dtype=buf_dtype).element_size()
+        idx, used = open_group.get(buf_dtype, (None, None))
+        if idx is None or (buffer_bytes is not None and used[0] + size > buffer_bytes and idx):
+            idx, used = [], [0]
+            open_group[buf_dtype] = (idx, used)
+            groups.append((buf_dtype, idx))
+        idx.append(i)
+        used[0] += size
     buffers = []
-    for buf_dtype, idx in by_dtype.items():
+    for buf_dtype, idx in groups:
         buf = torch.empty(sum(tensors[i].numel() for i in idx), dtype=buf_dtype, pin_memory=pin)
         offset = 0
         for i in idx:
@@ -168,6 +180,11 @@ def pack_tensors(tensors: list[torch.Tensor], pin: bool,
             offset += t.numel()
         buffers.append(buf)
     return out, buffers  # type: ignore[return-value]
+
+
+# Host buffer size of an adapter's copy: a power of two (see pack_tensors); a rank-16 Qwen3-4B
+# adapter in bf16 (66 MB) takes five.
+HOST_BUFFER_BYTES = 16 << 20
 
 
 def all_finite(t: torch.Tensor) -> bool:
@@ -264,13 +281,14 @@ class LoRAAdapter:
                 ab = self._build_fused(layer, fused, projs, parts)
                 if ab is not None:
                     built.append((layer, fused, *ab))
-        # Pinned host memory makes the copies into the pool asynchronous DMA. One pinned buffer
-        # for the whole adapter: pinning is a driver call per allocation (~1 ms), and an adapter
-        # has two tensors per module and layer (~300 for a 36-layer model). In the pool's dtype
+        # Pinned host memory makes the copies into the pool asynchronous DMA. A few pinned buffers
+        # of HOST_BUFFER_BYTES for the whole adapter: pinning is a driver call per allocation
+        # (~1 ms), and an adapter has two tensors per module and layer (~300 for a 36-layer
+        # model); blocks of a power-of-two size waste nothing to the allocator's rounding. In the pool's dtype
         # (PEFT often saves float32): a swap then copies half the bytes, with no conversion on the
         # way, and rounds exactly as a conversion at copy time would.
         packed, buffers = pack_tensors([t for _, _, a, b in built for t in (a, b)], pin=torch.cuda.is_available(),
-                                       dtype=dtype)
+                                       dtype=dtype, buffer_bytes=HOST_BUFFER_BYTES)
         # After the conversion, which may overflow (float32 -> float16). A folded GEMM multiplies
         # every slot's B by the zeros of the other rows: one inf or NaN would reach every request
         # of the batch, not only this adapter's.
