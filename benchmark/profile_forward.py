@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -149,81 +150,129 @@ def profile_fn(fn: Callable[[], Any], n: int) -> Profile:
 
 
 # ------------------------------------------------------------------------------------ our engine
-def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[Row]:
+@dataclass
+class EngineSetup:
+    """One LoRA variant's runner and graphs, built once, measured in every round."""
+    lora: str
+    runner: Any
+    graphs: dict[str, Any]
+    decode_graph: Any
+    names: list[Optional[str]]
+    layers: int
+
+
+def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str) -> EngineSetup:
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 
     on_gpu = args.device == "cuda"
-    rows: list[Row] = []
-    for lora in args.lora:
-        t0 = time.perf_counter()
-        overrides: dict[str, Any] = {}
-        if not on_gpu:  # dry run: eager only, float32, the reference attention
-            overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
-                             disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
-        overrides.setdefault("max_running_requests", max(64, *args.decode_bs))
-        # --lora-fuse-norm: lora runs the default (auto: the norms before folded modules compute
-        # their shrink), lora-unfused none, lora-fused / lora-rowwise every norm-fed module's.
-        if lora != "none":
-            overrides["lora_fuse_norm"] = {"lora": "auto", "lora-unfused": "off"}.get(lora, "on")
-        if lora != "none":
-            overrides["lora_fold"] = args.lora_fold
-        # lora-rowwise: o_proj / down_proj take the row-wise kernel at decode too (read at backend build).
-        os.environ["SGLANG_LORA_ROWWISE_DECODE"] = "1" if lora == "lora-rowwise" else "0"
-        buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
-        runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
-                              prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
-        os.environ.pop("SGLANG_LORA_ROWWISE_DECODE")
-        layers = runner.model_config.num_hidden_layers
-        graphs: dict[str, Any] = {} if args.paths == "graph" else {"eager": None}
-        if on_gpu:
-            graphs["breakable"] = runner.prefill_graph_runner
-            if args.paths != "graph":
-                graphs["full"] = PrefillCudaGraphRunner(runner, Backend.FULL, capture_lora=lora != "none")
-            if lora == "none":  # base models only: compiled code cannot follow LoRA metadata
-                for mode in args.tc_modes:
-                    t1 = time.perf_counter()
-                    graphs[f"tc_piecewise/{mode}"] = PrefillCudaGraphRunner(
-                        runner, Backend.TC_PIECEWISE, capture_lora=False, compile_mode=mode)
-                    log(f"{shape}: tc_piecewise ({mode}) compiled and captured in {time.perf_counter() - t1:.1f}s")
-        decode_graph = runner.decode_graph_runner
-        log(f"{shape} lora={lora}: runner and graphs ready in {time.perf_counter() - t0:.1f}s")
-        names = [None] if lora == "none" else sorted(adapters)
+    t0 = time.perf_counter()
+    overrides: dict[str, Any] = {}
+    if not on_gpu:  # dry run: eager only, float32, the reference attention
+        overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
+                         disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
+    overrides.setdefault("max_running_requests", max(64, *args.decode_bs))
+    # --lora-fuse-norm: lora runs the default (auto: the norms before folded modules compute
+    # their shrink), lora-unfused none, lora-fused / lora-rowwise every norm-fed module's.
+    if lora != "none":
+        overrides["lora_fuse_norm"] = {"lora": "auto", "lora-unfused": "off"}.get(lora, "on")
+        overrides["lora_fold"] = args.lora_fold
+    # lora-rowwise: o_proj / down_proj take the row-wise kernel at decode too (read at backend build).
+    os.environ["SGLANG_LORA_ROWWISE_DECODE"] = "1" if lora == "lora-rowwise" else "0"
+    buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
+    runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
+                          prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
+    os.environ.pop("SGLANG_LORA_ROWWISE_DECODE")
+    graphs: dict[str, Any] = {} if args.paths == "graph" else {"eager": None}
+    if on_gpu:
+        graphs["breakable"] = runner.prefill_graph_runner
+        if args.paths != "graph":
+            graphs["full"] = PrefillCudaGraphRunner(runner, Backend.FULL, capture_lora=lora != "none")
+        if lora == "none":  # base models only: compiled code cannot follow LoRA metadata
+            for mode in args.tc_modes:
+                t1 = time.perf_counter()
+                graphs[f"tc_piecewise/{mode}"] = PrefillCudaGraphRunner(
+                    runner, Backend.TC_PIECEWISE, capture_lora=False, compile_mode=mode)
+                log(f"{shape}: tc_piecewise ({mode}) compiled and captured in {time.perf_counter() - t1:.1f}s")
+    log(f"{shape} lora={lora}: runner and graphs ready in {time.perf_counter() - t0:.1f}s")
+    names = [None] if lora == "none" else sorted(adapters)
+    return EngineSetup(lora, runner, graphs, runner.decode_graph_runner, names,
+                       runner.model_config.num_hidden_layers)
 
-        def measure(case: str, path: str, fb, expect_graph: bool, note: str = "") -> None:
-            fwd = lambda: forward_checked(runner, fb, expect_graph)  # noqa: E731
-            wall = time_ms(fwd, args.warmup, args.repeats, runner.device)
-            prof = profile_fn(fwd, args.profile_repeats)
-            if on_gpu and prof.kernels < layers:
-                note = (note + "; " if note else "") + "the profiler saw too few kernels: graph replays not traced?"
-            rows.append(Row(shape, lora, case, path, wall, prof, layers, note))
-            log(f"  {case:>12} {path:<10} wall {wall:8.3f} ms  busy {rows[-1].prof.busy_ms:8.3f} ms  "
-                f"kernels {rows[-1].prof.kernels:7.1f}  ops {rows[-1].prof.torch_ops:7.1f}")
 
-        prefills = [([n], f"prefill {n}") for n in args.tokens]
-        prefills += [(lens, f"prefill {len(lens)}x{lens[0]}") for lens in args.prefill_batches]
-        for lens, case in prefills:
-            fb, req_rows, slots = prefill_batch(runner, lens, [names[i % len(names)] for i in range(len(lens))])
-            for path, graph in graphs.items():
-                runner.prefill_graph_runner = graph
-                expect = graph is not None and graph.can_run(fb)
-                measure(case, path, fb, expect, "" if expect or graph is None else "refused: eager")
+def measure_setup(args, shape: str, setup: EngineSetup, profile: bool) -> list[tuple[str, str, float, Any, str]]:
+    """(case, path, wall ms, profile or None, note) for every case and path of one variant."""
+    runner, graphs, names, lora = setup.runner, setup.graphs, setup.names, setup.lora
+    out: list[tuple[str, str, float, Any, str]] = []
+
+    def measure(case: str, path: str, fb, expect_graph: bool, note: str = "") -> None:
+        fwd = lambda: forward_checked(runner, fb, expect_graph)  # noqa: E731
+        wall = time_ms(fwd, args.warmup, args.repeats, runner.device)
+        out.append((case, path, wall, profile_fn(fwd, args.profile_repeats) if profile else None, note))
+        log(f"  {lora:>12} {case:>12} {path:<10} wall {wall:8.3f} ms")
+
+    prefills = [([n], f"prefill {n}") for n in args.tokens]
+    prefills += [(lens, f"prefill {len(lens)}x{lens[0]}") for lens in args.prefill_batches]
+    for lens, case in prefills:
+        fb, req_rows, slots = prefill_batch(runner, lens, [names[i % len(names)] for i in range(len(lens))])
+        for path, graph in graphs.items():
+            runner.prefill_graph_runner = graph
+            expect = graph is not None and graph.can_run(fb)
+            measure(case, path, fb, expect, "" if expect or graph is None else "refused: eager")
+        release(runner, req_rows, slots)
+    runner.prefill_graph_runner = graphs.get("breakable")
+    decode_graph = setup.decode_graph
+    decode_paths = (("graph", decode_graph),) if args.paths == "graph" else (("eager", None), ("graph", decode_graph))
+    for bs in args.decode_bs:
+        for k in ([1] if lora == "none" else [k for k in args.decode_adapters if k <= min(bs, len(names))]):
+            fb, req_rows, slots = decode_batch(runner, bs, names[:k])
+            for path, graph in decode_paths:
+                if path == "graph" and graph is None:
+                    continue
+                runner.decode_graph_runner = graph
+                measure(f"decode bs{bs}" + ("" if lora == "none" else f" x{k}"), path, fb, graph is not None)
             release(runner, req_rows, slots)
-        runner.prefill_graph_runner = graphs.get("breakable")
-        decode_paths = (("graph", decode_graph),) if args.paths == "graph" else (("eager", None), ("graph", decode_graph))
-        for bs in args.decode_bs:
-            for k in ([1] if lora == "none" else [k for k in args.decode_adapters if k <= min(bs, len(names))]):
-                fb, req_rows, slots = decode_batch(runner, bs, names[:k])
-                for path, graph in decode_paths:
-                    if path == "graph" and graph is None:
-                        continue
-                    runner.decode_graph_runner = graph
-                    measure(f"decode bs{bs}" + ("" if lora == "none" else f" x{k}"), path, fb, graph is not None)
-                release(runner, req_rows, slots)
-        runner.decode_graph_runner = decode_graph
-        del runner, graphs, decode_graph
-        gc.collect()
-        if on_gpu:
-            torch.cuda.empty_cache()
+    runner.decode_graph_runner = decode_graph
+    return out
+
+
+def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[Row]:
+    """Every LoRA variant at every case. With --rounds 1, one variant at a time (one runner alive);
+    with more, all runners are built first and measured in turn, round after round (A B C A B C
+    ...), and a wall time is the median of its rounds' medians: what drifts in a process over
+    minutes (host state, clocks) then falls on every variant alike, not on whichever ran first."""
+    on_gpu = args.device == "cuda"
+    rows: list[Row] = []
+    if args.rounds <= 1:
+        for lora in args.lora:
+            setup = build_setup(args, shape, ckpt, adapters, lora)
+            rows += _rows(shape, setup, [measure_setup(args, shape, setup, profile=True)])
+            del setup
+            gc.collect()
+            if on_gpu:
+                torch.cuda.empty_cache()
+        return rows
+    setups = [build_setup(args, shape, ckpt, adapters, lora) for lora in args.lora]
+    results: dict[str, list] = {s.lora: [] for s in setups}
+    for r in range(args.rounds):
+        log(f"{shape}: round {r + 1} of {args.rounds}")
+        for setup in setups:  # profiles in the first round only: they do not depend on the round
+            results[setup.lora].append(measure_setup(args, shape, setup, profile=r == 0))
+    for setup in setups:
+        rows += _rows(shape, setup, results[setup.lora])
+    return rows
+
+
+def _rows(shape: str, setup: EngineSetup, rounds: list[list[tuple[str, str, float, Any, str]]]) -> list[Row]:
+    rows = []
+    for i, (case, path, _, prof, note) in enumerate(rounds[0]):
+        walls = [rnd[i][2] for rnd in rounds]
+        assert all(rnd[i][:2] == (case, path) for rnd in rounds), "rounds measure the same cases in order"
+        if len(walls) > 1:
+            note = (note + "; " if note else "") + "rounds " + " / ".join(f"{w:.3f}" for w in walls)
+        rows.append(Row(shape, setup.lora, case, path, statistics.median(walls), prof, setup.layers, note))
+        if torch.cuda.is_available() and prof.kernels < setup.layers:
+            rows[-1].note = (rows[-1].note + "; " if rows[-1].note else "") + \
+                "the profiler saw too few kernels: graph replays not traced?"
     return rows
 
 
@@ -377,6 +426,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--hf-compile-backend", default="inductor", help="'eager' for a quick dry run")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="measure the LoRA variants in turn this many times, all runners alive (1: one "
+                        "variant after another, one runner at a time)")
     p.add_argument("--profile-repeats", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "sglang-profile-forward"))

@@ -169,15 +169,17 @@ if [[ " $PARTS " == *" norm_shrink "* ]]; then
 fi
 
 if [[ " $PARTS " == *" lora_steps "* ]]; then
-  # Issue 16's whole-step rows in one process per shape (~1 min each): the base, LoRA as served
+  # Issue 16's whole-step rows in one process per shape (~1.5 min each): the base, LoRA as served
   # (--lora-fuse-norm auto) and LoRA with the norms apart (off), 8 rank-16 adapters, csgmv, graphs:
-  # prefill 128 (breakable), decode 1 and 64 on 1 and 8 adapters. GPU_SUITE_STEPS_MODELS picks shapes.
+  # prefill 128 (breakable), decode 1 and 64 on 1 and 8 adapters; the three runners measured in
+  # turn over three rounds (--rounds), so the order in the process does not pick the winner.
+  # GPU_SUITE_STEPS_MODELS picks shapes.
   say "== LoRA steps: default (fused norms) vs unfused vs base"
   : >"$OUT/lora_steps.md"
   for model in ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b}; do
     start=$(date +%s)
     $PY benchmark/profile_forward.py --model "$model" --adapters 8 --lora none,lora-unfused,lora --lora-backend csgmv \
-      --paths graph --no-hf-anchor --tokens 128 --decode-bs 1,64 --decode-adapters 1,8 --tc-modes "" \
+      --paths graph --no-hf-anchor --tokens 128 --decode-bs 1,64 --decode-adapters 1,8 --tc-modes "" --rounds 3 \
       --out "/tmp/lora_steps_$model.md" >>"$OUT/lora_steps.log" 2>&1 || status=1
     cat "/tmp/lora_steps_$model.md" >>"$OUT/lora_steps.md" 2>/dev/null
     say "$model steps: $(( $(date +%s) - start ))s"

@@ -30,3 +30,23 @@ def test_dry_run_agrees_with_its_reference(script, min_rows, tmp_path):
     rows = dry_run(script, tmp_path)
     assert len(rows) >= min_rows
     assert all(float(r[-1]) < 1e-5 for r in rows), rows  # max relative difference, float32
+
+
+def test_profile_forward_rounds_alternate_the_variants(tmp_path):
+    """--rounds 2: every variant is measured in both rounds (its row's wall the median of the two)
+    and compared with the base; a CPU dry run, eager, no device kernels."""
+    out = tmp_path / "steps.md"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TRITON_INTERPRET="1")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmark/profile_forward.py"), "--device", "cpu", "--model", "tiny",
+           "--tokens", "8", "--repeats", "1", "--warmup", "0", "--adapters", "2", "--lora", "none,lora-unfused,lora",
+           "--no-hf-anchor", "--decode-bs", "2", "--decode-adapters", "2", "--tc-modes", "", "--rounds", "2",
+           "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| tiny |")]
+    assert sorted({r[1].strip() for r in rows}) == ["lora", "lora-unfused", "none"]
+    for r in rows:
+        walls = [float(w) for w in re.search(r"rounds ([\d.]+) / ([\d.]+)", r[3]).groups()]
+        assert abs(float(r[4]) - (walls[0] + walls[1]) / 2) < 2e-3  # the median of two rounds
+    assert "prefill 8 eager (lora-unfused): LoRA / base" in text and "decode bs2 x2 eager: LoRA / base" in text
