@@ -45,6 +45,8 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.utils import package_version
 
 if TYPE_CHECKING:
+    from concurrent.futures import Future
+
     from sglang.srt.managers.metrics import ServerMetrics
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,9 @@ BASE_MODEL_ALIASES = ("default",)
 
 
 class TokenizerManager(TokenizerLoRAMixin):
-    def __init__(self, config: TokenizerManagerConfig, client: SchedulerClient, scheduler_info: dict[str, Any]) -> None:
+    def __init__(self, config: TokenizerManagerConfig, client: SchedulerClient, scheduler_info: dict[str, Any],
+                 tokenizer: Optional[Future[Any]] = None) -> None:
+        """`tokenizer`: its load, started while the scheduler started (launch_runtime); None: loaded here."""
         self.config = config
         self.client = client
         self.scheduler_info = scheduler_info
@@ -68,7 +72,10 @@ class TokenizerManager(TokenizerLoRAMixin):
 
             self.metrics = ServerMetrics(self.served_model_name)
         self.base_model_names = {self.served_model_name, config.model_path, *BASE_MODEL_ALIASES}
-        self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
+        if tokenizer is not None:
+            self.tokenizer = tokenizer.result()  # raises what load_tokenizer raised
+        else:
+            self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
         # The startup adapters with the ids the scheduler's LoRA manager has (both from the config).
         self.lora_registry = LoRARegistry(config.lora_refs) if config.lora_refs is not None else None
         self.rid_to_state: dict[str, ReqState] = {}
