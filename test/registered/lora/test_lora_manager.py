@@ -58,6 +58,39 @@ def ref(setup, name, new_name=None, pinned=False):
 
 
 # ---------------------------------------------------------------------- start-up
+def test_startup_adapters_are_read_while_the_graphs_are_set_up(setup, monkeypatch):
+    """The startup reads run in threads while the model runner sizes the KV cache and sets up the
+    graphs, unpinned (no cudaHostAlloc beside a capture), and are pinned and committed after: each
+    read waits until the graph set-up has begun, which a read inside LoRAManager's constructor
+    could never see."""
+    import threading
+
+    from sglang.srt.lora.lora import LoRAAdapter
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    graphs_begun, reads, pins = threading.Event(), [], []
+    init_cuda_graphs, load, pin = ModelRunner.init_cuda_graphs, LoRAAdapter.load, LoRAAdapter.pin_host_copy
+
+    def graphs(self):
+        assert self.lora_manager.loaded_adapters() == {}  # nothing committed before the graphs
+        graphs_begun.set()
+        return init_cuda_graphs(self)
+
+    def read(cls, *args, **kwargs):
+        assert graphs_begun.wait(120), "the adapter was read before the graph set-up began"
+        reads.append((threading.current_thread().name, kwargs.get("pin")))
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(ModelRunner, "init_cuda_graphs", graphs)
+    monkeypatch.setattr(LoRAAdapter, "load", classmethod(read))
+    monkeypatch.setattr(LoRAAdapter, "pin_host_copy", lambda self: pins.append(self.lora_id) or pin(self))
+    runner = runner_for(setup)
+    names = {ref.lora_name for ref in runner.lora_manager.refs.values()}
+    assert names == {"a", "b"} and sorted(runner.lora_manager.loaded_adapters()) == ["a", "b"]
+    assert len(reads) == 2 and all(t.startswith("sglang-lora-read") and p is False for t, p in reads)
+    assert sorted(pins) == sorted(runner.lora_manager.refs)
+
+
 def test_startup_infers_rank_and_targets_and_wraps_modules(setup):
     runner = runner_for(setup, lora_backend="triton")
     mgr = runner.lora_manager

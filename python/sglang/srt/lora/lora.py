@@ -204,6 +204,7 @@ class LoRAAdapter:
         self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = [
             {} for _ in range(shapes.num_layers)
         ]
+        self.pinned = False
 
     @property
     def rank(self) -> int:
@@ -220,14 +221,28 @@ class LoRAAdapter:
 
     @classmethod
     def load(cls, lora_id: str, config: LoRAConfig, shapes: LoRAModelShapes,
-             dtype: Optional[torch.dtype] = None) -> "LoRAAdapter":
-        """Read and check the adapter's files; the host copy is kept in `dtype` (the pool's) when given."""
+             dtype: Optional[torch.dtype] = None, pin: Optional[bool] = None) -> "LoRAAdapter":
+        """Read and check the adapter's files; the host copy is kept in `dtype` (the pool's) when
+        given, pinned if `pin` (default: when CUDA is available; see pin_host_copy)."""
         adapter = cls(lora_id, config, shapes)
-        adapter.initialize_weights(dtype)
+        adapter.initialize_weights(dtype, torch.cuda.is_available() if pin is None else pin)
         return adapter
 
+    def pin_host_copy(self) -> None:
+        """Move the host copy into pinned buffers (a no-op without CUDA or when pinned already).
+        Start-up reads adapters unpinned in threads while the main thread captures CUDA graphs,
+        where another thread's cudaHostAlloc is not allowed, and pins them after."""
+        if not torch.cuda.is_available() or self.pinned:
+            return
+        entries = [(layer, module) for layer, mods in enumerate(self.layers) for module in mods]
+        tensors = [t for layer, module in entries for t in self.layers[layer][module]]
+        packed, _ = pack_tensors(tensors, pin=True, buffer_bytes=HOST_BUFFER_BYTES)
+        for i, (layer, module) in enumerate(entries):
+            self.layers[layer][module] = (packed[2 * i], packed[2 * i + 1])
+        self.pinned = True
+
     # ------------------------------------------------------------------ loading
-    def initialize_weights(self, dtype: Optional[torch.dtype] = None) -> None:
+    def initialize_weights(self, dtype: Optional[torch.dtype] = None, pin: bool = False) -> None:
         path = self.config.path
         tensors = read_adapter_tensors(path)
         if not tensors:
@@ -287,8 +302,9 @@ class LoRAAdapter:
         # model); blocks of a power-of-two size waste nothing to the allocator's rounding. In the pool's dtype
         # (PEFT often saves float32): a swap then copies half the bytes, with no conversion on the
         # way, and rounds exactly as a conversion at copy time would.
-        packed, buffers = pack_tensors([t for _, _, a, b in built for t in (a, b)], pin=torch.cuda.is_available(),
+        packed, buffers = pack_tensors([t for _, _, a, b in built for t in (a, b)], pin=pin,
                                        dtype=dtype, buffer_bytes=HOST_BUFFER_BYTES)
+        self.pinned = pin
         # After the conversion, which may overflow (float32 -> float16). A folded GEMM multiplies
         # every slot's B by the zeros of the other rows: one inf or NaN would reach every request
         # of the batch, not only this adapter's.

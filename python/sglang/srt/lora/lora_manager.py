@@ -11,7 +11,8 @@ never re-derives that choice (DESIGN §6).
 from __future__ import annotations
 
 import logging
-from concurrent.futures import ThreadPoolExecutor, as_completed
+import time
+from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
@@ -55,6 +56,15 @@ class LoRAIntegrityReport:
 
     def __bool__(self) -> bool:
         return self.ok
+
+
+@dataclass
+class _StartupReads:
+    """The startup adapters' reads in flight (LoRAManager._start_startup_reads)."""
+    refs: list[LoRARef]
+    configs: dict[str, LoRAConfig]
+    futures: list[Future]
+    threads: ThreadPoolExecutor
 
 
 class LoRAManager:
@@ -126,15 +136,11 @@ class LoRAManager:
         if config.fuse_norm != "off":
             self._attach_norm_fusion(base_model, folded_only=config.fuse_norm == "auto")
 
-        self._load_startup_adapters(list(config.refs), startup_configs)
-        logger.info(
-            "LoRA: backend %s, %d slots, max rank %d, modules %s, adapters %s",
-            self.lora_backend.name,
-            self.max_loras_per_batch,
-            max_rank,
-            self.pool.target_modules,
-            sorted(self.loaded_adapters()),
-        )
+        self.max_rank = max_rank
+        # The startup adapters are read in threads from here on, while the model runner sizes the
+        # KV cache and captures the graphs (with null adapter ids: nothing there needs them);
+        # finish_startup() commits them (ModelRunner calls it last).
+        self._startup = self._start_startup_reads(list(config.refs), startup_configs)
 
     # ------------------------------------------------------------------ set-up
     def _attach_norm_fusion(self, model: torch.nn.Module, folded_only: bool) -> None:
@@ -157,34 +163,67 @@ class LoRAManager:
         logger.info("LoRA: %d norms (and activations) compute their module's LoRA shrink at decode%s", count,
                     " (folded modules)" if folded_only else "")
 
-    def _load_startup_adapters(self, refs: list[LoRARef], configs: dict[str, LoRAConfig]) -> None:
-        """Read the startup adapters' tensors in parallel threads (the slow part: the files, the
-        checks, pinning; torch releases the GIL), then check and commit them in their order."""
+    def _start_startup_reads(self, refs: list[LoRARef], configs: dict[str, LoRAConfig]) -> Optional[_StartupReads]:
+        """Read the startup adapters' tensors in parallel threads (the files, the checks, the
+        conversion; torch releases the GIL), unpinned: another thread's cudaHostAlloc is refused
+        while the main thread captures a CUDA graph. finish_startup pins and commits them."""
         if not refs:
-            return
+            return None
 
         def read(ref: LoRARef) -> LoRAAdapter:
             reason = self.pool.incompatibility(configs[ref.lora_id])
             if reason is not None:
                 raise ValueError(reason)
-            return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes, self.dtype)
+            return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes, self.dtype, pin=False)
 
-        with ThreadPoolExecutor(min(STARTUP_LOAD_THREADS, len(refs))) as threads:
-            futures = [threads.submit(read, ref) for ref in refs]
-            for _ in tqdm(as_completed(futures), total=len(futures), desc="Loading LoRA adapters", unit="adapter",
-                          disable=len(refs) < 2):
-                pass
+        threads = ThreadPoolExecutor(min(STARTUP_LOAD_THREADS, len(refs)), thread_name_prefix="sglang-lora-read")
+        return _StartupReads(refs, configs, [threads.submit(read, ref) for ref in refs], threads)
+
+    def finish_startup(self) -> None:
+        """Wait for the startup reads, pin the host copies and commit the adapters in their order
+        (a bad adapter: ValueError naming it, as at any other start-up failure)."""
+        startup, self._startup = self._startup, None
+        if startup is not None:
+            try:
+                self._commit_startup_adapters(startup)
+            finally:
+                startup.threads.shutdown(wait=True, cancel_futures=True)
+        logger.info(
+            "LoRA: backend %s, %d slots, max rank %d, modules %s, adapters %s",
+            self.lora_backend.name,
+            self.max_loras_per_batch,
+            self.max_rank,
+            self.pool.target_modules,
+            sorted(self.loaded_adapters()),
+        )
+
+    def _commit_startup_adapters(self, startup: _StartupReads) -> None:
+        refs, configs, futures = startup.refs, startup.configs, startup.futures
+        waited = time.perf_counter()
+        for _ in tqdm(as_completed(futures), total=len(futures), desc="Loading LoRA adapters", unit="adapter",
+                      disable=len(refs) < 2):
+            pass
+        adapters: list[LoRAAdapter] = []
+        for ref, future in zip(refs, futures):  # the first failure in the given order, by its name
+            try:
+                adapters.append(future.result())
+            except ValueError as e:
+                raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} at startup: {e}") from None
+        # Pinned now that the graphs are captured, in the same threads (the copies run in parallel).
+        list(startup.threads.map(LoRAAdapter.pin_host_copy, adapters))
+        logger.info("LoRA: %d startup adapter(s) read while the KV cache and graphs were set up, %.1f s "
+                    "waited for after them", len(refs), time.perf_counter() - waited)
         first_by_path: dict[str, str] = {}
         shared: list[str] = []
-        for ref, future in zip(refs, futures):
+        for ref, adapter in zip(refs, adapters):
             try:
-                self._load_adapter(ref, configs[ref.lora_id], future.result(), warn_shared_path=False)
+                self._load_adapter(ref, configs[ref.lora_id], adapter, warn_shared_path=False)
             except ValueError as e:
                 raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} at startup: {e}") from None
             if first_by_path.setdefault(ref.lora_path, ref.lora_name) != ref.lora_name:
                 shared.append(ref.lora_name)
         if shared:  # one line, not one per adapter (a benchmark may serve 256 names from 32 folders)
-            logger.warning("LoRA: %d adapter(s) load the files of another loaded adapter (e.g. %r loads %r's)",
+            logger.warning("LoRA: %d adapter(s) load the same files as an earlier one (e.g. %r as %r)",
                            len(shared), shared[0], first_by_path[next(r.lora_path for r in refs
                                                                        if r.lora_name == shared[0])])
 

@@ -106,6 +106,9 @@ class ModelRunner:
         # Forward batches by (mode, path, reason it ran eagerly): what /metrics exports.
         self.forward_paths: Counter[tuple[str, str, str]] = Counter()
         self.init_cuda_graphs()
+        if self.lora_manager is not None:
+            # The startup adapters were read while the KV cache and the graphs were set up.
+            self.lora_manager.finish_startup()
 
     # ------------------------------------------------------------------ setup
     def _kv_bytes_per_token(self) -> int:
