@@ -91,6 +91,23 @@ def test_startup_adapters_are_read_while_the_graphs_are_set_up(setup, monkeypatc
     assert sorted(pins) == sorted(runner.lora_manager.refs)
 
 
+def test_startup_overlap_off_reads_before_the_kv_cache(setup, monkeypatch):
+    """SGLANG_LORA_STARTUP_OVERLAP=0: the adapters are committed before the KV cache is sized."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    committed_before_kv = []
+    init_memory_pool = ModelRunner.init_memory_pool
+
+    def memory_pool(self):
+        committed_before_kv.append(sorted(self.lora_manager.loaded_adapters()))
+        return init_memory_pool(self)
+
+    monkeypatch.setenv("SGLANG_LORA_STARTUP_OVERLAP", "0")
+    monkeypatch.setattr(ModelRunner, "init_memory_pool", memory_pool)
+    runner = runner_for(setup)
+    assert committed_before_kv == [["a", "b"]] and sorted(runner.lora_manager.loaded_adapters()) == ["a", "b"]
+
+
 def test_startup_infers_rank_and_targets_and_wraps_modules(setup):
     runner = runner_for(setup, lora_backend="triton")
     mgr = runner.lora_manager

@@ -140,6 +140,7 @@ class LoRAManager:
         # The startup adapters are read in threads from here on, while the model runner sizes the
         # KV cache and captures the graphs (with null adapter ids: nothing there needs them);
         # finish_startup() commits them (ModelRunner calls it last).
+        self._startup_finished = False
         self._startup = self._start_startup_reads(list(config.refs), startup_configs)
 
     # ------------------------------------------------------------------ set-up
@@ -181,7 +182,11 @@ class LoRAManager:
 
     def finish_startup(self) -> None:
         """Wait for the startup reads, pin the host copies and commit the adapters in their order
-        (a bad adapter: ValueError naming it, as at any other start-up failure)."""
+        (a bad adapter: ValueError naming it, as at any other start-up failure). Once; later
+        calls do nothing."""
+        if self._startup_finished:
+            return
+        self._startup_finished = True
         startup, self._startup = self._startup, None
         if startup is not None:
             try:
