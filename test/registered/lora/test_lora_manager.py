@@ -188,6 +188,24 @@ def test_host_copies_are_one_buffer_per_dtype():
     assert all(torch.equal(p, t.float()) for p, t in zip(packed, tensors))
 
 
+def test_adapters_sharing_files_warn_once_at_start_and_per_dynamic_load(setup, caplog):
+    """Startup adapters that load the files of an earlier one get one warning line in all; a
+    dynamic load of such files warns, naming the adapter it shares them with."""
+    import logging
+
+    ckpt, paths = setup
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
+        runner = make_runner(ckpt, lora_paths=[f"a={paths['a']}", f"a2={paths['a']}", f"a3={paths['a']}",
+                                               f"b={paths['b']}"])
+    shared = [r.getMessage() for r in caplog.records if "same files" in r.getMessage()]
+    assert shared == ["LoRA: 2 adapter(s) load the same files as an earlier one (e.g. 'a2' as 'a')"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
+        out = runner.lora_manager.load_lora_adapter(make_dynamic_lora_ref("b2", paths["b"], False))
+    assert out.success
+    assert [r.getMessage() for r in caplog.records] == ["LoRA adapter 'b2' loads the same files as 'b'"]
+
+
 # ---------------------------------------------------------------------- dynamic load / unload
 def test_load_validation_leaves_no_trace(setup):
     mgr = runner_for(setup, lora_backend="torch_native").lora_manager

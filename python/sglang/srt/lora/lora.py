@@ -157,17 +157,18 @@ def pack_tensors(tensors: list[torch.Tensor], pin: bool, dtype: Optional[torch.d
     66 MB buffer would pin 128 MB; blocks of a power-of-two size pin what they hold."""
     out: list[Optional[torch.Tensor]] = [None] * len(tensors)
     groups: list[tuple[torch.dtype, list[int]]] = []  # (dtype, tensor indices) per buffer
-    open_group: dict[torch.dtype, tuple[list[int], list[int]]] = {}  # dtype -> (indices, [bytes])
+    group_bytes: list[int] = []
+    open_group: dict[torch.dtype, int] = {}  # dtype -> its buffer being filled (index into groups)
     for i, t in enumerate(tensors):
         buf_dtype = dtype or t.dtype
-        size = t.numel() * torch.empty((), dtype=buf_dtype).element_size()
-        idx, used = open_group.get(buf_dtype, (None, None))
-        if idx is None or (buffer_bytes is not None and used[0] + size > buffer_bytes and idx):
-            idx, used = [], [0]
-            open_group[buf_dtype] = (idx, used)
-            groups.append((buf_dtype, idx))
-        idx.append(i)
-        used[0] += size
+        size = t.numel() * buf_dtype.itemsize
+        g = open_group.get(buf_dtype)
+        if g is None or (buffer_bytes is not None and group_bytes[g] + size > buffer_bytes):
+            g = open_group[buf_dtype] = len(groups)
+            groups.append((buf_dtype, []))
+            group_bytes.append(0)
+        groups[g][1].append(i)
+        group_bytes[g] += size
     buffers = []
     for buf_dtype, idx in groups:
         buf = torch.empty(sum(tensors[i].numel() for i in idx), dtype=buf_dtype, pin_memory=pin)

@@ -136,11 +136,9 @@ class LoRAManager:
         if config.fuse_norm != "off":
             self._attach_norm_fusion(base_model, folded_only=config.fuse_norm == "auto")
 
-        self.max_rank = max_rank
         # The startup adapters are read in threads from here on, while the model runner sizes the
         # KV cache and captures the graphs (with null adapter ids: nothing there needs them);
-        # finish_startup() commits them (ModelRunner calls it last).
-        self._startup_finished = False
+        # finish_startup() commits them (ModelRunner calls it once, last).
         self._startup = self._start_startup_reads(list(config.refs), startup_configs)
 
     # ------------------------------------------------------------------ set-up
@@ -182,11 +180,7 @@ class LoRAManager:
 
     def finish_startup(self) -> None:
         """Wait for the startup reads, pin the host copies and commit the adapters in their order
-        (a bad adapter: ValueError naming it, as at any other start-up failure). Once; later
-        calls do nothing."""
-        if self._startup_finished:
-            return
-        self._startup_finished = True
+        (a bad adapter: ValueError naming it, as at any other start-up failure)."""
         startup, self._startup = self._startup, None
         if startup is not None:
             try:
@@ -197,7 +191,7 @@ class LoRAManager:
             "LoRA: backend %s, %d slots, max rank %d, modules %s, adapters %s",
             self.lora_backend.name,
             self.max_loras_per_batch,
-            self.max_rank,
+            self.pool.max_lora_rank,
             self.pool.target_modules,
             sorted(self.loaded_adapters()),
         )
@@ -219,18 +213,18 @@ class LoRAManager:
         logger.info("LoRA: %d startup adapter(s) read while the KV cache and graphs were set up, %.1f s "
                     "waited for after them", len(refs), time.perf_counter() - waited)
         first_by_path: dict[str, str] = {}
-        shared: list[str] = []
+        shared: list[tuple[str, str]] = []  # (adapter, the earlier one with its files)
         for ref, adapter in zip(refs, adapters):
             try:
-                self._load_adapter(ref, configs[ref.lora_id], adapter, warn_shared_path=False)
+                self._load_adapter(ref, configs[ref.lora_id], adapter)
             except ValueError as e:
                 raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} at startup: {e}") from None
-            if first_by_path.setdefault(ref.lora_path, ref.lora_name) != ref.lora_name:
-                shared.append(ref.lora_name)
+            first = first_by_path.setdefault(ref.lora_path, ref.lora_name)
+            if first != ref.lora_name:
+                shared.append((ref.lora_name, first))
         if shared:  # one line, not one per adapter (a benchmark may serve 256 names from 32 folders)
             logger.warning("LoRA: %d adapter(s) load the same files as an earlier one (e.g. %r as %r)",
-                           len(shared), shared[0], first_by_path[next(r.lora_path for r in refs
-                                                                       if r.lora_name == shared[0])])
+                           len(shared), *shared[0])
 
     def _read_startup_config(self, ref: LoRARef) -> LoRAConfig:
         try:
@@ -261,7 +255,7 @@ class LoRAManager:
         return {ref.lora_name: ref.lora_path for ref in self.refs.values()}
 
     def _load_adapter(self, ref: LoRARef, config: Optional[LoRAConfig] = None,
-                      adapter: Optional[LoRAAdapter] = None, warn_shared_path: bool = True) -> None:
+                      adapter: Optional[LoRAAdapter] = None) -> None:
         """Validate and load (`adapter`: its tensors, read already); raises ValueError and changes
         nothing on failure."""
         if any(r.lora_name == ref.lora_name for r in self.refs.values()):
@@ -278,12 +272,6 @@ class LoRAManager:
                 f"--max-loras-per-batch - 1 = {self.max_loras_per_batch - 1} may be, so that one slot stays "
                 "free for unpinned adapters"
             )
-        if warn_shared_path and any(r.lora_path == ref.lora_path for r in self.refs.values()):
-            logger.warning(
-                "LoRA adapter %r loads %s, which another loaded adapter uses too",
-                ref.lora_name,
-                ref.lora_path,
-            )
         if config is None:
             config = LoRAConfig.from_path(ref.lora_path, self.base_vocab_size)
         reason = self.pool.incompatibility(config)
@@ -298,6 +286,7 @@ class LoRAManager:
             self.pinned_ids.add(ref.lora_id)
 
     def load_lora_adapter(self, lora_ref: LoRARef) -> LoRAUpdateOutput:
+        shared_with = next((r.lora_name for r in self.refs.values() if r.lora_path == lora_ref.lora_path), None)
         try:
             self._load_adapter(lora_ref)
         except Exception as e:  # a bad adapter must never take the server down
@@ -309,6 +298,8 @@ class LoRAManager:
                 loaded_adapters=self.loaded_adapters(),
             )
         logger.info("LoRA adapter %r loaded from %s", lora_ref.lora_name, lora_ref.lora_path)
+        if shared_with is not None:
+            logger.warning("LoRA adapter %r loads the same files as %r", lora_ref.lora_name, shared_with)
         return LoRAUpdateOutput(success=True, loaded_adapters=self.loaded_adapters())
 
     def unload_lora_adapter(self, lora_ref: LoRARef) -> LoRAUpdateOutput:

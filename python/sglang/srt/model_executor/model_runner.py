@@ -42,15 +42,16 @@ from sglang.srt.utils import get_available_gpu_memory, set_random_seed
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
-# "0": read the startup adapters before the KV cache and graphs are set up, not beside them (to
-# measure the overlap, or to rule it out).
-LORA_STARTUP_OVERLAP_ENV = "SGLANG_LORA_STARTUP_OVERLAP"
 MAX_RUNNING_REQUESTS_CAP = 4096
 # GPU memory kept out of the KV cache for activations, graphs and the allocator's slack, on top of
 # the (1 - mem_fraction_static) share of the device that is never used for weights or KV.
 ACTIVATION_RESERVE_GIB = 1.0
 # req_to_token rows are context_len + this wide, so a row never needs a bounds check at its end.
 REQ_TO_TOKEN_PAD = 8
+# "0": read the startup adapters before the KV cache and graphs are set up, not beside them (to
+# measure the overlap, or to rule it out).
+LORA_STARTUP_OVERLAP_ENV = "SGLANG_LORA_STARTUP_OVERLAP"
+
 
 def batch_needs_lora(fb: ForwardBatch) -> bool:
     """Whether any request of the batch uses an adapter (None ids are the base model)."""
@@ -96,8 +97,10 @@ class ModelRunner:
             # takes device memory). Startup ids are the main process's registry's (config.refs).
             self.lora_manager = LoRAManager(self.model, self.model_config, config.lora, self.device, self.dtype,
                                             tp_group)
-            if os.environ.get(LORA_STARTUP_OVERLAP_ENV, "1") == "0":
-                self.lora_manager.finish_startup()  # the reads before the KV cache and graphs, not beside them
+        # The startup adapters' reads overlap the KV cache and graph set-up unless asked not to.
+        lora_overlap = os.environ.get(LORA_STARTUP_OVERLAP_ENV, "1") != "0"
+        if self.lora_manager is not None and not lora_overlap:
+            self.lora_manager.finish_startup()
         self.init_memory_pool()
         self.attn_backend = self._create_attn_backend()
         # The graph set with LoRA kernels on a LoRA server (the only set without LoRA), and the set
@@ -112,9 +115,7 @@ class ModelRunner:
         # Forward batches by (mode, path, reason it ran eagerly): what /metrics exports.
         self.forward_paths: Counter[tuple[str, str, str]] = Counter()
         self.init_cuda_graphs()
-        if self.lora_manager is not None:
-            # The startup adapters were read while the KV cache and the graphs were set up (a no-op
-            # when SGLANG_LORA_STARTUP_OVERLAP=0 committed them already).
+        if self.lora_manager is not None and lora_overlap:
             self.lora_manager.finish_startup()
 
     # ------------------------------------------------------------------ setup
