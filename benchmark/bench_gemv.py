@@ -33,22 +33,16 @@ import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench_util import add_output_args, emit_table, graph_us, target  # noqa: E402
+from bench_util import add_output_args, emit_table, graph_us, model_dims, target  # noqa: E402
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 L2_BYTES = 50 * 2**20
 
-# (hidden, q, kv, intermediate, vocab) of the real HF configs.
-SHAPES = {
-    "llama-3.1-8b": (4096, 4096, 1024, 14336, 128256),
-    "qwen3-4b": (2560, 4096, 1024, 9728, 151936),
-    "tiny": (64, 64, 32, 96, 160),
-}
 
 
 def gemms(shape: str) -> dict[str, tuple[int, int]]:
     """Module -> (N, K) of its weight."""
-    h, q, kv, inter, vocab = SHAPES[shape]
+    h, q, kv, inter, vocab, _ = model_dims(shape)
     return {"qkv_proj": (q + 2 * kv, h), "o_proj": (h, q), "gate_up_proj": (2 * inter, h), "down_proj": (h, inter),
             "lm_head": (vocab, h)}
 

@@ -7,6 +7,21 @@ from typing import Callable, Optional
 
 import torch
 
+from sglang.srt.tools.make_checkpoint import PRESETS
+
+# The dry runs' shape: (hidden, q, kv, intermediate, vocab, layers), small enough for the interpreter.
+TINY_DIMS = (64, 64, 32, 96, 160, 2)
+
+
+def model_dims(name: str) -> tuple[int, int, int, int, int, int]:
+    """(hidden, q, kv, intermediate, vocab, layers) of a make_checkpoint preset ("tiny": TINY_DIMS)."""
+    if name == "tiny":
+        return TINY_DIMS
+    s = PRESETS[name]["shape"]
+    head_dim = s.get("head_dim", s["hidden_size"] // s["num_attention_heads"])
+    return (s["hidden_size"], s["num_attention_heads"] * head_dim, s["num_key_value_heads"] * head_dim,
+            s["intermediate_size"], s["vocab_size"], s["num_hidden_layers"])
+
 
 def graph_us(fn: Callable[[int], None], calls: int = 1, warmup: int = 10, rep: int = 100) -> float:
     """GPU µs per call of `fn(i)`, i = 0..calls-1 captured in one graph and replayed (no Python

@@ -199,10 +199,18 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
                        runner.model_config.num_hidden_layers)
 
 
-def measure_setup(args, shape: str, setup: EngineSetup, profile: bool) -> list[tuple[str, str, float, Any, str]]:
-    """(case, path, wall ms, profile or None, note) for every case and path of one variant."""
+# One case and path of a variant: (case, path, wall ms, profile or None, note).
+Measured = tuple[str, str, float, Optional[Profile], str]
+
+
+def _with_note(note: str, more: str) -> str:
+    return f"{note}; {more}" if note else more
+
+
+def measure_setup(args, shape: str, setup: EngineSetup, profile: bool) -> list[Measured]:
+    """Every case and path of one variant, profiled when asked."""
     runner, graphs, names, lora = setup.runner, setup.graphs, setup.names, setup.lora
-    out: list[tuple[str, str, float, Any, str]] = []
+    out: list[Measured] = []
 
     def measure(case: str, path: str, fb, expect_graph: bool, note: str = "") -> None:
         fwd = lambda: forward_checked(runner, fb, expect_graph)  # noqa: E731
@@ -262,17 +270,17 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
     return rows
 
 
-def _rows(shape: str, setup: EngineSetup, rounds: list[list[tuple[str, str, float, Any, str]]]) -> list[Row]:
+def _rows(shape: str, setup: EngineSetup, rounds: list[list[Measured]]) -> list[Row]:
+    """One row per case and path: the first round's profile, the median of the rounds' walls."""
     rows = []
     for i, (case, path, _, prof, note) in enumerate(rounds[0]):
         walls = [rnd[i][2] for rnd in rounds]
         assert all(rnd[i][:2] == (case, path) for rnd in rounds), "rounds measure the same cases in order"
         if len(walls) > 1:
-            note = (note + "; " if note else "") + "rounds " + " / ".join(f"{w:.3f}" for w in walls)
-        rows.append(Row(shape, setup.lora, case, path, statistics.median(walls), prof, setup.layers, note))
+            note = _with_note(note, "rounds " + " / ".join(f"{w:.3f}" for w in walls))
         if torch.cuda.is_available() and prof.kernels < setup.layers:
-            rows[-1].note = (rows[-1].note + "; " if rows[-1].note else "") + \
-                "the profiler saw too few kernels: graph replays not traced?"
+            note = _with_note(note, "the profiler saw too few kernels: graph replays not traced?")
+        rows.append(Row(shape, setup.lora, case, path, statistics.median(walls), prof, setup.layers, note))
     return rows
 
 

@@ -39,6 +39,21 @@ print("device:", torch.cuda.get_device_name(0) if torch.cuda.is_available() else
 EOF
 
 status=0
+
+# Whole LoRA steps of one shape with profile_forward (8 rank-16 adapters, csgmv, graphs, prefill
+# 128), appended to a markdown file; its "LoRA / base" lines go to the summary with a prefix.
+#   lora_step_rows <model> <markdown> <log> <summary prefix> <more profile_forward args...>
+lora_step_rows() {
+  local model=$1 md=$2 log=$3 prefix=$4 start tmp=/tmp/lora_step_rows.md
+  shift 4
+  start=$(date +%s)
+  rm -f "$tmp"
+  $PY benchmark/profile_forward.py --model "$model" --adapters 8 --lora-backend csgmv --paths graph --no-hf-anchor \
+    --tokens 128 --tc-modes "" "$@" --out "$tmp" >>"$log" 2>&1 || status=1
+  cat "$tmp" >>"$md" 2>/dev/null
+  say "$prefix$model steps: $(( $(date +%s) - start ))s"
+  grep -E "LoRA / base" "$tmp" 2>/dev/null | sed "s/^/$prefix/" | tee -a "$SUMMARY"
+}
 if [[ " $PARTS " == *" tests "* ]]; then
   say "== GPU tests (pytest -m gpu)"
   start=$(date +%s)
@@ -141,31 +156,23 @@ if [[ " $PARTS " == *" profile_compare "* ]]; then
 fi
 
 if [[ " $PARTS " == *" norm_shrink "* ]]; then
-  # Issue 16: the norm fused into the folded qkv /
-  # gate_up shrink_pack at decode (--lora-fuse-norm, opt-in until this shows it pays;
-  # benchmark/lora/bench_norm_shrink.py), GPU µs per step under
-  # graph replay against the two kernels it replaces and the base, then whole Qwen3-4B decode steps
-  # with and without --lora-fuse-norm, folded and unfolded (~3 min).
+  # Issue 16: the norm fused into the folded qkv / gate_up shrink_pack at decode (--lora-fuse-norm;
+  # benchmark/lora/bench_norm_shrink.py), GPU µs per step under graph replay against the two
+  # kernels it replaces and the base, then whole Qwen3-4B decode steps with the norms apart, fused
+  # (on) and row-wise, folded and unfolded (~3 min).
   say "== norm + shrink_pack fused (decode)"
   start=$(date +%s)
   $PY benchmark/lora/bench_norm_shrink.py --out "$OUT/norm_shrink.md" >"$OUT/norm_shrink.log" 2>&1 || status=1
   say "norm_shrink: $(( $(date +%s) - start ))s"
   grep -E "^\| [0-9]+ \|" "$OUT/norm_shrink.md" 2>/dev/null >>"$SUMMARY"
   # The whole decode step with --lora-fuse-norm against LoRA without it and the base, in one process.
-  start=$(date +%s)
-  $PY benchmark/profile_forward.py --model qwen3-4b --adapters 8 --lora none,lora,lora-fused,lora-rowwise --lora-backend csgmv \
-    --paths graph --no-hf-anchor --tokens 128 --decode-bs 1,64 --decode-adapters 1,8 --tc-modes "" \
-    --out "$OUT/norm_shrink_steps.md" >>"$OUT/norm_shrink.log" 2>&1 || status=1
-  say "norm_shrink steps: $(( $(date +%s) - start ))s"
-  grep -E "LoRA / base" "$OUT/norm_shrink_steps.md" 2>/dev/null | tee -a "$SUMMARY"
+  : >"$OUT/norm_shrink_steps.md"
+  lora_step_rows qwen3-4b "$OUT/norm_shrink_steps.md" "$OUT/norm_shrink.log" "" \
+    --lora none,lora-unfused,lora-fused,lora-rowwise --decode-bs 1,64 --decode-adapters 1,8
   # Unfolded modules (what qkv / gate_up are with many slots): base GEMM + shrink + expand, the
-  # norm computing the shrink with --lora-fuse-norm.
-  start=$(date +%s)
-  $PY benchmark/profile_forward.py --model qwen3-4b --adapters 8 --lora none,lora,lora-fused --lora-backend csgmv \
-    --lora-fold off --paths graph --no-hf-anchor --tokens 128 --decode-bs 1,64 --decode-adapters 1,8 --tc-modes "" \
-    --out "$OUT/norm_shrink_unfolded.md" >>"$OUT/norm_shrink.log" 2>&1 || status=1
-  say "norm_shrink unfolded steps: $(( $(date +%s) - start ))s"
-  grep -E "LoRA / base" "$OUT/norm_shrink_unfolded.md" 2>/dev/null | sed "s/^/unfolded /" | tee -a "$SUMMARY"
+  # norm computing the shrink with --lora-fuse-norm on.
+  lora_step_rows qwen3-4b "$OUT/norm_shrink_steps.md" "$OUT/norm_shrink.log" "unfolded " \
+    --lora none,lora-unfused,lora-fused --lora-fold off --decode-bs 1,64 --decode-adapters 1,8
 fi
 
 if [[ " $PARTS " == *" lora_steps "* ]]; then
@@ -177,13 +184,8 @@ if [[ " $PARTS " == *" lora_steps "* ]]; then
   say "== LoRA steps: default (fused norms) vs unfused vs base"
   : >"$OUT/lora_steps.md"
   for model in ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b}; do
-    start=$(date +%s)
-    $PY benchmark/profile_forward.py --model "$model" --adapters 8 --lora none,lora-unfused,lora --lora-backend csgmv \
-      --paths graph --no-hf-anchor --tokens 128 --decode-bs 1,64 --decode-adapters 1,8 --tc-modes "" --rounds 3 \
-      --out "/tmp/lora_steps_$model.md" >>"$OUT/lora_steps.log" 2>&1 || status=1
-    cat "/tmp/lora_steps_$model.md" >>"$OUT/lora_steps.md" 2>/dev/null
-    say "$model steps: $(( $(date +%s) - start ))s"
-    grep -E "LoRA / base" "/tmp/lora_steps_$model.md" 2>/dev/null | tee -a "$SUMMARY"
+    lora_step_rows "$model" "$OUT/lora_steps.md" "$OUT/lora_steps.log" "" \
+      --lora none,lora-unfused,lora --decode-bs 1,64 --decode-adapters 1,8 --rounds 3
   done
 fi
 
@@ -212,13 +214,8 @@ if [[ " $PARTS " == *" lora_decode "* ]]; then
       --out "/tmp/lora_kernels_$model.md" >>"$OUT/lora_decode.log" 2>&1 || status=1
     cat "/tmp/lora_kernels_$model.md" >>"$OUT/lora_kernels.md" 2>/dev/null
     say "$model kernels: $(( $(date +%s) - start ))s"
-    start=$(date +%s)
-    $PY benchmark/profile_forward.py --model "$model" --adapters 8 --lora none,lora --lora-backend csgmv \
-      --paths graph --no-hf-anchor --tokens 128 --prefill-batches 4x512,8x256 --decode-bs 1,8,32,64,128 \
-      --decode-adapters 1,4,8 --tc-modes "" --out "/tmp/lora_steps_$model.md" >>"$OUT/lora_decode.log" 2>&1 || status=1
-    cat "/tmp/lora_steps_$model.md" >>"$OUT/lora_steps.md" 2>/dev/null
-    say "$model steps: $(( $(date +%s) - start ))s"
-    grep -E "LoRA / base" "/tmp/lora_steps_$model.md" 2>/dev/null | tee -a "$SUMMARY"
+    lora_step_rows "$model" "$OUT/lora_steps.md" "$OUT/lora_decode.log" "" --lora none,lora \
+      --prefill-batches 4x512,8x256 --decode-bs 1,8,32,64,128 --decode-adapters 1,4,8
   done
 fi
 

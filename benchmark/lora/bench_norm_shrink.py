@@ -37,19 +37,13 @@ if "--cpu-dry-run" in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench_util import add_output_args, emit_table, graph_us, target  # noqa: E402
+from bench_util import add_output_args, emit_table, graph_us, model_dims, target  # noqa: E402
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd  # noqa: E402
 from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd  # noqa: E402
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack, silu_shrink_pack  # noqa: E402
 from sglang.srt.lora.triton_ops.token_lora import pdl_available, plan_pack, prepare_pack, token_segments  # noqa: E402
 
-# (hidden, q, kv, intermediate, layers) of the real HF configs.
-SHAPES = {
-    "qwen3-4b": (2560, 4096, 1024, 9728, 36),
-    "llama-3.1-8b": (4096, 4096, 1024, 14336, 32),
-    "tiny": (64, 64, 32, 96, 2),
-}
 EPS = 1e-6
 
 
@@ -69,7 +63,7 @@ class Module:
 
 
 def build(shape: str, rank: int, slots: int, dtype, device) -> list[Module]:
-    hidden, q, kv, inter, layers = SHAPES[shape]
+    hidden, q, kv, inter, _, layers = model_dims(shape)
     gen = torch.Generator().manual_seed(0)
     mods = []
     for _ in range(layers):
@@ -181,7 +175,7 @@ def main() -> None:
     lines = []
     for shape in models:
         mods = build(shape, args.rank, slots, dtype, device)
-        layers = SHAPES[shape][4]
+        layers = model_dims(shape)[5]
         title = (f"### {shape}: the four folded modules, {layers} layers, {args.adapters} rank-{args.rank} "
                  f"adapters in {slots} slots ({'CPU dry run' if dry else torch.cuda.get_device_name(0)})")
         lines += [title, "", "| decode bs | base µs/step | unfused | fused | rowwise | LoRA unfused | LoRA fused | "
