@@ -222,3 +222,36 @@ def test_logprobs_are_strict_json():
     assert json_logprob(float("-inf")) == LOGPROB_FLOOR
     assert json_logprob(float("nan")) is None
     json.dumps([json_logprob(v) for v in (0.0, float("-inf"), float("nan"))], allow_nan=False)
+
+
+def test_tokenizer_loads_while_the_model_runner_starts(ckpt: str, monkeypatch) -> None:
+    """The scheduler's tokenizer (stop strings) is not loaded after the model, KV cache and graphs
+    but beside them: the load is already running when the ModelRunner starts, and the model
+    runner finishes only once it has seen that (a serial start-up would time out here)."""
+    import threading
+
+    import sglang.srt.managers.scheduler as scheduler_mod
+
+    load_began, runner_began = threading.Event(), threading.Event()
+    real_load, real_runner = scheduler_mod.load_tokenizer, scheduler_mod.ModelRunner
+    threads = []
+
+    def load(spec):
+        threads.append(threading.current_thread().name)
+        load_began.set()
+        assert runner_began.wait(30), "the model runner never started while the tokenizer loaded"
+        return real_load(spec)
+
+    def runner(*args, **kwargs):
+        runner_began.set()
+        assert load_began.wait(30), "the tokenizer load had not begun when the model runner started"
+        return real_runner(*args, **kwargs)
+
+    monkeypatch.setattr(scheduler_mod, "load_tokenizer", load)
+    monkeypatch.setattr(scheduler_mod, "ModelRunner", runner)
+    h = Harness(ckpt)
+    assert threads and threads[0] != threading.main_thread().name
+    assert h.sched.stop_checker.tokenizer is not None
+    h.submit("r", [1, 2, 3], max_new_tokens=2)
+    h.run()
+    assert len(h.out["r"]["ids"]) == 2

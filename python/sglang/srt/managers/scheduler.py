@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 import traceback
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from sglang.srt.configs.forward_batch_info import ForwardMode
@@ -54,6 +55,15 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_S = 1.0
 
 
+def _load_in_background(fn: Callable[..., Any], *args: Any) -> Future:
+    """fn(*args) in a thread of its own; the Future gives its result (or raises its error)."""
+    pool = ThreadPoolExecutor(1, thread_name_prefix="sglang-scheduler-load")
+    try:
+        return pool.submit(fn, *args)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task
+
+
 class RankFailure(RuntimeError):
     """A batch failed on this tensor-parallel rank: the rank stops (see the module doc)."""
 
@@ -77,6 +87,9 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         self.recv_conn = recv_conn
         self.send_conn = send_conn
         self.tp_group = tp_group
+        # The tokenizer (for stop strings) loads while the model, KV cache and graphs are set up:
+        # on a GPU host its import of transformers alone took 6-10 s of a 25 s start-up.
+        tokenizer_load = _load_in_background(load_tokenizer, config.tokenizer) if config.tokenizer is not None else None
         self.model_runner = ModelRunner(config.runner, gpu_id=gpu_id, tp_group=tp_group)
         mr = self.model_runner
         self.allocator = mr.token_to_kv_pool_allocator
@@ -86,7 +99,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
                                         mr.max_running_requests)
         # Rows the pool can give to requests (the model runner may keep one as a padding row).
         self.total_rows = self.req_to_token_pool.available_size()
-        tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
+        tokenizer = tokenizer_load.result() if tokenizer_load is not None else None
         eos = set(mr.model_config.eos_token_ids)
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
