@@ -188,6 +188,27 @@ def test_host_copies_are_one_buffer_per_dtype():
     assert all(torch.equal(p, t.float()) for p, t in zip(packed, tensors))
 
 
+def test_row_blocks_pack_as_their_concatenation():
+    """A fused module's A and B stay row blocks (views into the file's tensors) until the host
+    copy: packed, a list of blocks is their torch.cat, converted; row_range cuts the blocks'
+    concatenation by rows (the column-parallel shard of B) without a copy."""
+    from sglang.srt.lora.lora import pack_tensors, row_range
+
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = (torch.randn(n, 3, generator=gen) for n in (4, 2, 2))
+    wide = torch.randn(5, 9, generator=gen)
+    narrowed = [wide.narrow(1, 2, 3), wide.narrow(1, 2, 3)[1:]]  # a row-parallel A's columns: strided
+    packed, buffers = pack_tensors([[q, k, v], torch.randn(2, 2), narrowed], pin=False, dtype=torch.bfloat16)
+    assert len(buffers) == 1
+    assert torch.equal(packed[0], torch.cat([q, k, v]).to(torch.bfloat16)) and packed[0].shape == (8, 3)
+    assert torch.equal(packed[2], torch.cat(narrowed).to(torch.bfloat16)) and packed[2].is_contiguous()
+    full = torch.cat([q, k, v])
+    for start, length in [(0, 8), (1, 2), (3, 3), (4, 2), (6, 2), (5, 1)]:
+        cut = row_range([q, k, v], start, length)
+        assert torch.equal(torch.cat(cut), full[start : start + length])
+        assert all(c.untyped_storage().data_ptr() in {t.untyped_storage().data_ptr() for t in (q, k, v)} for c in cut)
+
+
 def test_adapters_sharing_files_warn_once_at_start_and_per_dynamic_load(setup, caplog):
     """Startup adapters that load the files of an earlier one get one warning line in all; a
     dynamic load of such files warns, naming the adapter it shares them with."""

@@ -24,7 +24,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 
@@ -66,13 +66,32 @@ class LoRAModuleShape:
     def checkpoint_out_sizes(self) -> tuple[int, ...]:
         return self.full_out_sizes or self.out_sizes
 
-    def shard(self, a: torch.Tensor, b: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """This rank's part of a full fused (A [c*r, in], B [out, r]) (the tensors themselves at tp 1)."""
+    def shard(self, a: "Rows", b: "Rows") -> tuple["Rows", "Rows"]:
+        """This rank's part of a full fused (A [c*r, in], B [out, r]), each given as its row blocks
+        (views, no copy; the blocks themselves at tp 1)."""
         if self.in_partition is not None:
-            a = a.narrow(1, *self.in_partition)
+            a = [p.narrow(1, *self.in_partition) for p in a]
         if self.out_partition is not None:
-            b = torch.cat([b.narrow(0, start, n) for start, n in self.out_partition])
-        return a.contiguous(), b.contiguous()
+            b = [q for start, n in self.out_partition for q in row_range(b, start, n)]
+        return a, b
+
+
+# One matrix as the row-wise concatenation of these blocks (same trailing shape): what an adapter's
+# fused A and B are until pack_tensors writes them into the host buffer. They stay apart until then:
+# a torch.cat per module and layer was a third of a start-up read's time.
+Rows = list[torch.Tensor]
+
+
+def row_range(blocks: Rows, start: int, length: int) -> Rows:
+    """Rows [start, start + length) of the concatenation of `blocks`, as views of them."""
+    out, offset = [], 0
+    for blk in blocks:
+        lo, hi = max(start, offset), min(start + length, offset + blk.shape[0])
+        if lo < hi:
+            out.append(blk.narrow(0, lo - offset, hi - lo))
+        offset += blk.shape[0]
+    assert sum(q.shape[0] for q in out) == length, (start, length, offset)
+    return out
 
 
 @dataclass
@@ -147,21 +166,24 @@ def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
     raise ValueError(f"LoRA adapter at {path!r} has no adapter_model.safetensors or adapter_model.bin")
 
 
-def pack_tensors(tensors: list[torch.Tensor], pin: bool, dtype: Optional[torch.dtype] = None,
+def pack_tensors(tensors: list[Union[torch.Tensor, Rows]], pin: bool, dtype: Optional[torch.dtype] = None,
                  buffer_bytes: Optional[int] = None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """(the tensors as views of their own shapes, in order; the buffers behind them): copied into
-    contiguous host buffers per dtype (pinned if `pin`), converted to `dtype` when given.
+    contiguous host buffers per dtype (pinned if `pin`), converted to `dtype` when given. An entry
+    may be a list of row blocks (`Rows`): its view is their concatenation, written block by block.
 
     buffer_bytes: start a new buffer before one would pass this size (a tensor larger than it
     gets its own). PyTorch's pinned allocator rounds every block up to a power of two, so one
     66 MB buffer would pin 128 MB; blocks of a power-of-two size pin what they hold."""
+    blocks = [t if isinstance(t, list) else [t] for t in tensors]
+    shapes = [torch.Size((sum(b.shape[0] for b in bl),) + tuple(bl[0].shape[1:])) for bl in blocks]
     out: list[Optional[torch.Tensor]] = [None] * len(tensors)
     groups: list[tuple[torch.dtype, list[int]]] = []  # (dtype, tensor indices) per buffer
     group_bytes: list[int] = []
     open_group: dict[torch.dtype, int] = {}  # dtype -> its buffer being filled (index into groups)
-    for i, t in enumerate(tensors):
-        buf_dtype = dtype or t.dtype
-        size = t.numel() * buf_dtype.itemsize
+    for i, bl in enumerate(blocks):
+        buf_dtype = dtype or bl[0].dtype
+        size = shapes[i].numel() * buf_dtype.itemsize
         g = open_group.get(buf_dtype)
         if g is None or (buffer_bytes is not None and group_bytes[g] + size > buffer_bytes):
             g = open_group[buf_dtype] = len(groups)
@@ -171,14 +193,17 @@ def pack_tensors(tensors: list[torch.Tensor], pin: bool, dtype: Optional[torch.d
         group_bytes[g] += size
     buffers = []
     for buf_dtype, idx in groups:
-        buf = torch.empty(sum(tensors[i].numel() for i in idx), dtype=buf_dtype, pin_memory=pin)
+        buf = torch.empty(sum(shapes[i].numel() for i in idx), dtype=buf_dtype, pin_memory=pin)
         offset = 0
         for i in idx:
-            t = tensors[i]
-            view = buf[offset: offset + t.numel()].view(t.shape)
-            view.copy_(t)  # converts (round to nearest even), as a copy into the pool would
+            view = buf[offset: offset + shapes[i].numel()].view(shapes[i])
+            row = 0
+            for blk in blocks[i]:
+                # Converts (round to nearest even), as a copy into the pool would.
+                view[row: row + blk.shape[0]].copy_(blk)
+                row += blk.shape[0]
             out[i] = view
-            offset += t.numel()
+            offset += shapes[i].numel()
         buffers.append(buf)
     return out, buffers  # type: ignore[return-value]
 
@@ -189,10 +214,10 @@ HOST_BUFFER_BYTES = 16 << 20
 
 
 def all_finite(t: torch.Tensor) -> bool:
-    """No inf or NaN in t. The largest magnitude is inf or NaN exactly when one is (max propagates
-    NaN): one reduction with no bool temporary, an order of magnitude faster than isfinite().all()
-    on a CPU at adapter sizes."""
-    return t.numel() == 0 or math.isfinite(float(t.abs().amax()))
+    """No inf or NaN in t: the smallest and largest values are finite exactly when all are (both
+    propagate NaN). One pass and no temporary: on a CPU 6x faster than abs().amax(), and more than
+    an order of magnitude faster than isfinite().all(), at adapter sizes."""
+    return t.numel() == 0 or all(math.isfinite(float(v)) for v in torch.aminmax(t))
 
 
 class LoRAAdapter:
@@ -291,7 +316,7 @@ class LoRAAdapter:
                     f"LoRA adapter at {path!r}: {present!r} has no matching lora_{missing.pop()} tensor"
                 )
 
-        built: list[tuple[int, str, torch.Tensor, torch.Tensor]] = []
+        built: list[tuple[int, str, Rows, Rows]] = []
         for layer in range(self.shapes.num_layers):
             for fused, projs in FUSED_MODULES.items():
                 ab = self._build_fused(layer, fused, projs, parts)
@@ -332,7 +357,9 @@ class LoRAAdapter:
         fused: str,
         projs: tuple[str, ...],
         parts: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]],
-    ) -> Optional[tuple[torch.Tensor, torch.Tensor]]:
+    ) -> Optional[tuple[Rows, Rows]]:
+        """This layer's fused A and B (as row blocks, this rank's part), or None if the adapter
+        leaves the module alone."""
         r = self.config.r
         shape = self.shapes.modules.get(fused)
         has_split = any((layer, p) in parts for p in projs)
@@ -349,12 +376,12 @@ class LoRAAdapter:
                 f"LoRA adapter at {self.config.path!r} has both {fused} and its parts {projs} in layer {layer}"
             )
         if has_stacked:
-            # One A shared by all slices (trained on a fused checkpoint): copy it per slice so the
-            # kernels see the same [slice0; slice1; ...] layout as a split adapter.
+            # One A shared by all slices (trained on a fused checkpoint): written once per slice so
+            # the kernels see the same [slice0; slice1; ...] layout as a split adapter.
             (a_name, a), (b_name, b) = parts[(layer, fused)]["A"], parts[(layer, fused)]["B"]
             self._check(a_name, a, (r, shape.checkpoint_in_dim), f"lora_A of {fused}: [r, in]")
             self._check(b_name, b, (sum(shape.checkpoint_out_sizes), r), f"lora_B of {fused}: [out, r]")
-            return shape.shard(a.repeat(len(projs), 1), b)
+            return shape.shard([a] * len(projs), [b])
 
         a_parts, b_parts = [], []
         dtype = next(t for p in projs if (layer, p) in parts for _, t in parts[(layer, p)].values()).dtype
@@ -366,6 +393,6 @@ class LoRAAdapter:
                 b_parts.append(torch.zeros(out_k, r, dtype=dtype))
                 continue
             (a_name, a), (b_name, b) = got["A"], got["B"]
-            a_parts.append(self._check(a_name, a, (r, in_dim), f"lora_A of {proj}: [r, in]").to(dtype))
-            b_parts.append(self._check(b_name, b, (out_k, r), f"lora_B of {proj}: [out, r]").to(dtype))
-        return shape.shard(torch.cat(a_parts, 0), torch.cat(b_parts, 0))
+            a_parts.append(self._check(a_name, a, (r, in_dim), f"lora_A of {proj}: [r, in]"))
+            b_parts.append(self._check(b_name, b, (out_k, r), f"lora_B of {proj}: [out, r]"))
+        return shape.shard(a_parts, b_parts)
