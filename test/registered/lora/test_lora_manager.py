@@ -78,16 +78,20 @@ def test_startup_adapters_are_read_while_the_graphs_are_set_up(setup, monkeypatc
 
     def read(cls, *args, **kwargs):
         assert graphs_begun.wait(120), "the adapter was read before the graph set-up began"
-        reads.append((threading.current_thread().name, kwargs.get("pin")))
+        reads.append((threading.current_thread().name, kwargs.get("pin"), torch.get_num_threads()))
         return load(*args, **kwargs)
 
     monkeypatch.setattr(ModelRunner, "init_cuda_graphs", graphs)
     monkeypatch.setattr(LoRAAdapter, "load", classmethod(read))
     monkeypatch.setattr(LoRAAdapter, "pin_host_copy", lambda self: pins.append(self.lora_id) or pin(self))
+    main_threads = torch.get_num_threads()
     runner = runner_for(setup)
     names = {ref.lora_name for ref in runner.lora_manager.refs.values()}
     assert names == {"a", "b"} and sorted(runner.lora_manager.loaded_adapters()) == ["a", "b"]
-    assert len(reads) == 2 and all(t.startswith("sglang-lora-read") and p is False for t, p in reads)
+    assert len(reads) == 2 and all(t.startswith("sglang-lora-read") and p is False for t, p, _ in reads)
+    # A reader's tensor ops stay on one core (they run beside the capture); the main thread's
+    # intra-op threads are untouched.
+    assert [n for _, _, n in reads] == [1, 1] and torch.get_num_threads() == main_threads
     assert sorted(pins) == sorted(runner.lora_manager.refs)
 
 
