@@ -8,19 +8,20 @@ import signal
 import subprocess
 import sys
 import time
-from typing import Any
+from typing import Any, Optional
 
 import requests
 
 PYTHON_DIR = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "python")
 
 
-def start_server(args: list[str], port: int, log_path: str, timeout: float) -> tuple[subprocess.Popen, float]:
-    """Launch `python -m sglang.launch_server --port PORT ARGS...` (log to `log_path`) and wait
-    until /health answers; returns (process, seconds it took). Raises with the log's path if the
-    server exits or stays unhealthy for `timeout` seconds."""
+def start_server(args: list[str], port: int, log_path: str, timeout: float,
+                 env: Optional[dict[str, str]] = None) -> tuple[subprocess.Popen, float]:
+    """Launch `python -m sglang.launch_server --port PORT ARGS...` (log to `log_path`; `env`: more
+    environment variables) and wait until /health answers; returns (process, seconds it took).
+    Raises with the log's path if the server exits or stays unhealthy for `timeout` seconds."""
     cmd = [sys.executable, "-m", "sglang.launch_server", "--host", "127.0.0.1", "--port", str(port), *args]
-    env = {**os.environ, "PYTHONPATH": PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    env = {**os.environ, "PYTHONPATH": PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env or {})}
     start = time.perf_counter()
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

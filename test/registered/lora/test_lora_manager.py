@@ -95,8 +95,11 @@ def test_startup_adapters_are_read_while_the_graphs_are_set_up(setup, monkeypatc
     assert sorted(pins) == sorted(runner.lora_manager.refs)
 
 
-def test_startup_overlap_off_reads_before_the_kv_cache(setup, monkeypatch):
-    """SGLANG_LORA_STARTUP_OVERLAP=0: the adapters are committed before the KV cache is sized."""
+def test_startup_overlap_off_reads_before_the_kv_cache(setup, monkeypatch, caplog):
+    """SGLANG_LORA_STARTUP_OVERLAP=0: the adapters are committed before the KV cache is sized, and
+    the log says so."""
+    import logging
+
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     committed_before_kv = []
@@ -108,8 +111,11 @@ def test_startup_overlap_off_reads_before_the_kv_cache(setup, monkeypatch):
 
     monkeypatch.setenv("SGLANG_LORA_STARTUP_OVERLAP", "0")
     monkeypatch.setattr(ModelRunner, "init_memory_pool", memory_pool)
-    runner = runner_for(setup)
+    with caplog.at_level(logging.INFO, logger="sglang.srt.lora"):
+        runner = runner_for(setup)
     assert committed_before_kv == [["a", "b"]] and sorted(runner.lora_manager.loaded_adapters()) == ["a", "b"]
+    said = [r.getMessage() for r in caplog.records if "startup adapter(s) read" in r.getMessage()]
+    assert len(said) == 1 and "read before the KV cache and graphs" in said[0], said
 
 
 def test_startup_infers_rank_and_targets_and_wraps_modules(setup):

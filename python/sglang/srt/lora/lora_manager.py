@@ -69,6 +69,7 @@ class _StartupReads:
     configs: dict[str, LoRAConfig]
     futures: list[Future]
     threads: ThreadPoolExecutor
+    started: float  # time.perf_counter() when the reads began
 
 
 class LoRAManager:
@@ -182,15 +183,17 @@ class LoRAManager:
             return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes, self.dtype, pin=False)
 
         threads = ThreadPoolExecutor(min(STARTUP_LOAD_THREADS, len(refs)), thread_name_prefix="sglang-lora-read")
-        return _StartupReads(refs, configs, [threads.submit(read, ref) for ref in refs], threads)
+        started = time.perf_counter()
+        return _StartupReads(refs, configs, [threads.submit(read, ref) for ref in refs], threads, started)
 
-    def finish_startup(self) -> None:
+    def finish_startup(self, after_graphs: bool = True) -> None:
         """Wait for the startup reads, pin the host copies and commit the adapters in their order
-        (a bad adapter: ValueError naming it, as at any other start-up failure)."""
+        (a bad adapter: ValueError naming it, as at any other start-up failure). `after_graphs`:
+        called once the KV cache and graphs are set up (the reads overlapped them), else before."""
         startup, self._startup = self._startup, None
         if startup is not None:
             try:
-                self._commit_startup_adapters(startup)
+                self._commit_startup_adapters(startup, after_graphs)
             finally:
                 startup.threads.shutdown(wait=True, cancel_futures=True)
         logger.info(
@@ -202,7 +205,7 @@ class LoRAManager:
             sorted(self.loaded_adapters()),
         )
 
-    def _commit_startup_adapters(self, startup: _StartupReads) -> None:
+    def _commit_startup_adapters(self, startup: _StartupReads, after_graphs: bool) -> None:
         refs, configs, futures = startup.refs, startup.configs, startup.futures
         waited = time.perf_counter()
         for _ in tqdm(as_completed(futures), total=len(futures), desc="Loading LoRA adapters", unit="adapter",
@@ -216,8 +219,12 @@ class LoRAManager:
                 raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} at startup: {e}") from None
         # Pinned now that the graphs are captured, in the same threads (the copies run in parallel).
         list(startup.threads.map(LoRAAdapter.pin_host_copy, adapters))
-        logger.info("LoRA: %d startup adapter(s) read while the KV cache and graphs were set up, %.1f s "
-                    "waited for after them", len(refs), time.perf_counter() - waited)
+        if after_graphs:
+            logger.info("LoRA: %d startup adapter(s) read while the KV cache and graphs were set up, %.1f s "
+                        "waited for after them", len(refs), time.perf_counter() - waited)
+        else:
+            logger.info("LoRA: %d startup adapter(s) read before the KV cache and graphs in %.1f s "
+                        "(SGLANG_LORA_STARTUP_OVERLAP=0)", len(refs), time.perf_counter() - startup.started)
         first_by_path: dict[str, str] = {}
         shared: list[tuple[str, str]] = []  # (adapter, the earlier one with its files)
         for ref, adapter in zip(refs, adapters):

@@ -100,7 +100,7 @@ class ModelRunner:
         # The startup adapters' reads overlap the KV cache and graph set-up unless asked not to.
         lora_overlap = os.environ.get(LORA_STARTUP_OVERLAP_ENV, "1") != "0"
         if self.lora_manager is not None and not lora_overlap:
-            self.lora_manager.finish_startup()
+            self.lora_manager.finish_startup(after_graphs=False)
         self.init_memory_pool()
         self.attn_backend = self._create_attn_backend()
         # The graph set with LoRA kernels on a LoRA server (the only set without LoRA), and the set
