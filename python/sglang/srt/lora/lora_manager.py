@@ -47,8 +47,8 @@ logger = logging.getLogger(__name__)
 
 # Threads reading startup adapters at once (file reads, tensor checks and pinning overlap): half
 # the cores, 2 to 8. Each runs its tensor ops on one core (below): the reads run beside the graph
-# capture, and 8 readers whose every copy fanned out to all cores (intra-op threads) took the
-# capture's core from it (H200 host, 16 cores: 64 adapters slowed the capture 23.1 -> 37.7 s).
+# capture, and 8 readers whose every copy fans out to all cores (intra-op threads) can take the
+# capture's core (H200 host, 16 cores: 64 adapters read beside it slowed the capture 23.1 -> 37.7 s).
 STARTUP_LOAD_THREADS = max(2, min(8, (os.cpu_count() or 4) // 2))
 
 
