@@ -243,7 +243,8 @@ if [[ " $PARTS " == *" lora_serving "* ]]; then
   # The LoRA serving table in one call: bench_serving with the same load (256 x 512 -> 128,
   # concurrency 64, rank-16 adapters on all seven modules) against a server without LoRA and the
   # LoRA servers (csgmv / triton on 8 slots, uniform and zipf picks; 16 adapters on 16 slots; 8
-  # rank-64 adapters). ~5 minutes on an H200, mostly server start-ups (graph capture);
+  # rank-64 adapters; a second base server last, for the spread). ~6 minutes on an H200, mostly
+  # server start-ups (graph capture);
   # GPU_SUITE_LORA_CONFIGS picks others (bench_lora_serving.py lists them), and
   # GPU_SUITE_DRY_RUN=1 runs it on a CPU at tiny shapes (plumbing only).
   say "== lora_serving (Qwen3-4B shape, dummy weights, triton attention, graphs on)"

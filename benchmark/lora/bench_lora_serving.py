@@ -16,6 +16,7 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
     csgmv-16      csgmv, 16 adapters on 16 slots        csgmv-r64    csgmv, 8 rank-64 adapters, 8 slots
     base-metrics  no LoRA, --enable-metrics, /metrics scraped every second during the load (against
                   `base`: what metrics cost)
+    base-again    no LoRA, a second server (list it last): the spread of the base between servers
   Many adapters (more adapters than slots, zipf alpha 1 unless said; csgmv):
     z64-64        64 adapters on 64 slots               z64-16       64 adapters on 16 slots
     z256-64       256 adapters on 64 slots              u8-4         8 adapters, uniform, on 4 slots
@@ -75,6 +76,9 @@ def _lora(backend: str, slots: int) -> tuple[str, ...]:
 
 CONFIGS = {
     "base": Config("base", (), None),
+    # The base server once more, its own start (list it last): the spread between two base servers
+    # of one call, against which the LoRA/base ratios are read.
+    "base-again": Config("base-again", (), None),
     "csgmv": Config("csgmv", _lora("csgmv", NUM_ADAPTERS)),
     "csgmv-zipf": Config("csgmv-zipf", _lora("csgmv", NUM_ADAPTERS), "zipf"),
     "triton": Config("triton", _lora("triton", NUM_ADAPTERS)),
@@ -268,6 +272,11 @@ def to_markdown(rows: list[Row], header: str) -> str:
             f"| {d['num_adapter_loads']:.0f} | {r.server['startup_s']:.0f} "
             f"| {r.server['num_graphs']} ({r.server['capture_s']:.0f}) |"
         )
+    again = next((r for r in rows if r.config.name == "base-again" and r.result), None)
+    if base_rps and again:
+        rps = again.result["request_throughput"]
+        lines += ["", f"- two base servers in this call: {base_rps:.1f} and {rps:.1f} req/s ({rps / base_rps:.2f}); "
+                      "ratios to the base closer than that spread do not separate"]
     scraped = [r for r in rows if r.result and r.result.get("metrics_scrapes") is not None]
     if scraped:
         lines.append("")
@@ -294,7 +303,7 @@ def group_by_server(configs: list[Config]) -> list[list[Config]]:
 
 def main(argv: Optional[list[str]] = None) -> list[Row]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--configs", default="base,csgmv,csgmv-zipf,triton,triton-zipf,csgmv-16,csgmv-r64")
+    p.add_argument("--configs", default="base,csgmv,csgmv-zipf,triton,triton-zipf,csgmv-16,csgmv-r64,base-again")
     p.add_argument("--out", default=None, help="markdown file for the table")
     p.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "sglang-bench-lora-serving"))
     p.add_argument("--log-dir", default=None, help="server logs and JSON results (default: --root)")
