@@ -16,8 +16,9 @@ PDL is on where the GPU has it. Cases: decode batches (one token per request) of
 `--adapters` distinct adapters (requests take them in turn), and prefill batches (`--prefill`,
 requests x tokens) on 8 adapters. Pool slots: 9 (8 adapters + the base model, the serving
 default) up to 8 adapters, else adapters + 1. A last table per model holds the batch's adapters at
-8 and grows the pool (`--slots`): where folding stops paying (lora/fold.py's rule should fall
-there). Every variant's LoRA deltas (output - base GEMM) are
+8 and grows the pool (`--slots`), at decode (`--slot-sweep-bs`) and at a long prefill
+(`--slot-sweep-prefill`, where W_aug's extra columns cost FLOPs): where folding stops paying
+(lora/fold.py's rule should fall there). Every variant's LoRA deltas (output - base GEMM) are
 first checked against an fp32 reference (`check`: worst relative Frobenius error; bf16 gives ~3e-3).
 
 Columns: `base` = the four base GEMMs (µs per layer, graph replay); each variant's LoRA µs per layer
@@ -81,10 +82,19 @@ def make_case(lens: list[int], mode: ForwardMode, adapters: int, num_slots: int,
 
 
 def slot_cases(args) -> list[tuple[str, list[int], ForwardMode, int, int]]:
-    """The fold crossover: decode of `--slot-sweep-bs` requests on 8 adapters (fewer if the pool
-    is smaller) with the pool's slot count growing (W_aug widens with every slot)."""
+    """The fold crossover: decode of `--slot-sweep-bs` requests, and the `--slot-sweep-prefill`
+    batch, on 8 adapters (fewer if the pool is smaller) with the pool's slot count growing (W_aug
+    widens with every slot). At prefill the extra columns cost FLOPs (2*T*N*E), not only bytes:
+    `auto` against `tok` is what folding o_proj / down_proj costs there once qkv / gate_up are
+    unfolded."""
     bs = args.slot_sweep_bs
-    return [(f"decode {bs}", [1] * bs, ForwardMode.DECODE, min(8, slots - 1), slots) for slots in args.slots]
+    cases = []
+    for slots in args.slots:
+        cases.append((f"decode {bs}", [1] * bs, ForwardMode.DECODE, min(8, slots - 1), slots))
+        if args.slot_sweep_prefill:
+            n, t = (int(v) for v in args.slot_sweep_prefill.split("x"))
+            cases.append((f"prefill {n}x{t}", [t] * n, ForwardMode.EXTEND, min(8, slots - 1), slots))
+    return cases
 
 
 def serving_cases(args) -> list[tuple[str, list[int], ForwardMode, int]]:
@@ -257,6 +267,8 @@ def main() -> None:
     p.add_argument("--slots", type=int, nargs="*", default=[9, 17, 33, 65],
                    help="pool slot counts of the fold-crossover table (slots include the base model's)")
     p.add_argument("--slot-sweep-bs", type=int, default=64, help="decode batch of the fold-crossover table")
+    p.add_argument("--slot-sweep-prefill", default="4x2048",
+                   help="prefill batch (requests x tokens) of the fold-crossover table ('' for none)")
     p.add_argument("--out", help="also write the tables to this markdown file")
     p.add_argument("--cpu-dry-run", action="store_true", help="tiny shapes, fp32, CPU interpreter, no timing")
     args = p.parse_args()
@@ -267,7 +279,7 @@ def main() -> None:
     if dry:
         models = {"TINY (dry run)": (TINY, 2)}
         args.decode_bs, args.adapters, args.prefill, args.ranks = [1, 16], [1, 3], ["2x20"], [16]
-        args.slots, args.slot_sweep_bs = [3, 5], 8
+        args.slots, args.slot_sweep_bs, args.slot_sweep_prefill = [3, 5], 8, "2x20"
     else:
         models = {m: MODELS[m] for m in args.models}
     t0 = time.perf_counter()
