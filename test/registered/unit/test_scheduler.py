@@ -230,10 +230,11 @@ def test_tokenizer_loads_while_the_model_runner_starts(ckpt: str, monkeypatch) -
     runner finishes only once it has seen that (a serial start-up would time out here)."""
     import threading
 
+    import sglang.srt.configs.tokenizer as tokenizer_mod
     import sglang.srt.managers.scheduler as scheduler_mod
 
     load_began, runner_began = threading.Event(), threading.Event()
-    real_load, real_runner = scheduler_mod.load_tokenizer, scheduler_mod.ModelRunner
+    real_load, real_runner = tokenizer_mod.load_tokenizer, scheduler_mod.ModelRunner
     threads = []
 
     def load(spec):
@@ -247,7 +248,7 @@ def test_tokenizer_loads_while_the_model_runner_starts(ckpt: str, monkeypatch) -
         assert load_began.wait(30), "the tokenizer load had not begun when the model runner started"
         return real_runner(*args, **kwargs)
 
-    monkeypatch.setattr(scheduler_mod, "load_tokenizer", load)
+    monkeypatch.setattr(tokenizer_mod, "load_tokenizer", load)
     monkeypatch.setattr(scheduler_mod, "ModelRunner", runner)
     h = Harness(ckpt)
     assert threads and threads[0] != threading.main_thread().name

@@ -7,6 +7,8 @@ it. Both load it from the same `TokenizerSpec`, so they agree on every id.
 from __future__ import annotations
 
 import logging
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -37,3 +39,25 @@ def load_tokenizer(spec: TokenizerSpec) -> Any:
         tokenizer.chat_template = template
         logger.info("Chat template: %s (--chat-template)", spec.chat_template)
     return tokenizer
+
+
+def start_tokenizer_load(spec: Optional[TokenizerSpec]) -> Optional[Future]:
+    """load_tokenizer(spec) in a thread of its own, begun now, so that it runs beside the rest of
+    start-up (on a GPU host the transformers import behind it takes 6-10 s); None without a spec.
+    The Future gives the tokenizer, or raises what load_tokenizer raised. Both processes start
+    theirs this way: the tokenizer manager's beside the scheduler's start, the scheduler's beside
+    the model runner."""
+    if spec is None:
+        return None
+    began = time.perf_counter()
+
+    def timed_load() -> Any:
+        tokenizer = load_tokenizer(spec)
+        logger.info("Tokenizer loaded in %.1f s, beside the rest of start-up", time.perf_counter() - began)
+        return tokenizer
+
+    pool = ThreadPoolExecutor(1, thread_name_prefix="sglang-tokenizer-load")
+    try:
+        return pool.submit(timed_load)
+    finally:
+        pool.shutdown(wait=False)  # the thread ends with its one task

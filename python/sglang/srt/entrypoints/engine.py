@@ -16,10 +16,9 @@ import logging
 import queue
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterator, Optional, Union
 
-from sglang.srt.configs.tokenizer import load_tokenizer
+from sglang.srt.configs.tokenizer import start_tokenizer_load
 from sglang.srt.managers.generate_request import GenerateReqInput
 from sglang.srt.managers.scheduler_client import SchedulerClient
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
@@ -38,26 +37,17 @@ def launch_runtime(server_args: ServerArgs) -> TokenizerManager:
         )
     configs = build_run_configs(server_args)  # every check that needs no process, before any starts
     client = SchedulerClient(configs.scheduler, configs.tp)
-    spec = configs.tokenizer_manager.tokenizer
-    # The tokenizer loads while the scheduler starts, not after it is ready: on a GPU host the
-    # import behind it (transformers, then torch) alone takes seconds. The rank processes are
-    # spawned, not forked, so a thread here is safe.
+    # The tokenizer loads while the scheduler starts, not after it is ready. The rank processes
+    # are spawned, not forked, so a thread here is safe.
     t0 = time.perf_counter()
-    with ThreadPoolExecutor(1, thread_name_prefix="sglang-tokenizer-load") as pool:
-        tokenizer = pool.submit(_timed_load_tokenizer, spec, t0) if spec is not None else None
-        info = client.start()
-        logger.info("Scheduler ready after %.1f s", time.perf_counter() - t0)
-        try:
-            return TokenizerManager(configs.tokenizer_manager, client, info, tokenizer=tokenizer)
-        except BaseException:
-            client.shutdown()
-            raise
-
-
-def _timed_load_tokenizer(spec: Any, t0: float) -> Any:
-    tokenizer = load_tokenizer(spec)
-    logger.info("Tokenizer loaded %.1f s into start-up", time.perf_counter() - t0)
-    return tokenizer
+    tokenizer = start_tokenizer_load(configs.tokenizer_manager.tokenizer)
+    info = client.start()
+    logger.info("Scheduler ready after %.1f s", time.perf_counter() - t0)
+    try:
+        return TokenizerManager(configs.tokenizer_manager, client, info, tokenizer=tokenizer)
+    except BaseException:
+        client.shutdown()
+        raise
 
 
 class Engine:

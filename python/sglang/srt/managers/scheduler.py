@@ -18,12 +18,11 @@ from __future__ import annotations
 import logging
 import time
 import traceback
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Optional
 
 from sglang.srt.configs.forward_batch_info import ForwardMode
 from sglang.srt.configs.run_configs import SchedulerConfig
-from sglang.srt.configs.tokenizer import load_tokenizer
+from sglang.srt.configs.tokenizer import start_tokenizer_load
 from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
 from sglang.srt.managers.integrity import IntegrityLog
 from sglang.srt.managers.io_struct import (
@@ -55,15 +54,6 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_S = 1.0
 
 
-def _load_in_background(fn: Callable[..., Any], *args: Any) -> Future:
-    """fn(*args) in a thread of its own; the Future gives its result (or raises its error)."""
-    pool = ThreadPoolExecutor(1, thread_name_prefix="sglang-scheduler-load")
-    try:
-        return pool.submit(fn, *args)
-    finally:
-        pool.shutdown(wait=False)  # the thread ends with its one task
-
-
 class RankFailure(RuntimeError):
     """A batch failed on this tensor-parallel rank: the rank stops (see the module doc)."""
 
@@ -87,9 +77,8 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         self.recv_conn = recv_conn
         self.send_conn = send_conn
         self.tp_group = tp_group
-        # The tokenizer (for stop strings) loads while the model, KV cache and graphs are set up:
-        # on a GPU host its import of transformers alone took 6-10 s of a 25 s start-up.
-        tokenizer_load = _load_in_background(load_tokenizer, config.tokenizer) if config.tokenizer is not None else None
+        # The tokenizer (for stop strings) loads while the model, KV cache and graphs are set up.
+        tokenizer_load = start_tokenizer_load(config.tokenizer)
         self.model_runner = ModelRunner(config.runner, gpu_id=gpu_id, tp_group=tp_group)
         mr = self.model_runner
         self.allocator = mr.token_to_kv_pool_allocator
