@@ -207,7 +207,7 @@ def _with_note(note: str, more: str) -> str:
     return f"{note}; {more}" if note else more
 
 
-def measure_setup(args, shape: str, setup: EngineSetup, profile: bool) -> list[Measured]:
+def measure_setup(args, setup: EngineSetup, profile: bool) -> list[Measured]:
     """Every case and path of one variant, profiled when asked."""
     runner, graphs, names, lora = setup.runner, setup.graphs, setup.names, setup.lora
     out: list[Measured] = []
@@ -253,7 +253,7 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
     if args.rounds <= 1:
         for lora in args.lora:
             setup = build_setup(args, shape, ckpt, adapters, lora)
-            rows += _rows(shape, setup, [measure_setup(args, shape, setup, profile=True)])
+            rows += _rows(shape, setup, [measure_setup(args, setup, profile=True)])
             del setup
             gc.collect()
             if on_gpu:
@@ -264,7 +264,7 @@ def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[
     for r in range(args.rounds):
         log(f"{shape}: round {r + 1} of {args.rounds}")
         for setup in setups:  # profiles in the first round only: they do not depend on the round
-            results[setup.lora].append(measure_setup(args, shape, setup, profile=r == 0))
+            results[setup.lora].append(measure_setup(args, setup, profile=r == 0))
     for setup in setups:
         rows += _rows(shape, setup, results[setup.lora])
     return rows
