@@ -25,7 +25,8 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
   --lora-fuse-norm (auto by default: the norms before folded modules): csgmv-fn and z64-64-fn
   (csgmv's and z64-64's servers with it on: unfolded modules too), csgmv-nofn (off); z64-64-fold
   (z64-64 with --lora-fold on: the fold crossover at 64 slots); z64-64-serial (z64-64 with
-  SGLANG_LORA_STARTUP_OVERLAP=0: its adapters read before the graphs, not beside the capture).
+  SGLANG_LORA_STARTUP_OVERLAP=0: its adapters read before the graphs, not beside the capture);
+  z64-64-t2 (z64-64 with 2 reader threads beside the capture, SGLANG_LORA_STARTUP_THREADS=2).
   (Adapters beyond the first 32 reuse their files round-robin: the weights do not change a step's
   cost, and 256 rank-16 adapters of this shape would take 17 GB of disk; each name is its own
   adapter to the server, with its own host copy and slot.)
@@ -104,6 +105,9 @@ CONFIGS = {
     # the capture; its start-up against z64-64's is what the overlap saves (or costs).
     "z64-64-serial": Config("z64-64-serial", _lora("csgmv", 64), "zipf", adapters=64,
                             env=(("SGLANG_LORA_STARTUP_OVERLAP", "0"),)),
+    # ... and beside the capture with 2 readers in place of half the cores: less GIL taken from it.
+    "z64-64-t2": Config("z64-64-t2", _lora("csgmv", 64), "zipf", adapters=64,
+                        env=(("SGLANG_LORA_STARTUP_THREADS", "2"),)),
 }
 DISTINCT_ADAPTER_FILES = 32
 

@@ -95,6 +95,33 @@ def test_startup_adapters_are_read_while_the_graphs_are_set_up(setup, monkeypatc
     assert sorted(pins) == sorted(runner.lora_manager.refs)
 
 
+def test_startup_threads_env_sets_the_reader_count(setup, monkeypatch):
+    """SGLANG_LORA_STARTUP_THREADS=1: both startup adapters are read by the one reader thread; a
+    value that is not a positive integer is refused by name."""
+    import threading
+
+    from sglang.srt.lora import lora_manager
+    from sglang.srt.lora.lora import LoRAAdapter
+
+    load, names = LoRAAdapter.load, []
+
+    def read(cls, *args, **kwargs):
+        names.append(threading.current_thread().name)
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(LoRAAdapter, "load", classmethod(read))
+    monkeypatch.setenv("SGLANG_LORA_STARTUP_THREADS", "1")
+    runner = runner_for(setup)
+    assert sorted(runner.lora_manager.loaded_adapters()) == ["a", "b"]
+    assert len(names) == 2 and len(set(names)) == 1, names
+    for bad in ("0", "-2", "two"):
+        monkeypatch.setenv("SGLANG_LORA_STARTUP_THREADS", bad)
+        with pytest.raises(ValueError, match="SGLANG_LORA_STARTUP_THREADS"):
+            lora_manager.startup_load_threads()
+    monkeypatch.delenv("SGLANG_LORA_STARTUP_THREADS")
+    assert lora_manager.startup_load_threads() == lora_manager.STARTUP_LOAD_THREADS
+
+
 def test_startup_overlap_off_reads_before_the_kv_cache(setup, monkeypatch, caplog):
     """SGLANG_LORA_STARTUP_OVERLAP=0: the adapters are committed before the KV cache is sized, and
     the log says so."""

@@ -50,6 +50,17 @@ logger = logging.getLogger(__name__)
 # capture, and 8 readers whose every copy fans out to all cores (intra-op threads) can take the
 # capture's core (H200 host, 16 cores: 64 adapters read beside it slowed the capture 23.1 -> 37.7 s).
 STARTUP_LOAD_THREADS = max(2, min(8, (os.cpu_count() or 4) // 2))
+STARTUP_THREADS_ENV = "SGLANG_LORA_STARTUP_THREADS"  # overrides it (a benchmark knob; >= 1)
+
+
+def startup_load_threads() -> int:
+    """Reader threads for the startup adapters: $SGLANG_LORA_STARTUP_THREADS, else STARTUP_LOAD_THREADS."""
+    raw = os.environ.get(STARTUP_THREADS_ENV, "").strip()
+    if not raw:
+        return STARTUP_LOAD_THREADS
+    if not raw.isdigit() or int(raw) < 1:
+        raise ValueError(f"{STARTUP_THREADS_ENV} must be a positive integer, got {raw!r}")
+    return int(raw)
 
 
 @dataclass
@@ -182,7 +193,7 @@ class LoRAManager:
                 raise ValueError(reason)
             return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes, self.dtype, pin=False)
 
-        threads = ThreadPoolExecutor(min(STARTUP_LOAD_THREADS, len(refs)), thread_name_prefix="sglang-lora-read")
+        threads = ThreadPoolExecutor(min(startup_load_threads(), len(refs)), thread_name_prefix="sglang-lora-read")
         started = time.perf_counter()
         return _StartupReads(refs, configs, [threads.submit(read, ref) for ref in refs], threads, started)
 
