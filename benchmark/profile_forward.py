@@ -75,6 +75,10 @@ class Profile:
     top: list[tuple[str, float, float]] = field(default_factory=list)  # (name, us per fwd, calls per fwd)
     lora_us: float = 0.0  # LoRA kernels' GPU µs per forward
     lora_launches: float = 0.0
+    # GPU idle per forward before each kernel or copy (its start - the latest end before it), by
+    # that kernel's name: (name, idle µs per fwd, calls per fwd). The entry whose calls are 1 per
+    # forward and whose idle is largest is the host work before the forward's first launch.
+    idle_before: list[tuple[str, float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -121,9 +125,10 @@ def profile_fn(fn: Callable[[], Any], n: int) -> Profile:
         for _ in range(n):
             fn()
         sync()
-    kernels, copies, intervals, ops = [], 0, [], 0
+    kernels, copies, intervals, ops, timeline = [], 0, [], 0, []
     for evt in prof.events():
         if evt.device_type == DeviceType.CUDA:
+            timeline.append((evt.time_range.start, evt.time_range.end, evt.name))
             if evt.name.startswith(("Memcpy", "Memset")):
                 copies += 1
             else:
@@ -146,7 +151,23 @@ def profile_fn(fn: Callable[[], Any], n: int) -> Profile:
         top=[(name, us / n, calls / n) for name, (us, calls) in top],
         lora_us=sum(us for us, _ in lora) / n,
         lora_launches=sum(calls for _, calls in lora) / n,
+        idle_before=_idle_before(timeline, n),
     )
+
+
+def _idle_before(timeline: list[tuple[float, float, str]], n: int) -> list[tuple[str, float, float]]:
+    """GPU idle before each device event (kernel, copy), summed by the event's name, per forward
+    (the gap before the first event of the first forward is left out: it is the profiler's start)."""
+    by_name: dict[str, list[float]] = {}
+    latest = None
+    for start, end, name in sorted(timeline):
+        if latest is not None and start > latest:
+            acc = by_name.setdefault(name, [0.0, 0])
+            acc[0] += start - latest
+            acc[1] += 1
+        latest = end if latest is None else max(latest, end)
+    top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS + 2]
+    return [(name, us / n, calls / n) for name, (us, calls) in top]
 
 
 # ------------------------------------------------------------------------------------ our engine
@@ -388,6 +409,11 @@ def to_markdown(rows: list[Row], notes: list[str]) -> str:
     for r in rows:
         tops = "; ".join(f"`{name[:70]}` {us:.0f} µs ×{calls:.0f}" for name, us, calls in r.prof.top)
         out.append(f"- {r.model} {r.lora} {r.case} {r.path}: {tops or '(no device kernels)'}")
+    out += ["", "GPU idle before a kernel or copy, by its name (µs per forward, gaps per forward; the "
+            "largest once-per-forward entry is the host work before the first launch):", ""]
+    for r in rows:
+        idle = "; ".join(f"`{name[:60]}` {us:.0f} µs ×{calls:.1f}" for name, us, calls in r.prof.idle_before)
+        out.append(f"- {r.model} {r.lora} {r.case} {r.path}: {idle or '(none)'}")
     return "\n".join(out) + "\n"
 
 

@@ -50,3 +50,15 @@ def test_profile_forward_rounds_alternate_the_variants(tmp_path):
         walls = [float(w) for w in re.search(r"rounds ([\d.]+) / ([\d.]+)", r[3]).groups()]
         assert abs(float(r[4]) - (walls[0] + walls[1]) / 2) < 2e-3  # the median of two rounds
     assert "prefill 8 eager (lora-unfused): LoRA / base" in text and "decode bs2 x2 eager: LoRA / base" in text
+
+
+def test_profile_forward_idle_before_sums_gaps_by_the_waiting_event():
+    """GPU idle is charged to the event that starts after it (overlapping events leave no gap),
+    per forward; the first event's lead-in (the profiler's start) is not counted."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+    from profile_forward import _idle_before
+
+    timeline = [(0.0, 10.0, "embed"), (12.0, 20.0, "gemm"), (15.0, 30.0, "norm"), (31.0, 32.0, "gemm"),
+                (40.0, 41.0, "embed"), (45.0, 50.0, "gemm")]
+    got = {name: (us, calls) for name, us, calls in _idle_before(timeline, 2)}
+    assert got == {"embed": (4.0, 0.5), "gemm": (3.5, 1.5)}, got
