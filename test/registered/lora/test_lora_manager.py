@@ -59,10 +59,10 @@ def ref(setup, name, new_name=None, pinned=False):
 
 # ---------------------------------------------------------------------- start-up
 def test_startup_adapters_are_read_while_the_graphs_are_set_up(setup, monkeypatch):
-    """The startup reads run in threads while the model runner sizes the KV cache and sets up the
-    graphs, unpinned (no cudaHostAlloc beside a capture), and are pinned and committed after: each
-    read waits until the graph set-up has begun, which a read inside LoRAManager's constructor
-    could never see."""
+    """SGLANG_LORA_STARTUP_OVERLAP=1: the startup reads run in threads while the model runner sizes
+    the KV cache and sets up the graphs, unpinned (no cudaHostAlloc beside a capture), and are
+    pinned and committed after: each read waits until the graph set-up has begun, which a read
+    inside LoRAManager's constructor could never see."""
     import threading
 
     from sglang.srt.lora.lora import LoRAAdapter
@@ -81,6 +81,7 @@ def test_startup_adapters_are_read_while_the_graphs_are_set_up(setup, monkeypatc
         reads.append((threading.current_thread().name, kwargs.get("pin"), torch.get_num_threads()))
         return load(*args, **kwargs)
 
+    monkeypatch.setenv("SGLANG_LORA_STARTUP_OVERLAP", "1")
     monkeypatch.setattr(ModelRunner, "init_cuda_graphs", graphs)
     monkeypatch.setattr(LoRAAdapter, "load", classmethod(read))
     monkeypatch.setattr(LoRAAdapter, "pin_host_copy", lambda self: pins.append(self.lora_id) or pin(self))
@@ -122,27 +123,47 @@ def test_startup_threads_env_sets_the_reader_count(setup, monkeypatch):
     assert lora_manager.startup_load_threads() == lora_manager.STARTUP_LOAD_THREADS
 
 
-def test_startup_overlap_off_reads_before_the_kv_cache(setup, monkeypatch, caplog):
-    """SGLANG_LORA_STARTUP_OVERLAP=0: the adapters are committed before the KV cache is sized, and
-    the log says so."""
+def test_startup_reads_come_before_the_kv_cache_by_default(setup, monkeypatch, caplog):
+    """By default (SGLANG_LORA_STARTUP_OVERLAP unset, or 0) the adapters are committed before the KV
+    cache is sized, each reader thread reads every file into its one buffer, and the log says so;
+    a value other than 0 or 1 is refused by name."""
     import logging
+    import threading
 
+    from sglang.srt.lora import lora_manager
+    from sglang.srt.lora.lora import LoRAAdapter
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    committed_before_kv = []
-    init_memory_pool = ModelRunner.init_memory_pool
+    committed_before_kv, buffers = [], []
+    init_memory_pool, load = ModelRunner.init_memory_pool, LoRAAdapter.load
 
     def memory_pool(self):
         committed_before_kv.append(sorted(self.lora_manager.loaded_adapters()))
         return init_memory_pool(self)
 
-    monkeypatch.setenv("SGLANG_LORA_STARTUP_OVERLAP", "0")
+    def read(cls, *args, **kwargs):
+        buffers.append((threading.current_thread().name, id(kwargs["buffer"])))
+        return load(*args, **kwargs)
+
+    monkeypatch.setenv("SGLANG_LORA_STARTUP_THREADS", "1")
     monkeypatch.setattr(ModelRunner, "init_memory_pool", memory_pool)
-    with caplog.at_level(logging.INFO, logger="sglang.srt.lora"):
-        runner = runner_for(setup)
-    assert committed_before_kv == [["a", "b"]] and sorted(runner.lora_manager.loaded_adapters()) == ["a", "b"]
-    said = [r.getMessage() for r in caplog.records if "startup adapter(s) read" in r.getMessage()]
-    assert len(said) == 1 and "read before the KV cache and graphs" in said[0], said
+    monkeypatch.setattr(LoRAAdapter, "load", classmethod(read))
+    for value in (None, "0"):
+        if value is None:
+            monkeypatch.delenv("SGLANG_LORA_STARTUP_OVERLAP", raising=False)
+        else:
+            monkeypatch.setenv("SGLANG_LORA_STARTUP_OVERLAP", value)
+        committed_before_kv.clear(), buffers.clear(), caplog.clear()
+        with caplog.at_level(logging.INFO, logger="sglang.srt.lora"):
+            runner = runner_for(setup)
+        assert committed_before_kv == [["a", "b"]] and sorted(runner.lora_manager.loaded_adapters()) == ["a", "b"]
+        assert not runner.lora_manager.startup_overlap
+        said = [r.getMessage() for r in caplog.records if "startup adapter(s) read" in r.getMessage()]
+        assert len(said) == 1 and "read before the KV cache and graphs" in said[0], said
+        assert len(buffers) == 2 and len(set(buffers)) == 1, buffers  # one thread, one buffer for both files
+    monkeypatch.setenv("SGLANG_LORA_STARTUP_OVERLAP", "yes")
+    with pytest.raises(ValueError, match="SGLANG_LORA_STARTUP_OVERLAP"):
+        lora_manager.startup_overlap()
 
 
 def test_startup_infers_rank_and_targets_and_wraps_modules(setup):

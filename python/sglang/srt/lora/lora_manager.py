@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -39,18 +40,29 @@ from sglang.srt.lora.model_wrapping import (
 )
 from sglang.srt.lora.norm_fusion import attach_norm_fusion
 from sglang.srt.lora.pool_sizing import auto_slot_count
+from sglang.srt.lora.safetensors_read import ReadBuffer
 
 if TYPE_CHECKING:
     from sglang.srt.configs.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
 
-# Threads reading startup adapters at once (file reads, tensor checks and pinning overlap): half
-# the cores, 2 to 8. Each runs its tensor ops on one core (below): the reads run beside the graph
-# capture, and 8 readers whose every copy fans out to all cores (intra-op threads) can take the
-# capture's core (H200 host, 16 cores: 64 adapters read beside it slowed the capture 23.1 -> 37.7 s).
+# Threads reading startup adapters at once (file reads, tensor checks, conversion and pinning
+# overlap): half the cores, 2 to 8, each running its tensor ops on one core (below).
 STARTUP_LOAD_THREADS = max(2, min(8, (os.cpu_count() or 4) // 2))
 STARTUP_THREADS_ENV = "SGLANG_LORA_STARTUP_THREADS"  # overrides it (a benchmark knob; >= 1)
+# "1": read the startup adapters beside the KV cache sizing and the graph capture (unpinned, pinned
+# after), in place of before them. Off by default: on an H200 host 64 adapters read beside the
+# capture slowed it 18.7 -> 36.7 s, more than the reads take before it (15.1 s, the same call).
+STARTUP_OVERLAP_ENV = "SGLANG_LORA_STARTUP_OVERLAP"
+
+
+def startup_overlap() -> bool:
+    """Whether the startup reads overlap the KV cache and graph set-up ($SGLANG_LORA_STARTUP_OVERLAP)."""
+    raw = os.environ.get(STARTUP_OVERLAP_ENV, "0").strip()
+    if raw not in ("", "0", "1"):
+        raise ValueError(f"{STARTUP_OVERLAP_ENV} must be 0 or 1, got {raw!r}")
+    return raw == "1"
 
 
 def startup_load_threads() -> int:
@@ -152,9 +164,10 @@ class LoRAManager:
         if config.fuse_norm != "off":
             self._attach_norm_fusion(base_model, folded_only=config.fuse_norm == "auto")
 
-        # The startup adapters are read in threads from here on, while the model runner sizes the
-        # KV cache and captures the graphs (with null adapter ids: nothing there needs them);
-        # finish_startup() commits them (ModelRunner calls it once, last).
+        # The startup adapters are read in threads from here on; finish_startup() waits for them and
+        # commits them. ModelRunner calls it next, or (startup_overlap) once the KV cache is sized
+        # and the graphs captured (null adapter ids: nothing there needs them).
+        self.startup_overlap = startup_overlap()
         self._startup = self._start_startup_reads(list(config.refs), startup_configs)
 
     # ------------------------------------------------------------------ set-up
@@ -180,10 +193,14 @@ class LoRAManager:
 
     def _start_startup_reads(self, refs: list[LoRARef], configs: dict[str, LoRAConfig]) -> Optional[_StartupReads]:
         """Read the startup adapters' tensors in parallel threads (the files, the checks, the
-        conversion; torch releases the GIL), unpinned: another thread's cudaHostAlloc is refused
-        while the main thread captures a CUDA graph. finish_startup pins and commits them."""
+        conversion; torch releases the GIL). Beside the graph capture (startup_overlap()) they are
+        read unpinned, since another thread's cudaHostAlloc is refused while the main thread
+        captures a CUDA graph, and finish_startup pins them; else straight into pinned buffers.
+        Each thread reads every file into its one buffer (no fresh pages per file)."""
         if not refs:
             return None
+        pin = torch.cuda.is_available() and not self.startup_overlap
+        buffers = threading.local()
 
         def read(ref: LoRARef) -> LoRAAdapter:
             # This thread's own intra-op thread count (OpenMP's is per thread): the main thread's stays.
@@ -191,7 +208,10 @@ class LoRAManager:
             reason = self.pool.incompatibility(configs[ref.lora_id])
             if reason is not None:
                 raise ValueError(reason)
-            return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes, self.dtype, pin=False)
+            if not hasattr(buffers, "file"):
+                buffers.file = ReadBuffer()
+            return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes, self.dtype, pin=pin,
+                                    buffer=buffers.file)
 
         threads = ThreadPoolExecutor(min(startup_load_threads(), len(refs)), thread_name_prefix="sglang-lora-read")
         started = time.perf_counter()
@@ -228,14 +248,16 @@ class LoRAManager:
                 adapters.append(future.result())
             except ValueError as e:
                 raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} at startup: {e}") from None
-        # Pinned now that the graphs are captured, in the same threads (the copies run in parallel).
+        # Read beside the capture: pinned now, in the same threads (the copies run in parallel).
+        # Read before it: pinned already, and this does nothing.
         list(startup.threads.map(LoRAAdapter.pin_host_copy, adapters))
         if after_graphs:
             logger.info("LoRA: %d startup adapter(s) read while the KV cache and graphs were set up, %.1f s "
                         "waited for after them", len(refs), time.perf_counter() - waited)
         else:
             logger.info("LoRA: %d startup adapter(s) read before the KV cache and graphs in %.1f s "
-                        "(SGLANG_LORA_STARTUP_OVERLAP=0)", len(refs), time.perf_counter() - startup.started)
+                        "(SGLANG_LORA_STARTUP_OVERLAP=1 reads them beside)", len(refs),
+                        time.perf_counter() - startup.started)
         first_by_path: dict[str, str] = {}
         shared: list[tuple[str, str]] = []  # (adapter, the earlier one with its files)
         for ref, adapter in zip(refs, adapters):

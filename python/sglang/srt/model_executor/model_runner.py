@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import logging
-import os
 import time
 from collections import Counter
 from typing import Optional
@@ -50,9 +49,6 @@ ACTIVATION_RESERVE_GIB = 1.0
 REQ_TO_TOKEN_PAD = 8
 # "0": read the startup adapters before the KV cache and graphs are set up, not beside them (to
 # measure the overlap, or to rule it out).
-LORA_STARTUP_OVERLAP_ENV = "SGLANG_LORA_STARTUP_OVERLAP"
-
-
 def batch_needs_lora(fb: ForwardBatch) -> bool:
     """Whether any request of the batch uses an adapter (None ids are the base model)."""
     return fb.lora_ids is not None and any(lora_id is not None for lora_id in fb.lora_ids)
@@ -97,9 +93,9 @@ class ModelRunner:
             # takes device memory). Startup ids are the main process's registry's (config.refs).
             self.lora_manager = LoRAManager(self.model, self.model_config, config.lora, self.device, self.dtype,
                                             tp_group)
-        # The startup adapters' reads overlap the KV cache and graph set-up unless asked not to.
-        lora_overlap = os.environ.get(LORA_STARTUP_OVERLAP_ENV, "1") != "0"
-        if self.lora_manager is not None and not lora_overlap:
+        # The startup adapters are committed here, before the KV cache and graphs, unless their reads
+        # were asked to overlap them (SGLANG_LORA_STARTUP_OVERLAP=1: committed after the graphs).
+        if self.lora_manager is not None and not self.lora_manager.startup_overlap:
             self.lora_manager.finish_startup(after_graphs=False)
         self.init_memory_pool()
         self.attn_backend = self._create_attn_backend()
@@ -115,7 +111,7 @@ class ModelRunner:
         # Forward batches by (mode, path, reason it ran eagerly): what /metrics exports.
         self.forward_paths: Counter[tuple[str, str, str]] = Counter()
         self.init_cuda_graphs()
-        if self.lora_manager is not None and lora_overlap:
+        if self.lora_manager is not None and self.lora_manager.startup_overlap:
             self.lora_manager.finish_startup()
 
     # ------------------------------------------------------------------ setup
