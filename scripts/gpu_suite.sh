@@ -4,7 +4,7 @@
 #   GPU_SUITE_OUT=/some/dir bash scripts/gpu_suite.sh
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
-# GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "lora_decode",
+# GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
 # "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
@@ -255,6 +255,17 @@ if [[ " $PARTS " == *" lora_serving "* ]]; then
   say "lora_serving: $(( $(date +%s) - start ))s"
   grep -E "^\[lora_serving\]" "$OUT/lora_serving.log" | tee -a "$SUMMARY"
   cat "$OUT/lora_serving.md" 2>/dev/null | tee -a "$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" adapter_reads "* ]]; then
+  # Issue 18's start-up: 16 Qwen3-4B rank-16 adapters read every way the engine can, at 1 and 8
+  # threads, and short CUDA calls (a capture's pattern) alone and beside a pure-Python thread and
+  # beside adapter readers (benchmark/lora/bench_adapter_reads.py, ~1.5 min).
+  say "== adapter reads"
+  start=$(date +%s)
+  $PY benchmark/lora/bench_adapter_reads.py --out "$OUT/adapter_reads.md" >"$OUT/adapter_reads.log" 2>&1 || status=1
+  say "adapter_reads: $(( $(date +%s) - start ))s"
+  cat "$OUT/adapter_reads.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" many_adapters "* ]]; then

@@ -21,7 +21,8 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
     z64-64        64 adapters on 64 slots               z64-16       64 adapters on 16 slots
     z256-64       256 adapters on 64 slots              u8-4         8 adapters, uniform, on 4 slots
     lora0-64      a LoRA server with 64 slots and no adapter at start, base requests (against
-                  z64-64: what loading 64 adapters at start costs the start-up)
+                  z64-64: what loading 64 adapters at start costs the start-up); lora0-64-again
+                  the same server again (after another LoRA server: a warm kernel cache)
   --lora-fuse-norm (auto by default: the norms before folded modules): csgmv-fn and z64-64-fn
   (csgmv's and z64-64's servers with it on: unfolded modules too), csgmv-nofn (off); z64-64-fold
   (z64-64 with --lora-fold on: the fold crossover at 64 slots); z64-64-overlap (z64-64 with
@@ -95,6 +96,8 @@ CONFIGS = {
     "z256-64": Config("z256-64", _lora("csgmv", 64), "zipf", adapters=256),
     "u8-4": Config("u8-4", _lora("csgmv", 4)),
     "lora0-64": Config("lora0-64", _lora("csgmv", 64), None, adapters=0),
+    # ... once more, later in the call: the first LoRA server of a call also compiles the kernels.
+    "lora0-64-again": Config("lora0-64-again", _lora("csgmv", 64), None, adapters=0),
     # --lora-fuse-norm (issue 16): the norms compute the qkv / gate_up shrink at decode.
     "csgmv-fn": Config("csgmv-fn", _lora("csgmv", NUM_ADAPTERS), extra=("--lora-fuse-norm", "on")),
     "csgmv-nofn": Config("csgmv-nofn", _lora("csgmv", NUM_ADAPTERS), extra=("--lora-fuse-norm", "off")),

@@ -125,16 +125,15 @@ def test_startup_threads_env_sets_the_reader_count(setup, monkeypatch):
 
 def test_startup_reads_come_before_the_kv_cache_by_default(setup, monkeypatch, caplog):
     """By default (SGLANG_LORA_STARTUP_OVERLAP unset, or 0) the adapters are committed before the KV
-    cache is sized, each reader thread reads every file into its one buffer, and the log says so;
-    a value other than 0 or 1 is refused by name."""
+    cache is sized, read pinned where CUDA is (unpinned here, on the CPU), and the log says so; a
+    value other than 0 or 1 is refused by name."""
     import logging
-    import threading
 
     from sglang.srt.lora import lora_manager
     from sglang.srt.lora.lora import LoRAAdapter
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-    committed_before_kv, buffers = [], []
+    committed_before_kv, pins = [], []
     init_memory_pool, load = ModelRunner.init_memory_pool, LoRAAdapter.load
 
     def memory_pool(self):
@@ -142,10 +141,9 @@ def test_startup_reads_come_before_the_kv_cache_by_default(setup, monkeypatch, c
         return init_memory_pool(self)
 
     def read(cls, *args, **kwargs):
-        buffers.append((threading.current_thread().name, id(kwargs["buffer"])))
+        pins.append(kwargs["pin"])
         return load(*args, **kwargs)
 
-    monkeypatch.setenv("SGLANG_LORA_STARTUP_THREADS", "1")
     monkeypatch.setattr(ModelRunner, "init_memory_pool", memory_pool)
     monkeypatch.setattr(LoRAAdapter, "load", classmethod(read))
     for value in (None, "0"):
@@ -153,14 +151,14 @@ def test_startup_reads_come_before_the_kv_cache_by_default(setup, monkeypatch, c
             monkeypatch.delenv("SGLANG_LORA_STARTUP_OVERLAP", raising=False)
         else:
             monkeypatch.setenv("SGLANG_LORA_STARTUP_OVERLAP", value)
-        committed_before_kv.clear(), buffers.clear(), caplog.clear()
+        committed_before_kv.clear(), pins.clear(), caplog.clear()
         with caplog.at_level(logging.INFO, logger="sglang.srt.lora"):
             runner = runner_for(setup)
         assert committed_before_kv == [["a", "b"]] and sorted(runner.lora_manager.loaded_adapters()) == ["a", "b"]
         assert not runner.lora_manager.startup_overlap
         said = [r.getMessage() for r in caplog.records if "startup adapter(s) read" in r.getMessage()]
         assert len(said) == 1 and "read before the KV cache and graphs" in said[0], said
-        assert len(buffers) == 2 and len(set(buffers)) == 1, buffers  # one thread, one buffer for both files
+        assert pins == [torch.cuda.is_available()] * 2
     monkeypatch.setenv("SGLANG_LORA_STARTUP_OVERLAP", "yes")
     with pytest.raises(ValueError, match="SGLANG_LORA_STARTUP_OVERLAP"):
         lora_manager.startup_overlap()

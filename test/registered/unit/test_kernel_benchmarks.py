@@ -62,3 +62,18 @@ def test_profile_forward_idle_before_sums_gaps_by_the_waiting_event():
                 (40.0, 41.0, "embed"), (45.0, 50.0, "gemm")]
     got = {name: (us, calls) for name, us, calls in _idle_before(timeline, 2)}
     assert got == {"embed": (4.0, 0.5), "gemm": (3.5, 1.5)}, got
+
+
+def test_adapter_reads_dry_run_times_every_way(tmp_path):
+    """bench_adapter_reads' CPU dry run: every read way at 1 and 2 threads, with positive times."""
+    out = tmp_path / "reads.md"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark/lora/bench_adapter_reads.py"), "--cpu-dry-run",
+                           "--root", str(tmp_path / "assets"), "--out", str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines()
+            if re.match(r"^\| (file bytes|library|load) ", line)]
+    assert sorted((r[0], r[1]) for r in rows) == sorted((w, t) for w in ("file bytes", "library", "load")
+                                                        for t in ("1", "2")), rows
+    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows), rows

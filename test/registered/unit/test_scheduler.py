@@ -256,3 +256,31 @@ def test_tokenizer_loads_while_the_model_runner_starts(ckpt: str, monkeypatch) -
     h.submit("r", [1, 2, 3], max_new_tokens=2)
     h.run()
     assert len(h.out["r"]["ids"]) == 2
+
+
+def test_graphs_are_captured_after_the_tokenizer_load(ckpt: str, monkeypatch) -> None:
+    """The tokenizer's load (an import that holds the GIL) has ended when the model runner starts
+    its graph capture: beside it, the capture's CUDA calls would each wait for the GIL."""
+    import time
+
+    import sglang.srt.configs.tokenizer as tokenizer_mod
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    real_load, real_graphs = tokenizer_mod.load_tokenizer, ModelRunner.init_cuda_graphs
+    load_ended, graphs_began = [], []
+
+    def load(spec):
+        time.sleep(0.5)  # longer than the rest of a tiny model runner's start
+        tok = real_load(spec)
+        load_ended.append(time.perf_counter())
+        return tok
+
+    def graphs(self):
+        graphs_began.append(time.perf_counter())
+        return real_graphs(self)
+
+    monkeypatch.setattr(tokenizer_mod, "load_tokenizer", load)
+    monkeypatch.setattr(ModelRunner, "init_cuda_graphs", graphs)
+    h = Harness(ckpt)
+    assert len(load_ended) == len(graphs_began) == 1 and graphs_began[0] >= load_ended[0]
+    assert h.sched.stop_checker.tokenizer is not None

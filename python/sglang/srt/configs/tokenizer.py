@@ -46,7 +46,8 @@ def start_tokenizer_load(spec: Optional[TokenizerSpec]) -> Optional[Future]:
     start-up (on a GPU host the transformers import behind it takes 6-10 s); None without a spec.
     The Future gives the tokenizer, or raises what load_tokenizer raised. Both processes start
     theirs this way: the tokenizer manager's beside the scheduler's start, the scheduler's beside
-    the model runner."""
+    the model runner's weights and KV cache (the runner waits for it before the graph capture,
+    which the import's hold on the GIL would slow)."""
     if spec is None:
         return None
     began = time.perf_counter()

@@ -30,7 +30,6 @@ import torch
 
 from sglang.srt.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from sglang.srt.lora.lora_config import FUSED_MODULES, PROJ_TO_FUSED, LoRAConfig
-from sglang.srt.lora.safetensors_read import ReadBuffer, read_safetensors
 
 # `...layers.<i>.<...>.<proj>.lora_<A|B>[.<adapter>].weight`
 _TENSOR_NAME = re.compile(r"(?:^|\.)layers\.(\d+)\.(?:.*\.)?([^.]+)\.lora_([AB])(?:\.[^.]+)?\.weight$")
@@ -141,17 +140,15 @@ def module_shape(layer: torch.nn.Module) -> LoRAModuleShape:
                            out_partition=tuple(layer.output_partition()))
 
 
-def read_adapter_tensors(path: str, buffer: Optional[ReadBuffer] = None) -> dict[str, torch.Tensor]:
-    """All tensors of `<path>/adapter_model.safetensors` (else `.bin`), on the CPU. With `buffer`,
-    the safetensors file's are views of it (valid until its next read: a thread reading many
-    adapters reuses its pages); without, safetensors' own tensors."""
+def read_adapter_tensors(path: str) -> dict[str, torch.Tensor]:
+    """All tensors of `<path>/adapter_model.safetensors` (else `.bin`), on the CPU."""
     st_file = os.path.join(path, "adapter_model.safetensors")
     bin_file = os.path.join(path, "adapter_model.bin")
     if os.path.isfile(st_file):
         from safetensors.torch import load_file
 
         try:
-            return read_safetensors(st_file, buffer) if buffer is not None else load_file(st_file, device="cpu")
+            return load_file(st_file, device="cpu")
         except Exception as e:  # safetensors raises its own error type for truncated headers/data
             raise ValueError(
                 f"Cannot read LoRA weights {st_file!r} (truncated or corrupt file?): {e}"
@@ -250,13 +247,11 @@ class LoRAAdapter:
 
     @classmethod
     def load(cls, lora_id: str, config: LoRAConfig, shapes: LoRAModelShapes,
-             dtype: Optional[torch.dtype] = None, pin: Optional[bool] = None,
-             buffer: Optional[ReadBuffer] = None) -> "LoRAAdapter":
+             dtype: Optional[torch.dtype] = None, pin: Optional[bool] = None) -> "LoRAAdapter":
         """Read and check the adapter's files; the host copy is kept in `dtype` (the pool's) when
-        given, pinned if `pin` (default: when CUDA is available; see pin_host_copy). `buffer`: the
-        file is read into it (a thread reading many adapters reuses one), else into a new one."""
+        given, pinned if `pin` (default: when CUDA is available; see pin_host_copy)."""
         adapter = cls(lora_id, config, shapes)
-        adapter.initialize_weights(dtype, torch.cuda.is_available() if pin is None else pin, buffer)
+        adapter.initialize_weights(dtype, torch.cuda.is_available() if pin is None else pin)
         return adapter
 
     def pin_host_copy(self) -> None:
@@ -273,11 +268,9 @@ class LoRAAdapter:
         self.pinned = True
 
     # ------------------------------------------------------------------ loading
-    def initialize_weights(self, dtype: Optional[torch.dtype] = None, pin: bool = False,
-                           buffer: Optional[ReadBuffer] = None) -> None:
+    def initialize_weights(self, dtype: Optional[torch.dtype] = None, pin: bool = False) -> None:
         path = self.config.path
-        # Views of the file's bytes (in `buffer`): everything kept is copied out by pack_tensors.
-        tensors = read_adapter_tensors(path, buffer)
+        tensors = read_adapter_tensors(path)
         if not tensors:
             raise ValueError(f"LoRA weights of adapter at {path!r} are empty")
         targets = self.config.target_projections()

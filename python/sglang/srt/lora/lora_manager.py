@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
@@ -40,7 +39,6 @@ from sglang.srt.lora.model_wrapping import (
 )
 from sglang.srt.lora.norm_fusion import attach_norm_fusion
 from sglang.srt.lora.pool_sizing import auto_slot_count
-from sglang.srt.lora.safetensors_read import ReadBuffer
 
 if TYPE_CHECKING:
     from sglang.srt.configs.forward_batch_info import ForwardBatch
@@ -195,12 +193,11 @@ class LoRAManager:
         """Read the startup adapters' tensors in parallel threads (the files, the checks, the
         conversion; torch releases the GIL). Beside the graph capture (startup_overlap()) they are
         read unpinned, since another thread's cudaHostAlloc is refused while the main thread
-        captures a CUDA graph, and finish_startup pins them; else straight into pinned buffers.
-        Each thread reads every file into its one buffer (no fresh pages per file)."""
+        captures a CUDA graph, and finish_startup pins them; else straight into pinned buffers
+        (one copy of the file's tensors, not two)."""
         if not refs:
             return None
         pin = torch.cuda.is_available() and not self.startup_overlap
-        buffers = threading.local()
 
         def read(ref: LoRARef) -> LoRAAdapter:
             # This thread's own intra-op thread count (OpenMP's is per thread): the main thread's stays.
@@ -208,10 +205,7 @@ class LoRAManager:
             reason = self.pool.incompatibility(configs[ref.lora_id])
             if reason is not None:
                 raise ValueError(reason)
-            if not hasattr(buffers, "file"):
-                buffers.file = ReadBuffer()
-            return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes, self.dtype, pin=pin,
-                                    buffer=buffers.file)
+            return LoRAAdapter.load(ref.lora_id, configs[ref.lora_id], self.shapes, self.dtype, pin=pin)
 
         threads = ThreadPoolExecutor(min(startup_load_threads(), len(refs)), thread_name_prefix="sglang-lora-read")
         started = time.perf_counter()
