@@ -96,6 +96,45 @@ def test_startup_adapters_are_read_while_the_graphs_are_set_up(setup, monkeypatc
     assert sorted(pins) == sorted(runner.lora_manager.refs)
 
 
+def test_startup_reads_begin_after_the_work_the_runner_waits_for(setup, monkeypatch):
+    """ModelRunner(wait_for=...) (the scheduler passes its tokenizer load): the startup adapter
+    reads begin only once that work has ended, in either start-up order."""
+    import threading
+    import time
+    from concurrent.futures import Future
+
+    from sglang.srt.lora.lora import LoRAAdapter
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_configs import build_run_configs
+
+    ckpt, paths = setup[0], {n: setup[1][n] for n in ("a", "b")}
+    load, read_began = LoRAAdapter.load, []
+
+    def read(cls, *args, **kwargs):
+        read_began.append(time.perf_counter())
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(LoRAAdapter, "load", classmethod(read))
+    for overlap in ("0", "1"):
+        monkeypatch.setenv("SGLANG_LORA_STARTUP_OVERLAP", overlap)
+        read_began.clear()
+        work, ended = Future(), []
+
+        def finish():
+            time.sleep(0.5)
+            ended.append(time.perf_counter())
+            work.set_result(None)
+
+        threading.Thread(target=finish).start()
+        args = ServerArgs(model_path=ckpt, device="cpu", dtype="float32", attention_backend="torch_native",
+                          max_total_tokens=2048, max_running_requests=16, disable_cuda_graph=True,
+                          lora_paths=[f"{n}={p}" for n, p in paths.items()])
+        runner = ModelRunner(build_run_configs(args).scheduler.runner, wait_for=work)
+        assert sorted(runner.lora_manager.loaded_adapters()) == sorted(paths)
+        assert len(read_began) == len(paths) and min(read_began) >= ended[0], (overlap, read_began, ended)
+
+
 def test_startup_threads_env_sets_the_reader_count(setup, monkeypatch):
     """SGLANG_LORA_STARTUP_THREADS=1: both startup adapters are read by the one reader thread; a
     value that is not a positive integer is refused by name."""

@@ -260,16 +260,20 @@ def test_tokenizer_loads_while_the_model_runner_starts(ckpt: str, monkeypatch) -
 
 def test_graphs_are_captured_after_the_tokenizer_load(ckpt: str, monkeypatch) -> None:
     """The tokenizer's load (an import that holds the GIL) has ended when the model runner starts
-    its graph capture: beside it, the capture's CUDA calls would each wait for the GIL."""
+    its graph capture: beside it, the capture's CUDA calls would each wait for the GIL. While it
+    loads, the GIL switch interval is short, and it is restored after."""
+    import sys
     import time
 
     import sglang.srt.configs.tokenizer as tokenizer_mod
     from sglang.srt.model_executor.model_runner import ModelRunner
 
     real_load, real_graphs = tokenizer_mod.load_tokenizer, ModelRunner.init_cuda_graphs
-    load_ended, graphs_began = [], []
+    load_ended, graphs_began, intervals = [], [], []
+    before = sys.getswitchinterval()
 
     def load(spec):
+        intervals.append(sys.getswitchinterval())
         time.sleep(0.5)  # longer than the rest of a tiny model runner's start
         tok = real_load(spec)
         load_ended.append(time.perf_counter())
@@ -284,3 +288,4 @@ def test_graphs_are_captured_after_the_tokenizer_load(ckpt: str, monkeypatch) ->
     h = Harness(ckpt)
     assert len(load_ended) == len(graphs_began) == 1 and graphs_began[0] >= load_ended[0]
     assert h.sched.stop_checker.tokenizer is not None
+    assert intervals == [min(before, tokenizer_mod.LOAD_SWITCH_INTERVAL_S)] and sys.getswitchinterval() == before

@@ -77,10 +77,10 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         self.recv_conn = recv_conn
         self.send_conn = send_conn
         self.tp_group = tp_group
-        # The tokenizer (for stop strings) loads while the model and the KV cache are set up; the
-        # graphs are captured after it (its import holds the GIL, which the capture needs).
+        # The tokenizer (for stop strings) loads while the weights load; the adapter reads and the
+        # graph capture come after it (its import holds the GIL, which they need).
         tokenizer_load = start_tokenizer_load(config.tokenizer)
-        self.model_runner = ModelRunner(config.runner, gpu_id=gpu_id, tp_group=tp_group, before_graphs=tokenizer_load)
+        self.model_runner = ModelRunner(config.runner, gpu_id=gpu_id, tp_group=tp_group, wait_for=tokenizer_load)
         mr = self.model_runner
         self.allocator = mr.token_to_kv_pool_allocator
         self.req_to_token_pool = mr.req_to_token_pool

@@ -57,9 +57,10 @@ def batch_needs_lora(fb: ForwardBatch) -> bool:
 
 class ModelRunner:
     def __init__(self, config: RunnerConfig, gpu_id: int = 0, tp_group: TensorParallelGroup = SINGLE_RANK,
-                 before_graphs: Optional[Future] = None) -> None:
-        """`before_graphs`: start-up work running beside this constructor that holds the GIL (the
-        scheduler's tokenizer load); the graphs are captured once it has ended."""
+                 wait_for: Optional[Future] = None) -> None:
+        """`wait_for`: start-up work running beside this constructor that holds the GIL (the
+        scheduler's tokenizer load). It may overlap the weights; the startup adapter reads and the
+        graph capture begin once it has ended."""
         assert config.split.tp_size == tp_group.size, "the config's split is for another group size"
         self.config = config
         self.gpu_id = gpu_id
@@ -91,6 +92,15 @@ class ModelRunner:
         if free_before is not None:
             logger.info("Weights use %.2f GiB", free_before - get_available_gpu_memory(gpu_id))
         self.sampler = Sampler()
+        if wait_for is not None:
+            # The adapter reads and the capture are torch ops and CUDA calls, each giving up the GIL
+            # and waiting to win it back from a thread that holds it (H200: a LoRA server's 102
+            # graphs took 40.3 s beside the tokenizer's load, 19.6 s after it; 64 adapter reads 15.1 s
+            # beside it, 4.7 s alone in bench_adapter_reads).
+            waited = time.perf_counter()
+            wait([wait_for])
+            logger.info("Start-up work beside the model runner waited for after the weights: %.1f s",
+                        time.perf_counter() - waited)
         self.lora_manager = None
         if config.lora is not None:
             # After the weights (it wraps the loaded layers), before memory sizing (its pool
@@ -114,14 +124,6 @@ class ModelRunner:
         self.num_eager_decodes = 0
         # Forward batches by (mode, path, reason it ran eagerly): what /metrics exports.
         self.forward_paths: Counter[tuple[str, str, str]] = Counter()
-        if before_graphs is not None:
-            # A capture is thousands of short CUDA calls, each giving up the GIL and waiting to get
-            # it back from a thread that holds it (H200: a LoRA server's 102 graphs took 40.3 s
-            # beside the tokenizer's load, 19.6 s after it).
-            waited = time.perf_counter()
-            wait([before_graphs])
-            logger.info("Start-up work beside the model runner waited for before the graphs: %.1f s",
-                        time.perf_counter() - waited)
         self.init_cuda_graphs()
         if self.lora_manager is not None and self.lora_manager.startup_overlap:
             self.lora_manager.finish_startup()
