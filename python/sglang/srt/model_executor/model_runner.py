@@ -48,8 +48,8 @@ MAX_RUNNING_REQUESTS_CAP = 4096
 ACTIVATION_RESERVE_GIB = 1.0
 # req_to_token rows are context_len + this wide, so a row never needs a bounds check at its end.
 REQ_TO_TOKEN_PAD = 8
-# "0": read the startup adapters before the KV cache and graphs are set up, not beside them (to
-# measure the overlap, or to rule it out).
+
+
 def batch_needs_lora(fb: ForwardBatch) -> bool:
     """Whether any request of the batch uses an adapter (None ids are the base model)."""
     return fb.lora_ids is not None and any(lora_id is not None for lora_id in fb.lora_ids)
