@@ -211,14 +211,14 @@ class LoRAManager:
         started = time.perf_counter()
         return _StartupReads(refs, configs, [threads.submit(read, ref) for ref in refs], threads, started)
 
-    def finish_startup(self, after_graphs: bool = True) -> None:
+    def finish_startup(self) -> None:
         """Wait for the startup reads, pin the host copies and commit the adapters in their order
-        (a bad adapter: ValueError naming it, as at any other start-up failure). `after_graphs`:
-        called once the KV cache and graphs are set up (the reads overlapped them), else before."""
+        (a bad adapter: ValueError naming it, as at any other start-up failure). Called before the
+        KV cache and graphs are set up, or after them when the reads overlap them (startup_overlap)."""
         startup, self._startup = self._startup, None
         if startup is not None:
             try:
-                self._commit_startup_adapters(startup, after_graphs)
+                self._commit_startup_adapters(startup)
             finally:
                 startup.threads.shutdown(wait=True, cancel_futures=True)
         logger.info(
@@ -230,7 +230,7 @@ class LoRAManager:
             sorted(self.loaded_adapters()),
         )
 
-    def _commit_startup_adapters(self, startup: _StartupReads, after_graphs: bool) -> None:
+    def _commit_startup_adapters(self, startup: _StartupReads) -> None:
         refs, configs, futures = startup.refs, startup.configs, startup.futures
         waited = time.perf_counter()
         for _ in tqdm(as_completed(futures), total=len(futures), desc="Loading LoRA adapters", unit="adapter",
@@ -245,7 +245,7 @@ class LoRAManager:
         # Read beside the capture: pinned now, in the same threads (the copies run in parallel).
         # Read before it: pinned already, and this does nothing.
         list(startup.threads.map(LoRAAdapter.pin_host_copy, adapters))
-        if after_graphs:
+        if self.startup_overlap:
             logger.info("LoRA: %d startup adapter(s) read while the KV cache and graphs were set up, %.1f s "
                         "waited for after them", len(refs), time.perf_counter() - waited)
         else:

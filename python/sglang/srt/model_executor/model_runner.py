@@ -110,7 +110,7 @@ class ModelRunner:
         # The startup adapters are committed here, before the KV cache and graphs, unless their reads
         # were asked to overlap them (SGLANG_LORA_STARTUP_OVERLAP=1: committed after the graphs).
         if self.lora_manager is not None and not self.lora_manager.startup_overlap:
-            self.lora_manager.finish_startup(after_graphs=False)
+            self.lora_manager.finish_startup()
         self.init_memory_pool()
         self.attn_backend = self._create_attn_backend()
         # The graph set with LoRA kernels on a LoRA server (the only set without LoRA), and the set
