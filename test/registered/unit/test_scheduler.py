@@ -289,3 +289,28 @@ def test_graphs_are_captured_after_the_tokenizer_load(ckpt: str, monkeypatch) ->
     assert len(load_ended) == len(graphs_began) == 1 and graphs_began[0] >= load_ended[0]
     assert h.sched.stop_checker.tokenizer is not None
     assert intervals == [min(before, tokenizer_mod.LOAD_SWITCH_INTERVAL_S)] and sys.getswitchinterval() == before
+
+
+@pytest.mark.parametrize("first_done", ["first", "second"])
+def test_two_overlapping_tokenizer_loads_restore_the_switch_interval(monkeypatch, first_done: str) -> None:
+    """Two background loads that overlap in one process, ending in either order: the process's own
+    interval is back after both (never left at the short one). When the later-started load ends
+    first, the earlier one keeps the short interval while it runs."""
+    import sys
+    import threading
+
+    import sglang.srt.configs.tokenizer as tokenizer_mod
+
+    gates = {"a": threading.Event(), "b": threading.Event()}
+    monkeypatch.setattr(tokenizer_mod, "load_tokenizer", lambda spec: gates[spec.path].wait(30) and spec.path)
+    before = sys.getswitchinterval()
+    a = tokenizer_mod.start_tokenizer_load(tokenizer_mod.TokenizerSpec("a"))
+    b = tokenizer_mod.start_tokenizer_load(tokenizer_mod.TokenizerSpec("b"))
+    order = ("a", "b") if first_done == "first" else ("b", "a")
+    gates[order[0]].set()
+    assert {"a": a, "b": b}[order[0]].result(30) == order[0]
+    if first_done == "second":
+        assert sys.getswitchinterval() == min(before, tokenizer_mod.LOAD_SWITCH_INTERVAL_S)
+    gates[order[1]].set()
+    assert {"a": a, "b": b}[order[1]].result(30) == order[1]
+    assert sys.getswitchinterval() == before

@@ -60,13 +60,17 @@ def start_tokenizer_load(spec: Optional[TokenizerSpec]) -> Optional[Future]:
         return None
     began = time.perf_counter()
     previous = sys.getswitchinterval()
-    sys.setswitchinterval(min(previous, LOAD_SWITCH_INTERVAL_S))
+    lowered = min(previous, LOAD_SWITCH_INTERVAL_S)
+    sys.setswitchinterval(lowered)
 
     def timed_load() -> Any:
         try:
             tokenizer = load_tokenizer(spec)
         finally:
-            sys.setswitchinterval(previous)
+            # Only if nobody changed it since (a second load in the process may have, and restores
+            # its own `previous`): the process never keeps the short interval after the loads.
+            if sys.getswitchinterval() == lowered:
+                sys.setswitchinterval(previous)
         logger.info("Tokenizer loaded in %.1f s, beside the rest of start-up", time.perf_counter() - began)
         return tokenizer
 
