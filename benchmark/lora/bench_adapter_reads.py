@@ -5,8 +5,9 @@
     PYTHONPATH=$PWD/python python benchmark/lora/bench_adapter_reads.py --cpu-dry-run   # tiny shape
 
 Part 1, reads: `--adapters` distinct rank-`--rank` PEFT adapters (float32, all seven projections,
-written once by sglang.srt.tools.make_adapter) read the ways the engine can, each over all files,
-in ms per adapter (wall / number of adapters) and MB/s of file bytes:
+written once) read the ways the engine can, each over all files,
+in ms per adapter (wall / number of adapters) and MB/s of file bytes (runner_lib.write_assets
+writes them):
   file bytes          the files' bytes read into one reused buffer per thread (the disk, or
                       the page cache: the files were just written)
   library             safetensors.torch.load_file alone (it maps the file; nothing is read yet)
@@ -34,27 +35,22 @@ from pathlib import Path
 from types import SimpleNamespace
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "python"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # runner_lib
 
 import torch  # noqa: E402
 
+from runner_lib import write_assets  # noqa: E402
 from sglang.srt.lora.lora import LoRAAdapter, LoRAModelShapes  # noqa: E402
 from sglang.srt.lora.lora_config import LoRAConfig  # noqa: E402
-from sglang.srt.tools.make_checkpoint import make_checkpoint  # noqa: E402
-from sglang.srt.tools.make_adapter import make_adapters  # noqa: E402
 
 
-def write_assets(root: str, shape: str, num: int, rank: int) -> tuple[LoRAModelShapes, list[LoRAConfig]]:
-    ckpt = os.path.join(root, shape)
-    if not os.path.exists(os.path.join(ckpt, "config.json")):
-        make_checkpoint(ckpt, arch="qwen3", preset=shape, with_weights=shape == "tiny")
+def assets(root: str, shape: str, num: int, rank: int) -> tuple[LoRAModelShapes, list[LoRAConfig]]:
+    """runner_lib's checkpoint and adapters (written once), as the shapes and configs a read needs."""
+    ckpt, adapters = write_assets(root, shape, num, rank)
     with open(os.path.join(ckpt, "config.json")) as f:
         cfg = json.load(f)
-    folder = os.path.join(root, f"adapters-{shape}-r{rank}")
-    paths = [os.path.join(folder, f"lora{i}") for i in range(num)]
-    if not all(os.path.exists(os.path.join(p, "adapter_config.json")) for p in paths):
-        paths = list(make_adapters(ckpt, folder, num=num, rank=rank, seed=7).values())
     shapes = LoRAModelShapes.from_hf_config(SimpleNamespace(**cfg))
-    return shapes, [LoRAConfig.from_path(p, cfg["vocab_size"]) for p in paths]
+    return shapes, [LoRAConfig.from_path(p, cfg["vocab_size"]) for p in adapters.values()]
 
 
 def timed(fn, items, threads: int) -> float:
@@ -155,7 +151,7 @@ def main() -> None:
     if args.cpu_dry_run:
         args.shape, args.adapters, args.threads = "tiny", 2, [1, 2]
     started = time.perf_counter()
-    shapes, configs = write_assets(args.root, args.shape, args.adapters, args.rank)
+    shapes, configs = assets(args.root, args.shape, args.adapters, args.rank)
     print(f"[reads] assets ready in {time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
     rows = read_rows(shapes, configs, args.threads)
     mb = sum(os.path.getsize(os.path.join(c.path, "adapter_model.safetensors")) for c in configs) / 1e6 / len(configs)
