@@ -7,6 +7,7 @@ Generic on purpose: other suites (LoRA, CUDA graphs, scheduler) may import it.
 from __future__ import annotations
 
 import copy
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -29,8 +30,9 @@ from server_helpers import tiny_checkpoint  # one disk-cached implementation for
 ARCHS = ("llama", "mistral", "qwen2", "qwen3")
 
 
-def make_runner(model_path: str, **overrides: Any) -> ModelRunner:
-    """A ModelRunner on the CPU in float32 with small pools (override any ServerArgs field)."""
+def make_runner(model_path: str, wait_for: Optional[Future] = None, **overrides: Any) -> ModelRunner:
+    """A ModelRunner on the CPU in float32 with small pools (override any ServerArgs field);
+    `wait_for`: ModelRunner's (work it waits for after the weights)."""
     args = dict(
         model_path=model_path,
         device="cpu",
@@ -42,7 +44,7 @@ def make_runner(model_path: str, **overrides: Any) -> ModelRunner:
         random_seed=0,
     )
     args.update(overrides)
-    return ModelRunner(build_run_configs(ServerArgs(**args)).scheduler.runner)
+    return ModelRunner(build_run_configs(ServerArgs(**args)).scheduler.runner, wait_for=wait_for)
 
 
 def hf_model(model_path: str, dtype: torch.dtype = torch.float32):

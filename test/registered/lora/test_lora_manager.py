@@ -104,9 +104,6 @@ def test_startup_reads_begin_after_the_work_the_runner_waits_for(setup, monkeypa
     from concurrent.futures import Future
 
     from sglang.srt.lora.lora import LoRAAdapter
-    from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.server_args import ServerArgs
-    from sglang.srt.server_configs import build_run_configs
 
     ckpt, paths = setup[0], {n: setup[1][n] for n in ("a", "b")}
     load, read_began = LoRAAdapter.load, []
@@ -127,10 +124,7 @@ def test_startup_reads_begin_after_the_work_the_runner_waits_for(setup, monkeypa
             work.set_result(None)
 
         threading.Thread(target=finish).start()
-        args = ServerArgs(model_path=ckpt, device="cpu", dtype="float32", attention_backend="torch_native",
-                          max_total_tokens=2048, max_running_requests=16, disable_cuda_graph=True,
-                          lora_paths=[f"{n}={p}" for n, p in paths.items()])
-        runner = ModelRunner(build_run_configs(args).scheduler.runner, wait_for=work)
+        runner = make_runner(ckpt, wait_for=work, lora_paths=[f"{n}={p}" for n, p in paths.items()])
         assert sorted(runner.lora_manager.loaded_adapters()) == sorted(paths)
         assert len(read_began) == len(paths) and min(read_began) >= ended[0], (overlap, read_began, ended)
 
