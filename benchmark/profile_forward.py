@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import host_phases  # noqa: E402
 from runner_lib import (  # noqa: E402
     SHAPES,
     build_runner,
@@ -79,6 +80,9 @@ class Profile:
     # that kernel's name: (name, idle µs per fwd, calls per fwd). The entry whose calls are 1 per
     # forward and whose idle is largest is the host work before the forward's first launch.
     idle_before: list[tuple[str, float, float]] = field(default_factory=list)
+    # Host µs per forward of each phase of ModelRunner.forward, measured without the profiler
+    # (host_phases.py); empty for the HF anchor.
+    host: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -236,7 +240,11 @@ def measure_setup(args, setup: EngineSetup, profile: bool) -> list[Measured]:
     def measure(case: str, path: str, fb, expect_graph: bool, note: str = "") -> None:
         fwd = lambda: forward_checked(runner, fb, expect_graph)  # noqa: E731
         wall = time_ms(fwd, args.warmup, args.repeats, runner.device)
-        out.append((case, path, wall, profile_fn(fwd, args.profile_repeats) if profile else None, note))
+        prof = None
+        if profile:
+            prof = profile_fn(fwd, args.profile_repeats)
+            prof.host = host_phases.measure(runner, fwd, args.repeats, runner.device)
+        out.append((case, path, wall, prof, note))
         log(f"  {lora:>12} {case:>12} {path:<10} wall {wall:8.3f} ms")
 
     prefills = [([n], f"prefill {n}") for n in args.tokens]
@@ -414,6 +422,11 @@ def to_markdown(rows: list[Row], notes: list[str]) -> str:
     for r in rows:
         idle = "; ".join(f"`{name[:60]}` {us:.0f} µs ×{calls:.1f}" for name, us, calls in r.prof.idle_before)
         out.append(f"- {r.model} {r.lora} {r.case} {r.path}: {idle or '(none)'}")
+    out += ["", "Host time per forward by phase of ModelRunner.forward (µs, without the profiler; "
+            "benchmark/host_phases.py):", ""]
+    for r in rows:
+        if r.prof.host:
+            out.append(f"- {r.model} {r.lora} {r.case} {r.path}: {host_phases.summary(r.prof.host)}")
     return "\n".join(out) + "\n"
 
 

@@ -8,6 +8,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -50,6 +51,48 @@ def test_profile_forward_rounds_alternate_the_variants(tmp_path):
         walls = [float(w) for w in re.search(r"rounds ([\d.]+) / ([\d.]+)", r[3]).groups()]
         assert abs(float(r[4]) - (walls[0] + walls[1]) / 2) < 2e-3  # the median of two rounds
     assert "prefill 8 eager (lora-unfused): LoRA / base" in text and "decode bs2 x2 eager: LoRA / base" in text
+    # Host phases, first round: every case of every variant; only LoRA runners spend time in LoRA's prepare.
+    host = dict(re.findall(r"^- tiny (\S+ \S+ \S+(?: x\d)?) eager: prepare \d+ \(LoRA (\d+)\)", text, re.M))
+    assert len(host) == 6, host  # prefill 8 and decode bs2 (x2 with LoRA), three variants
+    assert all((int(us) > 0) == (not key.startswith("none")) for key, us in host.items()), host
+
+
+def test_host_phases_times_each_phase_and_restores_the_methods():
+    """host_phases wraps a runner's methods for the measurement only: nested phases are counted in
+    their parents, and afterwards the instance has no attribute of its own left."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+    import host_phases
+
+    class Backend:
+        def init_forward_metadata_replay_cuda_graph(self):
+            pass
+
+    class Manager:
+        def prepare_forward(self):
+            time.sleep(0.002)
+
+    class Runner:
+        attn_backend, lora_manager = Backend(), Manager()
+
+        def prepare(self):
+            self.lora_manager.prepare_forward()
+
+        def run_body(self):
+            time.sleep(0.001)
+
+        def _to_host(self):
+            time.sleep(0.003)
+
+        def run_eager_tail(self):
+            self._to_host()
+
+    runner = Runner()
+    phases = host_phases.measure(runner, lambda: (runner.prepare(), runner.run_body(), runner.run_eager_tail()), 3)
+    assert phases["prepare"] >= phases["prepare.lora"] >= 2000, phases
+    assert phases["tail"] >= phases["tail.to_host"] >= 3000 and phases["body"] >= 1000, phases
+    assert phases["wall"] >= phases["prepare"] + phases["body"] + phases["tail"], phases
+    assert not {"prepare", "run_body", "run_eager_tail", "_to_host"} & set(vars(runner)), vars(runner)
+    assert "prepare_forward" not in vars(runner.lora_manager)
 
 
 def test_profile_forward_idle_before_sums_gaps_by_the_waiting_event():
