@@ -264,6 +264,53 @@ def test_decode_static_info_matches_eager(name, fold, modules):
         assert_outputs_close(replayed, expected, rows=bs)
 
 
+@pytest.mark.parametrize("name", ["csgmv", "triton"])
+def test_decode_refresh_skips_an_unchanged_batch(name, modules, monkeypatch):
+    """A decode step whose batch (slots, lengths, slot ranks) is the last refresh's copies nothing:
+    its metadata is in the static buffer already. Any change in between, a slot rank included,
+    rewrites it, and every refresh reads as a fresh build of its batch would."""
+    backend = make(name, True, modules).backend
+    backend.init_cuda_graph_batch_info(8, 1)
+    meta = backend._decode
+    writes = []
+    real_write = meta.staging.write
+    monkeypatch.setattr(meta.staging, "write", lambda values: (writes.append(1), real_write(values)))
+    info = backend.cuda_graph_batch_info
+
+    def refresh(slots, ranks=RANKS):
+        backend.fill_batch_info(make_batch([1] * len(slots), ForwardMode.DECODE), slots, ranks, SCALINGS,
+                                ForwardPath.DECODE_GRAPH)
+        return _segments_of(info), info.num_segments, info.num_rows
+
+    a = [A_SLOT, B_SLOT, A_SLOT, BASE_SLOT]
+    b = [B_SLOT, B_SLOT, A_SLOT]
+    first = refresh(a)
+    assert refresh(a) == first and len(writes) == 1  # unchanged: nothing copied
+    other = refresh(b)
+    assert other != first and len(writes) == 2
+    assert refresh(a) == first and len(writes) == 3  # back to a: rebuilt, the same as the first time
+    no_b = [r if s != B_SLOT else 0 for s, r in enumerate(RANKS)]  # B's slot emptied: its rows go inactive
+    emptied = refresh(a, no_b)
+    assert len(writes) == 4 and all(slot != B_SLOT for slot, _ in emptied[0])
+    fresh = make(name, True, modules).backend
+    fresh.init_cuda_graph_batch_info(8, 1)
+    fresh.fill_batch_info(make_batch([1] * 4, ForwardMode.DECODE), a, no_b, SCALINGS, ForwardPath.DECODE_GRAPH)
+    assert (_segments_of(fresh.cuda_graph_batch_info), fresh.cuda_graph_batch_info.num_segments) == emptied[:2]
+
+
+def test_staged_copy_rewrites_its_tensor_in_place():
+    from sglang.srt.lora.backend._staging import StagedCopy
+
+    dst = torch.zeros(5, dtype=torch.int32)
+    staged = StagedCopy(dst)
+    ptr = dst.data_ptr()
+    for values in ([1, 2, 3, 4, 5], [9, 8, 7, 6, 5]):
+        staged.write(torch.tensor(values, dtype=torch.int32))
+        assert dst.tolist() == values and dst.data_ptr() == ptr
+    with pytest.raises(AssertionError):
+        staged.write(torch.zeros(4, dtype=torch.int32))
+
+
 def _segments_of(info) -> list[tuple[int, list[int]]]:
     """(slot, token rows) of every non-empty segment of an info, as the kernels read them."""
     indptr, slots, perm = info.seg_indptr.tolist(), info.weight_indices.tolist(), info.permutation.tolist()

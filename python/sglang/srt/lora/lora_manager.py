@@ -397,7 +397,8 @@ class LoRAManager:
         # The running requests' adapters (keep_lora_ids) only must not be evicted: they are not
         # this batch's, so they are neither loaded, marked used nor counted against the slots here.
         self.pool.make_resident(set(lora_ids), self.adapters, self.pinned_ids | set(forward_batch.keep_lora_ids))
-        weight_indices = [self.pool.get_slot(lora_id) for lora_id in lora_ids]
+        slot_of = self.pool.lora_id_to_slot  # what get_slot reads, without a call per request
+        weight_indices = [slot_of[lora_id] for lora_id in lora_ids]
         self.lora_backend.fill_batch_info(
             forward_batch,
             weight_indices,

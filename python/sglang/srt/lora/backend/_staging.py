@@ -35,3 +35,35 @@ def copy_into(dst: torch.Tensor, values: HostValues) -> None:
     host = _host_tensor(values, dst.dtype, dst.device)
     assert host.numel() == dst.numel(), (host.numel(), dst.numel())
     dst.copy_(host.view(dst.shape), non_blocking=True)
+
+
+class StagedCopy:
+    """A static device tensor with a pinned host twin of its size, reused for every refresh.
+
+    `copy_into` pins a fresh host tensor per call; on the H200 host a LoRA decode step's metadata
+    refresh (one such copy) measured 0.3-0.5 ms of host time against ~0.05 ms on the CPU alone,
+    all of it before the graph replay, with the GPU idle. Here the host buffer is allocated once:
+    a refresh waits for the previous copy out of it (an event, normally long done: the step in
+    between synchronised), fills it in place and queues one non-blocking copy.
+    """
+
+    def __init__(self, dst: torch.Tensor) -> None:
+        assert dst.is_contiguous(), "a staged copy writes its device tensor whole"
+        self.dst = dst
+        self.on_cuda = dst.device.type == "cuda"
+        self.host = torch.empty(dst.shape, dtype=dst.dtype, pin_memory=self.on_cuda)
+        self._copied: torch.cuda.Event | None = None
+
+    def write(self, values: torch.Tensor) -> None:
+        """Overwrite `dst` in place with `values` (a CPU tensor of dst's dtype and element count)."""
+        assert values.numel() == self.dst.numel() and values.dtype == self.dst.dtype, (values.shape, values.dtype)
+        if not self.on_cuda:
+            self.dst.copy_(values.view(self.dst.shape))
+            return
+        if self._copied is not None:
+            self._copied.synchronize()  # the last copy out of `host` has been read
+        self.host.copy_(values.view(self.dst.shape))
+        self.dst.copy_(self.host, non_blocking=True)
+        if self._copied is None:
+            self._copied = torch.cuda.Event()
+        self._copied.record()

@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 
 from sglang.srt.configs.forward_path import ForwardPath
-from sglang.srt.lora.backend._staging import copy_into, to_device
+from sglang.srt.lora.backend._staging import StagedCopy, to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
@@ -97,6 +97,12 @@ class _GraphMeta:
     rows: int
     capacity: int
     scratch: _Scratch
+    staging: StagedCopy  # buffer's pinned host twin: the one host->device copy of a refresh
+    # What `buffer` holds: the (request slots, request lengths, slot ranks) it was built from, and
+    # its segment count. A decode step whose batch is the previous one's (most steps: requests
+    # come and go every few steps) finds its metadata already in place.
+    filled_for: Optional[tuple] = None
+    filled_segments: int = 0
 
 
 @dataclass
@@ -202,7 +208,7 @@ class TokenLoRABackend(BaseLoRABackend):
             permutation=buffer[:rows], seg_indptr=buffer[rows : rows + cap + 1], weight_indices=buffer[rows + cap + 1 : end],
             row_slots=buffer[end:] if with_row_slots else None,
         )
-        return _GraphMeta(info, buffer, rows, cap, self._scratch_for(rows))
+        return _GraphMeta(info, buffer, rows, cap, self._scratch_for(rows), StagedCopy(buffer))
 
     def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1) -> None:
         self._decode = self._graph_meta(max_bs_in_cuda_graph * num_tokens_per_bs, with_row_slots=self.fuse_norm)
@@ -243,14 +249,17 @@ class TokenLoRABackend(BaseLoRABackend):
             assert meta is not None, "init_*_cuda_graph_batch_info must run before a graph batch"
             assert path is ForwardPath.DECODE_GRAPH or forward_batch.forward_mode.is_extend(), forward_batch.forward_mode
             assert num_rows <= meta.rows, (num_rows, meta.rows)
-            # The static segments cover every row the graph kind holds (padding in row order), so
-            # any bucket's grid finds all of its rows in its first segment_capacity(bucket) segments.
-            segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, meta.rows, idle)
-            assert segs.num_segments <= meta.capacity, (segs.num_segments, meta.capacity)
-            row_slots = weight_indices + [-1] * (meta.rows - bs) if meta.info.row_slots is not None else None
-            copy_into(meta.buffer, self._packed(segs, meta.capacity, idle, row_slots))
+            key = (tuple(weight_indices), tuple(lens), tuple(lora_ranks))
+            if key != meta.filled_for:
+                # The static segments cover every row the graph kind holds (padding in row order), so
+                # any bucket's grid finds all of its rows in its first segment_capacity(bucket) segments.
+                segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, meta.rows, idle)
+                assert segs.num_segments <= meta.capacity, (segs.num_segments, meta.capacity)
+                row_slots = weight_indices + [-1] * (meta.rows - bs) if meta.info.row_slots is not None else None
+                meta.staging.write(self._packed(segs, meta.capacity, idle, row_slots))
+                meta.filled_for, meta.filled_segments = key, segs.num_segments
             info, scratch = meta.info, meta.scratch
-            info.num_rows, info.num_segments = num_rows, segs.num_segments
+            info.num_rows, info.num_segments = num_rows, meta.filled_segments
             # The grid's segment axis for this row count: at capture, the bucket's capacity.
             info.bs = self.segment_capacity(num_rows)
         else:
