@@ -57,6 +57,23 @@ def test_profile_forward_rounds_alternate_the_variants(tmp_path):
     assert all((int(us) > 0) == (not key.startswith("none")) for key, us in host.items()), host
 
 
+def test_profile_host_dry_run_reports_every_case(tmp_path):
+    """profile_host's CPU dry run: host phases for the base and both LoRA cases, cProfile tables for
+    the base and the changing batch."""
+    out = tmp_path / "host.md"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TRITON_INTERPRET="1")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmark/profile_host.py"), "--device", "cpu", "--model", "tiny",
+           "--bs", "2", "--adapters", "2", "--repeats", "2", "--top", "3", "--root", str(tmp_path / "assets"),
+           "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = out.read_text()
+    lora = dict(re.findall(r"^- bs 2, (.+?): prepare \d+ \(LoRA (\d+)\)", text, re.M))
+    assert sorted(lora) == ["LoRA, changing batch", "LoRA, same batch", "base"], lora
+    assert lora["base"] == "0" and int(lora["LoRA, changing batch"]) > 0
+    assert text.count("ncalls") == 2 and "#### bs 2, LoRA, changing batch" in text
+
+
 def test_host_phases_times_each_phase_and_restores_the_methods():
     """host_phases wraps a runner's methods for the measurement only: nested phases are counted in
     their parents, and afterwards the instance has no attribute of its own left."""
