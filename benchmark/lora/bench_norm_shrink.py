@@ -11,8 +11,6 @@ residual add fused), o_proj, and down_proj after SiLU-and-mul. Variants:
   unfused  the norms, shrink_pack before every module (segments, split-K, PDL where the GPU has
            it), F.linear(x_aug, W_aug)                            (what serves today)
   fused    norm_shrink_pack for qkv / gate_up, shrink_pack for o / down  (--lora-fuse-norm)
-  fused/1  fused with one column tile per norm_shrink_pack program at every batch size (the grid
-           before tiles_per_program grouped them: rows x tiles programs, each normalising its row)
   rowwise  fused, o_proj's shrink_pack replaced by the row-wise kernel without a norm, and
            down_proj's SiLU-and-mul + shrink_pack by the row-wise kernel with SiLU-and-mul
            (SGLANG_LORA_ROWWISE_DECODE=1)
@@ -43,7 +41,6 @@ from bench_util import add_output_args, emit_table, graph_us, model_dims, target
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd  # noqa: E402
 from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd  # noqa: E402
-import sglang.srt.lora.triton_ops.norm_shrink_pack as norm_shrink_module  # noqa: E402
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack, silu_shrink_pack  # noqa: E402
 from sglang.srt.lora.triton_ops.token_lora import pdl_available, plan_pack, prepare_pack, token_segments  # noqa: E402
 
@@ -163,16 +160,6 @@ class Step:
     def rowwise(self) -> None:  # and SGLANG_LORA_ROWWISE_DECODE=1
         self._lora(lambda m: True)
 
-    def fused_one_tile(self) -> None:
-        """fused, with every norm_shrink_pack program on one column tile (the grid in force while
-        this runs is what a graph captured from it replays)."""
-        saved = norm_shrink_module.RESIDENT_PROGRAMS
-        norm_shrink_module.RESIDENT_PROGRAMS = 1 << 30
-        try:
-            self.fused()
-        finally:
-            norm_shrink_module.RESIDENT_PROGRAMS = saved
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -191,29 +178,27 @@ def main() -> None:
         layers = model_dims(shape)[5]
         title = (f"### {shape}: the four folded modules, {layers} layers, {args.adapters} rank-{args.rank} "
                  f"adapters in {slots} slots ({'CPU dry run' if dry else torch.cuda.get_device_name(0)})")
-        lines += [title, "", "| decode bs | base µs/step | unfused | fused | fused/1 | rowwise | LoRA unfused | "
-                  "LoRA fused | LoRA fused/1 | LoRA rowwise | fused saves µs/norm-fed module | rowwise saves µs/module | "
-                  "max rel diff |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        lines += [title, "", "| decode bs | base µs/step | unfused | fused | rowwise | LoRA unfused | LoRA fused | "
+                  "LoRA rowwise | fused saves µs/norm-fed module | rowwise saves µs/module | max rel diff |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
         for bs in bss:
             step = Step(mods, bs, args.adapters, slots, dtype, device)
             step.unfused()
             ref = [o.float().clone() for o in step.outs]
             diff = 0.0
-            for variant in (step.fused, step.fused_one_tile, step.rowwise):
+            for variant in (step.fused, step.rowwise):
                 variant()
                 diff = max(diff, max(float((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-6))
                                      for o, r in zip(step.outs, ref)))
             if dry:
-                lines.append(f"| {bs} | - | - | - | - | - | - | - | - | - | - | - | {diff:.1e} |")
+                lines.append(f"| {bs} | - | - | - | - | - | - | - | - | - | {diff:.1e} |")
                 continue
-            base, unfused, fused, fused1, rowwise = (
-                graph_us(lambda _, f=f: f()) for f in (step.base, step.unfused, step.fused, step.fused_one_tile,
-                                                      step.rowwise))
+            base, unfused, fused, rowwise = (graph_us(lambda _, f=f: f()) for f in
+                                             (step.base, step.unfused, step.fused, step.rowwise))
             n = len(mods)
-            lines.append(f"| {bs} | {base:.0f} | {unfused:.0f} | {fused:.0f} | {fused1:.0f} | {rowwise:.0f} | "
-                         f"{unfused - base:.0f} | {fused - base:.0f} | {fused1 - base:.0f} | {rowwise - base:.0f} | "
-                         f"{2 * (unfused - fused) / n:.2f} | {(unfused - rowwise) / n:.2f} | {diff:.1e} |")
+            lines.append(f"| {bs} | {base:.0f} | {unfused:.0f} | {fused:.0f} | {rowwise:.0f} | {unfused - base:.0f} | "
+                         f"{fused - base:.0f} | {rowwise - base:.0f} | {2 * (unfused - fused) / n:.2f} | "
+                         f"{(unfused - rowwise) / n:.2f} | {diff:.1e} |")
             print(lines[-1], flush=True)
         lines.append("")
     emit_table(lines, args.out)

@@ -149,36 +149,6 @@ def test_rows_do_not_depend_on_the_row_count():
     assert torch.equal(replay[live:, 300:], torch.zeros(21, extra))
 
 
-@pytest.mark.parametrize("programs_per_row,tiles", [(1, 4), (2, 2)])
-def test_grouping_the_column_tiles_changes_no_bit(monkeypatch, programs_per_row, tiles):
-    """A large batch gives each program several column tiles (tiles_per_program); every grouping,
-    a last group with tiles past the stacked rank included, writes what one tile a program writes."""
-    import sglang.srt.lora.triton_ops.norm_shrink_pack as nsp
-
-    slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.float32, 5)
-    rows = slots.numel()
-    outs = []
-    for programs in (10**6, programs_per_row * rows):
-        monkeypatch.setattr(nsp, "RESIDENT_PROGRAMS", programs)
-        x_aug = torch.full((rows, 300 + extra), float("nan"))
-        new_res = norm_shrink_pack(x, residual, norm_w, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 3, R)
-        outs.append((x_aug, new_res))
-        # 3 tiles of 16 columns: one program for all (and a 4th tile past the rank), or 2 + (1 + 1 past).
-        assert nsp.tiles_per_program(rows, 3) == (1 if programs == 10**6 else tiles)
-    assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
-
-
-def test_tiles_per_program_fills_the_gpu_once():
-    from sglang.srt.lora.triton_ops.norm_shrink_pack import RESIDENT_PROGRAMS, tiles_per_program
-
-    assert [tiles_per_program(rows, 12) for rows in (1, 8, 16, 32, 64, 128)] == [1, 1, 1, 2, 4, 8]
-    for rows in (1, 8, 32, 64, 100, 160):
-        tiles = tiles_per_program(rows, 12)
-        assert tiles & (tiles - 1) == 0 and tiles <= 16
-        # Fewer tiles a program would not fit: the grid is within RESIDENT_PROGRAMS, or as small as it gets.
-        assert rows * -(-12 // tiles) <= RESIDENT_PROGRAMS or tiles >= 12
-
-
 def test_refuses_to_overwrite_the_residual_it_reads():
     slots, x, residual, norm_w, a, extra = inputs(40, 1, torch.float32, 3)
     x_aug = torch.empty((slots.numel(), 40 + extra))
@@ -205,7 +175,7 @@ def hopper_ptx(packed: bool, silu: bool = False) -> str:
         _norm_shrink_pack_kernel, {**bf16, "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32"},
         ["stride_x", "stride_r", "stride_ro", "stride_xaug", "stride_y", "a_stride_s", "a_stride_n", "K"],
         dict(STACK=stack, MAX_RANK=16, E_COLS=9 * stack * 16, BLOCK=triton_next_pow2(k), BLOCK_J=column_tile(k),
-             TILES=4, BLOCK_E=512, HAS_NORM=not silu, HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False),
+             BLOCK_E=512, HAS_NORM=not silu, HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False),
         floats=("eps",), num_warps=8,
     )
 

@@ -7,15 +7,13 @@ them inside the graph: ~10 µs per module on an H200, most of a LoRA decode step
 kernel writes the norm's output straight into `x_aug[:, :K]` and the row's shrink into its slot's
 block, so the module's GEMM follows the norm directly.
 
-Grid: rows x groups of column tiles of the stacked rank (`tiles_per_program` tiles a group: one
-while the grid fits the GPU at once, more at large batches, so the row's norm is not computed in
-several waves). Every program normalises its row in registers (the same code and roundings as
-layers/triton_ops/rmsnorm.py, so `x_aug[:, :K]` equals `rmsnorm_fwd`'s output bit for bit) and
-reduces its tiles of BLOCK_J columns of its row's adapter, `A[slot, j, :]`, against it; a column's
-sum does not depend on the grouping. The group-0 program also writes the new residual, the
-normalised row and the zeros (every extra column that is not one of the row's own values, all of
-E for a row without an adapter); the other programs write only their values. So every element is
-written once, and nothing needs clearing between launches.
+Grid: rows x column tiles of the stacked rank. Every program normalises its row in registers (the
+same code and roundings as layers/triton_ops/rmsnorm.py, so `x_aug[:, :K]` equals `rmsnorm_fwd`'s
+output bit for bit) and reduces BLOCK_J columns of its row's adapter, `A[slot, j, :]`, against it.
+The column-tile-0 program also writes the new residual, the normalised row and the zeros (every
+extra column that is not one of the row's own values, all of E for a row without an adapter);
+the other programs write only their values. So every element is written once, and nothing needs
+clearing between launches.
 
 The new residual goes to its own buffer, never over the old one: the other programs of the row
 read the old residual while the first writes.
@@ -40,9 +38,6 @@ from sglang.srt.layers.triton_ops.silu_and_mul import silu_mul
 
 # Elements of one A tile a program holds in registers (BLOCK_J x next_pow2(K)).
 TILE_ELEMENTS = 16384
-# Programs of this kernel the GPU holds at once: about two per SM of an H200 (132 SMs), what its
-# registers allow at 8 warps (the row, its norm and an A tile: ~120 registers a thread).
-RESIDENT_PROGRAMS = 256
 
 
 @triton.jit
@@ -55,7 +50,6 @@ def _norm_shrink_pack_kernel(
     E_COLS: tl.constexpr,
     BLOCK: tl.constexpr,
     BLOCK_J: tl.constexpr,
-    TILES: tl.constexpr,
     BLOCK_E: tl.constexpr,
     HAS_NORM: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
@@ -67,19 +61,20 @@ def _norm_shrink_pack_kernel(
     # gets the normalised rows [T, K] and XAUG is the shrink output [T, STACK * MAX_RANK], each
     # row's compact c*r values, unscaled (the expand scales), as token_shrink writes it.
     row = tl.program_id(0).to(tl.int64)
-    group = tl.program_id(1)  # column tiles [group * TILES, (group + 1) * TILES) of the stacked rank
+    tile = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
     block_w: tl.constexpr = STACK * MAX_RANK
 
-    # The row's adapter first, and the first A tile loaded before the norm: it does not depend on
-    # the row, so its memory latency overlaps the norm's loads and reduction.
+    # The row's adapter first, and this program's A tile loaded before the norm: it does not depend
+    # on the row, so its memory latency overlaps the norm's loads and reduction (the H200 measured
+    # 2.3 µs less per norm-fed module at decode 1 and 1.6 µs at 64; bench_norm_shrink.py).
     slot = tl.load(ROW_SLOTS + row)
     rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
-    a_base = A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s
-    offs_n0 = group * TILES * BLOCK_J + tl.arange(0, BLOCK_J)
-    a_first = tl.load(a_base + offs_n0[:, None] * a_stride_n + offs[None, :],
-                      mask=(offs_n0 < STACK * rank)[:, None] & mask[None, :], other=0.0)
+    offs_n = tile * BLOCK_J + tl.arange(0, BLOCK_J)
+    col_mask = offs_n < STACK * rank
+    a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
+                mask=col_mask[:, None] & mask[None, :], other=0.0)
 
     # ---- the module's input: the norm (_rmsnorm_kernel's own code), SiLU-and-mul of X = [gate |
     # up] (_silu_and_mul_kernel's), or the row as it is ------------------------------------------
@@ -89,16 +84,16 @@ def _norm_shrink_pack_kernel(
         y = silu_mul(gate, up, XAUG.dtype.element_ty, EMULATE_RNE)
     else:
         x = load_row(X, R, row, stride_x, stride_r, offs, mask, HAS_RESIDUAL, EMULATE_RNE)
-        if HAS_RESIDUAL and group == 0:
+        if HAS_RESIDUAL and tile == 0:
             tl.store(R_OUT + row * stride_ro + offs, x, mask=mask)
         if HAS_NORM:
             y = rms_normalize(x, NORM_W, offs, mask, K, eps, XAUG.dtype.element_ty, EMULATE_RNE)
         else:  # the row-wise shrink_pack alone (a module with nothing fused before it)
             y = x
 
-    if group == 0 and not PACKED:
+    if tile == 0 and not PACKED:
         tl.store(Y + row * stride_y + offs, y, mask=mask)
-    if group == 0 and PACKED:
+    if tile == 0 and PACKED:
         tl.store(XAUG + row * stride_xaug + offs, y, mask=mask)
         for e0 in range(0, E_COLS, BLOCK_E):
             cols = e0 + tl.arange(0, BLOCK_E)
@@ -106,42 +101,21 @@ def _norm_shrink_pack_kernel(
             tl.store(XAUG + row * stride_xaug + K + cols, tl.zeros((BLOCK_E,), dtype=XAUG.dtype.element_ty),
                      mask=(cols < E_COLS) & ~is_value)
 
-    # ---- this program's column tiles of the row's shrink: compact column n = k*r + j of A[slot].
-    # Each column's sum is the same [BLOCK_J, BLOCK] reduction however many tiles a program takes,
-    # so the grouping (chosen from the row count) never changes a value.
-    yf = y.to(tl.float32)
-    for t in tl.static_range(TILES):
-        tile = group * TILES + t
-        offs_n = tile * BLOCK_J + tl.arange(0, BLOCK_J)
-        col_mask = offs_n < STACK * rank
-        if tile * BLOCK_J < STACK * rank:
-            if t == 0:
-                a = a_first
-            else:
-                a = tl.load(a_base + offs_n[:, None] * a_stride_n + offs[None, :],
-                            mask=col_mask[:, None] & mask[None, :], other=0.0)
-            acc = tl.sum(a.to(tl.float32) * yf[None, :], axis=1)
-            if PACKED:
-                scaling = tl.load(SCALINGS + slot)
-                k_slice = offs_n // rank
-                col = slot * block_w + k_slice * MAX_RANK + (offs_n - k_slice * rank)
-                tl.store(XAUG + row * stride_xaug + K + col, (acc * scaling).to(XAUG.dtype.element_ty), mask=col_mask)
-            else:
-                tl.store(XAUG + row * stride_xaug + offs_n, acc.to(XAUG.dtype.element_ty), mask=col_mask)
+    # ---- this tile's columns of the row's shrink: compact column n = k*r + j of A[slot] --------
+    if tile * BLOCK_J < STACK * rank:
+        acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
+        if PACKED:
+            scaling = tl.load(SCALINGS + slot)
+            k_slice = offs_n // rank
+            col = slot * block_w + k_slice * MAX_RANK + (offs_n - k_slice * rank)
+            tl.store(XAUG + row * stride_xaug + K + col, (acc * scaling).to(XAUG.dtype.element_ty), mask=col_mask)
+        else:
+            tl.store(XAUG + row * stride_xaug + offs_n, acc.to(XAUG.dtype.element_ty), mask=col_mask)
 
 
 def column_tile(in_dim: int) -> int:
-    """BLOCK_J: how many of the stacked rank's columns one reduction covers (a layer constant)."""
+    """BLOCK_J: how many of the stacked rank's columns one program reduces (a layer constant)."""
     return max(1, min(16, TILE_ELEMENTS // triton.next_power_of_2(in_dim)))
-
-
-def tiles_per_program(rows: int, num_tiles: int) -> int:
-    """How many column tiles one program reduces: 1 while rows x tiles fit in RESIDENT_PROGRAMS,
-    else a power of two that brings the grid near it. Every program normalises its row again, and
-    its registers (the row and an A tile) allow about two programs per SM: a grid of 768 programs
-    (64 rows x 12 tiles) ran in three waves of the whole norm, where one wave does it once."""
-    per_row = max(1, RESIDENT_PROGRAMS // max(1, rows))
-    return min(triton.next_power_of_2(num_tiles), triton.next_power_of_2(triton.cdiv(num_tiles, per_row)))
 
 
 def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_ranks, scalings, stack_num, max_rank,
@@ -163,17 +137,15 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
         return residual_out
     block = triton.next_power_of_2(in_dim)
     block_j = column_tile(in_dim)
-    num_tiles = triton.cdiv(stack_num * max_rank, block_j)
-    tiles = tiles_per_program(rows, num_tiles)
     extra = out.shape[1] - in_dim if packed else 0
     r = residual if residual is not None else x
     ro = residual_out if residual is not None else x
     y = y if y is not None else out
-    _norm_shrink_pack_kernel[(rows, triton.cdiv(num_tiles, tiles))](
+    _norm_shrink_pack_kernel[(rows, triton.cdiv(stack_num * max_rank, block_j))](
         x, r, ro, norm_weight if norm_weight is not None else x, weights, out, y, row_slots, lora_ranks, scalings,
         x.stride(0), r.stride(0), ro.stride(0), out.stride(0), y.stride(0), weights.stride(0), weights.stride(1),
         in_dim, eps,
-        STACK=stack_num, MAX_RANK=max_rank, E_COLS=extra, BLOCK=block, BLOCK_J=block_j, TILES=tiles,
+        STACK=stack_num, MAX_RANK=max_rank, E_COLS=extra, BLOCK=block, BLOCK_J=block_j,
         BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_SILU=silu, PACKED=packed,
         EMULATE_RNE=interpreting(),
@@ -252,4 +224,4 @@ def norm_shrink(
                    stack_num, max_rank, residual_out, packed=False)
 
 
-__all__ = ["norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile", "tiles_per_program"]
+__all__ = ["norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
