@@ -64,7 +64,7 @@ def main(argv: Optional[list[str]] = None) -> str:
     on_gpu = args.device == "cuda"
     t0 = time.perf_counter()
     ckpt, adapters = write_assets(args.root, args.model, num_adapters=args.adapters)
-    overrides: dict[str, Any] = dict(max_running_requests=max(64, *args.bs))
+    overrides: dict[str, Any] = dict(max_running_requests=2 * max(64, *args.bs))  # two batches held at once
     if not on_gpu:
         overrides.update(device="cpu", dtype="float32", attention_backend="torch_native", disable_cuda_graph=True,
                          max_total_tokens=max(args.bs) * 2 * 300 + 1024)

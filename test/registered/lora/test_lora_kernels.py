@@ -175,40 +175,6 @@ def test_chunked_sgmv_expand(num_slices, bounds, chunk):
     _assert_untouched_rows(got, info, num_tokens)
 
 
-@pytest.mark.parametrize("num_slices,bounds", [(1, [(0, 600)]), (3, [(0, 384), (384, 520), (520, 656)])])
-def test_expand_column_groups_change_no_bit(monkeypatch, num_slices, bounds):
-    """Short launches give each expand program several column tiles (column_iters): every grouping,
-    slices narrower than a group and tiles past a slice's end included, writes the same bits as one
-    tile a program, and the right values."""
-    from sglang.srt.lora.triton_ops import sgemm_lora_b
-
-    info, num_tokens = _csgmv_info(16, seed=11 * num_slices)
-    gen = torch.Generator().manual_seed(300 + num_slices)
-    out_dim = bounds[-1][1]
-    widths = [hi - lo for lo, hi in bounds]
-    xa = _poison_shrunk(_shrunk_input(num_tokens, num_slices, gen), info, num_slices)
-    b = _poisoned_b(out_dim, gen)
-    offsets = torch.tensor([0] + [hi for _, hi in bounds], dtype=torch.int32) if num_slices == 3 else None
-    outs = []
-    for iters in (1, 2, 4):
-        monkeypatch.setattr(sgemm_lora_b, "SHORT_LAUNCH_COL_ITERS", iters)
-        assert sgemm_lora_b.column_iters(num_tokens, -(-max(widths) // 128)) == iters
-        base = torch.full((num_tokens, out_dim), SENTINEL)
-        outs.append(chunked_sgmv_lora_expand_forward(xa, b, info, base, num_slices, offsets,
-                                                     max(widths) if offsets is not None else None))
-    assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2])
-    expected = ref_expand(xa, b, info, torch.full((num_tokens, out_dim), SENTINEL), bounds)
-    torch.testing.assert_close(outs[2], expected, rtol=1e-5, atol=1e-4)
-    _assert_untouched_rows(outs[2], info, num_tokens)
-
-
-def test_long_launches_keep_one_column_tile_a_program():
-    from sglang.srt.lora.triton_ops.sgemm_lora_b import SHORT_LAUNCH_ROWS, column_iters
-
-    assert column_iters(64, 32) == 4 and column_iters(1, 3) == 4 and column_iters(16, 1) == 1
-    assert column_iters(SHORT_LAUNCH_ROWS + 1, 32) == 1
-
-
 def test_all_rank_zero_is_a_noop():
     """The capture-time state of every static info: kernels launch, nothing changes."""
     gen = torch.Generator().manual_seed(3)

@@ -2,9 +2,7 @@
 
 csgmv's unfolded modules: plain (1 slice), gate_up (2 equal slices), qkv (3 slices at
 `slice_offsets`, q and kv widths may differ), rows gathered and scattered through
-`batch_info.permutation`. Grid: (token lanes x column groups, slices, segments); a column group is
-COL_ITERS consecutive column tiles of BLOCK_N (`column_iters`). Every output tile is computed the
-same way whatever the grouping, so the grouping never changes a value.
+`batch_info.permutation`. Grid: (token lanes x column tiles, slices, segments).
 """
 
 from __future__ import annotations
@@ -40,7 +38,7 @@ def _segment_expand_kernel(
     perm_ptr,
     slice_offsets_ptr,
     slice_width,
-    n_groups,
+    n_tiles,
     lanes,
     HAS_OFFSETS: tl.constexpr,
     OFFSET_ALIGN: tl.constexpr,
@@ -49,7 +47,6 @@ def _segment_expand_kernel(
     BLOCK_R: tl.constexpr,
     R_ITERS: tl.constexpr,
     LANE_ITERS: tl.constexpr,
-    COL_ITERS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     # Slot and rank first: base requests, padding and unused graph segments leave here.
@@ -57,7 +54,7 @@ def _segment_expand_kernel(
     slot, rank = segment_slot_rank(weight_indices_ptr, lora_ranks_ptr, seg)
     if rank == 0:
         return
-    seg_end, group, first_row = segment_lane_start(seg_indptr_ptr, seg, n_groups, BLOCK_S)
+    seg_end, tile_n, first_row = segment_lane_start(seg_indptr_ptr, seg, n_tiles, BLOCK_S)
     if first_row >= seg_end:  # also covers empty segments
         return
     slice_id = tl.program_id(1)
@@ -69,11 +66,14 @@ def _segment_expand_kernel(
     else:
         col_lo = slice_id * slice_width
         col_hi = col_lo + slice_width
-    group_col0 = col_lo + group * (COL_ITERS * BLOCK_N)
-    if group_col0 >= col_hi:  # the narrower slices (kv under GQA) have fewer column tiles
+    col0 = col_lo + tile_n * BLOCK_N
+    if col0 >= col_hi:  # the narrower slices (kv under GQA) have fewer column tiles
         return
 
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    col_mask = offs_n < col_hi
     offs_r = tl.arange(0, BLOCK_R)
+    w_base = w_ptr + slot.to(tl.int64) * w_stride_s + offs_n[None, :].to(tl.int64) * w_stride_n
     scaling = tl.load(scalings_ptr + slot)
 
     # This lane's token tiles: first_row + i * lanes * BLOCK_S, skipped past the segment end.
@@ -83,48 +83,27 @@ def _segment_expand_kernel(
             offs_s = row0 + tl.arange(0, BLOCK_S)
             row_mask = offs_s < seg_end
             rows = tl.load(perm_ptr + offs_s, mask=row_mask, other=0).to(tl.int64)
-            for c in range(COL_ITERS):
-                col0 = group_col0 + c * BLOCK_N
-                if col0 < col_hi:
-                    offs_n = col0 + tl.arange(0, BLOCK_N)
-                    col_mask = offs_n < col_hi
-                    w_base = w_ptr + slot.to(tl.int64) * w_stride_s + offs_n[None, :].to(tl.int64) * w_stride_n
-                    # Slice k of the shrink output holds columns [k*rank, (k+1)*rank) (compact prefix).
-                    x_ptrs = x_ptr + rows[:, None] * x_stride_t + (slice_id * rank + offs_r)[None, :] * x_stride_r
-                    w_ptrs = w_base + offs_r[:, None] * w_stride_r
-                    acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-                    for ri in range(R_ITERS):
-                        # K is clipped to the slot's rank: columns past it may hold stale or
-                        # uninitialised data.
-                        r_mask = offs_r < rank - ri * BLOCK_R
-                        a = tl.load(x_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-                        b = tl.load(w_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
-                        # Compute in the weights' dtype: an fp32 (split-K) shrink output is rounded
-                        # like a bf16 one would have been, and bf16 x bf16 keeps the tensor-core path.
-                        acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PREC)
-                        x_ptrs += BLOCK_R * x_stride_r
-                        w_ptrs += BLOCK_R * w_stride_r
+            # Slice k of the shrink output holds columns [k*rank, (k+1)*rank) (compact prefix).
+            x_ptrs = x_ptr + rows[:, None] * x_stride_t + (slice_id * rank + offs_r)[None, :] * x_stride_r
+            w_ptrs = w_base + offs_r[:, None] * w_stride_r
+            acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+            for ri in range(R_ITERS):
+                # K is clipped to the slot's rank: columns past it may hold stale or
+                # uninitialised data.
+                r_mask = offs_r < rank - ri * BLOCK_R
+                a = tl.load(x_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
+                # Compute in the weights' dtype: an fp32 (split-K) shrink output is rounded like
+                # a bf16 one would have been, and bf16 x bf16 keeps the tensor-core path.
+                acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PREC)
+                x_ptrs += BLOCK_R * x_stride_r
+                w_ptrs += BLOCK_R * w_stride_r
 
-                    out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :] * out_stride_n
-                    mask = row_mask[:, None] & col_mask[None, :]
-                    base = tl.load(out_ptrs, mask=mask, other=0.0)
-                    result = base.to(tl.float32) + acc * scaling
-                    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-# Column tiles one program takes when the launch is short (decode, small prefills): a program's
-# fixed cost (its segment's slot, rank and rows, dependent loads) is then paid once for several
-# tiles, and a grid of segment capacity x tiles x slices shrinks by this factor. Long launches keep
-# one tile a program (plenty of programs, measured best for prefill).
-SHORT_LAUNCH_ROWS = 256
-SHORT_LAUNCH_COL_ITERS = 4
-
-
-def column_iters(num_tokens: int, n_tiles: int) -> int:
-    """COL_ITERS of a launch over `num_tokens` rows (a static shape under graphs)."""
-    if num_tokens > SHORT_LAUNCH_ROWS:
-        return 1
-    return min(SHORT_LAUNCH_COL_ITERS, triton.next_power_of_2(n_tiles))
+            out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :] * out_stride_n
+            mask = row_mask[:, None] & col_mask[None, :]
+            base = tl.load(out_ptrs, mask=mask, other=0.0)
+            result = base.to(tl.float32) + acc * scaling
+            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def segmented_expand(
@@ -163,10 +142,8 @@ def segmented_expand(
     block_n = min(128, max(16, triton.next_power_of_2(max_slice_width)))
     block_r = rank_block(max_rank)
     n_tiles = triton.cdiv(max_slice_width, block_n)
-    col_iters = column_iters(num_tokens, n_tiles)
-    n_groups = triton.cdiv(n_tiles, col_iters)
-    lanes, lane_iters = token_lanes(batch_info.max_len, block_s, n_groups * num_slices)
-    grid = (lanes * n_groups, num_slices, batch_info.bs)
+    lanes, lane_iters = token_lanes(batch_info.max_len, block_s, n_tiles * num_slices)
+    grid = (lanes * n_tiles, num_slices, batch_info.bs)
     if num_tokens == 0 or grid[0] == 0 or grid[2] == 0:
         return base_output  # eager only: graph-mode infos always have a non-empty grid
     offsets = slice_offsets if slice_offsets is not None else batch_info.seg_indptr  # unused then
@@ -188,7 +165,7 @@ def segmented_expand(
         batch_info.permutation,
         offsets,
         slice_width,
-        n_groups,
+        n_tiles,
         lanes,
         HAS_OFFSETS=slice_offsets is not None,
         OFFSET_ALIGN=offset_align,
@@ -197,7 +174,6 @@ def segmented_expand(
         BLOCK_R=block_r,
         R_ITERS=triton.cdiv(max_rank, block_r),
         LANE_ITERS=lane_iters,
-        COL_ITERS=col_iters,
         DOT_PREC=dot_precision(weights),
         num_warps=4,
     )
