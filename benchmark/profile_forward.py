@@ -10,7 +10,10 @@ full prefill graph (one request of each `--tokens`; several requests with `--pre
 4x512`, on the adapters in turn), decode graph (`--decode-bs`, 256 tokens of context; with LoRA,
 for every `--decode-adapters k`, the requests take the first k adapters in turn) — it reports:
   wall ms      median of whole forwards (body + logits + sampling + the copy to the host),
-               synchronised around each, measured without the profiler;
+               synchronised around each; every wall of the process (all variants and rounds, the
+               HF anchor's) is measured before the first profiler session, which slows the rest
+               of its process down;
+  host         each phase of the forward's host time (host_phases.py), with the walls;
   GPU busy ms  the union of kernel intervals per forward under torch.profiler (kernels inside
                graph replays included);
   kernels      kernels per forward, and per layer (per forward / layers, so the embedding and the
@@ -232,18 +235,24 @@ def _with_note(note: str, more: str) -> str:
     return f"{note}; {more}" if note else more
 
 
-def measure_setup(args, setup: EngineSetup, profile: bool) -> list[Measured]:
-    """Every case and path of one variant, profiled when asked."""
+def measure_setup(args, setup: EngineSetup, mode: str, host: bool = False) -> list[Measured]:
+    """Every case and path of one variant. mode "wall": each case's median wall (with `host`, also
+    its host phases, in a Profile that holds only them); mode "profile": each case under
+    torch.profiler, wall NaN. A process's walls must all come before its first profiler session:
+    the profiler leaves CUPTI subscribed after it ends (PyTorch issue 144455), and on the H200 a
+    decode graph's launch then took 160-450 µs of host time against 15-25 µs in a process never
+    profiled (benchmark/profile_host.py), more for graphs with more nodes."""
+    assert mode in ("wall", "profile"), mode
     runner, graphs, names, lora = setup.runner, setup.graphs, setup.names, setup.lora
     out: list[Measured] = []
 
     def measure(case: str, path: str, fb, expect_graph: bool, note: str = "") -> None:
         fwd = lambda: forward_checked(runner, fb, expect_graph)  # noqa: E731
+        if mode == "profile":
+            out.append((case, path, float("nan"), profile_fn(fwd, args.profile_repeats), note))
+            return
         wall = time_ms(fwd, args.warmup, args.repeats, runner.device)
-        prof = None
-        if profile:
-            prof = profile_fn(fwd, args.profile_repeats)
-            prof.host = host_phases.measure(runner, fwd, args.repeats, runner.device)
+        prof = Profile(host=host_phases.measure(runner, fwd, args.repeats, runner.device)) if host else None
         out.append((case, path, wall, prof, note))
         log(f"  {lora:>12} {case:>12} {path:<10} wall {wall:8.3f} ms")
 
@@ -272,39 +281,42 @@ def measure_setup(args, setup: EngineSetup, profile: bool) -> list[Measured]:
     return out
 
 
-def bench_engine(args, shape: str, ckpt: str, adapters: dict[str, str]) -> list[Row]:
-    """Every LoRA variant at every case. With --rounds 1, one variant at a time (one runner alive);
-    with more, all runners are built first and measured in turn, round after round (A B C A B C
-    ...), and a wall time is the median of its rounds' medians: what drifts in a process over
-    minutes (host state, clocks) then falls on every variant alike, not on whichever ran first."""
-    on_gpu = args.device == "cuda"
-    rows: list[Row] = []
-    if args.rounds <= 1:
-        for lora in args.lora:
-            setup = build_setup(args, shape, ckpt, adapters, lora)
-            rows += _rows(shape, setup, [measure_setup(args, setup, profile=True)])
-            del setup
-            gc.collect()
-            if on_gpu:
-                torch.cuda.empty_cache()
-        return rows
+def engine_walls(args, shape: str, ckpt: str, adapters: dict[str, str]
+                 ) -> tuple[list[EngineSetup], dict[str, list[list[Measured]]]]:
+    """Every LoRA variant's runner, built first, then its walls at every case, the variants in
+    turn round after round (A B C A B C ...): what drifts in a process over minutes (host state,
+    clocks) then falls on every variant alike, not on whichever ran first. A wall time is the
+    median of its rounds' medians; the host phases come from the first round."""
     setups = [build_setup(args, shape, ckpt, adapters, lora) for lora in args.lora]
-    results: dict[str, list] = {s.lora: [] for s in setups}
+    walls: dict[str, list[list[Measured]]] = {s.lora: [] for s in setups}
     for r in range(args.rounds):
-        log(f"{shape}: round {r + 1} of {args.rounds}")
-        for setup in setups:  # profiles in the first round only: they do not depend on the round
-            results[setup.lora].append(measure_setup(args, setup, profile=r == 0))
+        if args.rounds > 1:
+            log(f"{shape}: round {r + 1} of {args.rounds}")
+        for setup in setups:
+            walls[setup.lora].append(measure_setup(args, setup, "wall", host=r == 0))
+    return setups, walls
+
+
+def engine_profiles(args, shape: str, setups: list[EngineSetup], walls: dict[str, list[list[Measured]]]) -> list[Row]:
+    """The profiler pass over every variant and case (after every wall), and the rows."""
+    rows: list[Row] = []
+    log(f"{shape}: profiling every case (every wall is measured)")
     for setup in setups:
-        rows += _rows(shape, setup, results[setup.lora])
+        profiles = measure_setup(args, setup, "profile")
+        rows += _rows(shape, setup, walls[setup.lora], profiles)
     return rows
 
 
-def _rows(shape: str, setup: EngineSetup, rounds: list[list[Measured]]) -> list[Row]:
-    """One row per case and path: the first round's profile, the median of the rounds' walls."""
+def _rows(shape: str, setup: EngineSetup, rounds: list[list[Measured]], profiles: list[Measured]) -> list[Row]:
+    """One row per case and path: the profile pass's profile with the first round's host phases,
+    the median of the rounds' walls."""
     rows = []
-    for i, (case, path, _, prof, note) in enumerate(rounds[0]):
+    for i, (case, path, _, host, note) in enumerate(rounds[0]):
         walls = [rnd[i][2] for rnd in rounds]
         assert all(rnd[i][:2] == (case, path) for rnd in rounds), "rounds measure the same cases in order"
+        assert profiles[i][:2] == (case, path), "the profile pass measures the same cases in order"
+        prof = profiles[i][3]
+        prof.host = host.host
         if len(walls) > 1:
             note = _with_note(note, "rounds " + " / ".join(f"{w:.3f}" for w in walls))
         if torch.cuda.is_available() and prof.kernels < setup.layers:
@@ -314,13 +326,24 @@ def _rows(shape: str, setup: EngineSetup, rounds: list[list[Measured]]) -> list[
 
 
 # ------------------------------------------------------------------------------------ HF anchor
-def bench_hf_anchor(args, shape: str, ckpt: str) -> tuple[list[Row], list[str]]:
+@dataclass
+class AnchorWall:
+    """One HF anchor case measured for its wall, its compiled model kept for the profile pass."""
+    row: Row
+    fwd: Callable[[], Any]
+    note: str
+
+
+def hf_anchor_walls(args, shape: str, ckpt: str) -> list[AnchorWall]:
+    """HF transformers + torch.compile at the same shape, base and with PEFT: compile, then the
+    walls (before any profiler session, like the engine's); the models stay alive for
+    hf_anchor_profiles."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     device = torch.device(args.device)
     dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
     config = AutoConfig.from_pretrained(ckpt)
-    rows, notes = [], []
+    out: list[AnchorWall] = []
     for lora in [x for x in args.lora if x in ("none", "lora")]:  # the engine's own variants have no HF twin
         t0 = time.perf_counter()
         torch.manual_seed(0)
@@ -340,7 +363,7 @@ def bench_hf_anchor(args, shape: str, ckpt: str) -> tuple[list[Row], list[str]]:
             ids = torch.randint(10, min(1000, config.vocab_size), (1, n), device=device)
 
             @torch.no_grad()
-            def fwd():
+            def fwd(compiled=compiled, ids=ids):
                 return compiled(input_ids=ids, use_cache=False, logits_to_keep=1).logits
 
             t1 = time.perf_counter()
@@ -349,21 +372,32 @@ def bench_hf_anchor(args, shape: str, ckpt: str) -> tuple[list[Row], list[str]]:
             sync()
             compile_s = time.perf_counter() - t1
             wall = time_ms(fwd, args.warmup, args.repeats)
-            rows.append(Row(shape, lora, f"prefill {n}", label, wall,
-                            profile_fn(fwd, args.profile_repeats), config.num_hidden_layers,
-                            f"compile+warm-up {compile_s:.0f}s"))
-            notes.append(f"{label} {n} tokens: first three calls (compile, graph recording) {compile_s:.1f} s")
+            row = Row(shape, lora, f"prefill {n}", label, wall, Profile(), config.num_hidden_layers,
+                      f"compile+warm-up {compile_s:.0f}s")
+            out.append(AnchorWall(row, fwd, f"{label} {n} tokens: first three calls (compile, graph recording) "
+                                            f"{compile_s:.1f} s"))
             log(f"  {label} {n:>5}: wall {wall:.3f} ms (compile {compile_s:.1f}s)")
-        del compiled, model
-        gc.collect()
-        torch._dynamo.reset()
-        if args.device == "cuda":
-            torch.cuda.empty_cache()
+    return out
+
+
+def hf_anchor_profiles(args, walls: list[AnchorWall]) -> tuple[list[Row], list[str]]:
+    """The anchor's profiler pass (after every wall of the process); then its models are freed."""
+    rows, notes = [], []
+    log("HF anchor: profiling every case")
+    for w in walls:
+        w.row.prof = profile_fn(w.fwd, args.profile_repeats)
+        rows.append(w.row)
+        notes.append(w.note)
+    walls.clear()
+    gc.collect()
+    torch._dynamo.reset()
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
     return rows, notes
 
 
 # ------------------------------------------------------------------------------------ report
-def to_markdown(rows: list[Row], notes: list[str]) -> str:
+def to_markdown(rows: list[Row], notes: list[str], tc_modes: tuple[str, ...] = ()) -> str:
     out = [
         "| model | LoRA | case | path | wall ms | GPU busy ms | wall − busy | wall / busy | kernels/fwd "
         "| kernels/layer | torch ops/fwd | memcpy+set/fwd |",
@@ -382,7 +416,7 @@ def to_markdown(rows: list[Row], notes: list[str]) -> str:
     for r in rows:
         if not r.path.startswith("HF"):
             continue
-        for path in ("breakable", "full", *(f"tc_piecewise/{m}" for m in args.tc_modes), "eager"):
+        for path in ("breakable", "full", *(f"tc_piecewise/{m}" for m in tc_modes), "eager"):
             ours = table.get((r.model, r.lora, r.case, path))
             if ours is not None:
                 ratios.append(f"- {r.model} {r.lora} {r.case}: ours {path} / {r.path} = "
@@ -474,8 +508,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1,
-                   help="measure the LoRA variants in turn this many times, all runners alive (1: one "
-                        "variant after another, one runner at a time)")
+                   help="measure the walls of the LoRA variants in turn this many times (all runners alive)")
     p.add_argument("--profile-repeats", type=int, default=3)
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "sglang-profile-forward"))
@@ -501,14 +534,18 @@ def main(argv: Optional[list[str]] = None) -> str:
     args = parse_args(argv)
     t0 = time.perf_counter()
     ckpt, adapters = write_assets(args.root, args.model, num_adapters=args.adapters)
-    rows = bench_engine(args, args.model, ckpt, adapters)
+    # Every wall first (the engine's, then the anchor's), every profile after: a profiler session
+    # slows the rest of its process down (measure_setup).
+    setups, walls = engine_walls(args, args.model, ckpt, adapters)
+    anchor = hf_anchor_walls(args, args.model, ckpt) if args.hf_anchor else []
+    rows = engine_profiles(args, args.model, setups, walls)
     notes: list[str] = []
-    if args.hf_anchor:
-        hf_rows, notes = bench_hf_anchor(args, args.model, ckpt)
+    if anchor:
+        hf_rows, notes = hf_anchor_profiles(args, anchor)
         rows += hf_rows
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (dry run)"
     md = (f"### {args.model}, {device}, torch {torch.__version__}, {args.adapters} adapter slot(s) "
-          f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s)\n\n" + to_markdown(rows, notes))
+          f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s)\n\n" + to_markdown(rows, notes, tuple(args.tc_modes)))
     print(md)
     if args.out:
         with open(args.out, "w") as f:

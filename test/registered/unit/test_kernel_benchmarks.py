@@ -112,6 +112,27 @@ def test_host_phases_times_each_phase_and_restores_the_methods():
     assert "prepare_forward" not in vars(runner.lora_manager)
 
 
+def test_profile_forward_measures_every_wall_before_the_profiler(tmp_path):
+    """A profiler session slows its process down after it ends, so every wall (the engine's
+    variants, then the HF anchor's) comes before the first profile; the anchor's rows and ratios
+    are reported (a CPU dry run, the anchor compiled with the eager backend)."""
+    out = tmp_path / "anchor.md"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TRITON_INTERPRET="1")
+    cmd = [sys.executable, os.path.join(ROOT, "benchmark/profile_forward.py"), "--device", "cpu", "--model", "tiny",
+           "--tokens", "8", "--repeats", "1", "--warmup", "0", "--profile-repeats", "1", "--decode-bs", "2",
+           "--tc-modes", "", "--hf-anchor", "--hf-compile-backend", "eager", "--hf-tokens", "8",
+           "--root", str(tmp_path / "assets"), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stderr.splitlines()
+    walls = [i for i, ln in enumerate(lines) if re.search(r" wall +[\d.]+ ms", ln)]
+    profiling = [i for i, ln in enumerate(lines) if "profiling every case" in ln]
+    assert len(walls) == 2 + 2 + 2 and len(profiling) == 2, proc.stderr[-3000:]  # base, LoRA, HF: 2 cases each
+    assert max(walls) < min(profiling)
+    text = out.read_text()
+    assert "ours eager / HF+compile = " in text and "ours eager / HF+compile+PEFT = " in text
+
+
 def test_profile_forward_idle_before_sums_gaps_by_the_waiting_event():
     """GPU idle is charged to the event that starts after it (overlapping events leave no gap),
     per forward; the first event's lead-in (the profiler's start) is not counted."""
