@@ -204,8 +204,9 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
     if lora != "none":
         overrides["lora_fuse_norm"] = {"lora": "auto", "lora-unfused": "off"}.get(lora, "on")
         overrides["lora_fold"] = args.lora_fold
-    # lora-rowwise: o_proj / down_proj take the row-wise kernel at decode too (read at backend build).
-    os.environ["SGLANG_LORA_ROWWISE_DECODE"] = "1" if lora == "lora-rowwise" else "0"
+    # lora-rowwise: o_proj / down_proj take the row-wise kernel at decode too (read at backend build);
+    # lora-rowwise-small: at decode batches of up to 16 rows only.
+    os.environ["SGLANG_LORA_ROWWISE_DECODE"] = {"lora-rowwise": "1", "lora-rowwise-small": "small"}.get(lora, "0")
     buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
     runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
                           prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
@@ -487,8 +488,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=_ints, default=[128, 2048, 4096], help="prefill token counts (batch 1)")
     p.add_argument("--decode-bs", type=_ints, default=[1])
     p.add_argument("--lora", default="none,lora",
-                   help="which of none,lora,lora-unfused,lora-fused,lora-rowwise to run (lora: the default "
-                        "--lora-fuse-norm auto; lora-unfused: off; lora-fused: on; lora-rowwise: on and "
+                   help="which of none,lora,lora-unfused,lora-fused,lora-rowwise,lora-rowwise-small to run (lora: "
+                        "the default --lora-fuse-norm auto; lora-unfused: off; lora-fused: on; lora-rowwise-small: "
+                        "on and SGLANG_LORA_ROWWISE_DECODE=small; lora-rowwise: on and "
                         "SGLANG_LORA_ROWWISE_DECODE=1)")
     p.add_argument("--lora-backend", default="csgmv")
     p.add_argument("--lora-fold", default="auto", choices=["auto", "on", "off"],
@@ -515,8 +517,9 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the markdown here")
     args = p.parse_args(argv)
     args.lora = [x.strip() for x in args.lora.split(",") if x.strip()]
-    if any(x not in ("none", "lora", "lora-unfused", "lora-fused", "lora-rowwise") for x in args.lora):
-        p.error("--lora takes none, lora, lora-unfused, lora-fused and/or lora-rowwise")
+    variants = ("none", "lora", "lora-unfused", "lora-fused", "lora-rowwise", "lora-rowwise-small")
+    if any(x not in variants for x in args.lora):
+        p.error(f"--lora takes {', '.join(variants)}")
     if args.hf_anchor is None:
         try:
             import peft  # noqa: F401

@@ -143,12 +143,13 @@ def test_decode_graph_greedy_matches_eager(lora_backend, prefill):
 
 
 @functools.lru_cache(maxsize=None)
-def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool = False, fold: str = "auto",
+def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = False, fold: str = "auto",
                       fuse: str = "on", dtype: str = "bfloat16"):
     ckpt, adapters = assets()
     mode = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
                 cuda_graph_bs_decode=DECODE_BUCKETS) if graphs else dict(disable_cuda_graph=True)
-    os.environ["SGLANG_LORA_ROWWISE_DECODE"] = "1" if rowwise else "0"  # read when the backend is built
+    # Read when the backend is built: "1" (True) at every decode batch, "small" up to 16 rows.
+    os.environ["SGLANG_LORA_ROWWISE_DECODE"] = {True: "1", False: "0"}.get(rowwise, rowwise)
     try:
         return make_runner(
             ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
@@ -191,7 +192,7 @@ def agreeing_diffs(runs: list[tuple[list[list[int]], torch.Tensor]], steps: int)
 
 @pytest.mark.parametrize("lora_backend,fuse,rowwise,fold", [
     ("triton", "auto", False, "auto"), ("csgmv", "auto", False, "auto"),
-    ("csgmv", "on", True, "auto"), ("csgmv", "on", False, "off")])
+    ("csgmv", "on", True, "auto"), ("csgmv", "on", "small", "auto"), ("csgmv", "on", False, "off")])
 def test_fused_norm_decode_graph_equals_eager(lora_backend, fuse, rowwise, fold):
     """--lora-fuse-norm: the decode graph replays the row-wise kernels and equals fused eager bit
     for bit. The default (auto: folded modules) equals the unfused engine bit for bit; `on` with

@@ -298,6 +298,42 @@ def test_decode_refresh_skips_an_unchanged_batch(name, modules, monkeypatch):
     assert (_segments_of(fresh.cuda_graph_batch_info), fresh.cuda_graph_batch_info.num_segments) == emptied[:2]
 
 
+def test_rowwise_decode_bound_parses_its_values():
+    from sglang.srt.lora.backend.token_backend import ROWWISE_SMALL_ROWS, rowwise_decode_bound
+
+    assert rowwise_decode_bound("0") is None and rowwise_decode_bound("1") >= 1 << 20
+    assert rowwise_decode_bound("small") == ROWWISE_SMALL_ROWS == 16
+    with pytest.raises(ValueError, match="SGLANG_LORA_ROWWISE_DECODE='yes'"):
+        rowwise_decode_bound("yes")
+
+
+@pytest.mark.parametrize("name", ["csgmv", "triton"])
+def test_rowwise_small_decides_by_the_graph_bucket(name, modules, monkeypatch):
+    """SGLANG_LORA_ROWWISE_DECODE=small: decode batches whose graph bucket has at most 16 rows take
+    the row-wise o_proj / down_proj kernels (decided at the bucket, so a live batch and the bucket
+    it replays agree), others and every prefill the segments; the outputs are the module's."""
+    monkeypatch.setenv("SGLANG_LORA_ROWWISE_DECODE", "small")
+    setup = make(name, True, modules)
+    backend = setup.backend
+    assert backend.rowwise_decode
+    backend.enable_norm_fusion()
+    backend.init_cuda_graph_batch_info(24, 1, buckets=[4, 12, 24])
+    assert [backend.rowwise_fits(n) for n in (1, 4, 5, 12, 13, 24, 40)] == [True] * 4 + [False] * 3
+
+    def fill(slots, path, mode=ForwardMode.DECODE):
+        lens = [1] * len(slots) if mode == ForwardMode.DECODE else [3] * len(slots)
+        backend.fill_batch_info(make_batch(lens, mode), slots, RANKS, SCALINGS, path)
+        return backend.rowwise_now()
+
+    small = [A_SLOT, B_SLOT, BASE_SLOT, A_SLOT, B_SLOT]
+    assert fill(small, ForwardPath.DECODE_GRAPH) and fill(small, ForwardPath.EAGER)  # bucket 12
+    assert not fill([A_SLOT, B_SLOT] * 7, ForwardPath.DECODE_GRAPH)  # 14 rows: bucket 24
+    assert not fill(small, ForwardPath.EAGER, ForwardMode.EXTEND)
+    fill(small, ForwardPath.EAGER)
+    x, inter = inputs(len(small), seed=9)
+    assert_outputs_close(setup.run(x, inter), reference(modules, small, [1] * 5, x, inter, ForwardMode.DECODE))
+
+
 def test_staged_copy_rewrites_its_tensor_in_place():
     from sglang.srt.lora.backend._staging import StagedCopy
 

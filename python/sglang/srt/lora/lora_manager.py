@@ -15,7 +15,7 @@ import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Iterable, Optional
+from typing import TYPE_CHECKING, Any, Iterable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -408,7 +408,8 @@ class LoRAManager:
         )
 
     # ------------------------------------------------------------------ CUDA graphs
-    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1) -> None:
+    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1,
+                                   buckets: Optional[Sequence[int]] = None) -> None:
         backend = self.lora_backend
         if backend.cuda_graph_batch_info is not None:
             # Graphs already captured hold the addresses of the existing buffers: never move them.
@@ -418,7 +419,7 @@ class LoRAManager:
                     f"cannot grow it to {max_bs_in_cuda_graph}"
                 )
             return
-        backend.init_cuda_graph_batch_info(max_bs_in_cuda_graph, num_tokens_per_bs)
+        backend.init_cuda_graph_batch_info(max_bs_in_cuda_graph, num_tokens_per_bs, buckets)
 
     def init_prefill_cuda_graph_batch_info(self, max_num_tokens: int) -> None:
         backend = self.lora_backend

@@ -66,7 +66,7 @@ class ActShrinkFusion:
 
     def __call__(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
         target = self.target
-        if not target.lora_active or not self.backend.fuses_norm() or gate_up.dim() != 2:
+        if not target.lora_active or not self.backend.rowwise_now() or gate_up.dim() != 2:
             return None
         target.prepared = self.backend.run_act(target.lora, gate_up)
         return target.prepared.normed

@@ -42,6 +42,9 @@ class LoRABatchInfo:
     # int32 [>= num_rows]: each row's slot (-1: none). Decode batches only, with the norm fused
     # into the folded modules' shrink_pack (lora/norm_fusion.py); None otherwise.
     row_slots: Optional[torch.Tensor] = None
+    # Whether o_proj's and down_proj's shrinks run row by row in this batch (SGLANG_LORA_ROWWISE_DECODE,
+    # backend/token_backend.py); decided when the batch is prepared (at capture: for the bucket).
+    rowwise: bool = False
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,7 @@ manager hands the same `ForwardPath` on):
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 from torch import nn
@@ -53,8 +53,12 @@ class BaseLoRABackend(abc.ABC):
     # Whether the norm before a folded module can run inside its shrink_pack at decode
     # (--lora-fuse-norm, lora/norm_fusion.py).
     supports_norm_fusion: bool = False
-    # With it, whether the kernels before o_proj / down_proj go row-wise too (token_backend.py).
+    # With it, whether the kernels before o_proj / down_proj go row-wise too (token_backend.py),
+    # at some decode batches; `rowwise_now` says whether in the batch being run.
     rowwise_decode: bool = False
+
+    def rowwise_now(self) -> bool:
+        return False
 
     def __init__(
         self,
@@ -111,8 +115,10 @@ class BaseLoRABackend(abc.ABC):
         raise NotImplementedError(f"LoRA backend {self.name} does not fuse norms")
 
     # ---- metadata --------------------------------------------------------------------------
-    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1) -> None:
-        """Allocate the decode graph's static info once (before capture)."""
+    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1,
+                                   buckets: Optional[Sequence[int]] = None) -> None:
+        """Allocate the decode graph's static info once (before capture); `buckets` are the decode
+        graphs' batch sizes (None: every size up to the max is its own)."""
         raise NotImplementedError(f"LoRA backend {self.name} does not support the decode CUDA graph.")
 
     def init_prefill_cuda_graph_batch_info(self, max_num_tokens: int) -> None:

@@ -37,7 +37,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -69,6 +69,20 @@ _LAUNCH_CACHE_SIZE = 512  # distinct (rows, segments) kept: decode sizes, prefil
 # The first H200 run measured tok+pdl ~15% faster than tok; SGLANG_LORA_PDL=0 launches everything
 # plainly (benchmarks compare).
 USE_PDL_BY_DEFAULT = os.environ.get("SGLANG_LORA_PDL", "1") != "0"
+# SGLANG_LORA_ROWWISE_DECODE=small: o_proj's and down_proj's row-wise kernels at decode batches
+# whose graph bucket (eagerly: their rows, or the bucket they would take) holds at most this many
+# rows. bench_norm_shrink (H200, 2026-12-01, Qwen3-4B, 8 adapters) measured them 190-206 µs per
+# step cheaper than shrink_pack's segments at batch 1-8, even at 32, dearer from 64 up.
+ROWWISE_SMALL_ROWS = 16
+
+
+def rowwise_decode_bound(value: str) -> Optional[int]:
+    """SGLANG_LORA_ROWWISE_DECODE: "0" off (None), "1" every decode batch, "small" those of at most
+    ROWWISE_SMALL_ROWS rows."""
+    bounds = {"0": None, "1": 1 << 30, "small": ROWWISE_SMALL_ROWS}
+    if value not in bounds:
+        raise ValueError(f"SGLANG_LORA_ROWWISE_DECODE={value!r}: use 0, 1 or small")
+    return bounds[value]
 
 
 @dataclass
@@ -147,8 +161,11 @@ class TokenLoRABackend(BaseLoRABackend):
         # With norm fusion, the modules without a norm before them may take row-wise kernels at
         # decode too: down_proj's fused with the SiLU-and-mul before it (lora/norm_fusion.py), a
         # folded o_proj's in place of shrink_pack's segments. An experiment
-        # (SGLANG_LORA_ROWWISE_DECODE=1) that benchmark/lora/bench_norm_shrink.py measures.
-        self.rowwise_decode = os.environ.get("SGLANG_LORA_ROWWISE_DECODE", "0") == "1"
+        # (SGLANG_LORA_ROWWISE_DECODE=1, or =small for small batches only) that
+        # benchmark/lora/bench_norm_shrink.py measures.
+        self.rowwise_max_rows = rowwise_decode_bound(os.environ.get("SGLANG_LORA_ROWWISE_DECODE", "0"))
+        self.rowwise_decode = self.rowwise_max_rows is not None
+        self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
 
     def enable_norm_fusion(self) -> None:
         """Decode batches carry each row's slot, for the norm kernels that write x_aug themselves
@@ -210,7 +227,9 @@ class TokenLoRABackend(BaseLoRABackend):
         )
         return _GraphMeta(info, buffer, rows, cap, self._scratch_for(rows), StagedCopy(buffer))
 
-    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1) -> None:
+    def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1,
+                                   buckets: Optional[Sequence[int]] = None) -> None:
+        self._decode_buckets = sorted(buckets or [])
         self._decode = self._graph_meta(max_bs_in_cuda_graph * num_tokens_per_bs, with_row_slots=self.fuse_norm)
         self.cuda_graph_batch_info = self._decode.info
         self.max_bs_in_cuda_graph = max_bs_in_cuda_graph
@@ -244,6 +263,7 @@ class TokenLoRABackend(BaseLoRABackend):
         # Decode rows are requests: each row's slot, for the fused norm kernels.
         fused = self.fuse_norm and not forward_batch.forward_mode.is_extend()
         assert not fused or num_rows == bs, (num_rows, bs)
+        rowwise = fused and self.rowwise_fits(num_rows)
         if path.is_graph:
             meta = self._decode if path is ForwardPath.DECODE_GRAPH else self._prefill
             assert meta is not None, "init_*_cuda_graph_batch_info must run before a graph batch"
@@ -260,6 +280,7 @@ class TokenLoRABackend(BaseLoRABackend):
                 meta.filled_for, meta.filled_segments = key, segs.num_segments
             info, scratch = meta.info, meta.scratch
             info.num_rows, info.num_segments = num_rows, meta.filled_segments
+            info.rowwise = rowwise
             # The grid's segment axis for this row count: at capture, the bucket's capacity.
             info.bs = self.segment_capacity(num_rows)
         else:
@@ -271,6 +292,7 @@ class TokenLoRABackend(BaseLoRABackend):
                 num_rows, self._slot_ranks, self._slot_scalings, bs=n, num_segments=n, max_len=self.segment_rows,
                 permutation=packed[:num_rows], seg_indptr=packed[num_rows : num_rows + n + 1],
                 weight_indices=packed[num_rows + n + 1 : end], row_slots=packed[end:] if fused else None,
+                rowwise=rowwise,
             )
             scratch = self._eager_scratch_for(num_rows)
         self._scratch = scratch
@@ -337,6 +359,20 @@ class TokenLoRABackend(BaseLoRABackend):
                              torch.empty((0, s.out_dim, s.max_rank), dtype=dtype, device=dev))
         return out
 
+    def rowwise_fits(self, rows: int) -> bool:
+        """Whether a decode batch of `rows` rows takes the row-wise o_proj / down_proj kernels: its
+        decode graph bucket (the smallest >= rows; rows past the largest: their own count) is
+        within the bound. A batch and the graph bucket it replays decide alike, so graph = eager
+        holds on one server; two servers with other bucket ladders may decide a size differently."""
+        if self.rowwise_max_rows is None:
+            return False
+        padded = next((b for b in self._decode_buckets if b >= rows), rows)
+        return padded <= self.rowwise_max_rows
+
+    def rowwise_now(self) -> bool:
+        info = self.batch_info
+        return info is not None and info.rowwise
+
     # ---- the norm fused with the module's shrink (decode) --------------------------------------
     def fuses_norm(self) -> bool:
         info = self.batch_info
@@ -394,7 +430,7 @@ class TokenLoRABackend(BaseLoRABackend):
         launches = self._launches[spec.name]
         if spec.folded:
             x_aug = scratch.matrix(rows, spec.in_dim + spec.extra_cols)
-            if self.rowwise_decode and info.row_slots is not None:
+            if info.rowwise:
                 norm_shrink_pack(x, None, None, 0.0, weights.A, x_aug, info.row_slots[:rows], info.lora_ranks,
                                  info.scalings, spec.stack, spec.max_rank)
             else:

@@ -49,7 +49,7 @@ class CudaGraphRunner(GraphRunnerBase):
         self.max_bs = decode_graph_max_bs(model_runner)
         self.buckets = sorted(set(cfg.bs)) if cfg.bs else decode_bucket_ladder(self.max_bs)
         if capture_lora:
-            model_runner.lora_manager.init_cuda_graph_batch_info(self.max_bs, 1)
+            model_runner.lora_manager.init_cuda_graph_batch_info(self.max_bs, 1, self.buckets)
         self._allocate(self.max_bs, self.max_bs)
         self.seq_len_fill = model_runner.attn_backend.get_cuda_graph_seq_len_fill_value()
         if capture:
