@@ -424,6 +424,13 @@ def test_build_segments_sorts_stably_and_puts_inactive_rows_last():
                           idle_slot=BASE_SLOT)
     assert segs.permutation.tolist() == [2, 0, 4, 1, 3]
     assert segs.seg_indptr == [0, 1, 3, 5] and segs.weight_indices == [A_SLOT, B_SLOT, BASE_SLOT]
+    # A decode batch said to be one: the same segments, padding rows included; none at all.
+    told = build_segments([B_SLOT, -1, A_SLOT, BASE_SLOT, B_SLOT], [1] * 5, RANKS, chunk=16, num_rows=8,
+                          idle_slot=BASE_SLOT, one_row_each=True)
+    assert told.permutation.tolist() == [2, 0, 4, 1, 3, 5, 6, 7] and told.permutation.dtype == torch.int32
+    assert told.seg_indptr == [0, 1, 3, 8] and told.weight_indices == [A_SLOT, B_SLOT, BASE_SLOT]
+    empty = build_segments([], [], RANKS, chunk=16, num_rows=0, idle_slot=BASE_SLOT, one_row_each=True)
+    assert empty.permutation.numel() == 0 and empty.num_segments == 0
 
 
 def test_segment_capacity_bounds_every_batch():

@@ -34,7 +34,7 @@ from __future__ import annotations
 from array import array
 from collections import Counter
 from dataclasses import dataclass
-from typing import Sequence
+from typing import Optional, Sequence
 
 import torch
 
@@ -81,22 +81,27 @@ def build_segments(
     chunk: int,
     num_rows: int,
     idle_slot: int,
+    one_row_each: Optional[bool] = None,
 ) -> Segments:
     """Order the rows of requests (slot, token count) by active slot and cut them into segments.
 
     Requests cover rows [0, sum(req_lens)) in order; rows past them up to `num_rows` are padding.
     A slot of -1 or of rank 0 is inactive. Requests with no tokens take no row. Runs once per
-    forward on the host, so the decode case (one row per request) stays in plain Python lists.
+    forward on the host, so the decode case (one row per request) stays in plain Python lists;
+    `one_row_each` True says so up front (a decode batch), None looks at the lengths.
     """
     inactive_key = len(slot_ranks)
     keys = [s if s >= 0 and slot_ranks[s] > 0 else inactive_key for s in req_slots]
     order = sorted(range(len(keys)), key=keys.__getitem__)  # stable
-    one_row_each = all(n == 1 for n in req_lens)
+    if one_row_each is None:
+        one_row_each = all(n == 1 for n in req_lens)
     live = len(keys) if one_row_each else sum(req_lens)
     assert live <= num_rows, (live, num_rows)
     if one_row_each:
         sizes = Counter(keys)
-        permutation = int32_tensor(order + list(range(live, num_rows)))
+        rows = array("i", order)
+        rows.extend(range(live, num_rows))
+        permutation = torch.frombuffer(rows, dtype=torch.int32) if num_rows else torch.empty(0, dtype=torch.int32)
     else:
         sizes = Counter()
         for k, n in zip(keys, req_lens):

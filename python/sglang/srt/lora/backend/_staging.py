@@ -57,12 +57,14 @@ class StagedCopy:
     def write(self, values: torch.Tensor) -> None:
         """Overwrite `dst` in place with `values` (a CPU tensor of dst's dtype and element count)."""
         assert values.numel() == self.dst.numel() and values.dtype == self.dst.dtype, (values.shape, values.dtype)
+        if values.shape != self.dst.shape:
+            values = values.view(self.dst.shape)
         if not self.on_cuda:
-            self.dst.copy_(values.view(self.dst.shape))
+            self.dst.copy_(values)
             return
         if self._copied is not None:
             self._copied.synchronize()  # the last copy out of `host` has been read
-        self.host.copy_(values.view(self.dst.shape))
+        self.host.copy_(values)
         self.dst.copy_(self.host, non_blocking=True)
         if self._copied is None:
             self._copied = torch.cuda.Event()

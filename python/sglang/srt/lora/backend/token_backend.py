@@ -269,11 +269,13 @@ class TokenLoRABackend(BaseLoRABackend):
             assert meta is not None, "init_*_cuda_graph_batch_info must run before a graph batch"
             assert path is ForwardPath.DECODE_GRAPH or forward_batch.forward_mode.is_extend(), forward_batch.forward_mode
             assert num_rows <= meta.rows, (num_rows, meta.rows)
-            key = (tuple(weight_indices), tuple(lens), tuple(lora_ranks))
+            decode = not forward_batch.forward_mode.is_extend()
+            key = (tuple(weight_indices), num_rows if decode else tuple(lens), tuple(lora_ranks))
             if key != meta.filled_for:
                 # The static segments cover every row the graph kind holds (padding in row order), so
                 # any bucket's grid finds all of its rows in its first segment_capacity(bucket) segments.
-                segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, meta.rows, idle)
+                segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, meta.rows, idle,
+                                      one_row_each=decode or None)
                 assert segs.num_segments <= meta.capacity, (segs.num_segments, meta.capacity)
                 row_slots = weight_indices + [-1] * (meta.rows - bs) if meta.info.row_slots is not None else None
                 meta.staging.write(self._packed(segs, meta.capacity, idle, row_slots))
