@@ -30,6 +30,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import host_phases  # noqa: E402
+from bench_util import emit_table  # noqa: E402
 from runner_lib import SHAPES, build_runner, decode_batch, forward_checked, release, write_assets  # noqa: E402
 
 
@@ -110,12 +111,8 @@ def main(argv: Optional[list[str]] = None) -> str:
     for label, text in profiles:
         md += ["", f"#### {label}", "", "```", text, "```"]
     md += ["", f"({time.perf_counter() - t0:.0f} s)"]
-    text = "\n".join(md) + "\n"
-    print(text)
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write(text)
-    return text
+    emit_table(md, args.out)
+    return "\n".join(md) + "\n"
 
 
 if __name__ == "__main__":

@@ -167,7 +167,8 @@ def launch(ckpt: str, cfg: Config, adapters: dict[str, str], port: int, log_path
 def counters(info: dict[str, Any]) -> dict[str, float]:
     graphs = info.get("graph_stats", {})
     out = {k: float(graphs.get(k, 0)) for k in ("prefill_graph_replays", "eager_prefills", "base_prefill_graph_replays",
-                                                "decode_graph_replays", "eager_decodes")}
+                                                "decode_graph_replays", "eager_decodes", "lora_metadata_refreshes",
+                                                "lora_metadata_writes")}
     for k in ("decode_steps", "decode_reqs", "prefill_batches", "prefill_tokens"):
         out[k] = float(info.get(k, 0))
     lora = info.get("lora") or {}
@@ -282,6 +283,12 @@ def to_markdown(rows: list[Row], header: str) -> str:
         rps = again.result["request_throughput"]
         lines += ["", f"- two base servers in this call: {base_rps:.1f} and {rps:.1f} req/s ({rps / base_rps:.2f}); "
                       "ratios to the base closer than that spread do not separate"]
+    refreshed = [r for r in rows if r.result and r.delta.get("lora_metadata_refreshes")]
+    if refreshed:
+        lines.append("")
+        lines += [f"- {r.config.name}: LoRA graph metadata written in {r.delta['lora_metadata_writes']:.0f} of "
+                  f"{r.delta['lora_metadata_refreshes']:.0f} graph batches (the others found their batch in place)"
+                  for r in refreshed]
     scraped = [r for r in rows if r.result and r.result.get("metrics_scrapes") is not None]
     if scraped:
         lines.append("")

@@ -284,6 +284,7 @@ def test_decode_refresh_skips_an_unchanged_batch(name, modules, monkeypatch):
 
     a = [A_SLOT, B_SLOT, A_SLOT, BASE_SLOT]
     b = [B_SLOT, B_SLOT, A_SLOT]
+    assert (backend.metadata_refreshes, backend.metadata_writes) == (0, 0)
     first = refresh(a)
     assert refresh(a) == first and len(writes) == 1  # unchanged: nothing copied
     other = refresh(b)
@@ -292,6 +293,7 @@ def test_decode_refresh_skips_an_unchanged_batch(name, modules, monkeypatch):
     no_b = [r if s != B_SLOT else 0 for s, r in enumerate(RANKS)]  # B's slot emptied: its rows go inactive
     emptied = refresh(a, no_b)
     assert len(writes) == 4 and all(slot != B_SLOT for slot, _ in emptied[0])
+    assert (backend.metadata_refreshes, backend.metadata_writes) == (5, 4)  # what /get_server_info reports
     fresh = make(name, True, modules).backend
     fresh.init_cuda_graph_batch_info(8, 1)
     fresh.fill_batch_info(make_batch([1] * 4, ForwardMode.DECODE), a, no_b, SCALINGS, ForwardPath.DECODE_GRAPH)

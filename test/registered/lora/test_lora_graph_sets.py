@@ -111,6 +111,10 @@ def test_each_batch_takes_one_set_and_refreshes_only_its_metadata(assets, backen
     assert plan == ForwardPlan(ForwardPath.DECODE_GRAPH, lora=True) and lora_backend.batch_info is decode_info
     assert int(decode_info.lora_ranks[slot]) == 8 and not same(snapshot(decode_info), before[1])
     assert same(snapshot(prefill_info), before[0])
+    refreshes, writes = mr.graph_stats()["lora_metadata_refreshes"], mr.graph_stats()["lora_metadata_writes"]
+    mr.prepare(decode(mr, [None, a, a]))  # the same batch again: refreshed, nothing written
+    assert (mr.graph_stats()["lora_metadata_refreshes"], mr.graph_stats()["lora_metadata_writes"]) == (
+        refreshes + 1, writes)
 
     # Too many tokens for either set: eager, with LoRA (a fresh info) or without (cleared).
     plan = mr.prepare(extend(mr, [30, 10], [a, None]))

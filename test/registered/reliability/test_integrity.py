@@ -197,7 +197,7 @@ def test_server_info_reports_both_checks_and_graph_stats(sched) -> None:
     assert set(info["graph_stats"]) == {"prefill_graph_replays", "decode_graph_replays", "eager_prefills",
                                         "eager_decodes", "base_prefill_graph_replays",
                                         "base_decode_graph_replays", "num_graphs", "capture_seconds",
-                                        "forward_paths"}
+                                        "forward_paths", "lora_metadata_refreshes", "lora_metadata_writes"}
     assert info["graph_stats"]["eager_prefills"] > 0  # CPU: every forward is eager
     paths = {(mode, path, reason): n for mode, path, reason, n in info["graph_stats"]["forward_paths"]}
     assert paths[("prefill", "eager", "graphs_disabled")] == info["graph_stats"]["eager_prefills"]

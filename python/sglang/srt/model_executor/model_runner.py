@@ -291,7 +291,11 @@ class ModelRunner:
         def replays(*runners) -> int:
             return sum(r.num_replays for r in runners if r is not None)
 
+        lora = self.lora_manager.lora_backend if self.lora_manager is not None else None
         return {
+            # LoRA metadata refreshes of graph batches, and those that wrote (the batch had changed).
+            "lora_metadata_refreshes": lora.metadata_refreshes if lora is not None else 0,
+            "lora_metadata_writes": lora.metadata_writes if lora is not None else 0,
             "prefill_graph_replays": replays(self.prefill_graph_runner, self.base_prefill_graph_runner),
             "decode_graph_replays": replays(self.decode_graph_runner, self.base_decode_graph_runner),
             "base_prefill_graph_replays": replays(self.base_prefill_graph_runner),

@@ -56,6 +56,10 @@ class BaseLoRABackend(abc.ABC):
     # With it, whether the kernels before o_proj / down_proj go row-wise too (token_backend.py),
     # at some decode batches; `rowwise_now` says whether in the batch being run.
     rowwise_decode: bool = False
+    # Graph-path metadata refreshes, and those that had to write (the batch differed from the last
+    # one written); /get_server_info reports them.
+    metadata_refreshes: int = 0
+    metadata_writes: int = 0
 
     def rowwise_now(self) -> bool:
         return False

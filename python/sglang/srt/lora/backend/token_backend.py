@@ -271,7 +271,9 @@ class TokenLoRABackend(BaseLoRABackend):
             assert num_rows <= meta.rows, (num_rows, meta.rows)
             decode = not forward_batch.forward_mode.is_extend()
             key = (tuple(weight_indices), num_rows if decode else tuple(lens), tuple(lora_ranks))
+            self.metadata_refreshes += 1
             if key != meta.filled_for:
+                self.metadata_writes += 1
                 # The static segments cover every row the graph kind holds (padding in row order), so
                 # any bucket's grid finds all of its rows in its first segment_capacity(bucket) segments.
                 segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, meta.rows, idle,
