@@ -489,3 +489,22 @@ def test_graph_hooks_need_state_and_validate_splits():
     runner = SimpleNamespace(req_to_token_pool=s.req_pool, token_to_kv_pool=s.kv_pool, device=DEV)
     with pytest.raises(ValueError):
         TritonAttnBackend(runner, num_kv_splits=6)
+
+
+def test_static_buffers_load_packed_requests_in_one_copy(monkeypatch):
+    """Rows and lengths that lie back to back (a builder's packed batch) fill the static buffers
+    with one copy, separate ones with two; the values are the same either way."""
+    from sglang.srt.layers.attention.triton_backend import _StaticBuffers
+
+    packed = torch.tensor([3, 1, 2, 17, 9, 30])
+    rows, lens = packed.split([3, 3])
+    calls = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, **kw: (calls.append(1), real_copy(self, src, **kw))[1])
+    got = []
+    for r, s in ((rows, lens), (rows.clone(), lens.clone())):
+        bufs = _StaticBuffers.allocate(8, torch.device("cpu"))
+        calls.clear()
+        assert bufs.load_requests(r, s) == 3
+        got.append((len(calls), bufs.req_pool_indices[:3].tolist(), bufs.seq_lens[:3].tolist()))
+    assert got[0] == (1, [3, 1, 2], [17, 9, 30]) and got[1] == (2, [3, 1, 2], [17, 9, 30])

@@ -2,6 +2,8 @@
 refusal, the static input buffers (what a replay writes into them, and what the padded tail holds),
 capture batches valid for the model's context length, and the shared buffer of break outputs."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -95,6 +97,47 @@ def test_load_tokens_pads_with_the_dummy_slot():
     assert bufs.positions[:5].tolist() == list(range(5, 10))
     for t in (bufs.input_ids, bufs.positions, bufs.out_cache_loc):
         assert t[5:8].tolist() == [0, 0, 0]  # pad tokens: token 0, position 0, KV slot 0
+
+
+def test_load_tokens_copies_a_packed_batch_in_one_block(monkeypatch):
+    """Back-to-back token vectors (what the batch builders' one packed copy produces) load with one
+    [3, n] copy and one padding fill; separate ones with a copy each; the values are the same."""
+    from sglang.srt.utils import stacked_view
+
+    packed = torch.cat([torch.arange(100, 105), torch.arange(5, 10), torch.arange(40, 45)])
+    ids, pos, locs = packed.split([5, 5, 5])
+    assert stacked_view(ids, pos, locs).tolist() == [list(range(100, 105)), list(range(5, 10)), list(range(40, 45))]
+    assert stacked_view(pos, ids, locs) is None and stacked_view(ids, locs) is None  # order, gaps
+    assert stacked_view(ids, torch.arange(5, 10)) is None  # another storage
+    assert stacked_view(ids, pos.to(torch.int32)) is None and stacked_view(ids, packed[5:9]) is None
+    calls = []
+    real_copy = torch.Tensor.copy_
+    monkeypatch.setattr(torch.Tensor, "copy_", lambda self, src, **kw: (calls.append(self.shape), real_copy(self, src, **kw))[1])
+    results = []
+    for fb in (dataclasses.replace(_live_batch(5), input_ids=ids, positions=pos, out_cache_loc=locs), _live_batch(5)):
+        bufs = GraphInputBuffers.allocate(16, 4, torch.device("cpu"), dummy_req_row=0)
+        bufs.load_tokens(_live_batch(12), 16)
+        calls.clear()
+        bufs.load_tokens(fb, 8)
+        results.append((len(calls), bufs.tokens[:, :8].tolist()))
+    assert results[0][0] == 1 and results[1][0] == 3
+    assert results[0][1] == results[1][1]
+    assert results[0][1][0] == list(range(100, 105)) + [0, 0, 0]
+
+
+def test_builders_lay_a_batch_out_for_one_copy():
+    """build_decode_batch and build_extend_batch move the token vectors, and the requests' rows and
+    lengths, as back-to-back views: the graph runners' one-copy loads apply to every real batch."""
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.model_executor.batch_builder import DecodeRequest, ExtendRequest, build_decode_batch, build_extend_batch
+    from sglang.srt.utils import stacked_view
+
+    pool = ReqToTokenPool(4, 64, torch.device("cpu"))
+    decode = build_decode_batch([DecodeRequest(0, 7, 10, 9), DecodeRequest(1, 8, 20, 19)], pool, "cpu")
+    extend = build_extend_batch([ExtendRequest(2, [1, 2, 3], 0, [30, 31, 32]), ExtendRequest(3, [4], 0, [40])], pool, "cpu")
+    for fb in (decode, extend):
+        assert stacked_view(fb.input_ids, fb.positions, fb.out_cache_loc) is not None
+        assert stacked_view(fb.req_pool_indices, fb.seq_lens) is not None
 
 
 def test_capture_batches_point_at_the_dummy_row():

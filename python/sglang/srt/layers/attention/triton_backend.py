@@ -28,6 +28,7 @@ from sglang.srt.layers.attention.triton_ops.decode_attention import (
 )
 from sglang.srt.layers.attention.triton_ops.extend_attention import extend_attention_fwd
 from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.utils import stacked_view
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -51,6 +52,9 @@ class TritonAttnMetadata:
 class _StaticBuffers:
     """Fixed-address per-request metadata read by captured kernels (int64, like ForwardBatch)."""
 
+    # The rows of `rows` [4, capacity]: a batch whose req_pool_indices and seq_lens lie back to
+    # back (the batch builders' one packed copy) fills the first two with one copy.
+    rows: torch.Tensor
     req_pool_indices: torch.Tensor
     seq_lens: torch.Tensor
     extend_seq_lens: torch.Tensor
@@ -61,10 +65,19 @@ class _StaticBuffers:
 
     @classmethod
     def allocate(cls, capacity: int, device: torch.device) -> "_StaticBuffers":
-        def z() -> torch.Tensor:
-            return torch.zeros(capacity, dtype=torch.int64, device=device)
+        rows = torch.zeros(4, capacity, dtype=torch.int64, device=device)
+        return cls(rows, rows[0], rows[1], rows[2], rows[3])
 
-        return cls(z(), z(), z(), z())
+    def load_requests(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> int:
+        """Copy the live requests' rows and lengths into the prefixes; returns their count."""
+        n = int(req_pool_indices.numel())
+        live = stacked_view(req_pool_indices, seq_lens)
+        if live is not None:
+            self.rows[:2, :n].copy_(live, non_blocking=True)
+        else:
+            self.req_pool_indices[:n].copy_(req_pool_indices, non_blocking=True)
+            self.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        return n
 
     @property
     def capacity(self) -> int:
@@ -324,9 +337,7 @@ class TritonAttnBackend(AttentionBackend):
     def _fill_decode(
         self, bufs: _StaticBuffers, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor
     ) -> None:
-        n = int(req_pool_indices.numel())
-        bufs.req_pool_indices[:n].copy_(req_pool_indices, non_blocking=True)
-        bufs.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        n = bufs.load_requests(req_pool_indices, seq_lens)
         # Padded rows: a valid request row, and a short fill length keeps them cheap.
         if bufs.live_rows > n:
             bufs.req_pool_indices[n : bufs.live_rows].fill_(self.padding_req_row)
@@ -347,14 +358,12 @@ class TritonAttnBackend(AttentionBackend):
         start = forward_batch.extend_start_loc
         if start is None:
             start = _exclusive_cumsum(ext)
-        bufs.req_pool_indices[:n].copy_(req_pool_indices, non_blocking=True)
-        bufs.seq_lens[:n].copy_(seq_lens, non_blocking=True)
+        bufs.load_requests(req_pool_indices, seq_lens)
         bufs.extend_seq_lens[:n].copy_(ext[:n], non_blocking=True)
         bufs.extend_start_loc[:n].copy_(start[:n], non_blocking=True)
         # Zero-length sentinels: extend_len 0 makes every program of the slot return at once.
         if bufs.live_rows > n:
-            for t in (bufs.req_pool_indices, bufs.seq_lens, bufs.extend_seq_lens, bufs.extend_start_loc):
-                t[n : bufs.live_rows].zero_()
+            bufs.rows[:, n : bufs.live_rows].zero_()
         bufs.live_rows = n
 
     def _extend_metadata(self, slots: int) -> TritonAttnMetadata:

@@ -19,6 +19,7 @@ from typing import Optional
 import torch
 
 from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.utils import stacked_view
 
 
 # A prefill replay may pad its tokens up to this factor; beyond it the wasted work outweighs the
@@ -45,6 +46,9 @@ def prefill_replay_bucket(buckets: list[int], num_tokens: int) -> Optional[int]:
 
 @dataclass
 class GraphInputBuffers:
+    # The three token-wise inputs are the rows of `tokens` [3, max_tokens], so a live batch whose
+    # vectors lie back to back (the batch builders' one packed copy) loads with one copy.
+    tokens: torch.Tensor  # int64 [3, max_tokens]: input_ids, positions, out_cache_loc
     input_ids: torch.Tensor  # int64 [max_tokens]
     positions: torch.Tensor  # int64 [max_tokens]
     out_cache_loc: torch.Tensor  # int64 [max_tokens]
@@ -63,10 +67,12 @@ class GraphInputBuffers:
         def zeros(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int64, device=device)
 
+        tokens = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)
         bufs = cls(
-            input_ids=zeros(max_tokens),
-            positions=zeros(max_tokens),
-            out_cache_loc=zeros(max_tokens),
+            tokens=tokens,
+            input_ids=tokens[0],
+            positions=tokens[1],
+            out_cache_loc=tokens[2],
             req_pool_indices=zeros(max_reqs),
             seq_lens=zeros(max_reqs),
             extend_seq_lens=zeros(max_reqs),
@@ -80,13 +86,15 @@ class GraphInputBuffers:
     def load_tokens(self, fb: ForwardBatch, padded: int) -> None:
         """Copy the live batch's token-wise inputs into the prefixes and neutralise the padding."""
         n = fb.num_tokens
-        self.input_ids[:n].copy_(fb.input_ids, non_blocking=True)
-        self.positions[:n].copy_(fb.positions, non_blocking=True)
-        self.out_cache_loc[:n].copy_(fb.out_cache_loc, non_blocking=True)
+        live = stacked_view(fb.input_ids, fb.positions, fb.out_cache_loc)
+        if live is not None and live.shape[1] == n:
+            self.tokens[:, :n].copy_(live, non_blocking=True)
+        else:
+            self.input_ids[:n].copy_(fb.input_ids, non_blocking=True)
+            self.positions[:n].copy_(fb.positions, non_blocking=True)
+            self.out_cache_loc[:n].copy_(fb.out_cache_loc, non_blocking=True)
         if padded > n:
-            self.input_ids[n:padded].zero_()
-            self.positions[n:padded].zero_()
-            self.out_cache_loc[n:padded].zero_()
+            self.tokens[:, n:padded].zero_()
 
     def padded_view(self, fb: ForwardBatch, padded: int) -> ForwardBatch:
         """The live batch with its token tensors replaced by the padded static prefixes (the
