@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "host", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -198,6 +198,23 @@ if [[ " $PARTS " == *" gemv "* ]]; then
   $PY benchmark/bench_gemv.py --out "$OUT/gemv.md" >"$OUT/gemv.log" 2>&1 || status=1
   say "gemv: $(( $(date +%s) - start ))s"
   grep -E "^\| (llama|qwen)" "$OUT/gemv.md" 2>/dev/null | cut -d'|' -f2-10 >>"$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" host "* ]]; then
+  # The host side of decode steps (issues 16, 21): each phase of a step's host time and cProfile's
+  # top functions, base and LoRA (8 adapters, csgmv), the batch repeating and changing every step,
+  # in a process never profiled (benchmark/profile_host.py; ~1 min per shape).
+  # GPU_SUITE_HOST_MODELS picks shapes.
+  say "== host time of decode steps"
+  : >"$OUT/host.md"
+  for model in ${GPU_SUITE_HOST_MODELS:-qwen3-4b llama-3.1-8b}; do
+    start=$(date +%s)
+    $PY benchmark/profile_host.py --model "$model" --bs 1 64 --adapters 8 --out "/tmp/host_$model.md" \
+      >>"$OUT/host.log" 2>&1 || status=1
+    cat "/tmp/host_$model.md" >>"$OUT/host.md" 2>/dev/null
+    say "$model host: $(( $(date +%s) - start ))s"
+    grep -E "^- bs " "/tmp/host_$model.md" 2>/dev/null | sed "s/^- /- $model /" >>"$SUMMARY"
+  done
 fi
 
 if [[ " $PARTS " == *" lora_decode "* ]]; then
