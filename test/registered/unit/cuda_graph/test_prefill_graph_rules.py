@@ -136,8 +136,10 @@ def test_builders_lay_a_batch_out_for_one_copy():
     decode = build_decode_batch([DecodeRequest(0, 7, 10, 9), DecodeRequest(1, 8, 20, 19)], pool, "cpu")
     extend = build_extend_batch([ExtendRequest(2, [1, 2, 3], 0, [30, 31, 32]), ExtendRequest(3, [4], 0, [40])], pool, "cpu")
     for fb in (decode, extend):
-        assert stacked_view(fb.input_ids, fb.positions, fb.out_cache_loc) is not None
-        assert stacked_view(fb.req_pool_indices, fb.seq_lens) is not None
+        tokens = stacked_view(fb.input_ids, fb.positions, fb.out_cache_loc)
+        requests = stacked_view(fb.req_pool_indices, fb.seq_lens)  # views past the buffer's start
+        assert torch.equal(tokens, torch.stack([fb.input_ids, fb.positions, fb.out_cache_loc]))
+        assert torch.equal(requests, torch.stack([fb.req_pool_indices, fb.seq_lens]))
 
 
 def test_capture_batches_point_at_the_dummy_row():
