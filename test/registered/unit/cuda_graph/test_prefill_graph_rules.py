@@ -125,6 +125,20 @@ def test_load_tokens_copies_a_packed_batch_in_one_block(monkeypatch):
     assert results[0][1][0] == list(range(100, 105)) + [0, 0, 0]
 
 
+def test_static_rows_keep_their_alignment_at_any_size():
+    """The rows of the packed static buffers start 128 bytes apart (a multiple of it), whatever the
+    size: kernels specialised on 16-byte-aligned inputs see each row as they saw a tensor of its own."""
+    from sglang.srt.layers.attention.triton_backend import _StaticBuffers
+
+    for n in (1, 161, 8192):
+        bufs = GraphInputBuffers.allocate(n, 3, torch.device("cpu"), dummy_req_row=0)
+        attn = _StaticBuffers.allocate(n, torch.device("cpu"))
+        for rows in ((bufs.input_ids, bufs.positions, bufs.out_cache_loc),
+                     (attn.req_pool_indices, attn.seq_lens, attn.extend_seq_lens, attn.extend_start_loc)):
+            assert all(r.shape == (n,) and r.is_contiguous() for r in rows)
+            assert all((r.data_ptr() - rows[0].data_ptr()) % 128 == 0 for r in rows)
+
+
 def test_builders_lay_a_batch_out_for_one_copy():
     """build_decode_batch and build_extend_batch move the token vectors, and the requests' rows and
     lengths, as back-to-back views: the graph runners' one-copy loads apply to every real batch."""

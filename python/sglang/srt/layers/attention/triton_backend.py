@@ -65,7 +65,8 @@ class _StaticBuffers:
 
     @classmethod
     def allocate(cls, capacity: int, device: torch.device) -> "_StaticBuffers":
-        rows = torch.zeros(4, capacity, dtype=torch.int64, device=device)
+        # Rows padded to 16 elements (128 bytes): every row starts as aligned as its own tensor would.
+        rows = torch.zeros(4, -(-capacity // 16) * 16, dtype=torch.int64, device=device)[:, :capacity]
         return cls(rows, rows[0], rows[1], rows[2], rows[3])
 
     def load_requests(self, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor) -> int:

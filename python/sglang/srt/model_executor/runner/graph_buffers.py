@@ -67,7 +67,8 @@ class GraphInputBuffers:
         def zeros(n: int) -> torch.Tensor:
             return torch.zeros(n, dtype=torch.int64, device=device)
 
-        tokens = torch.zeros(3, max_tokens, dtype=torch.int64, device=device)
+        # Rows padded to 16 elements (128 bytes): every row starts as aligned as its own tensor would.
+        tokens = torch.zeros(3, -(-max_tokens // 16) * 16, dtype=torch.int64, device=device)[:, :max_tokens]
         bufs = cls(
             tokens=tokens,
             input_ids=tokens[0],
