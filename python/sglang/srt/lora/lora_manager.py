@@ -242,10 +242,10 @@ class LoRAManager:
                 adapters.append(future.result())
             except ValueError as e:
                 raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} at startup: {e}") from None
-        # Read beside the capture: pinned now, in the same threads (the copies run in parallel).
-        # Read before it: pinned already, and this does nothing.
-        list(startup.threads.map(LoRAAdapter.pin_host_copy, adapters))
         if self.startup_overlap:
+            # Read unpinned beside the capture: pinned now, in the same threads (the copies run in
+            # parallel). Read before it, they went straight into pinned buffers.
+            list(startup.threads.map(LoRAAdapter.pin_host_copy, adapters))
             logger.info("LoRA: %d startup adapter(s) read while the KV cache and graphs were set up, %.1f s "
                         "waited for after them", len(refs), time.perf_counter() - waited)
         else:

@@ -99,9 +99,7 @@ def build_segments(
     assert live <= num_rows, (live, num_rows)
     if one_row_each:
         sizes = Counter(keys)
-        rows = array("i", order)
-        rows.extend(range(live, num_rows))
-        permutation = torch.frombuffer(rows, dtype=torch.int32) if num_rows else torch.empty(0, dtype=torch.int32)
+        permutation = int32_tensor(order + list(range(live, num_rows)))
     else:
         sizes = Counter()
         for k, n in zip(keys, req_lens):
