@@ -64,6 +64,18 @@ from sglang.srt.lora.lora_config import PEFT_PROJECTIONS  # noqa: E402
 from sglang.srt.configs.cuda_graph_config import Backend  # noqa: E402
 
 TOP_KERNELS = 6
+# The runner variants of --lora: (--lora-fuse-norm, SGLANG_LORA_ROWWISE_DECODE). lora is the default
+# (auto: the norms before folded modules compute their shrink); lora-fused fuses every norm-fed
+# module's; lora-rowwise also runs o_proj's / down_proj's shrink row by row at every decode batch,
+# lora-rowwise-small at decode batches of up to 16 rows only.
+LORA_VARIANTS = {
+    "none": ("off", "0"),
+    "lora": ("auto", "0"),
+    "lora-unfused": ("off", "0"),
+    "lora-fused": ("on", "0"),
+    "lora-rowwise": ("on", "1"),
+    "lora-rowwise-small": ("on", "small"),
+}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",
@@ -199,14 +211,11 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
         overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
                          disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
     overrides.setdefault("max_running_requests", max(64, *args.decode_bs))
-    # --lora-fuse-norm: lora runs the default (auto: the norms before folded modules compute
-    # their shrink), lora-unfused none, lora-fused / lora-rowwise every norm-fed module's.
+    fuse_norm, rowwise = LORA_VARIANTS[lora]
     if lora != "none":
-        overrides["lora_fuse_norm"] = {"lora": "auto", "lora-unfused": "off"}.get(lora, "on")
+        overrides["lora_fuse_norm"] = fuse_norm
         overrides["lora_fold"] = args.lora_fold
-    # lora-rowwise: o_proj / down_proj take the row-wise kernel at decode too (read at backend build);
-    # lora-rowwise-small: at decode batches of up to 16 rows only.
-    os.environ["SGLANG_LORA_ROWWISE_DECODE"] = {"lora-rowwise": "1", "lora-rowwise-small": "small"}.get(lora, "0")
+    os.environ["SGLANG_LORA_ROWWISE_DECODE"] = rowwise  # read when the backend is built
     buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
     runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
                           prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
@@ -488,10 +497,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--tokens", type=_ints, default=[128, 2048, 4096], help="prefill token counts (batch 1)")
     p.add_argument("--decode-bs", type=_ints, default=[1])
     p.add_argument("--lora", default="none,lora",
-                   help="which of none,lora,lora-unfused,lora-fused,lora-rowwise,lora-rowwise-small to run (lora: "
-                        "the default --lora-fuse-norm auto; lora-unfused: off; lora-fused: on; lora-rowwise-small: "
-                        "on and SGLANG_LORA_ROWWISE_DECODE=small; lora-rowwise: on and "
-                        "SGLANG_LORA_ROWWISE_DECODE=1)")
+                   help=f"which of {','.join(LORA_VARIANTS)} to run (LORA_VARIANTS: their --lora-fuse-norm "
+                        "and SGLANG_LORA_ROWWISE_DECODE)")
     p.add_argument("--lora-backend", default="csgmv")
     p.add_argument("--lora-fold", default="auto", choices=["auto", "on", "off"],
                    help="off: every module unfolded (base GEMM + shrink + expand), as many slots make qkv / gate_up")
@@ -517,9 +524,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--out", default=None, help="also write the markdown here")
     args = p.parse_args(argv)
     args.lora = [x.strip() for x in args.lora.split(",") if x.strip()]
-    variants = ("none", "lora", "lora-unfused", "lora-fused", "lora-rowwise", "lora-rowwise-small")
-    if any(x not in variants for x in args.lora):
-        p.error(f"--lora takes {', '.join(variants)}")
+    if any(x not in LORA_VARIANTS for x in args.lora):
+        p.error(f"--lora takes {', '.join(LORA_VARIANTS)}")
     if args.hf_anchor is None:
         try:
             import peft  # noqa: F401

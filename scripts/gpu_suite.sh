@@ -182,7 +182,7 @@ if [[ " $PARTS " == *" lora_steps "* ]]; then
   # prefill 128 (breakable), decode 1, 8 and 64 on 1 and 8 adapters; the runners measured in
   # turn over three rounds (--rounds), so the order in the process does not pick the winner.
   # GPU_SUITE_STEPS_MODELS picks shapes.
-  say "== LoRA steps: default (fused norms) vs unfused vs base"
+  say "== LoRA steps: default (fused norms) vs unfused vs row-wise at small batches vs base"
   : >"$OUT/lora_steps.md"
   for model in ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b}; do
     lora_step_rows "$model" "$OUT/lora_steps.md" "$OUT/lora_steps.log" "" \
