@@ -65,12 +65,14 @@ from sglang.srt.configs.cuda_graph_config import Backend  # noqa: E402
 
 TOP_KERNELS = 6
 # The runner variants of --lora: (--lora-fuse-norm, SGLANG_LORA_ROWWISE_DECODE). lora is the default
-# (auto: the norms before folded modules compute their shrink); lora-fused fuses every norm-fed
-# module's; lora-rowwise also runs o_proj's / down_proj's shrink row by row at every decode batch,
-# lora-rowwise-small at decode batches of up to 16 rows only.
+# (auto: the norms before folded modules compute their shrink; o_proj's / down_proj's shrink row by
+# row at decode batches of up to 16 rows); lora-segments is the default without the row-wise
+# o_proj / down_proj; lora-fused fuses every norm-fed module's; lora-rowwise runs o_proj's /
+# down_proj's shrink row by row at every decode batch, lora-rowwise-small at up to 16 rows only.
 LORA_VARIANTS = {
     "none": ("off", "0"),
-    "lora": ("auto", "0"),
+    "lora": ("auto", "small"),
+    "lora-segments": ("auto", "0"),
     "lora-unfused": ("off", "0"),
     "lora-fused": ("on", "0"),
     "lora-rowwise": ("on", "1"),

@@ -88,8 +88,12 @@ def test_tp2_logprobs_equal_tp1(results, arch, backend) -> None:
     # for o_proj / down_proj, before the all-reduce); the others ran separate LoRA kernels.
     folded = checks.FOLD[backend] == "on"
     assert ranks[0]["folded"] == (["down_proj", "gate_up_proj", "o_proj", "qkv_proj"] if folded else [])
-    # --lora-fuse-norm auto: both norms of every layer compute the folded modules' shrink at decode.
-    assert ranks[0]["fused_norms"] == (2 * want["num_layers"] if backend in checks.FUSED_NORMS else 0)
+    # --lora-fuse-norm auto: both norms of every layer compute the folded modules' shrink at decode,
+    # and (SGLANG_LORA_ROWWISE_DECODE=small, the default) the SiLU-and-mul down_proj's, a row-parallel
+    # module whose shrink sums this rank's input columns before the all-reduce.
+    fuses = backend in checks.FUSED_NORMS
+    assert ranks[0]["fused_norms"] == (2 * want["num_layers"] if fuses else 0)
+    assert ranks[0]["fused_acts"] == (want["num_layers"] if fuses else 0)
 
 
 def test_a_load_failing_on_one_rank_fails_on_all(results) -> None:

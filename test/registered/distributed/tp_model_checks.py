@@ -20,6 +20,8 @@ from typing import Any, Optional
 import torch
 
 from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.lora.lora_registry import make_lora_ref
 from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
 from sglang.srt.managers.scheduler_lora import update_adapters
@@ -35,7 +37,7 @@ CASES = [("llama", "torch_native"), ("llama", "triton"), ("llama", "csgmv"), ("q
 # default --lora-fuse-norm auto the decode step's norms before folded modules compute their shrink
 # (csgmv); csgmv+norms-apart runs them apart (off).
 FOLD = {"csgmv": "on", "triton": "off", "torch_native": "off", "csgmv+norms-apart": "on"}
-FUSED_NORMS = {"csgmv"}  # cases whose norms fuse: 2 per layer
+FUSED_NORMS = {"csgmv"}  # cases whose norms fuse: 2 per layer, and the SiLU-and-mul before down_proj
 # Case name -> (LoRA backend, other runner arguments).
 BACKENDS = {"csgmv+norms-apart": ("csgmv", {"lora_fuse_norm": "off"})}
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
@@ -82,7 +84,9 @@ def scenario(mr: ModelRunner, prompts: list[list[int]], paths: dict[str, str],
     got["pool_shapes"] = {m: [tuple(lora.pool.A_buffer[m][0].shape), tuple(lora.pool.B_buffer[m][0].shape)]
                           for m in lora.pool.target_modules}
     got["folded"] = list(lora.pool.fold_modules)
-    got["fused_norms"] = sum(getattr(m, "fusion", None) is not None for m in mr.model.modules())
+    fused = [type(m) for m in mr.model.modules() if getattr(m, "fusion", None) is not None]
+    got["fused_norms"] = sum(t is RMSNorm for t in fused)
+    got["fused_acts"] = sum(t is SiluAndMul for t in fused)  # down_proj's row-wise shrink (small decode batches)
     got["num_layers"] = mr.model_config.num_hidden_layers
     if not adapter_updates:
         got["slots"] = [repr(lora_id) for lora_id in lora.pool.slot_to_lora_id]

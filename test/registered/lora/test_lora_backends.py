@@ -311,10 +311,11 @@ def test_rowwise_decode_bound_parses_its_values():
 
 @pytest.mark.parametrize("name", ["csgmv", "triton"])
 def test_rowwise_small_decides_by_the_graph_bucket(name, modules, monkeypatch):
-    """SGLANG_LORA_ROWWISE_DECODE=small: decode batches whose graph bucket has at most 16 rows take
-    the row-wise o_proj / down_proj kernels (decided at the bucket, so a live batch and the bucket
-    it replays agree), others and every prefill the segments; the outputs are the module's."""
-    monkeypatch.setenv("SGLANG_LORA_ROWWISE_DECODE", "small")
+    """SGLANG_LORA_ROWWISE_DECODE=small, the default (unset): decode batches whose graph bucket has
+    at most 16 rows take the row-wise o_proj / down_proj kernels (decided at the bucket, so a live
+    batch and the bucket it replays agree), others and every prefill the segments; the outputs are
+    the module's."""
+    monkeypatch.delenv("SGLANG_LORA_ROWWISE_DECODE", raising=False)
     setup = make(name, True, modules)
     backend = setup.backend
     assert backend.rowwise_decode

@@ -8,6 +8,7 @@ model's parameters and modules stay the same."""
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
@@ -31,15 +32,17 @@ def assets(tmp_path_factory):
     }
 
 
-def runner_for(assets, backend: str, fuse, rowwise: bool = False, monkeypatch=None, fold: str = "auto"):
+def runner_for(assets, backend: str, fuse, rowwise: bool = False, fold: str = "auto"):
     """fuse: a --lora-fuse-norm mode, or True / False for on / off."""
-    if rowwise:  # o_proj / down_proj take the row-wise kernel too (read when the backend is built)
-        monkeypatch.setenv("SGLANG_LORA_ROWWISE_DECODE", "1")
+    # o_proj / down_proj take the row-wise kernel at every decode batch (1) or never (0; the
+    # default, small, would at these tests' small batches). Read when the backend is built.
+    os.environ["SGLANG_LORA_ROWWISE_DECODE"] = "1" if rowwise else "0"
     ckpt, paths = assets
-    runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
-                         max_lora_rank=8, lora_fuse_norm=fuse, lora_fold=fold)
-    if rowwise:
-        monkeypatch.delenv("SGLANG_LORA_ROWWISE_DECODE")
+    try:
+        runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
+                             max_lora_rank=8, lora_fuse_norm=fuse, lora_fold=fold)
+    finally:
+        del os.environ["SGLANG_LORA_ROWWISE_DECODE"]
     assert runner.lora_manager.lora_backend.__dict__.get("rowwise_decode", False) == rowwise
     return runner
 
@@ -79,7 +82,7 @@ def decode_run(runner, steps: int = 4, names=("a", None, "b", "a")):
 def test_fused_decode_equals_unfused(assets, backend, fold, rowwise, monkeypatch):
     """Folded (auto, at these sizes) and unfolded (off) modules; with SGLANG_LORA_ROWWISE_DECODE the
     folded o_proj / down_proj take the row-wise kernel too."""
-    fused_runner = runner_for(assets, backend, fuse=True, rowwise=rowwise, monkeypatch=monkeypatch, fold=fold)
+    fused_runner = runner_for(assets, backend, fuse=True, rowwise=rowwise, fold=fold)
     assert bool(fused_runner.lora_manager.pool.fold_modules) == (fold == "auto")
     layers = fused_runner.model.model.layers
     assert all(isinstance(l.input_layernorm.fusion, NormShrinkFusion) for l in layers)
@@ -151,11 +154,26 @@ def test_a_backend_without_the_kernels_warns_and_runs_apart(assets, caplog):
     assert calls == [0, 0]
 
 
-def test_no_lora_on_the_norm_fed_modules_nothing_fused(assets, caplog, tmp_path):
+def test_no_lora_on_the_norm_fed_modules_nothing_fused(assets, caplog, tmp_path, monkeypatch):
+    """An adapter on o_proj / down_proj only: no norm fuses. By default (row-wise o_proj / down_proj
+    at small decode batches) the SiLU-and-mul before each down_proj carries down_proj's shrink;
+    with SGLANG_LORA_ROWWISE_DECODE=0 nothing fuses, and the log says why."""
+    from sglang.srt.layers.activation import SiluAndMul
+
     ckpt, _ = assets
     path = write_peft_adapter(str(tmp_path / "od"), r=4, target_modules=["o_proj", "down_proj"],
                               base_model=hf_model(ckpt), seed=9)
-    with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
-        runner = make_runner(ckpt, lora_paths=[f"od={path}"], lora_backend="triton", lora_fuse_norm=True)
-    assert "no norm feeds a LoRA" in caplog.text
+
+    def build():
+        return make_runner(ckpt, lora_paths=[f"od={path}"], lora_backend="triton", lora_fuse_norm=True)
+
+    monkeypatch.delenv("SGLANG_LORA_ROWWISE_DECODE", raising=False)
+    runner = build()
     assert all(m.fusion is None for m in runner.model.modules() if isinstance(m, RMSNorm))
+    acts = [m for m in runner.model.modules() if isinstance(m, SiluAndMul)]
+    assert acts and all(m.fusion is not None for m in acts)
+    monkeypatch.setenv("SGLANG_LORA_ROWWISE_DECODE", "0")
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
+        runner = build()
+    assert "no norm feeds a LoRA" in caplog.text
+    assert all(m.fusion is None for m in runner.model.modules() if isinstance(m, (RMSNorm, SiluAndMul)))

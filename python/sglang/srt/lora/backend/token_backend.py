@@ -69,11 +69,15 @@ _LAUNCH_CACHE_SIZE = 512  # distinct (rows, segments) kept: decode sizes, prefil
 # The first H200 run measured tok+pdl ~15% faster than tok; SGLANG_LORA_PDL=0 launches everything
 # plainly (benchmarks compare).
 USE_PDL_BY_DEFAULT = os.environ.get("SGLANG_LORA_PDL", "1") != "0"
-# SGLANG_LORA_ROWWISE_DECODE=small: o_proj's and down_proj's row-wise kernels at decode batches
-# whose graph bucket (eagerly: their rows, or the bucket they would take) holds at most this many
-# rows. bench_norm_shrink (H200, 2026-12-01, Qwen3-4B, 8 adapters) measured them 190-206 µs per
-# step cheaper than shrink_pack's segments at batch 1-8, even at 32, dearer from 64 up.
+# SGLANG_LORA_ROWWISE_DECODE=small (the default): o_proj's and down_proj's row-wise kernels at
+# decode batches whose graph bucket (eagerly: their rows, or the bucket they would take) holds at
+# most this many rows. bench_norm_shrink (H200, 2026-12-01, Qwen3-4B, 8 adapters) measured them
+# 190-206 µs per step cheaper than shrink_pack's segments at batch 1-8, even at 32, dearer from 64
+# up; whole decode steps (profile_forward, seventh session) went 1.20 -> 1.15 of the base at batch 1
+# and 1.24 -> 1.17 at 8, unchanged at 64. They round differently from the segments (error against
+# float32 within the unfused engine's: H200 test), for graph and eager alike.
 ROWWISE_SMALL_ROWS = 16
+ROWWISE_DECODE_DEFAULT = "small"
 
 
 def rowwise_decode_bound(value: str) -> Optional[int]:
@@ -160,10 +164,11 @@ class TokenLoRABackend(BaseLoRABackend):
         self.fuse_norm = False  # enable_norm_fusion
         # With norm fusion, the modules without a norm before them may take row-wise kernels at
         # decode too: down_proj's fused with the SiLU-and-mul before it (lora/norm_fusion.py), a
-        # folded o_proj's in place of shrink_pack's segments. An experiment
-        # (SGLANG_LORA_ROWWISE_DECODE=1, or =small for small batches only) that
-        # benchmark/lora/bench_norm_shrink.py measures.
-        self.rowwise_max_rows = rowwise_decode_bound(os.environ.get("SGLANG_LORA_ROWWISE_DECODE", "0"))
+        # folded o_proj's in place of shrink_pack's segments. SGLANG_LORA_ROWWISE_DECODE=small
+        # (the default) at small batches only, =1 at every decode batch, =0 never;
+        # benchmark/lora/bench_norm_shrink.py measures them.
+        self.rowwise_max_rows = rowwise_decode_bound(
+            os.environ.get("SGLANG_LORA_ROWWISE_DECODE", ROWWISE_DECODE_DEFAULT))
         self.rowwise_decode = self.rowwise_max_rows is not None
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
 
