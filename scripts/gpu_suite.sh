@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "host", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "many_steps", "host", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -199,6 +199,19 @@ if [[ " $PARTS " == *" gemv "* ]]; then
   $PY benchmark/bench_gemv.py --out "$OUT/gemv.md" >"$OUT/gemv.log" 2>&1 || status=1
   say "gemv: $(( $(date +%s) - start ))s"
   grep -E "^\| (llama|qwen)" "$OUT/gemv.md" 2>/dev/null | cut -d'|' -f2-10 >>"$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" many_steps "* ]]; then
+  # Issue 18's bound: the decode step of a 64-slot server (z64-64's shape: 64 running requests on
+  # many distinct adapters), Qwen3-4B, csgmv, graphs: 8, 32 and 64 distinct adapters in a batch of
+  # 64, the fold rule's choice (auto) against every module folded (on), with the base beside them
+  # (~2 min). The top kernels and per-launch times say where the per-adapter cost grows.
+  say "== many-slot decode steps (64 slots)"
+  : >"$OUT/many_steps.md"
+  for fold in auto on; do
+    lora_step_rows qwen3-4b "$OUT/many_steps.md" "$OUT/many_steps.log" "fold=$fold " \
+      --adapters 64 --lora-fold "$fold" --lora none,lora --tokens "" --decode-bs 64 --decode-adapters 8,32,64 --rounds 2
+  done
 fi
 
 if [[ " $PARTS " == *" host "* ]]; then
