@@ -68,7 +68,8 @@ TOP_KERNELS = 6
 # (auto: the norms before folded modules compute their shrink; o_proj's / down_proj's shrink row by
 # row at decode batches of up to 16 rows); lora-segments is the default without the row-wise
 # o_proj / down_proj; lora-fused fuses every norm-fed module's; lora-rowwise runs o_proj's /
-# down_proj's shrink row by row at every decode batch, lora-rowwise-small at up to 16 rows only.
+# down_proj's shrink row by row at every decode batch, lora-rowwise-small at up to 16 rows only,
+# lora-rowwise-32 (the default's fusions) at up to 32.
 LORA_VARIANTS = {
     "none": ("off", "0"),
     "lora": ("auto", "small"),
@@ -77,6 +78,7 @@ LORA_VARIANTS = {
     "lora-fused": ("on", "0"),
     "lora-rowwise": ("on", "1"),
     "lora-rowwise-small": ("on", "small"),
+    "lora-rowwise-32": ("auto", "rows:32"),  # the default's row-wise kernels up to 32 rows
 }
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).

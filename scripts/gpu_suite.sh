@@ -179,15 +179,16 @@ if [[ " $PARTS " == *" lora_steps "* ]]; then
   # Issue 16's whole-step rows in one process per shape (~2 min each): the base, LoRA as served
   # (--lora-fuse-norm auto, o_proj / down_proj row-wise at small decode batches), LoRA with the
   # norms apart (off), and the default without the row-wise kernels (lora-segments,
-  # SGLANG_LORA_ROWWISE_DECODE=0), 8 rank-16 adapters, csgmv, graphs:
-  # prefill 128 (breakable), decode 1, 8 and 64 on 1 and 8 adapters; the runners measured in
+  # SGLANG_LORA_ROWWISE_DECODE=0) and with the row-wise kernels up to 32 rows (rows:32, where the
+  # crossover may lie), 8 rank-16 adapters, csgmv, graphs:
+  # prefill 128 (breakable), decode 1, 8, 32 and 64 on 1 and 8 adapters; the runners measured in
   # turn over three rounds (--rounds), so the order in the process does not pick the winner.
   # GPU_SUITE_STEPS_MODELS picks shapes.
   say "== LoRA steps: default (fused norms, row-wise at small batches) vs unfused vs segments only vs base"
   : >"$OUT/lora_steps.md"
   for model in ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b}; do
     lora_step_rows "$model" "$OUT/lora_steps.md" "$OUT/lora_steps.log" "" \
-      --lora none,lora-unfused,lora-segments,lora --decode-bs 1,8,64 --decode-adapters 1,8 --rounds 3
+      --lora none,lora-unfused,lora-segments,lora,lora-rowwise-32 --decode-bs 1,8,32,64 --decode-adapters 1,8 --rounds 3
   done
 fi
 

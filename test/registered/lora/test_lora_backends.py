@@ -305,8 +305,10 @@ def test_rowwise_decode_bound_parses_its_values():
 
     assert rowwise_decode_bound("0") is None and rowwise_decode_bound("1") >= 1 << 20
     assert rowwise_decode_bound("small") == ROWWISE_SMALL_ROWS == 16
-    with pytest.raises(ValueError, match="SGLANG_LORA_ROWWISE_DECODE='yes'"):
-        rowwise_decode_bound("yes")
+    assert rowwise_decode_bound("rows:32") == 32
+    for bad in ("yes", "rows:0", "rows:-4", "rows:", "32"):
+        with pytest.raises(ValueError, match=f"SGLANG_LORA_ROWWISE_DECODE={bad!r}"):
+            rowwise_decode_bound(bad)
 
 
 @pytest.mark.parametrize("name", ["csgmv", "triton"])

@@ -82,11 +82,13 @@ ROWWISE_DECODE_DEFAULT = "small"
 
 def rowwise_decode_bound(value: str) -> Optional[int]:
     """SGLANG_LORA_ROWWISE_DECODE: "0" off (None), "1" every decode batch, "small" those of at most
-    ROWWISE_SMALL_ROWS rows."""
+    ROWWISE_SMALL_ROWS rows, "rows:N" those of at most N rows (for measuring the crossover)."""
     bounds = {"0": None, "1": 1 << 30, "small": ROWWISE_SMALL_ROWS}
-    if value not in bounds:
-        raise ValueError(f"SGLANG_LORA_ROWWISE_DECODE={value!r}: use 0, 1 or small")
-    return bounds[value]
+    if value in bounds:
+        return bounds[value]
+    if value.startswith("rows:") and value[5:].isdigit() and int(value[5:]) > 0:
+        return int(value[5:])
+    raise ValueError(f"SGLANG_LORA_ROWWISE_DECODE={value!r}: use 0, 1, small or rows:N (N > 0)")
 
 
 @dataclass
