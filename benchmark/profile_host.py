@@ -51,6 +51,26 @@ def top_functions(fn: Callable[[], Any], n: int, limit: int, device: Optional[to
     return "\n".join(lines[start:])
 
 
+def copy_latency(device: torch.device, n: int = 200) -> str:
+    """Host µs of a small device-to-device copy_ (what load_tokens launches): the first after a
+    synchronize, and a second right behind it. The base's load_tokens measured 102-111 µs and the
+    LoRA runner's 48-57 for the same copy (H200, seventh session); the LoRA step makes CUDA calls
+    before it, the base's makes none, so this tells whether the first call after the sync pays."""
+    src = torch.arange(3 * 64, dtype=torch.int64, device=device)
+    dst = torch.zeros(3, 80, dtype=torch.int64, device=device)[:, :64]
+    first = second = 0.0
+    for _ in range(n):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src.view(3, 64), non_blocking=True)
+        t1 = time.perf_counter()
+        dst.copy_(src.view(3, 64), non_blocking=True)
+        second += time.perf_counter() - t1
+        first += t1 - t0
+    return (f"- a [3, 64] int64 device copy_: {first / n * 1e6:.1f} µs the first after a synchronize, "
+            f"{second / n * 1e6:.1f} µs the next")
+
+
 def main(argv: Optional[list[str]] = None) -> str:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen3-4b", choices=sorted(SHAPES))
@@ -107,6 +127,8 @@ def main(argv: Optional[list[str]] = None) -> str:
         del runner
         if on_gpu:
             torch.cuda.empty_cache()
+    if on_gpu:
+        md += ["", copy_latency(torch.device("cuda"))]
     md += ["", f"cProfile, top {args.top} functions by own time over {args.repeats} steps:"]
     for label, text in profiles:
         md += ["", f"#### {label}", "", "```", text, "```"]
