@@ -85,8 +85,15 @@ def test_batch_builder_writes_rows_and_offsets() -> None:
     assert fb.forward_mode == ForwardMode.DECODE and fb.positions.tolist() == [2, 6]
     assert pool.req_to_token[1, 2] == 6 and pool.req_to_token[2, 6] == 7
     assert fb.lora_ids == [None, None] and not fb.return_logprob
+    assert fb.input_ids.tolist() == [42, 43] and fb.out_cache_loc.tolist() == [6, 7]
+    assert fb.req_pool_indices.tolist() == [1, 2] and fb.seq_lens.tolist() == [3, 7]
+    assert fb.seq_lens_cpu.tolist() == [3, 7] and fb.seq_lens_cpu.data_ptr() != fb.seq_lens.data_ptr()
+    assert all(t.dtype == torch.int64 for t in (fb.input_ids, fb.positions, fb.seq_lens, fb.seq_lens_cpu))
     with pytest.raises(ValueError, match="LoRA"):
         build_decode_batch([DecodeRequest(1, 1, 4, 8, lora_id="a")], pool, "cpu")
+    for bad in (0, pool.max_context_len + 1):  # the message names the offending request
+        with pytest.raises(ValueError, match=f"row 2: seq_len {bad} out of range"):
+            build_decode_batch([DecodeRequest(1, 1, 4, 8), DecodeRequest(2, 1, bad, 9)], pool, "cpu")
     with pytest.raises(ValueError, match="KV slots"):
         build_extend_batch([ExtendRequest(1, [1, 2], 0, [1])], pool, "cpu")
     with pytest.raises(ValueError, match="context"):

@@ -99,3 +99,27 @@ def test_logprobs_are_untempered_and_top_k_is_sorted() -> None:
     assert torch.equal(out.top_logprobs_idx, ref.topk(5, -1).indices)
     plain = Sampler()(logits, None)
     assert plain.logprobs is None and plain.top_logprobs_val is None
+
+
+def test_an_all_greedy_batch_builds_no_sampling_tensors() -> None:
+    """The scheduler's sampling_info_for: None when every request is greedy (temperature 0 or
+    top_k 1), which the Sampler reads as argmax for every row; one sampled request gets the tensors
+    for the whole batch, its greedy rows still greedy."""
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.managers.req import Req
+    from sglang.srt.managers.schedule_batch import sampling_info_for
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    def req(i: int, **params) -> Req:
+        sp = SamplingParams.from_dict({"max_new_tokens": 4, **params})
+        return Req(TokenizedGenerateReqInput(rid=f"r{i}", input_ids=[1, 2], sampling_params=sp), i)
+
+    greedy = [req(0, temperature=0.0), req(1, temperature=0.7, top_k=1)]
+    assert sampling_info_for(greedy, "cpu") is None
+    mixed = sampling_info_for(greedy + [req(2, temperature=0.7, top_p=0.9)], "cpu")
+    assert mixed is not None and not mixed.is_all_greedy and mixed.need_top_p_sampling
+    assert mixed.temperatures.view(-1).tolist()[:2] == [0.0, 0.0]
+    torch.manual_seed(0)
+    logits = torch.randn(3, 50)
+    ids = Sampler()(logits, mixed).next_token_ids
+    assert ids[:2].tolist() == logits[:2].argmax(-1).tolist()

