@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "many_steps", "host", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "many_steps", "scheduler", "host", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -215,6 +215,17 @@ if [[ " $PARTS " == *" many_steps "* ]]; then
     --adapters 64 --lora-fold auto --lora none,lora,lora-fused --tokens "" --decode-bs 64 --decode-adapters 8,32,64 --rounds 2
   lora_step_rows qwen3-4b "$OUT/many_steps.md" "$OUT/many_steps.log" "fold=on " \
     --adapters 64 --lora-fold on --lora none,lora --tokens "" --decode-bs 64 --decode-adapters 8,32,64 --rounds 2
+fi
+
+if [[ " $PARTS " == *" scheduler "* ]]; then
+  # The scheduler's host time per decode turn outside the forward (benchmark/profile_scheduler.py):
+  # Qwen3-4B shape, dummy weights, graphs, 8 and 64 greedy streaming requests, in-process on real
+  # pipes (~1.5 min). Without an overlap scheduler all of it is GPU idle time in every step.
+  say "== scheduler host time per decode turn"
+  start=$(date +%s)
+  $PY benchmark/profile_scheduler.py --model qwen3-4b --bs 8 64 --out "$OUT/scheduler.md" >"$OUT/scheduler.log" 2>&1 || status=1
+  say "scheduler: $(( $(date +%s) - start ))s"
+  grep -E "^\| [0-9]+ \|" "$OUT/scheduler.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" host "* ]]; then
