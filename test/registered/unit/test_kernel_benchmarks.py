@@ -74,6 +74,24 @@ def test_profile_host_dry_run_reports_every_case(tmp_path):
     assert text.count("ncalls") == 2 and "#### bs 2, LoRA, changing batch" in text
 
 
+def test_profile_scheduler_dry_run_times_the_turn_outside_the_forward(tmp_path):
+    """profile_scheduler on the CPU: a row per batch size with every phase measured, the forward
+    inside the turn and the scheduler's share positive (all the requests reached decode, or it
+    fails)."""
+    out = tmp_path / "scheduler.md"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
+    cmd = [sys.executable, os.path.join(ROOT, "benchmark/profile_scheduler.py"), "--device", "cpu", "--model", "tiny",
+           "--bs", "2", "4", "--steps", "5", "--root", str(tmp_path / "assets"), "--out", str(out)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [ln.split("|")[1:-1] for ln in out.read_text().splitlines() if re.match(r"^\| \d+ \|", ln)]
+    assert [int(r[0]) for r in rows] == [2, 4], rows
+    for r in rows:
+        turn, forward, rest = (float(c.strip("* ")) for c in r[1:4])
+        assert 0 < forward < turn and rest > 0, r
+        assert len(r) == 12 and all(float(c) >= 0 for c in r[4:]), r
+
+
 def test_host_phases_times_each_phase_and_restores_the_methods():
     """host_phases wraps a runner's methods for the measurement only: nested phases are counted in
     their parents, and afterwards the instance has no attribute of its own left."""
