@@ -24,16 +24,18 @@ from __future__ import annotations
 
 import contextlib
 import time
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional, Sequence
 
 import torch
 
 PHASES = ("prepare", "prepare.lora", "body", "body.tokens", "body.attn", "body.launch", "tail", "tail.to_host")
 
 
-class _Timers:
-    def __init__(self) -> None:
-        self.totals = dict.fromkeys(PHASES, 0.0)
+class PhaseTimers:
+    """perf_counter totals (seconds) per phase label, gathered by the functions `wrap` returns."""
+
+    def __init__(self, phases: Sequence[str] = PHASES) -> None:
+        self.totals = dict.fromkeys(phases, 0.0)
 
     def wrap(self, phase: str, fn: Callable[..., Any]) -> Callable[..., Any]:
         totals = self.totals
@@ -49,8 +51,9 @@ class _Timers:
 
 
 @contextlib.contextmanager
-def _patched(targets: list[tuple[Any, str, str]], timers: _Timers) -> Iterator[None]:
-    """Wrap `obj.name` (an instance attribute shadowing the method) for each (obj, name, phase)."""
+def patched(targets: list[tuple[Any, str, str]], timers: PhaseTimers) -> Iterator[None]:
+    """Wrap `obj.name` for each (obj, name, phase) while the block runs, then restore it: on an
+    instance, an attribute shadowing the method; on a module, the module's function."""
     undo = []
     try:
         for obj, name, phase in targets:
@@ -82,11 +85,11 @@ def _targets(runner: Any) -> list[tuple[Any, str, str]]:
 
 def measure(runner: Any, fwd: Callable[[], Any], n: int, device: Optional[torch.device] = None) -> dict[str, float]:
     """Per-forward host µs of each phase (PHASES) over `n` calls of `fwd`, plus "wall"."""
-    timers = _Timers()
+    timers = PhaseTimers()
     cls_replay = torch.cuda.CUDAGraph.replay
     on_cuda = device is not None and device.type == "cuda"
     wall = 0.0
-    with _patched(_targets(runner), timers):
+    with patched(_targets(runner), timers):
         torch.cuda.CUDAGraph.replay = timers.wrap("body.launch", cls_replay)
         try:
             for _ in range(n):

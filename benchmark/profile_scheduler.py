@@ -20,13 +20,13 @@ import os
 import sys
 import tempfile
 import time
-from collections import defaultdict
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
+import host_phases  # noqa: E402
 import sglang.srt.managers.schedule_batch as schedule_batch  # noqa: E402
 import sglang.srt.managers.scheduler as scheduler_module  # noqa: E402
 from bench_util import emit_table  # noqa: E402
@@ -45,21 +45,7 @@ MODULE_PHASES = [
 ]
 SCHEDULER_PHASES = [("process_messages", "messages"), ("get_next_batch", "next batch chosen"),
                     ("process_decode", "outputs processed"), ("send", "news sent")]
-
-
-class _Timers:
-    def __init__(self) -> None:
-        self.totals: dict[str, float] = defaultdict(float)
-
-    def wrap(self, label: str, fn: Callable[..., Any]) -> Callable[..., Any]:
-        def timed(*args: Any, **kwargs: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.totals[label] += time.perf_counter() - t0
-
-        return timed
+LABELS = [label for *_, label in MODULE_PHASES] + [label for _, label in SCHEDULER_PHASES] + ["news read"]
 
 
 def measure(model: str, bs: int, steps: int, device: str, root: str) -> dict[str, float]:
@@ -75,13 +61,9 @@ def measure(model: str, bs: int, steps: int, device: str, root: str) -> dict[str
         sp = SamplingParams.from_dict({"max_new_tokens": steps + 32, "temperature": 0.0, "ignore_eos": True})
         to_w.send(TokenizedGenerateReqInput(rid=f"r{i}", input_ids=[5 + i % 50, 9, 13, 200, 7], sampling_params=sp,
                                             stream=True))
-    timers = _Timers()
-
     def read_news() -> None:
-        t0 = time.perf_counter()
         while from_r.poll(0):
             from_r.recv()
-        timers.totals["news read"] += time.perf_counter() - t0
 
     def turn() -> None:
         sched.process_messages(block=False)
@@ -94,23 +76,14 @@ def measure(model: str, bs: int, steps: int, device: str, root: str) -> dict[str
         read_news()
     if len(sched.running) != bs:
         raise RuntimeError(f"{len(sched.running)} of {bs} requests running; raise the pool or lower --bs")
-    undo = []
-    for owner, name, label in MODULE_PHASES:
-        undo.append((owner, name, getattr(owner, name)))
-        setattr(owner, name, timers.wrap(label, getattr(owner, name)))
-    for name, label in SCHEDULER_PHASES:
-        setattr(sched, name, timers.wrap(label, getattr(sched, name)))
-    sched.model_runner.forward = timers.wrap("forward", sched.model_runner.forward)
-    try:
-        timers.totals.clear()
+    targets = [*MODULE_PHASES, *((sched, name, label) for name, label in SCHEDULER_PHASES),
+               (sched.model_runner, "forward", "forward")]
+    timers = host_phases.PhaseTimers(["turn", "forward", *LABELS])
+    timed_turn, timed_read = timers.wrap("turn", turn), timers.wrap("news read", read_news)
+    with host_phases.patched(targets, timers):
         for _ in range(steps):
-            t0 = time.perf_counter()
-            turn()
-            timers.totals["turn"] += time.perf_counter() - t0
-            read_news()
-    finally:
-        for owner, name, fn in undo:
-            setattr(owner, name, fn)
+            timed_turn()
+            timed_read()
     return {label: total / steps * 1e6 for label, total in timers.totals.items()}
 
 
@@ -129,14 +102,13 @@ def main(argv: Optional[list[str]] = None) -> str:
           "|---:|" + "---:|" * (3 + len(MODULE_PHASES) + len(SCHEDULER_PHASES) + 1)]
     for bs in args.bs:
         t = measure(args.model, bs, args.steps, args.device, args.root)
-        # The wrapped methods hold the scheduler in a cycle: free it (its KV pool and graphs)
-        # before the next one sizes its pool from the free memory.
+        # Free this scheduler (its KV pool and graphs) before the next one sizes its pool from the
+        # free memory.
         gc.collect()
         if args.device == "cuda":
             torch.cuda.empty_cache()
-        labels = [label for *_, label in MODULE_PHASES] + [label for _, label in SCHEDULER_PHASES] + ["news read"]
         md.append(f"| {bs} | {t['turn']:.0f} | {t['forward']:.0f} | **{t['turn'] - t['forward']:.0f}** | "
-                  + " | ".join(f"{t.get(label, 0.0):.0f}" for label in labels) + " |")
+                  + " | ".join(f"{t[label]:.0f}" for label in LABELS) + " |")
     md += ["", "µs per decode turn, means over the measured turns; the phases nest (the ForwardBatch and "
            "the sampling parameters are built inside the turn, outside the forward)."]
     emit_table(md, args.out)
