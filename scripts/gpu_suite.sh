@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "many_steps", "scheduler", "host", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "expand_tiles", "many_steps", "scheduler", "host", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -200,6 +200,16 @@ if [[ " $PARTS " == *" gemv "* ]]; then
   $PY benchmark/bench_gemv.py --out "$OUT/gemv.md" >"$OUT/gemv.log" 2>&1 || status=1
   say "gemv: $(( $(date +%s) - start ))s"
   grep -E "^\| (llama|qwen)" "$OUT/gemv.md" 2>/dev/null | cut -d'|' -f2-10 >>"$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" expand_tiles "* ]]; then
+  # Issue 18: the unfolded expand's tile plans (benchmark/lora/bench_expand_tiles.py) at 64 slots,
+  # decode 64 on 1-64 adapters and a prefill, each plan checked bit for bit against the default (~1 min).
+  say "== unfolded expand tile plans"
+  start=$(date +%s)
+  $PY benchmark/lora/bench_expand_tiles.py --out "$OUT/expand_tiles.md" >"$OUT/expand_tiles.log" 2>&1 || status=1
+  say "expand_tiles: $(( $(date +%s) - start ))s"
+  grep -E "^\| (qkv|gate)" "$OUT/expand_tiles.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" many_steps "* ]]; then

@@ -218,3 +218,31 @@ def test_token_lanes_walk_whole_chunks(monkeypatch, programs_per_segment):
     got = chunked_sgmv_lora_expand_forward(xa, b, info, base, 3, offsets, max(Q, KV))
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
     _assert_untouched_rows(got, info, rows)
+
+
+@pytest.mark.parametrize("block_n", [16, 32])
+def test_expand_tile_plans_give_the_same_bits(block_n):
+    """Several column tiles per program (and other warp counts) change which program computes an
+    element, never its sum: the same bits as one tile per program of the same width, masked past
+    each slice (kv is narrower than q, and 3 x 16 columns pass q's 32), nothing outside the segments
+    touched. (Another tile width may round otherwise in the interpreter's float32 matmul.)"""
+    from sglang.srt.lora.triton_ops.sgemm_lora_b import segmented_expand
+
+    info, num_tokens = _csgmv_info(16, seed=11)
+    gen = torch.Generator().manual_seed(211)
+    xa = _poison_shrunk(_shrunk_input(num_tokens, 3, gen), info, 3)
+    b = _poisoned_b(Q + 2 * KV, gen)
+    offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32)
+    bounds = [(0, Q), (Q, Q + KV), (Q + KV, Q + 2 * KV)]
+    expected = ref_expand(xa, b, info, torch.full((num_tokens, Q + 2 * KV), SENTINEL), bounds)
+
+    def run(tiles):
+        base = torch.full((num_tokens, Q + 2 * KV), SENTINEL)
+        return segmented_expand(xa, b, info, base, 3, offsets, max(Q, KV), tiles=tiles)
+
+    one = run((block_n, 1, 4))
+    torch.testing.assert_close(one, expected, rtol=1e-5, atol=1e-4)
+    for tiles in [(block_n, 2, 4), (block_n, 3, 8)]:
+        got = run(tiles)
+        assert torch.equal(got, one), tiles
+        _assert_untouched_rows(got, info, num_tokens)

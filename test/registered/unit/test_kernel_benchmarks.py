@@ -33,6 +33,17 @@ def test_dry_run_agrees_with_its_reference(script, min_rows, tmp_path):
     assert all(float(r[-1]) < 1e-5 for r in rows), rows  # max relative difference, float32
 
 
+def test_expand_tiles_dry_run_checks_every_plan_against_the_default(tmp_path):
+    out = tmp_path / "table.md"
+    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TRITON_INTERPRET="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark/lora/bench_expand_tiles.py"), "--cpu-dry-run",
+                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| qkv_proj")]
+    assert [r[1].strip() for r in rows] == ["decode 8 x 8", "prefill 2 x 20 x 2"], rows
+    assert all(r[-1].strip() == "True" for r in rows), rows  # every plan: the same bits
+
+
 def test_profile_forward_rounds_alternate_the_variants(tmp_path):
     """--rounds 2: every variant is measured in both rounds (its row's wall the median of the two)
     and compared with the base; a CPU dry run, eager, no device kernels."""
