@@ -65,9 +65,9 @@ from sglang.srt.configs.cuda_graph_config import Backend  # noqa: E402
 
 TOP_KERNELS = 6
 # The runner variants of --lora: (--lora-fuse-norm, SGLANG_LORA_ROWWISE_DECODE). lora is the default
-# (auto: the norms before folded modules compute their shrink; o_proj's / down_proj's shrink row by
+# (auto: the norms before LoRA modules compute their shrink; o_proj's / down_proj's shrink row by
 # row at decode batches of up to 16 rows); lora-segments is the default without the row-wise
-# o_proj / down_proj; lora-fused fuses every norm-fed module's; lora-rowwise runs o_proj's /
+# o_proj / down_proj; lora-fused (`on`: since the eighth session the same fusions as auto) without them; lora-rowwise runs o_proj's /
 # down_proj's shrink row by row at every decode batch, lora-rowwise-small at up to 16 rows only,
 # lora-rowwise-32 (the default's fusions) at up to 32.
 LORA_VARIANTS = {

@@ -23,8 +23,9 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
     lora0-64      a LoRA server with 64 slots and no adapter at start, base requests (against
                   z64-64: what loading 64 adapters at start costs the start-up); lora0-64-again
                   the same server again (after another LoRA server: a warm kernel cache)
-  --lora-fuse-norm (auto by default: the norms before folded modules): csgmv-fn and z64-64-fn
-  (csgmv's and z64-64's servers with it on: unfolded modules too), csgmv-nofn (off); z64-64-fold
+  --lora-fuse-norm (auto by default: the norms before every LoRA module, folded or not, since the
+  eighth session): csgmv-fn and z64-64-fn (csgmv's and z64-64's servers with it on: the same
+  fusions), csgmv-nofn (off); z64-64-fold
   (z64-64 with --lora-fold on: the fold crossover at 64 slots); z64-64-overlap (z64-64 with
   SGLANG_LORA_STARTUP_OVERLAP=1: its adapters read beside the graph capture, not before it).
   The first LoRA server of a call also compiles the Triton kernels (a cold cache): its capture and

@@ -17,7 +17,7 @@ LORA_BACKENDS = ("csgmv", "triton", "torch_native")
 LORA_EVICTION_POLICIES = ("lru", "fifo")
 LORA_CHUNK_SIZES = (16, 32, 64, 128)
 LORA_FOLD_MODES = ("auto", "on", "off")
-# auto: the norms before folded modules (the same numbers as apart); on: before unfolded ones too.
+# auto and on: the norms before every LoRA qkv_proj / gate_up_proj, folded or not (on warns when none can).
 LORA_FUSE_NORM_MODES = ("auto", "on", "off")
 LORA_TARGET_MODULES = (
     "q_proj",

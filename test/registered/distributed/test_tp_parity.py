@@ -88,7 +88,7 @@ def test_tp2_logprobs_equal_tp1(results, arch, backend) -> None:
     # for o_proj / down_proj, before the all-reduce); the others ran separate LoRA kernels.
     folded = checks.FOLD[backend] == "on"
     assert ranks[0]["folded"] == (["down_proj", "gate_up_proj", "o_proj", "qkv_proj"] if folded else [])
-    # --lora-fuse-norm auto: both norms of every layer compute the folded modules' shrink at decode,
+    # --lora-fuse-norm auto: both norms of every layer compute their module's shrink at decode,
     # and (SGLANG_LORA_ROWWISE_DECODE=small, the default) the SiLU-and-mul down_proj's, a row-parallel
     # module whose shrink sums this rank's input columns before the all-reduce.
     fuses = backend in checks.FUSED_NORMS

@@ -34,10 +34,10 @@ CASES = [("llama", "torch_native"), ("llama", "triton"), ("llama", "csgmv"), ("q
          ("mistral", "torch_native"), ("qwen2", "torch_native"), ("qwen3", "torch_native")]
 # The Triton backends' two layouts: csgmv folds every module into its base GEMM (the default,
 # --lora-fold auto, at these sizes), triton keeps separate shrink and expand kernels. With the
-# default --lora-fuse-norm auto the decode step's norms before folded modules compute their shrink
-# (csgmv); csgmv+norms-apart runs them apart (off).
+# default --lora-fuse-norm auto the decode step's norms before the LoRA modules compute their shrink
+# (csgmv folded, triton unfolded); csgmv+norms-apart runs them apart (off).
 FOLD = {"csgmv": "on", "triton": "off", "torch_native": "off", "csgmv+norms-apart": "on"}
-FUSED_NORMS = {"csgmv"}  # cases whose norms fuse: 2 per layer, and the SiLU-and-mul before down_proj
+FUSED_NORMS = {"csgmv", "triton"}  # cases whose norms fuse: 2 per layer, and the SiLU-and-mul before down_proj
 # Case name -> (LoRA backend, other runner arguments).
 BACKENDS = {"csgmv+norms-apart": ("csgmv", {"lora_fuse_norm": "off"})}
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]

@@ -1,6 +1,6 @@
 """`--lora-fuse-norm` through the model (CPU, TRITON_INTERPRET=1, float32): at decode the norms
-before qkv_proj and gate_up_proj compute their shrink (auto, the default: folded modules only; on:
-unfolded ones too), and a mixed batch
+before qkv_proj and gate_up_proj compute their shrink (auto, the default, and on: folded modules
+and unfolded ones), and a mixed batch
 (two adapters and the base model) decodes what the unfused engine decodes, with the same logprobs
 to float32 rounding. Prefill never fuses; a backend without the kernels warns and runs apart; the
 model's parameters and modules stay the same."""
@@ -117,20 +117,22 @@ def test_fused_decode_equals_unfused(assets, backend, fold, rowwise, monkeypatch
 
 
 @pytest.mark.parametrize("fold", ["auto", "off"])
-def test_the_default_fuses_the_norms_before_folded_modules_only(assets, fold, caplog):
-    """--lora-fuse-norm auto (the default): the norms before folded modules compute their shrink;
-    before unfolded ones (another rounding) they run apart, and decode batches carry no row slots."""
+def test_the_default_fuses_the_norms_before_folded_and_unfolded_modules(assets, fold, caplog):
+    """--lora-fuse-norm auto (the default): the norms before folded modules (auto, at these sizes)
+    and unfolded ones (off) compute their shrink, and the decode equals the unfused engine's to
+    float32 rounding; a backend without the kernels says nothing."""
     with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
         runner = runner_for(assets, "csgmv", fuse="auto", fold=fold)
-    assert "--lora-fuse-norm" not in caplog.text  # the default says nothing when nothing fuses
+    assert "--lora-fuse-norm" not in caplog.text
+    assert bool(runner.lora_manager.pool.fold_modules) == (fold == "auto")
     layers = runner.model.model.layers
-    fused = [isinstance(n.fusion, NormShrinkFusion) for l in layers for n in (l.input_layernorm,
-                                                                             l.post_attention_layernorm)]
-    assert all(fused) if fold == "auto" else not any(fused)
-    assert runner.lora_manager.lora_backend.fuse_norm == (fold == "auto")
-    _, logprobs, calls = decode_run(runner)
-    assert calls == [0] + [2 * len(layers) if fold == "auto" else 0] * 4
-    _, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse="off", fold=fold))
+    assert all(isinstance(n.fusion, NormShrinkFusion) for l in layers for n in (l.input_layernorm,
+                                                                               l.post_attention_layernorm))
+    assert runner.lora_manager.lora_backend.fuse_norm
+    tokens, logprobs, calls = decode_run(runner)
+    assert calls == [0] + [2 * len(layers)] * 4
+    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse="off", fold=fold))
+    assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
     with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
         runner_for(assets, "torch_native", fuse="auto")

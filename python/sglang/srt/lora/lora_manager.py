@@ -160,7 +160,7 @@ class LoRAManager:
             base_model, self.pool, self.shapes, self.lora_backend, dtype
         )
         if config.fuse_norm != "off":
-            self._attach_norm_fusion(base_model, folded_only=config.fuse_norm == "auto")
+            self._attach_norm_fusion(base_model, quiet=config.fuse_norm == "auto")
 
         # The startup adapters are read in threads from here on; finish_startup() waits for them and
         # commits them. ModelRunner calls it next, or (startup_overlap) once the KV cache is sized
@@ -169,25 +169,23 @@ class LoRAManager:
         self._startup = self._start_startup_reads(list(config.refs), startup_configs)
 
     # ------------------------------------------------------------------ set-up
-    def _attach_norm_fusion(self, model: torch.nn.Module, folded_only: bool) -> None:
-        """`--lora-fuse-norm auto` (folded_only) is the default and says nothing when nothing fuses;
-        an explicit `on` that fuses nothing warns."""
+    def _attach_norm_fusion(self, model: torch.nn.Module, quiet: bool) -> None:
+        """`--lora-fuse-norm auto` (quiet) is the default and says nothing when nothing fuses; an
+        explicit `on` that fuses nothing warns."""
         if not self.lora_backend.supports_norm_fusion:
-            if not folded_only:
+            if not quiet:
                 logger.warning("--lora-fuse-norm: the %s LoRA backend has no fused norm kernels; the norms run "
                                "apart", self.lora_backend.name)
             return
-        count = attach_norm_fusion(model, self.lora_modules, find_lora_target_layers(model), self.lora_backend,
-                                   folded_only=folded_only)
+        count = attach_norm_fusion(model, self.lora_modules, find_lora_target_layers(model), self.lora_backend)
         if count == 0:
-            if not folded_only:
+            if not quiet:
                 logger.warning("--lora-fuse-norm: no norm feeds a LoRA qkv_proj / gate_up_proj (targets: %s); "
                                "nothing to fuse", self.pool.target_modules)
             return
         # Decode batches carry each row's slot from now on (before the graphs' static infos exist).
         self.lora_backend.enable_norm_fusion()
-        logger.info("LoRA: %d norms (and activations) compute their module's LoRA shrink at decode%s", count,
-                    " (folded modules)" if folded_only else "")
+        logger.info("LoRA: %d norms (and activations) compute their module's LoRA shrink at decode", count)
 
     def _start_startup_reads(self, refs: list[LoRARef], configs: dict[str, LoRAConfig]) -> Optional[_StartupReads]:
         """Read the startup adapters' tensors in parallel threads (the files, the checks, the
