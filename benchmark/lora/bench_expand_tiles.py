@@ -6,7 +6,7 @@
 A 64-slot server unfolds qkv_proj and gate_up_proj (lora/fold.py), and at a decode batch of 64 requests
 on many distinct adapters the expand walks up to 64 one-row segments. Each program of the default plan
 (128-wide column tiles, one per program) then reads one 4 KB tile of B: the kernel is bound by its
-programs' start-up, not by bytes. This measures plans of (BLOCK_N, column tiles per program, warps)
+programs' start-up, not by bytes (the plan before 2026-12-02: 128-wide tiles). This measures plans of (BLOCK_N, column tiles per program, warps)
 against each other: GPU µs per launch of one CUDA graph holding the expand of every layer (each layer
 its own B, so the weights come from HBM as in a real step), Qwen3-4B shapes, rank 16, 64 slots, on
 decode batches of 64 rows on 1, 8, 32 and 64 adapters and on a 8 x 256 prefill on 8 adapters. Every
@@ -34,7 +34,9 @@ from sglang.srt.lora.utils import LoRABatchInfo  # noqa: E402
 
 # (module, slice widths) at the Qwen3-4B shape: q 32 x 128, kv 8 x 128; intermediate 9728.
 MODULES = {"qkv_proj": (4096, 1024, 1024), "gate_up_proj": (9728, 9728)}
-PLANS = [EXPAND_TILES, (128, 2, 4), (128, 4, 4), (256, 1, 4), (256, 2, 4), (256, 2, 8), (512, 1, 8), (512, 2, 8)]
+# The default first (the others are checked against its bits), then the candidates measured on 2026-12-02.
+CANDIDATES = [(128, 1, 4), (128, 2, 4), (128, 4, 4), (256, 1, 4), (256, 2, 4), (256, 2, 8), (512, 1, 8), (512, 2, 8)]
+PLANS = [EXPAND_TILES] + [plan for plan in CANDIDATES if plan != EXPAND_TILES]
 CHUNK = 16  # csgmv's --max-lora-chunk-size default
 
 
