@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "expand_tiles", "many_steps", "scheduler", "host", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "expand_tiles", "many_steps", "blas_env", "scheduler", "host", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -225,6 +225,31 @@ if [[ " $PARTS " == *" many_steps "* ]]; then
     --adapters 64 --lora-fold auto --lora none,lora,lora-unfused --tokens "" --decode-bs 64 --decode-adapters 8,32,64 --rounds 2
   lora_step_rows qwen3-4b "$OUT/many_steps.md" "$OUT/many_steps.log" "fold=on " \
     --adapters 64 --lora-fold on --lora none,lora --tokens "" --decode-bs 64 --decode-adapters 8,32,64 --rounds 2
+fi
+
+if [[ " $PARTS " == *" blas_env "* ]]; then
+  # Issue 21: cuBLAS picks split-K GEMMs at decode (o_proj and down_proj at batch 1: 72 extra
+  # `splitKreduce_kernel` launches per Qwen3-4B step). Without a workspace it cannot split K that
+  # way; whether the GEMMs it picks instead cost less than the reductions they save is measured
+  # here: base decode 1 / 8 / 64 and prefill 128 under graphs, one process per setting (cuBLAS reads
+  # the variables when its handle is made), both shapes (~1 min per process).
+  say "== decode without a cuBLAS workspace (split-K reductions) vs the default"
+  : >"$OUT/blas_env.md"
+  for model in ${GPU_SUITE_BLAS_MODELS:-qwen3-4b llama-3.1-8b}; do
+    for setting in default no-workspace; do
+      start=$(date +%s)
+      rm -f /tmp/blas_env.md
+      case $setting in
+        default) envs=() ;;
+        no-workspace) envs=(CUBLAS_WORKSPACE_CONFIG=:0:0 CUBLASLT_WORKSPACE_SIZE=0) ;;
+      esac
+      env "${envs[@]}" $PY benchmark/profile_forward.py --model "$model" --lora none --paths graph --no-hf-anchor \
+        --tokens 128 --tc-modes "" --decode-bs 1,8,64 --rounds 3 --out /tmp/blas_env.md >>"$OUT/blas_env.log" 2>&1 || status=1
+      { echo "#### $model, $setting"; cat /tmp/blas_env.md; } >>"$OUT/blas_env.md" 2>/dev/null
+      say "$model $setting: $(( $(date +%s) - start ))s"
+      grep -E "^\| $model \| none \|" /tmp/blas_env.md 2>/dev/null | cut -d'|' -f4-9 | sed "s/^/$model $setting /" | tee -a "$SUMMARY"
+    done
+  done
 fi
 
 if [[ " $PARTS " == *" scheduler "* ]]; then
