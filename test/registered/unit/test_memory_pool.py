@@ -147,3 +147,26 @@ def test_slot_zero_stays_untouched_through_generation() -> None:
     for seq in seqs:
         driver.release(seq)
     assert runner.token_to_kv_pool_allocator.available_size() == 200
+
+
+def test_the_host_twin_follows_every_write(monkeypatch):
+    """A separate host twin (as on a GPU) gets every write, so the scheduler reads a request's KV
+    slots without a device->host copy: row writes from host and device tensors, scattered writes
+    with and without the builder's device copies."""
+    from sglang.srt.mem_cache import memory_pool
+
+    monkeypatch.setattr(memory_pool, "SEPARATE_HOST_TWIN", True)
+    pool = ReqToTokenPool(4, 8, "cpu")
+    assert pool.host is not pool.req_to_token
+    pool.write(1, 2, torch.tensor([5, 6, 7]))
+    pool.write(2, 0, torch.tensor([9, 8], dtype=torch.int32))
+    rows, positions, locs = torch.tensor([1, 3, 3]), torch.tensor([5, 0, 7]), torch.tensor([11, 12, 13])
+    pool.write_rows(rows, positions, locs)
+    pool.write_rows(torch.tensor([0]), torch.tensor([1]), torch.tensor([21]),
+                    (torch.tensor([0]), torch.tensor([1]), torch.tensor([21])))
+    assert torch.equal(pool.host, pool.req_to_token)
+    assert pool.slots([1, 3], 8).tolist() == [[0, 0, 5, 6, 7, 11, 0, 0], [12, 0, 0, 0, 0, 0, 0, 13]]
+    assert pool.slots([3], 8).dtype == torch.int64
+    monkeypatch.setattr(memory_pool, "SEPARATE_HOST_TWIN", None)
+    cpu_pool = ReqToTokenPool(2, 4, "cpu")
+    assert cpu_pool.host is cpu_pool.req_to_token

@@ -6,7 +6,8 @@ float32 noise), a prompt-logprob request matches at most up to its first wanted 
 arriving together with the same prefix compute it once, and the KV accounting (free + cached +
 owned by requests == total, checked by the integrity report after every turn) holds through
 eviction under pressure, chunked prefill, an abort in mid-prefill, retraction, a failed forward
-and the unload of an adapter with cached entries.
+and the unload of an adapter with cached entries. Each case runs with the request slots read from
+the KV table and from its host twin (memory_pool.ReqToTokenPool), as on a GPU.
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ TOL = 1e-5  # float32: the same numbers up to summation order
 @pytest.fixture(scope="module")
 def ckpt() -> str:
     return tiny_checkpoint("qwen3", seed=0)
+
+
+@pytest.fixture(autouse=True, params=["table", "twin"])
+def slot_reads(request, monkeypatch):
+    """Every case twice: the scheduler reading KV slots from the CPU table itself, and from a
+    separate host twin, as on a GPU (the integrity check after every turn compares the twin with
+    the table for every request holding KV, and the outputs must not change)."""
+    from sglang.srt.mem_cache import memory_pool
+
+    monkeypatch.setattr(memory_pool, "SEPARATE_HOST_TWIN", request.param == "twin")
+    return request.param
 
 
 def step_checked(h: Harness) -> bool:

@@ -84,7 +84,7 @@ class PrefixCache:
         req.req_pool_idx, req.cache_node = rows[0], hit.node
         req.kv_len = req.cache_len = hit.length
         if hit.length:
-            self.pool.write(req.req_pool_idx, 0, hit.slots.to(self.pool.device))
+            self.pool.write(req.req_pool_idx, 0, hit.slots)
         if not req.output_ids:  # a first admission (not a retracted request coming back)
             req.cached_tokens = hit.length
             self.tree.note_lookup(len(req.origin_input_ids), hit.length)
@@ -93,10 +93,8 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ after a pass, at the end
     def _row_slots(self, reqs: list[Req]) -> torch.Tensor:
-        """The KV slots of the requests' rows, [len(reqs), max kv_len], on the host (one copy)."""
-        rows = torch.tensor([r.req_pool_idx for r in reqs], device=self.pool.device)
-        width = max(r.kv_len for r in reqs)
-        return self.pool.req_to_token[rows, :width].to("cpu", torch.int64)
+        """The KV slots of the requests' rows, [len(reqs), max kv_len], from the pool's host twin."""
+        return self.pool.slots([r.req_pool_idx for r in reqs], max(r.kv_len for r in reqs))
 
     def _insert(self, req: Req, slots: torch.Tensor) -> int:
         """Put the request's computed tokens in the tree and free its copies of tokens that were
@@ -117,8 +115,7 @@ class PrefixCache:
             m = self.tree.match_prefix(req.namespace, req.fill_ids, req.kv_len)
             assert m.length == req.kv_len, (m.length, req.kv_len)
             if present > req.cache_len:  # point the row at the tree's copies
-                self.pool.write(req.req_pool_idx, req.cache_len,
-                                m.slots[req.cache_len : present].to(self.pool.device))
+                self.pool.write(req.req_pool_idx, req.cache_len, m.slots[req.cache_len : present])
             self.tree.inc_lock_ref(m.node)
             self.tree.dec_lock_ref(req.cache_node)
             req.cache_node, req.cache_len = m.node, req.kv_len

@@ -35,7 +35,7 @@ def release_kv(req: Req, model_runner: "ModelRunner") -> None:
         return
     pool = model_runner.req_to_token_pool
     if req.kv_len > 0:
-        slots = pool.req_to_token[req.req_pool_idx, : req.kv_len].to("cpu", torch.int64)
+        slots = pool.slots([req.req_pool_idx], req.kv_len)[0]
         model_runner.token_to_kv_pool_allocator.free(slots)
     pool.free(req.req_pool_idx)
     req.req_pool_idx = None

@@ -65,7 +65,15 @@ class SchedulerIntegrityMixin:
                     problems.append(("prefix_cache", f"request {req.rid!r} uses {req.cache_len} cached tokens "
                                                       "without a lock on them"))
 
-        free_rows = list(self.req_to_token_pool.free_slots)
+        pool = self.req_to_token_pool
+        if pool.host is not pool.req_to_token:  # the host twin the scheduler reads slots from
+            for req in holders:
+                if req.req_pool_idx is not None and req.kv_len and not torch.equal(
+                        pool.host[req.req_pool_idx, : req.kv_len],
+                        pool.req_to_token[req.req_pool_idx, : req.kv_len].cpu()):
+                    problems.append(("req_to_token_twin", f"request {req.rid!r}: the host copy of its KV slots "
+                                                          "differs from the device table"))
+        free_rows = list(pool.free_slots)
         used_rows = [r.req_pool_idx for r in holders if r.req_pool_idx is not None]
         rows_free, rows_used = len(free_rows), len(used_rows)
         if rows_free + rows_used != self.total_rows:

@@ -14,8 +14,17 @@ from typing import Optional
 import torch
 
 
+# None: a separate host twin of req_to_token off the CPU only; True / False force it (tests).
+SEPARATE_HOST_TWIN: Optional[bool] = None
+
+
 class ReqToTokenPool:
-    """Maps a request row to the KV slots of its tokens."""
+    """Maps a request row to the KV slots of its tokens.
+
+    Every write goes to the device table (read by the attention kernels) and to a host twin, from
+    which the scheduler reads a request's slots (when it finishes, or to cache a prefill's KV) with
+    no device->host copy: such a copy waits for all the GPU work queued before it, which would also
+    serialise a forward still in flight. Writes go through `write` / `write_rows` only."""
 
     def __init__(self, size: int, max_context_len: int, device: torch.device | str) -> None:
         self.size = size
@@ -23,6 +32,9 @@ class ReqToTokenPool:
         self.device = torch.device(device)
         # int32: the attention kernels index it directly.
         self.req_to_token = torch.zeros((size, max_context_len), dtype=torch.int32, device=device)
+        # On a CPU device the table is its own twin (tests set SEPARATE_HOST_TWIN to check the twin).
+        separate = SEPARATE_HOST_TWIN if SEPARATE_HOST_TWIN is not None else self.device.type != "cpu"
+        self.host = torch.zeros((size, max_context_len), dtype=torch.int32) if separate else self.req_to_token
         self.free_slots: list[int] = list(range(size))
 
     def available_size(self) -> int:
@@ -39,7 +51,27 @@ class ReqToTokenPool:
         self.free_slots.extend(rows)
 
     def write(self, row: int, start: int, locs: torch.Tensor) -> None:
-        self.req_to_token[row, start : start + locs.numel()] = locs.to(torch.int32)
+        """Row `row`, positions start.. get the slots `locs`. The scheduler's slots are host
+        tensors; a device tensor (tests) is read back for the twin, which waits for the GPU."""
+        end = start + locs.numel()
+        if self.host is not self.req_to_token:
+            self.host[row, start:end] = locs.to("cpu", torch.int32)
+        self.req_to_token[row, start:end] = locs.to(self.device, torch.int32, non_blocking=True)
+
+    def write_rows(self, rows: torch.Tensor, positions: torch.Tensor, locs: torch.Tensor,
+                   device_views: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = None) -> None:
+        """Scattered writes: req_to_token[rows[i], positions[i]] = locs[i] (host tensors). A batch
+        builder that moved them to the device already passes those copies (`device_views`), so the
+        device table is written by one indexing kernel and no other copy."""
+        if self.host is not self.req_to_token:
+            self.host[rows, positions] = locs.to(torch.int32)
+        rows_d, positions_d, locs_d = device_views if device_views is not None else (
+            t.to(self.device, non_blocking=True) for t in (rows, positions, locs))
+        self.req_to_token[rows_d, positions_d] = locs_d.to(torch.int32)
+
+    def slots(self, rows: list[int], width: int) -> torch.Tensor:
+        """The first `width` slots of each row, int64 [len(rows), width], from the host twin."""
+        return self.host[rows, :width].to(torch.int64)
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))

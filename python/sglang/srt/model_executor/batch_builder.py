@@ -137,7 +137,7 @@ def build_extend_batch(
             torch.tensor(starts),
         ],
     )
-    req_to_token_pool.req_to_token[rows_d, positions_d] = locs_d.to(torch.int32)
+    req_to_token_pool.write_rows(rows, positions, locs, (rows_d, positions_d, locs_d))
 
     logprobs = _logprob_fields(reqs)
     return ForwardBatch(
@@ -191,7 +191,7 @@ def build_decode_batch(
         raise ValueError(f"request in row {bad.req_pool_index}: seq_len {bad.seq_len} out of range")
     host = torch.tensor(ids + [s - 1 for s in seq_lens] + locs_l + rows_l + seq_lens, dtype=torch.int64)
     input_ids, positions, locs, req_idx, seq_d = host.to(device, non_blocking=True).split(n)
-    req_to_token_pool.req_to_token[req_idx, positions] = locs.to(torch.int32)
+    req_to_token_pool.write_rows(host[3 * n:4 * n], host[n:2 * n], host[2 * n:3 * n], (req_idx, positions, locs))
     return ForwardBatch(
         forward_mode=ForwardMode.DECODE,
         batch_size=n,
