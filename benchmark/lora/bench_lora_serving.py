@@ -28,6 +28,8 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
   fusions), csgmv-nofn (off); z64-64-fold
   (z64-64 with --lora-fold on: the fold crossover at 64 slots); z64-64-overlap (z64-64 with
   SGLANG_LORA_STARTUP_OVERLAP=1: its adapters read beside the graph capture, not before it).
+  --enable-overlap-schedule (each decode step launched before the previous step's tokens reach the
+  host): base-overlap, csgmv-overlap, z64-64-overlap-schedule (base's, csgmv's and z64-64's servers with it).
   The first LoRA server of a call also compiles the Triton kernels (a cold cache): its capture and
   start-up are the longer for it, so list a server whose start-up is not compared first.
   (Adapters beyond the first 32 reuse their files round-robin: the weights do not change a step's
@@ -92,6 +94,12 @@ CONFIGS = {
     "csgmv-16": Config("csgmv-16", _lora("csgmv", 16), adapters=16),
     "csgmv-r64": Config("csgmv-r64", _lora("csgmv", NUM_ADAPTERS), rank=64),
     "base-metrics": Config("base-metrics", (), None, extra=("--enable-metrics",), scrape_s=1.0),
+    # --enable-overlap-schedule: each decode step launched before the previous one's tokens reach
+    # the host (managers/scheduler_overlap.py), base and LoRA.
+    "base-overlap": Config("base-overlap", (), None, extra=("--enable-overlap-schedule",)),
+    "csgmv-overlap": Config("csgmv-overlap", _lora("csgmv", NUM_ADAPTERS), extra=("--enable-overlap-schedule",)),
+    "z64-64-overlap-schedule": Config("z64-64-overlap-schedule", _lora("csgmv", 64), "zipf", adapters=64,
+                                      extra=("--enable-overlap-schedule",)),
     "z64-64": Config("z64-64", _lora("csgmv", 64), "zipf", adapters=64),
     "z64-16": Config("z64-16", _lora("csgmv", 16), "zipf", adapters=64),
     "z256-64": Config("z256-64", _lora("csgmv", 64), "zipf", adapters=256),

@@ -75,6 +75,9 @@ class ServerArgs:
     schedule_policy: str = "fcfs"  # or "lpm": the longest cached prefix first (needs the prefix cache)
     page_size: int = 1  # KV cache tokens per page; this pool allocates one token at a time
     decode_log_interval: int = 40
+    # Launch each decode step before the previous one's results reach the host (managers/
+    # scheduler_overlap.py). Off by default until its H200 measurement.
+    enable_overlap_schedule: bool = False
     enable_deterministic_inference: bool = False
 
     # Kernels

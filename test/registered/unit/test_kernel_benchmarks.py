@@ -92,10 +92,13 @@ def test_profile_scheduler_dry_run_times_the_turn_outside_the_forward(tmp_path):
     out = tmp_path / "scheduler.md"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
     cmd = [sys.executable, os.path.join(ROOT, "benchmark/profile_scheduler.py"), "--device", "cpu", "--model", "tiny",
-           "--bs", "2", "4", "--steps", "5", "--root", str(tmp_path / "assets"), "--out", str(out)]
+           "--bs", "2", "4", "--steps", "5", "--overlap", "--root", str(tmp_path / "assets"), "--out", str(out)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    rows = [ln.split("|")[1:-1] for ln in out.read_text().splitlines() if re.match(r"^\| \d+ \|", ln)]
+    text = out.read_text()
+    # --overlap: the turn with the overlap schedule beside each ordinary one.
+    assert re.findall(r"^- overlap schedule, (\d+) requests: turn \d+ µs against \d+ ordinary", text, re.M) == ["2", "4"]
+    rows = [ln.split("|")[1:-1] for ln in text.splitlines() if re.match(r"^\| \d+ \|", ln)]
     assert [int(r[0]) for r in rows] == [2, 4], rows
     for r in rows:
         turn, forward, rest = (float(c.strip("* ")) for c in r[1:4])

@@ -53,12 +53,10 @@ class Harness:
     def step(self) -> bool:
         """One scheduler turn; False when there was nothing to run."""
         self.sched.process_messages(block=False)
-        batch = self.sched.get_next_batch()
-        if batch is not None:
-            self.sched.run_batch(*batch)
+        ran = self.sched.schedule_turn()
         self.max_running_seen = max(self.max_running_seen, len(self.sched.running))
         self._drain()
-        return batch is not None
+        return ran
 
     def _drain(self) -> None:
         while self.from_r.poll(0):

@@ -92,6 +92,7 @@ class SchedulerConfig:
     lora_max_wait_turns: int = 64
     log_level: str = "info"
     enable_test_hooks: bool = False
+    overlap_schedule: bool = False  # --enable-overlap-schedule (managers/scheduler_overlap.py)
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """`Req`: one request's life inside the scheduler.
 
-KV bookkeeping in a few numbers, with the invariant `cache_len <= kv_len <= len(fill_ids)`:
+KV bookkeeping in a few numbers, with the invariant `cache_len <= kv_len <= len(fill_ids) + decode_ahead`:
   * `fill_ids` = prompt + generated tokens: what the KV cache must eventually hold;
   * `kv_len`: tokens whose KV slots are allocated and written (row `req_pool_idx` of
     ReqToTokenPool, positions `0..kv_len-1`);
@@ -40,6 +40,9 @@ class Req:
         self.output_ids: list[int] = []
         self.req_pool_idx: Optional[int] = None
         self.kv_len = 0
+        # KV slots at the end of kv_len for a decode step launched ahead of the one whose token it
+        # feeds (the overlap schedule, scheduler_overlap.py): 1 while such a step is in flight.
+        self.decode_ahead = 0
         self.cache_len = 0
         self.cache_node: Optional[TreeNode] = None
         self.cached_tokens = 0  # prompt tokens reused from the cache at its first admission

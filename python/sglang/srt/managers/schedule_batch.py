@@ -55,10 +55,12 @@ def alloc_kv(model_runner: "ModelRunner", n: int, evict: Optional[Callable[[int]
     return model_runner.token_to_kv_pool_allocator.alloc(n)
 
 
-def sampling_info_for(reqs: list[Req], device: torch.device | str) -> Optional[SamplingBatchInfo]:
+def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int = 0) -> Optional[SamplingBatchInfo]:
     """The batch's sampling tensors; None when every request is greedy, which the Sampler reads as
     argmax for every row (what it does with an all-greedy info too) and which costs no tensors and
-    no copies (the CPU measured 168 µs per step at 64 requests for building them)."""
+    no copies (the CPU measured 168 µs per step at 64 requests for building them). `pending`:
+    tokens each request has sampled that its output_ids do not hold yet (a seeded request's step
+    counts them)."""
     params = [r.sampling_params for r in reqs]
     if all(p.is_greedy for p in params):
         return None
@@ -68,7 +70,7 @@ def sampling_info_for(reqs: list[Req], device: torch.device | str) -> Optional[S
         top_ks=[int(p.top_k) for p in params],
         min_ps=[float(p.min_p) for p in params],
         seeds=[p.seed for p in params],
-        steps=[len(r.output_ids) for r in reqs],
+        steps=[len(r.output_ids) + pending for r in reqs],
         device=device,
     )
 
@@ -133,16 +135,21 @@ class ScheduleBatch:
 
     @classmethod
     def prepare_decode(cls, reqs: list[Req], model_runner: "ModelRunner",
-                       evict: Optional[Callable[[int], int]] = None) -> "ScheduleBatch":
-        """One new KV slot per request (the caller made sure there are enough, evictable included)."""
+                       evict: Optional[Callable[[int], int]] = None,
+                       input_ids: Optional[torch.Tensor] = None) -> "ScheduleBatch":
+        """One new KV slot per request (the caller made sure there are enough, evictable included).
+
+        `input_ids` (device, one per request): the tokens to feed, sampled by a step whose results
+        have not reached the host yet (the overlap schedule); the requests' output_ids lack them."""
         locs = alloc_kv(model_runner, len(reqs), evict)
         assert locs is not None, "decode started without a free KV slot per request"
+        pending = 0 if input_ids is None else 1
         items = []
         for req, loc in zip(reqs, locs.tolist()):
             # The last sampled token is fed now; its KV goes at position kv_len.
             items.append(DecodeRequest(
                 req_pool_index=req.req_pool_idx,
-                input_id=req.output_ids[-1],
+                input_id=req.output_ids[-1] if input_ids is None else 0,
                 seq_len=req.kv_len + 1,
                 out_cache_loc=loc,
                 return_logprob=req.return_logprob,
@@ -152,7 +159,9 @@ class ScheduleBatch:
             req.kv_len += 1
         fb = build_decode_batch(
             items, model_runner.req_to_token_pool, model_runner.device,
-            sampling_info=sampling_info_for(reqs, model_runner.device),
+            sampling_info=sampling_info_for(reqs, model_runner.device, pending),
             enable_lora=model_runner.lora_manager is not None,
         )
+        if input_ids is not None:
+            fb.input_ids.copy_(input_ids)  # queued after the step that samples them
         return cls(ForwardMode.DECODE, list(reqs), fb)

@@ -47,6 +47,7 @@ from sglang.srt.managers.scheduler_integrity import SchedulerIntegrityMixin
 from sglang.srt.managers.scheduler_lora import SchedulerLoRAMixin
 from sglang.srt.managers.scheduler_output import StopChecker, build_output
 from sglang.srt.managers.scheduler_output_processor import SchedulerOutputMixin
+from sglang.srt.managers.scheduler_overlap import SchedulerOverlapMixin
 from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
@@ -58,11 +59,12 @@ class RankFailure(RuntimeError):
     """A batch failed on this tensor-parallel rank: the rank stops (see the module doc)."""
 
 
-class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixin, SchedulerIntegrityMixin):
+class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixin, SchedulerIntegrityMixin,
+                SchedulerOverlapMixin):
     """The loop, the message dispatch and the request lifecycle live here; admission and
     retraction (scheduler_admission.py), what a forward's results do (scheduler_output_processor.py),
-    LoRA residency and commands (scheduler_lora.py) and the integrity check (scheduler_integrity.py)
-    are mixins over the same state."""
+    LoRA residency and commands (scheduler_lora.py), the integrity check (scheduler_integrity.py)
+    and the overlap schedule (scheduler_overlap.py) are mixins over the same state."""
 
     def __init__(
         self,
@@ -112,20 +114,28 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         # Counters for /get_server_info. decode_reqs / decode_steps is the mean running batch (a
         # benchmark reads the change over its run).
         self.stats = {"num_retractions": 0, "num_forward_failures": 0, "num_finished": 0, "decode_steps": 0,
-                      "decode_reqs": 0, "prefill_batches": 0, "prefill_tokens": 0}
+                      "decode_reqs": 0, "prefill_batches": 0, "prefill_tokens": 0,
+                      # decode steps launched before the previous step's tokens reached the host
+                      "overlapped_decode_steps": 0,
+                      # tokens such steps computed for requests that had stopped (EOS, a stop string, an abort)
+                      "overlap_discarded_tokens": 0}
         self.decode_tokens_since_log = 0
         self.last_decode_log = time.monotonic()
         self.last_gen_throughput = 0.0
         self.last_integrity_check: dict[str, Any] = {}
         self.integrity_log = IntegrityLog(logger, "Scheduler")
         self.was_idle = True
+        self.overlap = config.overlap_schedule and tp_group.size == 1
+        if config.overlap_schedule and not self.overlap:
+            logger.warning("--enable-overlap-schedule: not under tensor parallelism; decoding step by step")
+        self.inflight = None
         self.check_integrity()
 
     # ------------------------------------------------------------------ loop
     def event_loop(self) -> None:
         stalled = False
         while True:
-            idle = not (self.waiting or self.running or self.chunked_req)
+            idle = not (self.waiting or self.running or self.chunked_req or self.inflight)
             if idle and not self.was_idle:
                 self.check_integrity()
                 self.last_decode_log = time.monotonic()
@@ -133,12 +143,20 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             self.was_idle = idle
             if not self.process_messages(block=idle or stalled):
                 return
-            batch = self.get_next_batch()
             # Nothing runnable (e.g. every waiting request waits for an adapter slot): only a
             # message can change that, so wait for one instead of spinning.
-            stalled = batch is None
-            if batch is not None:
-                self.run_batch(*batch)
+            stalled = not self.schedule_turn()
+
+    def schedule_turn(self) -> bool:
+        """Run the next batch (overlapped: launch the next decode step and finish the one in
+        flight); False when nothing was runnable."""
+        if self.overlap:
+            return self.overlap_turn()
+        batch = self.get_next_batch()
+        if batch is None:
+            return False
+        self.run_batch(*batch)
+        return True
 
     # ------------------------------------------------------------------ messages
     def send(self, msg: Any) -> None:
@@ -148,6 +166,9 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
     def process_messages(self, block: bool) -> bool:
         """Handle every pending message (the same on every TP rank); False once asked to shut down."""
         for msg in receive_messages(self.recv_conn, self.tp_group, IDLE_POLL_S if block else 0.0):
+            if self.inflight is not None and not isinstance(msg, (TokenizedGenerateReqInput, AbortReq,
+                                                                   GetServerInfoReq)):
+                self.drain_inflight()  # adapter loads, flushes, faults, shutdown: with no step in flight
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.add_request(msg)
             elif isinstance(msg, AbortReq):
@@ -210,6 +231,14 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
 
     def finish(self, req: Req, reason: dict[str, Any], notify: bool = True) -> None:
         req.finished_reason = reason
+        if req.decode_ahead and req.req_pool_idx is not None:
+            # (overlap schedule) the slot of a step in flight past the request's last token: given
+            # back first, so what is cached and freed is what the ordinary schedule would leave.
+            ahead = self.req_to_token_pool.slots([req.req_pool_idx], req.kv_len)[0][req.kv_len - req.decode_ahead:]
+            self.allocator.free(ahead)
+            req.kv_len -= req.decode_ahead
+            self.stats["overlap_discarded_tokens"] += req.decode_ahead
+        req.decode_ahead = 0
         if req in self.running:
             self.running.remove(req)
         if req is self.chunked_req:
@@ -243,16 +272,20 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
                     f"({type(e).__name__}: {e}); under tensor parallelism this stops the server, since "
                     "the other ranks would wait for this one forever"
                 ) from e
-            self.stats["num_forward_failures"] += 1
-            logger.error("Forward failed for %d request(s): %s\n%s", len(reqs), e, traceback.format_exc())
-            message = f"internal error while running the model: {type(e).__name__}: {e}"
-            for req in reqs:
-                if not req.finished:
-                    self.finish(req, {"type": "abort", "message": message, "status_code": 500})
+            self.fail_requests(reqs, e)
             return
         news = build_output(reqs)
         if news is not None:
             self.send(news)
+
+    def fail_requests(self, reqs: list[Req], e: Exception) -> None:
+        """A forward of these requests raised: they end with a 500, the server goes on."""
+        self.stats["num_forward_failures"] += 1
+        logger.error("Forward failed for %d request(s): %s\n%s", len(reqs), e, traceback.format_exc())
+        message = f"internal error while running the model: {type(e).__name__}: {e}"
+        for req in reqs:
+            if not req.finished:
+                self.finish(req, {"type": "abort", "message": message, "status_code": 500})
 
     @property
     def _evict(self) -> Optional[Callable[[int], int]]:

@@ -53,11 +53,17 @@ class StopChecker:
             matched = find_stop_string(self._tail_text(req), params.stop)
             if matched is not None:
                 return {"type": "stop", "matched": matched}
-        if len(req.output_ids) >= params.max_new_tokens:
-            return {"type": "length", "length": params.max_new_tokens}
-        if req.fill_len >= self.context_len:
+        if self.stops_by_length(req):
+            if len(req.output_ids) >= params.max_new_tokens:
+                return {"type": "length", "length": params.max_new_tokens}
             return {"type": "length", "length": len(req.output_ids)}
         return None
+
+    def stops_by_length(self, req: Req, more: int = 0) -> bool:
+        """Whether `req` stops for its length once `more` further tokens are appended (whatever
+        they are): what the overlap schedule knows before a step's tokens reach the host."""
+        return (len(req.output_ids) + more >= req.sampling_params.max_new_tokens
+                or req.fill_len + more >= self.context_len)
 
     def _tail_text(self, req: Req) -> str:
         # A stop string of c characters spans at most 4c byte-level tokens; one more token keeps

@@ -49,7 +49,8 @@ class SchedulerOutputMixin:
     def process_decode(self, batch: ScheduleBatch, out: ModelRunnerOutput) -> None:
         next_ids = out.next_token_ids.tolist()
         for i, req in enumerate(batch.reqs):
-            self._append_token(req, out, i, next_ids[i])
+            if not req.finished:  # (overlap schedule) an abort, or a stop found the step before
+                self._append_token(req, out, i, next_ids[i])
         self.decay_new_token_ratio()
         self.stats["decode_steps"] += 1
         self.stats["decode_reqs"] += len(batch.reqs)

@@ -33,6 +33,7 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from sglang.srt.lora.lora_manager import LoRAManager
+from sglang.srt.model_executor.launched_forward import LaunchedForward
 from sglang.srt.model_executor.model_loading import get_model
 from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
 from sglang.srt.model_executor.runner.graph_sets import agree_on_graph_plans, plan_graph_sets
@@ -363,6 +364,21 @@ class ModelRunner:
         hidden = self.run_body(fb, plan)
         return self.run_eager_tail(fb, hidden, used_cuda_graph=plan.path.is_graph)
 
+    @torch.no_grad()
+    def launch_forward(self, fb: ForwardBatch) -> LaunchedForward:
+        """`forward` without waiting: everything is queued, the sampled tokens stay on the device
+        (and are being copied to the host); `finish_forward` returns what `forward` would have.
+        For decode batches (prompt logprobs would need more copies)."""
+        assert not fb.forward_mode.is_extend(), "launch_forward runs decode batches"
+        plan = self.prepare(fb)
+        hidden = self.run_body(fb, plan)
+        logits_out = self.compute_logits(fb, hidden)
+        sample = self._sample(fb, logits_out)
+        return LaunchedForward.start(fb, logits_out, sample, plan.path.is_graph)
+
+    def finish_forward(self, launched: LaunchedForward) -> ModelRunnerOutput:
+        return self._to_host(launched.fb, launched.logits_out, launched.wait(), launched.used_cuda_graph)
+
     @staticmethod
     def _live_tokens(fb: ForwardBatch) -> int:
         return fb.extend_num_tokens if fb.forward_mode.is_extend() else fb.batch_size
@@ -374,6 +390,9 @@ class ModelRunner:
 
     def run_eager_tail(self, fb: ForwardBatch, hidden: torch.Tensor, used_cuda_graph: bool) -> ModelRunnerOutput:
         logits_out = self.compute_logits(fb, hidden)
+        return self._to_host(fb, logits_out, self._sample(fb, logits_out), used_cuda_graph)
+
+    def _sample(self, fb: ForwardBatch, logits_out: LogitsProcessorOutput) -> SamplerOutput:
         sample = self.sampler(
             logits_out.next_token_logits,
             fb.sampling_info,
@@ -384,7 +403,7 @@ class ModelRunner:
         # own generator: rank 0's choice is everyone's, or the ranks' stop decisions (and with
         # them the collectives they run) would drift apart.
         self.tp_group.broadcast(sample.next_token_ids, src=0)
-        return self._to_host(fb, logits_out, sample, used_cuda_graph)
+        return sample
 
     @staticmethod
     def _to_host(
