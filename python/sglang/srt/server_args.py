@@ -79,6 +79,7 @@ class ServerArgs:
     # scheduler_overlap.py): a Qwen3-4B decode turn of 64 requests 4.95 -> 3.95 ms on the H200. Off
     # by default until the serving benchmark has measured it (TTFT, ITL under arrivals).
     enable_overlap_schedule: bool = False
+    disable_overlap_schedule: bool = False  # upstream's spelling; wins over the enable flag
     enable_deterministic_inference: bool = False
 
     # Kernels

@@ -81,6 +81,8 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                    help="Launch each decode step before the previous step's tokens reach the host, so the "
                         "scheduler's work between steps overlaps the GPU (one token of wasted work per "
                         "request that stops on EOS or a stop string). Single GPU; experimental.")
+    g.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="Decode step by step (SGLang's flag; wins over --enable-overlap-schedule).")
     g.add_argument("--enable-deterministic-inference", action="store_true",
                    help="Prefer reproducible numerics over speed (no reduced-precision "
                         "reductions in cuBLAS GEMMs, so results depend less on batch shape).")

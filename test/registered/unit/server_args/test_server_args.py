@@ -237,6 +237,14 @@ class TestCli(unittest.TestCase):
         # Fused where the module is folded: the H200 measured the same logprobs as unfused.
         self.assertEqual(args.lora_fuse_norm, "auto")
 
+    def test_overlap_schedule_flags_reach_the_scheduler_config(self):
+        from sglang.srt.server_configs import build_run_configs
+
+        for flags, on in (([], False), (["--enable-overlap-schedule"], True), (["--disable-overlap-schedule"], False),
+                          (["--enable-overlap-schedule", "--disable-overlap-schedule"], False)):
+            args = prepare_server_args(["--model-path", "demo", *flags])
+            self.assertEqual(build_run_configs(args).scheduler.overlap_schedule, on, flags)
+
     def test_lora_fuse_norm_reaches_the_run_config(self):
         from sglang.srt.server_configs import build_run_configs
 
