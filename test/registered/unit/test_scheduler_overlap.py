@@ -176,6 +176,23 @@ def h_free_with_cache(h: Harness) -> int:
     return h.kv_free()
 
 
+def test_a_full_batch_with_a_queue_keeps_overlapping(ckpt):
+    """--max-running-requests 2 and five requests: while two run, the others wait and could not be
+    admitted, so the steps chain (the ordinary turn would decode the same two); a request leaving
+    by length lets the next one in at the same step as the ordinary schedule."""
+    def submit(h: Harness) -> None:
+        for i in range(5):
+            h.submit(f"m{i}", prompt(8, 10 + i), max_new_tokens=5 + 2 * i, ignore_eos=True)
+
+    a, b = both(ckpt, submit, max_running_requests=2)
+    assert_same_outputs(a, b)
+    assert b.max_running_seen == 2
+    # 24 decode steps; 20 launched ahead (11 if a waiting request stopped the chain: the rule this
+    # case checks is that a full batch does not).
+    assert b.sched.stats["overlapped_decode_steps"] >= 16
+    assert b.sched.stats["prefill_batches"] == a.sched.stats["prefill_batches"]
+
+
 def test_seeded_sampling_draws_the_same_tokens(ckpt):
     def submit(h: Harness) -> None:
         for i in range(3):

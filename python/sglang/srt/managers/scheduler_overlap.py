@@ -7,8 +7,9 @@ A turn with a step N in flight:
   1. `_continuation`: which of N's requests step N+1 decodes. Those that stop by length after N
      are left out (known before N's tokens); one that stops on EOS or a stop string is not known
      to, so it is decoded once more and that token is thrown away. No continuation (every request
-     stops, a request waits for a prefill, KV runs short, a fault is armed): N is finished alone
-     and the next turn is an ordinary one.
+     stops, a waiting request could be admitted, KV runs short, a fault is armed): N is finished
+     alone and the next turn is an ordinary one. (With the batch at --max-running-requests a
+     waiting request could not be admitted, and a base server chains on.)
   2. `_launch`: step N+1 feeds N's sampled tokens straight from the device (`prepare_decode`'s
      `input_ids`, a copy queued after N's sampling) and is queued behind N.
   3. `_finish`: N's host copies are waited for (N+1 runs meanwhile) and its outputs processed as
@@ -75,11 +76,17 @@ class SchedulerOverlapMixin:
             self._finish(prev)
 
     def _continuation(self, prev: InflightDecode) -> Optional[list[Req]]:
-        if self.waiting or self.chunked_req is not None or self.faults:
-            return None  # an ordinary turn decides (a prefill first, or the fault's batch)
+        if self.chunked_req is not None or self.faults:
+            return None  # an ordinary turn decides (the rest of the prompt first, or the fault's batch)
         reqs = [r for r in prev.batch.reqs if not r.finished and not self.stop_checker.stops_by_length(r, 1)]
         # One new KV slot each, from the free list: eviction and retraction are the ordinary turn's.
         if not reqs or self.allocator.available_size() < len(reqs):
+            return None
+        if self.waiting and (len(reqs) < self.max_running_requests or self.model_runner.lora_manager is not None):
+            # A prefill may be admitted: the ordinary turn puts it first. With the batch full
+            # (--max-running-requests) it would admit none and decode these requests, as here; a
+            # LoRA server's ordinary turn also counts the waiting requests' turns (its fairness
+            # rule), so it takes one.
             return None
         return reqs
 
