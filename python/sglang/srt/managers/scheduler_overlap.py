@@ -24,8 +24,8 @@ Greedy outputs equal the ordinary schedule's token for token. A sampled request 
 seed per step (the pending token is counted), so a seeded request samples the same tokens too; an
 unseeded one draws from the shared generator, whose noise then follows another batch shape.
 A freed KV slot or row is reused by later launches only, which the stream orders after the step
-that still writes or reads it. Single GPU: under tensor parallelism the ranks would need to agree
-on every continuation, so the flag is refused there.
+that still writes or reads it. Single GPU: under tensor parallelism the ranks would have to agree
+on every continuation, so there the flag is ignored with a warning.
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ from sglang.srt.managers.req import Req
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler_output import build_output
 from sglang.srt.model_executor.launched_forward import LaunchedForward
+
 
 @dataclass
 class InflightDecode:
