@@ -222,10 +222,10 @@ def test_token_lanes_walk_whole_chunks(monkeypatch, programs_per_segment):
 
 @pytest.mark.parametrize("block_n", [16, 32])
 def test_expand_tile_plans_give_the_same_bits(block_n):
-    """Several column tiles per program (and other warp counts) change which program computes an
-    element, never its sum: the same bits as one tile per program of the same width, masked past
-    each slice (kv is narrower than q, and 3 x 16 columns pass q's 32), nothing outside the segments
-    touched. (Another tile width may round otherwise in the interpreter's float32 matmul.)"""
+    """The tile plan (BLOCK_N, warps) changes which program computes an element, never its sum: other
+    warp counts give the same bits as the plan of the same width, masked past each slice (16-wide
+    tiles split q's 32 columns, kv is narrower than q), nothing outside the segments touched.
+    (Another tile width may round otherwise in the interpreter's float32 matmul.)"""
     from sglang.srt.lora.triton_ops.sgemm_lora_b import segmented_expand
 
     info, num_tokens = _csgmv_info(16, seed=11)
@@ -240,9 +240,9 @@ def test_expand_tile_plans_give_the_same_bits(block_n):
         base = torch.full((num_tokens, Q + 2 * KV), SENTINEL)
         return segmented_expand(xa, b, info, base, 3, offsets, max(Q, KV), tiles=tiles)
 
-    one = run((block_n, 1, 4))
+    one = run((block_n, 4))
     torch.testing.assert_close(one, expected, rtol=1e-5, atol=1e-4)
-    for tiles in [(block_n, 2, 4), (block_n, 3, 8)]:
+    for tiles in [(block_n, 2), (block_n, 8)]:
         got = run(tiles)
         assert torch.equal(got, one), tiles
         _assert_untouched_rows(got, info, num_tokens)

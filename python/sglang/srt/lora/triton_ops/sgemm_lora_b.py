@@ -2,13 +2,11 @@
 
 csgmv's unfolded modules: plain (1 slice), gate_up (2 equal slices), qkv (3 slices at
 `slice_offsets`, q and kv widths may differ), rows gathered and scattered through
-`batch_info.permutation`. Grid: (token lanes x column groups, slices, segments); a program covers
-N_ITERS column tiles of BLOCK_N (`expand_tiles`).
+`batch_info.permutation`. Grid: (token lanes x column tiles, slices, segments).
 
-Every output element is one dot over the rank: the number of column tiles per program changes
-which program computes an element, never its sum (the same bits). The plan is a function of static
-launch facts (the chunk size, the slice widths), the same under a graph and eagerly, so a graph
-replay and an eager pass add the same bits whatever plan is chosen.
+Every output element is one dot over the rank, computed by one program; the tile width is a
+launch constant (EXPAND_TILES), the same under a graph and eagerly, so a graph replay and an eager
+pass add the same bits.
 """
 
 from __future__ import annotations
@@ -53,7 +51,6 @@ def _segment_expand_kernel(
     BLOCK_R: tl.constexpr,
     R_ITERS: tl.constexpr,
     LANE_ITERS: tl.constexpr,
-    N_ITERS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     # Slot and rank first: base requests, padding and unused graph segments leave here.
@@ -73,11 +70,14 @@ def _segment_expand_kernel(
     else:
         col_lo = slice_id * slice_width
         col_hi = col_lo + slice_width
-    col_base = col_lo + tile_n * (BLOCK_N * N_ITERS)
-    if col_base >= col_hi:  # the narrower slices (kv under GQA) have fewer column groups
+    col0 = col_lo + tile_n * BLOCK_N
+    if col0 >= col_hi:  # the narrower slices (kv under GQA) have fewer column tiles
         return
 
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    col_mask = offs_n < col_hi
     offs_r = tl.arange(0, BLOCK_R)
+    w_base = w_ptr + slot.to(tl.int64) * w_stride_s + offs_n[None, :].to(tl.int64) * w_stride_n
     scaling = tl.load(scalings_ptr + slot)
 
     # This lane's token tiles: first_row + i * lanes * BLOCK_S, skipped past the segment end.
@@ -88,47 +88,35 @@ def _segment_expand_kernel(
             row_mask = offs_s < seg_end
             rows = tl.load(perm_ptr + offs_s, mask=row_mask, other=0).to(tl.int64)
             # Slice k of the shrink output holds columns [k*rank, (k+1)*rank) (compact prefix).
-            x_row_ptrs = x_ptr + rows[:, None] * x_stride_t + (slice_id * rank + offs_r)[None, :] * x_stride_r
-            # The group's column tiles, one after another (masked past the slice's end).
-            for ni in range(N_ITERS):
-                offs_n = col_base + ni * BLOCK_N + tl.arange(0, BLOCK_N)
-                col_mask = offs_n < col_hi
-                x_ptrs = x_row_ptrs
-                w_ptrs = (w_ptr + slot.to(tl.int64) * w_stride_s + offs_n[None, :].to(tl.int64) * w_stride_n
-                          + offs_r[:, None] * w_stride_r)
-                acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-                for ri in range(R_ITERS):
-                    # K is clipped to the slot's rank: columns past it may hold stale or
-                    # uninitialised data.
-                    r_mask = offs_r < rank - ri * BLOCK_R
-                    a = tl.load(x_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-                    b = tl.load(w_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
-                    # Compute in the weights' dtype: an fp32 (split-K) shrink output is rounded
-                    # like a bf16 one would have been, and bf16 x bf16 keeps the tensor-core path.
-                    acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PREC)
-                    x_ptrs += BLOCK_R * x_stride_r
-                    w_ptrs += BLOCK_R * w_stride_r
+            x_ptrs = x_ptr + rows[:, None] * x_stride_t + (slice_id * rank + offs_r)[None, :] * x_stride_r
+            w_ptrs = w_base + offs_r[:, None] * w_stride_r
+            acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
+            for ri in range(R_ITERS):
+                # K is clipped to the slot's rank: columns past it may hold stale or
+                # uninitialised data.
+                r_mask = offs_r < rank - ri * BLOCK_R
+                a = tl.load(x_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
+                b = tl.load(w_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
+                # Compute in the weights' dtype: an fp32 (split-K) shrink output is rounded like
+                # a bf16 one would have been, and bf16 x bf16 keeps the tensor-core path.
+                acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PREC)
+                x_ptrs += BLOCK_R * x_stride_r
+                w_ptrs += BLOCK_R * w_stride_r
 
-                out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :] * out_stride_n
-                mask = row_mask[:, None] & col_mask[None, :]
-                base = tl.load(out_ptrs, mask=mask, other=0.0)
-                result = base.to(tl.float32) + acc * scaling
-                tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
+            out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :] * out_stride_n
+            mask = row_mask[:, None] & col_mask[None, :]
+            base = tl.load(out_ptrs, mask=mask, other=0.0)
+            result = base.to(tl.float32) + acc * scaling
+            tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-# (BLOCK_N, column tiles per program, warps) of the expand. bench_expand_tiles.py (H200, 2026-12-02,
-# Qwen3-4B, rank 16, 64 slots) measured 256-wide tiles, one per program, the best or within 0.4 µs
-# of it in every case: qkv_proj / gate_up_proj µs per launch against 128-wide, decode 64 on 1
-# adapter 3.8 / 5.2 (4.9 / 7.6), on 8 4.8 / 7.1 (5.3 / 9.6), on 32 7.3 / 14.9 (7.5 / 16.2), on 64
-# 11.5 / 25.8 (11.4 / 26.3), prefill 8 x 256 21.3 / 59.0 (23.6 / 63.2); the same bits in every case.
-# Several tiles per program lost (longer programs, fewer of them in flight).
-EXPAND_TILES = (256, 1, 4)
-
-
-def expand_tiles(max_len: int, max_slice_width: int) -> tuple[int, int, int]:
-    """The expand's tile plan for segments of up to `max_len` rows (a launch-shape fact, frozen
-    under graphs) and slices of up to `max_slice_width` columns."""
-    return EXPAND_TILES
+# (BLOCK_N, warps) of the expand's column tiles. bench_expand_tiles.py (H200, 2026-12-02, Qwen3-4B,
+# rank 16, 64 slots) measured 256-wide tiles the best or within 0.4 µs of it in every case:
+# qkv_proj / gate_up_proj µs per launch against 128-wide, decode 64 on 1 adapter 3.8 / 5.2 (4.9 /
+# 7.6), on 8 4.8 / 7.1 (5.3 / 9.6), on 32 7.3 / 14.9 (7.5 / 16.2), on 64 11.5 / 25.8 (11.4 / 26.3),
+# prefill 8 x 256 21.3 / 59.0 (23.6 / 63.2); the same bits in every case. Several 128-wide tiles
+# per program lost (longer programs, fewer of them in flight), so a program covers one tile.
+EXPAND_TILES = (256, 4)
 
 
 def segmented_expand(
@@ -139,13 +127,13 @@ def segmented_expand(
     num_slices: int,
     slice_offsets: Optional[torch.Tensor] = None,
     max_slice_width: Optional[int] = None,
-    tiles: Optional[tuple[int, int, int]] = None,
+    tiles: Optional[tuple[int, int]] = None,
 ) -> torch.Tensor:
     """Launch the expand over `batch_info`'s grid, accumulating into `base_output` in place.
 
     Slices are either given by `slice_offsets` (int device tensor [num_slices + 1]; then
     `max_slice_width` bounds the column grid) or, when None, equal: out_dim / num_slices each.
-    `tiles` (BLOCK_N, column tiles per program, warps) overrides `expand_tiles` (benchmarks).
+    `tiles` (BLOCK_N, warps) overrides EXPAND_TILES (benchmarks).
     """
     assert x.dim() == 2 and weights.dim() == 3, (x.shape, weights.shape)
     num_tokens = x.shape[0]
@@ -165,10 +153,10 @@ def segmented_expand(
     assert batch_info.permutation is not None, "csgmv expand needs batch_info.permutation"
 
     block_s = token_block(batch_info.max_len)
-    block_n, n_iters, num_warps = tiles or expand_tiles(batch_info.max_len, max_slice_width)
+    block_n, num_warps = tiles or EXPAND_TILES
     block_n = min(block_n, max(16, triton.next_power_of_2(max_slice_width)))
     block_r = rank_block(max_rank)
-    n_tiles = triton.cdiv(max_slice_width, block_n * n_iters)  # column groups
+    n_tiles = triton.cdiv(max_slice_width, block_n)
     lanes, lane_iters = token_lanes(batch_info.max_len, block_s, n_tiles * num_slices)
     grid = (lanes * n_tiles, num_slices, batch_info.bs)
     if num_tokens == 0 or grid[0] == 0 or grid[2] == 0:
@@ -201,7 +189,6 @@ def segmented_expand(
         BLOCK_R=block_r,
         R_ITERS=triton.cdiv(max_rank, block_r),
         LANE_ITERS=lane_iters,
-        N_ITERS=n_iters,
         DOT_PREC=dot_precision(weights),
         num_warps=num_warps,
     )
