@@ -167,6 +167,7 @@ def test_the_host_twin_follows_every_write(monkeypatch):
     assert torch.equal(pool.host, pool.req_to_token)
     assert pool.slots([1, 3], 8).tolist() == [[0, 0, 5, 6, 7, 11, 0, 0], [12, 0, 0, 0, 0, 0, 0, 13]]
     assert pool.slots([3], 8).dtype == torch.int64
+    assert pool.slots([1], 5, start=2).tolist() == [[5, 6, 7]]
     monkeypatch.setattr(memory_pool, "SEPARATE_HOST_TWIN", None)
     cpu_pool = ReqToTokenPool(2, 4, "cpu")
     assert cpu_pool.host is cpu_pool.req_to_token

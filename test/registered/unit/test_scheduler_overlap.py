@@ -10,6 +10,7 @@ launched ahead (the schedule's counter).
 
 from __future__ import annotations
 
+import re
 from typing import Any, Callable
 
 import pytest
@@ -114,7 +115,8 @@ def test_every_way_of_stopping_gives_the_ordinary_outputs(ckpt):
     assert a.sched.stats["overlapped_decode_steps"] == 0
     assert b.sched.stats["overlapped_decode_steps"] >= 20
     assert b.sched.stats["overlap_discarded_tokens"] >= 1  # "tok" stopped with a step ahead of it
-    assert_at_rest(a), assert_at_rest(b)
+    assert_at_rest(a)
+    assert_at_rest(b)
     assert eos  # the checkpoint has an EOS id; "eos" stops on it or runs to its length alike
 
 
@@ -123,8 +125,6 @@ def test_a_stop_string_gives_the_ordinary_outputs(ckpt):
     ids = prompt(14, 7)
     ref.submit("base", ids, max_new_tokens=12, ignore_eos=True)
     run(ref)
-    import re
-
     tokenizer = ref.sched.stop_checker.tokenizer
     match = re.search(r"[A-Za-z]{3,}", tokenizer.decode(ref.out["base"]["ids"]))
     assert match
@@ -169,11 +169,7 @@ def test_retraction_and_the_prefix_cache(ckpt):
     assert_same_outputs(a, b)
     assert any(b.out[f"r{i}"]["cached"] for i in range(6))
     assert b.sched.stats["overlapped_decode_steps"] > 0
-    assert h_free_with_cache(b) == b.sched.max_total_num_tokens
-
-
-def h_free_with_cache(h: Harness) -> int:
-    return h.kv_free()
+    assert b.kv_free() == b.sched.max_total_num_tokens
 
 
 def test_a_full_batch_with_a_queue_keeps_overlapping(ckpt):

@@ -234,8 +234,8 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         if req.decode_ahead and req.req_pool_idx is not None:
             # (overlap schedule) the slot of a step in flight past the request's last token: given
             # back first, so what is cached and freed is what the ordinary schedule would leave.
-            ahead = self.req_to_token_pool.slots([req.req_pool_idx], req.kv_len)[0][req.kv_len - req.decode_ahead:]
-            self.allocator.free(ahead)
+            kv_len = req.kv_len
+            self.allocator.free(self.req_to_token_pool.slots([req.req_pool_idx], kv_len, kv_len - req.decode_ahead)[0])
             req.kv_len -= req.decode_ahead
             self.stats["overlap_discarded_tokens"] += req.decode_ahead
         req.decode_ahead = 0

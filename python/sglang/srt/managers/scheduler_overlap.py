@@ -50,7 +50,7 @@ class InflightDecode:
 class SchedulerOverlapMixin:
     """Reads and updates the Scheduler's queues, model runner and stats."""
 
-    inflight: Optional[InflightDecode] = None
+    inflight: Optional[InflightDecode]  # the decode step launched and not finished (Scheduler.__init__: None)
 
     def overlap_turn(self) -> bool:
         """One turn of the overlap schedule; False when nothing was runnable."""
@@ -118,8 +118,9 @@ class SchedulerOverlapMixin:
         live = [r for r in step.batch.reqs if not r.finished]  # an abort may have come meanwhile
         for r in live:
             # From here on the request's tokens include this step's: only a step launched after
-            # this one holds a slot ahead of them.
-            r.decode_ahead = 1 if id(r) in ahead else 0
+            # this one (`_launch` marked its requests) holds a slot ahead of them.
+            if id(r) not in ahead:
+                r.decode_ahead = 0
         try:
             out = self.model_runner.finish_forward(step.launched)
             self.process_decode(step.batch, out)

@@ -69,9 +69,9 @@ class ReqToTokenPool:
             t.to(self.device, non_blocking=True) for t in (rows, positions, locs))
         self.req_to_token[rows_d, positions_d] = locs_d.to(torch.int32)
 
-    def slots(self, rows: list[int], width: int) -> torch.Tensor:
-        """The first `width` slots of each row, int64 [len(rows), width], from the host twin."""
-        return self.host[rows, :width].to(torch.int64)
+    def slots(self, rows: list[int], end: int, start: int = 0) -> torch.Tensor:
+        """Slots start..end-1 of each row, int64 [len(rows), end - start], from the host twin."""
+        return self.host[rows, start:end].to(torch.int64)
 
     def clear(self) -> None:
         self.free_slots = list(range(self.size))

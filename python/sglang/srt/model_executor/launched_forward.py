@@ -20,7 +20,7 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import SamplerOutput
 
 
-def _to_host(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+def _copy_to_host(t: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     # A CUDA -> CPU copy with non_blocking lands in pinned memory and does not wait for the GPU.
     return None if t is None else t.to("cpu", non_blocking=True)
 
@@ -37,15 +37,15 @@ class LaunchedForward:
     @classmethod
     def start(cls, fb: ForwardBatch, logits_out: LogitsProcessorOutput, sample: SamplerOutput,
               used_cuda_graph: bool) -> "LaunchedForward":
-        on_cuda = sample.next_token_ids.is_cuda
+        if not sample.next_token_ids.is_cuda:  # a CPU device: the sample is on the host already
+            return cls(fb, logits_out, sample, used_cuda_graph, sample, None)
         host = dataclasses.replace(
-            sample, next_token_ids=_to_host(sample.next_token_ids), logprobs=_to_host(sample.logprobs),
-            top_logprobs_val=_to_host(sample.top_logprobs_val), top_logprobs_idx=_to_host(sample.top_logprobs_idx),
-        ) if on_cuda else sample
-        copied = None
-        if on_cuda:
-            copied = torch.cuda.Event()
-            copied.record()
+            sample, next_token_ids=_copy_to_host(sample.next_token_ids), logprobs=_copy_to_host(sample.logprobs),
+            top_logprobs_val=_copy_to_host(sample.top_logprobs_val),
+            top_logprobs_idx=_copy_to_host(sample.top_logprobs_idx),
+        )
+        copied = torch.cuda.Event()
+        copied.record()
         return cls(fb, logits_out, sample, used_cuda_graph, host, copied)
 
     def wait(self) -> SamplerOutput:
