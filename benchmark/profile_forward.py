@@ -27,17 +27,24 @@ skips the eager and full-prefill paths. The summary gives LoRA / base for every 
 The anchor a user has (on by default when transformers is importable): HF transformers
 `AutoModelForCausalLM.from_config` at the same shape, bf16, random weights,
 `torch.compile(mode="reduce-overhead", dynamic=False)`, batch 1 x `--hf-tokens`, base and with a
-PEFT LoRA of rank 16 on the seven projections, in the same process; its compile time is reported
-(the first calls of each shape). HF computes the last position's logits only (`logits_to_keep=1`),
-like our engine, and no KV cache (`use_cache=False`).
+PEFT LoRA of rank 16 on the seven projections, in the same run but a process of its own (its walls
+first, then its profiles), before the engine's; its compile time is reported (the first calls of
+each shape). HF computes the last position's logits only (`logits_to_keep=1`), like our engine, and
+no KV cache (`use_cache=False`). Its own process: with the compiled HF models (CUDA graph trees of
+`reduce-overhead`) alive in the engine's process, the engine's first profiled forward of the 8B
+shape hit an illegal memory access on the H200 (2026-12-02; the walls before it were fine, and
+the Qwen3-4B process without the anchor profiled fine in the same call).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
+import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -410,6 +417,23 @@ def hf_anchor_profiles(args, walls: list[AnchorWall]) -> tuple[list[Row], list[s
     return rows, notes
 
 
+def hf_anchor(args, shape: str, ckpt: str) -> tuple[list[Row], list[str]]:
+    """The anchor's rows and notes (walls, then profiles), measured in this process."""
+    return hf_anchor_profiles(args, hf_anchor_walls(args, shape, ckpt))
+
+
+def hf_anchor_in_own_process(argv: list[str]) -> tuple[list[Row], list[str]]:
+    """The anchor measured by a child process of this script (`--anchor-only`), its rows read back:
+    no compiled HF model and no profiler session of its ever shares the engine's process."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "anchor.json")
+        subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--anchor-only", path], check=True)
+        with open(path) as f:
+            data = json.load(f)
+    rows = [Row(**{**r, "prof": Profile(**r["prof"])}) for r in data["rows"]]
+    return rows, data["notes"]
+
+
 # ------------------------------------------------------------------------------------ report
 def to_markdown(rows: list[Row], notes: list[str], tc_modes: tuple[str, ...] = ()) -> str:
     out = [
@@ -526,6 +550,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--root", default=os.path.join(tempfile.gettempdir(), "sglang-profile-forward"))
     p.add_argument("--out", default=None, help="also write the markdown here")
+    p.add_argument("--anchor-only", metavar="JSON", default=None,
+                   help="measure the HF anchor alone and write its rows here (the child process main runs)")
     args = p.parse_args(argv)
     args.lora = [x.strip() for x in args.lora.split(",") if x.strip()]
     if any(x not in LORA_VARIANTS for x in args.lora):
@@ -547,15 +573,21 @@ def main(argv: Optional[list[str]] = None) -> str:
     args = parse_args(argv)
     t0 = time.perf_counter()
     ckpt, adapters = write_assets(args.root, args.model, num_adapters=args.adapters)
-    # Every wall first (the engine's, then the anchor's), every profile after: a profiler session
+    if args.anchor_only:
+        hf_rows, notes = hf_anchor(args, args.model, ckpt)
+        with open(args.anchor_only, "w") as f:
+            json.dump({"rows": [dataclasses.asdict(r) for r in hf_rows], "notes": notes}, f)
+        return ""
+    # The anchor first, in a process of its own (its GPU memory is free again before the engine's
+    # runners are built); then every wall of the engine's, then every profile: a profiler session
     # slows the rest of its process down (measure_setup).
-    setups, walls = engine_walls(args, args.model, ckpt, adapters)
-    anchor = hf_anchor_walls(args, args.model, ckpt) if args.hf_anchor else []
-    rows = engine_profiles(args, args.model, setups, walls)
+    hf_rows: list[Row] = []
     notes: list[str] = []
-    if anchor:
-        hf_rows, notes = hf_anchor_profiles(args, anchor)
-        rows += hf_rows
+    if args.hf_anchor:
+        log(f"{args.model}: the HF anchor in a process of its own")
+        hf_rows, notes = hf_anchor_in_own_process(list(argv if argv is not None else sys.argv[1:]))
+    setups, walls = engine_walls(args, args.model, ckpt, adapters)
+    rows = engine_profiles(args, args.model, setups, walls) + hf_rows
     device = torch.cuda.get_device_name(0) if args.device == "cuda" else "CPU (dry run)"
     md = (f"### {args.model}, {device}, torch {torch.__version__}, {args.adapters} adapter slot(s) "
           f"({time.strftime('%Y-%m-%d')}, {time.perf_counter() - t0:.0f} s)\n\n" + to_markdown(rows, notes, tuple(args.tc_modes)))

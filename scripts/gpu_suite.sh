@@ -103,7 +103,7 @@ fi
 
 if [[ " $PARTS " == *" profile "* ]]; then
   # Issue 10's table: wall vs GPU-busy, kernels per layer, torch ops and top kernels per path, base
-  # and rank-16 LoRA, side by side with HF transformers + torch.compile in the same process (8B
+  # and rank-16 LoRA, side by side with HF transformers + torch.compile in the same call (its own process; 8B
   # shape, ~5.5 min on an H200, most of it torch.compile); the Qwen3-4B shape, base only, for its
   # decode aim row (~1 min). One process per shape.
   # GPU_SUITE_PROFILE_MODELS picks shapes (default: both).

@@ -145,9 +145,10 @@ def test_host_phases_times_each_phase_and_restores_the_methods():
 
 
 def test_profile_forward_measures_every_wall_before_the_profiler(tmp_path):
-    """A profiler session slows its process down after it ends, so every wall (the engine's
-    variants, then the HF anchor's) comes before the first profile; the anchor's rows and ratios
-    are reported (a CPU dry run, the anchor compiled with the eager backend)."""
+    """A profiler session slows its process down after it ends, so each process measures every wall
+    before its first profile: the HF anchor in a child process of its own, first (its compiled
+    models never share the engine's process), then the engine's variants; the anchor's rows and
+    ratios are reported (a CPU dry run, the anchor compiled with the eager backend)."""
     out = tmp_path / "anchor.md"
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TRITON_INTERPRET="1")
     cmd = [sys.executable, os.path.join(ROOT, "benchmark/profile_forward.py"), "--device", "cpu", "--model", "tiny",
@@ -157,12 +158,19 @@ def test_profile_forward_measures_every_wall_before_the_profiler(tmp_path):
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stderr.splitlines()
-    walls = [i for i, ln in enumerate(lines) if re.search(r" wall +[\d.]+ ms", ln)]
-    profiling = [i for i, ln in enumerate(lines) if "profiling every case" in ln]
-    assert len(walls) == 2 + 2 + 2 and len(profiling) == 2, proc.stderr[-3000:]  # base, LoRA, HF: 2 cases each
-    assert max(walls) < min(profiling)
+
+    def where(pattern: str) -> list[int]:
+        return [i for i, ln in enumerate(lines) if re.search(pattern, ln)]
+
+    hf_walls, engine_walls = where(r"HF\+compile\S* +\d+: wall"), where(r"^ *(none|lora) .* wall +[\d.]+ ms")
+    hf_profiling, engine_profiling = where("HF anchor: profiling every case"), where("tiny: profiling every case")
+    assert len(hf_walls) == 2 and len(engine_walls) == 4, proc.stderr[-3000:]  # base and LoRA: 2 cases each
+    assert len(hf_profiling) == 1 and len(engine_profiling) == 1, proc.stderr[-3000:]
+    assert where("the HF anchor in a process of its own")[0] < min(hf_walls)
+    assert max(hf_walls) < hf_profiling[0] < min(engine_walls) and max(engine_walls) < engine_profiling[0]
     text = out.read_text()
     assert "ours eager / HF+compile = " in text and "ours eager / HF+compile+PEFT = " in text
+    assert text.count("| HF+compile") >= 2  # the anchor's rows, read back from the child
 
 
 def test_profile_forward_idle_before_sums_gaps_by_the_waiting_event():
