@@ -28,8 +28,10 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
   fusions), csgmv-nofn (off); z64-64-fold
   (z64-64 with --lora-fold on: the fold crossover at 64 slots); z64-64-overlap (z64-64 with
   SGLANG_LORA_STARTUP_OVERLAP=1: its adapters read beside the graph capture, not before it).
-  --enable-overlap-schedule (each decode step launched before the previous step's tokens reach the
-  host): base-overlap, csgmv-overlap, z64-64-overlap-schedule (base's, csgmv's and z64-64's servers with it).
+  The overlap schedule (each decode step launched before the previous step's tokens reach the host)
+  is on by default on a single GPU since the ninth session: base-serial and csgmv-serial are base's
+  and csgmv's servers without it (--disable-overlap-schedule); base-overlap, csgmv-overlap and
+  z64-64-overlap-schedule name it explicitly (the same servers as base, csgmv and z64-64 now).
   The first LoRA server of a call also compiles the Triton kernels (a cold cache): its capture and
   start-up are the longer for it, so list a server whose start-up is not compared first.
   (Adapters beyond the first 32 reuse their files round-robin: the weights do not change a step's
@@ -97,6 +99,8 @@ CONFIGS = {
     # --enable-overlap-schedule: each decode step launched before the previous one's tokens reach
     # the host (managers/scheduler_overlap.py), base and LoRA.
     "base-overlap": Config("base-overlap", (), None, extra=("--enable-overlap-schedule",)),
+    "base-serial": Config("base-serial", (), None, extra=("--disable-overlap-schedule",)),
+    "csgmv-serial": Config("csgmv-serial", _lora("csgmv", NUM_ADAPTERS), extra=("--disable-overlap-schedule",)),
     "csgmv-overlap": Config("csgmv-overlap", _lora("csgmv", NUM_ADAPTERS), extra=("--enable-overlap-schedule",)),
     "z64-64-overlap-schedule": Config("z64-64-overlap-schedule", _lora("csgmv", 64), "zipf", adapters=64,
                                       extra=("--enable-overlap-schedule",)),

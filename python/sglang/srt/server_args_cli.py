@@ -77,10 +77,11 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
     g.add_argument("--page-size", type=int, default=default("page_size"),
                    help="KV cache tokens per page; only 1 is supported (the pool allocates per token).")
     g.add_argument("--decode-log-interval", type=int, default=default("decode_log_interval"))
-    g.add_argument("--enable-overlap-schedule", action="store_true",
+    g.add_argument("--enable-overlap-schedule", action="store_true", default=None,
                    help="Launch each decode step before the previous step's tokens reach the host, so the "
                         "scheduler's work between steps overlaps the GPU (one token of wasted work per "
-                        "request that stops on EOS or a stop string). Single GPU; experimental.")
+                        "request that stops on EOS or a stop string). Single GPU. Default: on for a "
+                        "single-GPU CUDA server, off on the CPU.")
     g.add_argument("--disable-overlap-schedule", action="store_true",
                    help="Decode step by step (SGLang's flag; wins over --enable-overlap-schedule).")
     g.add_argument("--enable-deterministic-inference", action="store_true",

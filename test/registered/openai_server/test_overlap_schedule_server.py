@@ -47,7 +47,7 @@ def _answers(url: str) -> tuple[list, dict]:
 def test_the_overlapped_server_answers_what_the_ordinary_one_does():
     results = {}
     ckpt = tiny_checkpoint("llama")
-    for name, extra in (("ordinary", []), ("overlap", ["--enable-overlap-schedule"])):
+    for name, extra in (("ordinary", ["--disable-overlap-schedule"]), ("overlap", ["--enable-overlap-schedule"])):
         proc, url = popen_launch_server(ckpt, [*SERVER, *extra])
         try:
             results[name] = _answers(url)

@@ -242,8 +242,17 @@ class TestCli(unittest.TestCase):
 
         for flags, on in (([], False), (["--enable-overlap-schedule"], True), (["--disable-overlap-schedule"], False),
                           (["--enable-overlap-schedule", "--disable-overlap-schedule"], False)):
-            args = prepare_server_args(["--model-path", "demo", *flags])
+            args = prepare_server_args(["--model-path", "demo", "--device", "cpu", *flags])
             self.assertEqual(build_run_configs(args).scheduler.overlap_schedule, on, flags)
+        # Unset, it follows the machine: on for a single-GPU CUDA server, off on the CPU and under
+        # tensor parallelism; --disable-overlap-schedule always wins.
+        for flags, on in ((["--device", "cuda"], True), (["--device", "cpu"], False),
+                          (["--device", "cuda", "--tp-size", "2"], False),
+                          (["--device", "cuda", "--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "127.0.0.1:5000"], False),
+                          (["--device", "cuda", "--disable-overlap-schedule"], False),
+                          (["--device", "cuda", "--tp-size", "2", "--enable-overlap-schedule"], True)):
+            args = prepare_server_args(["--model-path", "demo", *flags])
+            self.assertEqual(args.resolved_overlap_schedule(), on, flags)
 
     def test_lora_fuse_norm_reaches_the_run_config(self):
         from sglang.srt.server_configs import build_run_configs
