@@ -417,11 +417,6 @@ def hf_anchor_profiles(args, walls: list[AnchorWall]) -> tuple[list[Row], list[s
     return rows, notes
 
 
-def hf_anchor(args, shape: str, ckpt: str) -> tuple[list[Row], list[str]]:
-    """The anchor's rows and notes (walls, then profiles), measured in this process."""
-    return hf_anchor_profiles(args, hf_anchor_walls(args, shape, ckpt))
-
-
 def hf_anchor_in_own_process(argv: list[str]) -> tuple[list[Row], list[str]]:
     """The anchor measured by a child process of this script (`--anchor-only`), its rows read back:
     no compiled HF model and no profiler session of its ever shares the engine's process."""
@@ -574,7 +569,7 @@ def main(argv: Optional[list[str]] = None) -> str:
     t0 = time.perf_counter()
     ckpt, adapters = write_assets(args.root, args.model, num_adapters=args.adapters)
     if args.anchor_only:
-        hf_rows, notes = hf_anchor(args, args.model, ckpt)
+        hf_rows, notes = hf_anchor_profiles(args, hf_anchor_walls(args, args.model, ckpt))
         with open(args.anchor_only, "w") as f:
             json.dump({"rows": [dataclasses.asdict(r) for r in hf_rows], "notes": notes}, f)
         return ""

@@ -312,7 +312,7 @@ class ServerArgs:
             return False
         if self.enable_overlap_schedule is not None:
             return bool(self.enable_overlap_schedule)
-        return self.resolved_device() == "cuda" and self.tp_size == 1 and self.nnodes == 1
+        return self.resolved_device() == "cuda" and self.tp_size == 1  # several nodes need tp_size > 1
 
     def resolved_attention_backend(self) -> str:
         if self.attention_backend is not None:
