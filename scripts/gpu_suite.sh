@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "expand_tiles", "many_steps", "blas_env", "scheduler", "host", "gemv", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "expand_tiles", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -200,6 +200,17 @@ if [[ " $PARTS " == *" gemv "* ]]; then
   $PY benchmark/bench_gemv.py --out "$OUT/gemv.md" >"$OUT/gemv.log" 2>&1 || status=1
   say "gemv: $(( $(date +%s) - start ))s"
   grep -E "^\| (llama|qwen)" "$OUT/gemv.md" 2>/dev/null | cut -d'|' -f2-10 >>"$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" decode_chain "* ]]; then
+  # Issue 21: a decode layer's kernel chain at batch 1 and 8 (benchmark/bench_decode_chain.py):
+  # cuBLAS against a Triton GEMV, with and without programmatic dependent launch and an L2
+  # prefetch of the weights before the dependency wait (~2 min).
+  say "== decode chain: PDL and weight prefetch"
+  start=$(date +%s)
+  $PY benchmark/bench_decode_chain.py ${GPU_SUITE_CHAIN_ARGS:-} --out "$OUT/decode_chain.md" >"$OUT/decode_chain.log" 2>&1 || status=1
+  say "decode_chain: $(( $(date +%s) - start ))s"
+  grep -E "^\| (llama|qwen)" "$OUT/decode_chain.md" 2>/dev/null | cut -d'|' -f2-8 >>"$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" expand_tiles "* ]]; then
