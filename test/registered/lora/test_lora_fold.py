@@ -171,6 +171,9 @@ def test_pool_loads_into_w_aug_and_leaves_no_residue():
             bases[m, layer] = w
             w_aug = pool.fold_base_weight(m, layer, w)
             assert torch.equal(w_aug[:, : shape.in_dim], w)
+            # Blocks for the 2 adapter slots only: the base model's slot (rank 0) has none.
+            assert w_aug.shape[1] - shape.in_dim == fold_extra_columns(2, len(shape.out_sizes), 8)
+            assert pool.B_buffer[m][layer].shape[0] == pool.num_slots - 1 == 2
     assert isinstance(pool.B_buffer["o_proj"][0], torch.Tensor)  # not a candidate: plain buffer
     ptrs = pool.data_ptrs()
     big = make_adapter("big", r=8, modules=modules, seed=1)

@@ -1,6 +1,7 @@
 """Folding LoRA into the base GEMM: the augmented weight W_aug and the pool's views of B inside it.
 
-For a module with base weight W [N, K], c output slices and a pool of S slots of rank R:
+For a module with base weight W [N, K], c output slices and S adapter slots of rank R (the pool's
+slots but the base model's, which has rank 0 and so needs no block):
 
     W_aug [N, K + E],  E = S*c*R rounded up to EXTRA_COLS_ALIGN
     columns [0, K)                W (the base layer's `weight` becomes the view W_aug[:, :K])

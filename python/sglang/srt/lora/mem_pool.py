@@ -21,7 +21,10 @@ Folded modules (lora/fold.py): their B lives inside the augmented base weight W_
 the module's one GEMM reads. `fold_base_weight` builds W_aug from the base weight (the manager calls
 it for every layer before wrapping), and `B_buffer[module][layer]` is a `SlicedB` over its
 block-diagonal columns: indexed and written like a plain [slots, out, R] buffer, so loading is the
-same for both layouts. Everything a slot write does not reach stays zero.
+same for both layouts. Everything a slot write does not reach stays zero. The base model's slot
+(the last) has no block there: its rank is 0, so no row ever carries a value for it, and a block
+of zeros would only widen every folded GEMM (1/9 of the widening at 8 adapter slots, half of it
+at one).
 
 Slot ranks and scalings also live on the device (`slot_ranks_device`, `slot_scalings_device`),
 written by `_publish_slot` whenever a slot changes (load or free), never per forward: the
@@ -159,9 +162,15 @@ class LoRAMemoryPool:
                     for _ in range(n)
                 ]
 
+    @property
+    def num_fold_slots(self) -> int:
+        """Slots with a block in W_aug: the adapter slots, not the base model's (the last)."""
+        assert self.base_slot == self.num_slots - 1, (self.base_slot, self.num_slots)
+        return self.num_slots - 1
+
     def fold_extra_columns(self, module: str) -> int:
-        """E of a folded module (every slot's c*R block, padded)."""
-        return fold_extra_columns(self.num_slots, get_stacked_multiply(module), self.max_lora_rank)
+        """E of a folded module (every adapter slot's c*R block, padded)."""
+        return fold_extra_columns(self.num_fold_slots, get_stacked_multiply(module), self.max_lora_rank)
 
     @torch.no_grad()
     def fold_base_weight(self, module: str, layer: int, weight: torch.Tensor) -> torch.Tensor:
@@ -171,7 +180,8 @@ class LoRAMemoryPool:
         shape = self.shapes.modules[module]
         assert tuple(weight.shape) == (shape.out_dim, shape.in_dim), (module, tuple(weight.shape))
         w_aug, b = fold_weight(
-            weight.to(self.dtype), shape.out_sizes, self.num_slots, self.max_lora_rank, self.fold_extra_columns(module)
+            weight.to(self.dtype), shape.out_sizes, self.num_fold_slots, self.max_lora_rank,
+            self.fold_extra_columns(module)
         )
         self.folded_weight[module][layer] = w_aug
         self.B_buffer[module][layer] = b

@@ -172,12 +172,12 @@ def norm_shrink_pack(
     """x_aug [T, K + E] = [RMSNorm(x (+ residual)) | its packed pre-scaled shrink] in one launch.
 
     `weights` is the module's A [S, stack*max_rank, K] (an adapter of rank r in its first
-    stack*r rows), `row_slots` int32 [T] each row's slot (-1: none). With `residual`, the sum
+    stack*r rows; every slot but the last, the base model's of rank 0, has a block in E), `row_slots` int32 [T] each row's slot (-1: none). With `residual`, the sum
     x + residual (the new residual) goes to `residual_out` (allocated when None; never `residual`
     itself) and is returned; without, returns None. `norm_weight` None: no norm (and no
     residual), x_aug = [x | packed shrink of x], shrink_pack's result computed row by row.
     """
-    assert x_aug.shape[1] - x.shape[1] >= weights.shape[0] * stack_num * max_rank, x_aug.shape
+    assert x_aug.shape[1] - x.shape[1] >= (weights.shape[0] - 1) * stack_num * max_rank, x_aug.shape
     return _launch(x, residual, norm_weight, eps, weights, x_aug, None, row_slots, lora_ranks, scalings, stack_num,
                    max_rank, residual_out, packed=True)
 
@@ -187,7 +187,7 @@ def silu_shrink_pack(gate_up: torch.Tensor, weights: torch.Tensor, x_aug: torch.
     """x_aug [T, d + E] = [silu(gate) * up | its packed pre-scaled shrink] from gate_up [T, 2d]:
     the SiLU-and-mul before a folded down_proj and its shrink_pack in one launch."""
     d = gate_up.shape[1] // 2
-    assert x_aug.shape[1] - d >= weights.shape[0] * max_rank, x_aug.shape
+    assert x_aug.shape[1] - d >= (weights.shape[0] - 1) * max_rank, x_aug.shape
     _launch(gate_up, None, None, 0.0, weights, x_aug, None, row_slots, lora_ranks, scalings, 1, max_rank, None,
             packed=True, silu=True)
 

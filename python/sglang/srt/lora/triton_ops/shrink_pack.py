@@ -9,7 +9,8 @@ Slot s owns E columns [s*c*R, (s+1)*c*R) of the extra part (c output slices, R t
 within it, slice k's rank columns are [k*R, k*R + r) (r = the adapter's rank). The rows of output
 slice k hold B_k there and zeros in the other slices' columns, so row t of x_aug, which carries
 scaling * x[t] @ A_k[slot]^T in slice k's columns of its slot's block only, adds exactly
-scaling * (x[t] A_k^T) B_k^T to the outputs of slice k. E may carry zero padding past S*c*R.
+scaling * (x[t] A_k^T) B_k^T to the outputs of slice k. E may carry zero padding past S*c*R. A slot
+with no block (the base model's, past the S adapter slots) has rank 0: its rows get zeros only.
 
 This kernel writes all of x_aug[:num_rows] in one pass over x. Its grid is segments (lora/
 segments.py: up to BLOCK_S rows of ONE slot, gathered through the batch's permutation; every row
