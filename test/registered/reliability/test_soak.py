@@ -48,6 +48,7 @@ def run_soak(proc, cfg: SoakConfig, report_path: str, capsys) -> dict:
               f"refused (cycling adapter unloaded) {c.get('refused_unloaded_adapter', 0)}, "
               f"adapter loads/unloads {c.get('adapter_load', 0)}/{c.get('adapter_unload', 0)}, "
               f"retractions in the log {report['retractions_in_log']}, graph stats {report['graph_stats']}, "
+              f"overlapped decode steps {report['server_info'].get('overlapped_decode_steps')}, "
               f"pool loads/evictions {report['lora']['num_adapter_loads']}/{report['lora']['num_evictions']}, "
               f"latency {report['latency_s']}; prefix cache {report['prefix_cache']}; integrity: scheduler {report['scheduler_integrity']['ok']} "
               f"(runs {report['scheduler_integrity']['runs']}), tokenizer {report['tokenizer_integrity']['ok']} "
@@ -143,5 +144,7 @@ def test_soak_gpu(tmp_path, capsys) -> None:
         check_report(proc, url, report)
         graphs = report["graph_stats"]
         assert graphs["prefill_graph_replays"] > 0 and graphs["decode_graph_replays"] > 0, graphs
+        # One CUDA GPU: the overlap schedule is the default, and the soak runs through it.
+        assert report["server_info"]["overlapped_decode_steps"] > 0, report["server_info"]
     finally:
         assert kill_server(proc) == 0, read_log(proc)[-3000:]
