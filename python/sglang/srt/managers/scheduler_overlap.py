@@ -4,12 +4,17 @@ steps (the batch built, the outputs recorded, the news sent: ~0.8 ms at 64 reque
 host, against a ~5 ms step) runs while the GPU computes.
 
 A turn with a step N in flight:
+  0. With requests waiting, admission plans a prefill as the ordinary turn would (the same
+     budgets, LoRA slots and wait-turn counts; the KV and slots N's finishing requests still hold
+     count as held). A prefill goes first, as in the ordinary schedule: N is finished, then the
+     prefill runs. Requests that cannot be admitted (the batch at --max-running-requests, their
+     adapter waiting for a slot, KV short) do not stop the chain: the ordinary turn would decode
+     the same requests.
   1. `_continuation`: which of N's requests step N+1 decodes. Those that stop by length after N
      are left out (known before N's tokens); one that stops on EOS or a stop string is not known
      to, so it is decoded once more and that token is thrown away. No continuation (every request
-     stops, a waiting request could be admitted, KV runs short, a fault is armed): N is finished
-     alone and the next turn is an ordinary one. (With the batch at --max-running-requests a
-     waiting request could not be admitted, and a base server chains on.)
+     stops, a prompt is being prefilled in chunks, KV runs short, a fault is armed): N is finished
+     alone and the next turn is an ordinary one.
   2. `_launch`: step N+1 feeds N's sampled tokens straight from the device (`prepare_decode`'s
      `input_ids`, a copy queued after N's sampling) and is queued behind N.
   3. `_finish`: N's host copies are waited for (N+1 runs meanwhile) and its outputs processed as
@@ -65,6 +70,13 @@ class SchedulerOverlapMixin:
             else:
                 self.run_batch(mode, reqs)
             return True
+        if self.waiting and self.chunked_req is None and not self.faults:
+            batch = self._plan_prefill()
+            if batch is not None:
+                self.inflight = None
+                self._finish(prev)
+                self.run_batch(*batch)
+                return True
         nxt = self._continuation(prev)
         self.inflight = self._launch(nxt, prev) if nxt else None
         self._finish(prev)
@@ -82,12 +94,6 @@ class SchedulerOverlapMixin:
         reqs = [r for r in prev.batch.reqs if not r.finished and not self.stop_checker.stops_by_length(r, 1)]
         # One new KV slot each, from the free list: eviction and retraction are the ordinary turn's.
         if not reqs or self.allocator.available_size() < len(reqs):
-            return None
-        if self.waiting and (len(reqs) < self.max_running_requests or self.model_runner.lora_manager is not None):
-            # A prefill may be admitted: the ordinary turn puts it first. With the batch full
-            # (--max-running-requests) it would admit none and decode these requests, as here; a
-            # LoRA server's ordinary turn also counts the waiting requests' turns (its fairness
-            # rule), so it takes one.
             return None
         return reqs
 
