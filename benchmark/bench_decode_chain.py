@@ -41,58 +41,12 @@ if "--cpu-dry-run" in sys.argv:
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
+from bench_gemv import HBM_BYTES_PER_S, _gemv_kernel, gdc_launch_dependents, gdc_wait  # noqa: E402
 from bench_util import add_output_args, emit_table, graph_us, model_dims, target  # noqa: E402
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
-
-HBM_BYTES_PER_S = 4.8e12
-
-
-@triton.jit
-def _prefetch_l2(ptrs):
-    # One `prefetch.global.L2` per element (a 128-byte line each); no result is used.
-    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
-                              is_pure=False, pack=1)
-
-
-@triton.jit
-def _gemv_kernel(X, W, Y, B, N, K, stride_x, stride_w, stride_y,
-                 BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                 PREFETCH_K: tl.constexpr):
-    pid = tl.program_id(0)
-    offs_b = tl.arange(0, BLOCK_B)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    b_mask = offs_b < B
-    n_mask = offs_n < N
-    if PDL:
-        gdc_launch_dependents()
-    if PREFETCH_K > 0:
-        # Lines of 64 bf16 columns; rows past N and columns past K clamp to valid addresses.
-        lines = tl.arange(0, PREFETCH_K // 64) * 64
-        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
-        _prefetch_l2(W + rows[:, None] * stride_w + tl.minimum(lines, K - 1)[None, :])
-    if PDL:
-        gdc_wait()
-    x_ptrs = X + offs_b[:, None] * stride_x + offs_k[None, :]
-    w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]
-    acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
-    for k in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k
-        x = tl.load(x_ptrs, mask=b_mask[:, None] & k_mask[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_mask[:, None] & n_mask[None, :], other=0.0)
-        acc = tl.dot(x, w, acc)
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    tl.store(Y + offs_b[:, None] * stride_y + offs_n[None, :], acc.to(Y.dtype.element_ty),
-             mask=b_mask[:, None] & n_mask[None, :])
 
 
 @triton.jit

@@ -38,6 +38,11 @@ from bench_util import add_output_args, emit_table, graph_us, model_dims, target
 HBM_BYTES_PER_S = 4.8e12  # H200
 L2_BYTES = 50 * 2**20
 
+try:  # grid dependency control (Hopper PDL), for bench_decode_chain.py's variants
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+except ImportError:  # pragma: no cover
+    gdc_launch_dependents = gdc_wait = None
+
 
 
 def gemms(shape: str) -> dict[str, tuple[int, int]]:
@@ -48,14 +53,31 @@ def gemms(shape: str) -> dict[str, tuple[int, int]]:
 
 
 @triton.jit
+def _prefetch_l2(ptrs):
+    # One `prefetch.global.L2` per element (a 128-byte line each); no result is used.
+    tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n mov.u32 $0, 0;", "=r,l", [ptrs], dtype=tl.int32,
+                              is_pure=False, pack=1)
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, B, N, K, stride_x, stride_w, stride_y,
-                 BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                 BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
+                 PREFETCH_K: tl.constexpr):
     pid = tl.program_id(0)
     offs_b = tl.arange(0, BLOCK_B)
     offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     b_mask = offs_b < B
     n_mask = offs_n < N
+    if PDL:
+        gdc_launch_dependents()
+    if PREFETCH_K > 0:
+        # Lines of 64 bf16 columns; rows past N and columns past K clamp to valid addresses.
+        lines = tl.arange(0, PREFETCH_K // 64) * 64
+        rows = tl.minimum(offs_n, N - 1).to(tl.int64)
+        _prefetch_l2(W + rows[:, None] * stride_w + tl.minimum(lines, K - 1)[None, :])
+    if PDL:
+        gdc_wait()
     x_ptrs = X + offs_b[:, None] * stride_x + offs_k[None, :]
     w_ptrs = W + offs_n[None, :].to(tl.int64) * stride_w + offs_k[:, None]
     acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)
@@ -76,8 +98,8 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: int, bloc
     n = w.shape[0]
     assert b <= 16 and x.stride(1) == 1 and w.stride(1) == 1
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, out, b, n, k, x.stride(0), w.stride(0), out.stride(0),
-                                              BLOCK_B=16, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps,
-                                              num_stages=stages)
+                                              BLOCK_B=16, BLOCK_N=block_n, BLOCK_K=block_k, PDL=False, PREFETCH_K=0,
+                                              num_warps=warps, num_stages=stages)
     return out
 
 
