@@ -2,7 +2,8 @@
 ordinary one, turn by turn on a tiny Qwen3 checkpoint (real ModelRunner, real pipes, CPU).
 
 The same requests give the same tokens, finish reasons and logprobs, through every way a request
-ends (length, EOS, a stop token, a stop string, an abort), arrivals while decoding, retraction, the
+ends (length, EOS, a stop token, a stop string, an abort), arrivals while decoding (their prefills
+run after the step in flight, or queued behind it: SGLANG_OVERLAP_PREFILL=1), retraction, the
 prefix cache (read through the KV table's host twin, as on a GPU) and seeded sampling; the KV
 accounting holds after every turn, nothing is left held at the end, and the steps really were
 launched ahead (the schedule's counter).
@@ -33,6 +34,15 @@ def host_twin(monkeypatch):
     from sglang.srt.mem_cache import memory_pool
 
     monkeypatch.setattr(memory_pool, "SEPARATE_HOST_TWIN", True)
+
+
+@pytest.fixture(autouse=True, params=["prefill-apart", "prefill-queued"])
+def overlap_prefill(request, monkeypatch) -> bool:
+    """Every case in both ways an admitted prefill meets a step in flight: run after it, or queued
+    behind it (SGLANG_OVERLAP_PREFILL=1)."""
+    queued = request.param == "prefill-queued"
+    monkeypatch.setenv("SGLANG_OVERLAP_PREFILL", "1" if queued else "0")
+    return queued
 
 
 def run(h: Harness, events: dict[int, Callable[[Harness], None]] | None = None, max_turns: int = 3000) -> int:
@@ -141,7 +151,7 @@ def test_a_stop_string_gives_the_ordinary_outputs(ckpt):
     assert_at_rest(b)
 
 
-def test_arrivals_and_an_abort_while_decoding(ckpt):
+def test_arrivals_and_an_abort_while_decoding(ckpt, overlap_prefill):
     def submit(h: Harness) -> None:
         h.submit("a", prompt(12, 1), max_new_tokens=25, ignore_eos=True)
         h.submit("gone", prompt(20, 3), max_new_tokens=30, ignore_eos=True)
@@ -154,6 +164,33 @@ def test_arrivals_and_an_abort_while_decoding(ckpt):
     a, b = both(ckpt, submit, events)
     assert_same_outputs(a, b, aborted=("gone",))
     assert b.sched.stats["overlapped_decode_steps"] > 0
+    # "b" and "c" arrive while a step is in flight: their prefills are queued behind it (with
+    # SGLANG_OVERLAP_PREFILL=1) or run once it is finished.
+    assert b.sched.stats["overlapped_prefills"] == (2 if overlap_prefill else 0)
+    assert a.sched.stats["overlapped_prefills"] == 0
+    assert b.sched.stats["prefill_batches"] == a.sched.stats["prefill_batches"]
+    assert_at_rest(b)
+
+
+def test_a_chunked_prefill_with_prompt_logprobs_arrives_while_decoding(ckpt, overlap_prefill):
+    """A prompt longer than the chunk, asking for prompt and top logprobs, arrives while a step is
+    in flight: its first chunk is queued behind that step, the rest follow as in the ordinary
+    schedule, and every logprob matches."""
+    def submit(h: Harness) -> None:
+        h.submit("a", prompt(12, 1), max_new_tokens=20, ignore_eos=True)
+        h.submit("b", prompt(7, 2), max_new_tokens=14, ignore_eos=True, return_logprob=True)
+
+    events = {
+        3: lambda h: h.submit("long", prompt(40, 6), max_new_tokens=6, ignore_eos=True, return_logprob=True,
+                              logprob_start_len=0, top_logprobs_num=2),
+        5: lambda h: h.submit("short", prompt(6, 7), max_new_tokens=4, ignore_eos=True, return_logprob=True,
+                              logprob_start_len=1),
+    }
+    a, b = both(ckpt, submit, events, chunked_prefill_size=16)
+    assert_same_outputs(a, b)
+    assert len(b.out["long"]["in_lp"]) == 40 and len(b.out["short"]["in_lp"]) == 5
+    assert (b.sched.stats["overlapped_prefills"] >= 1) == overlap_prefill
+    assert b.sched.stats["prefill_batches"] == a.sched.stats["prefill_batches"]
     assert_at_rest(b)
 
 

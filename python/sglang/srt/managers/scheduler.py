@@ -16,6 +16,7 @@ this rank will never join, so the rank exits and the parent brings the server do
 from __future__ import annotations
 
 import logging
+import os
 import time
 import traceback
 from typing import Any, Callable, Optional
@@ -115,8 +116,9 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         # benchmark reads the change over its run).
         self.stats = {"num_retractions": 0, "num_forward_failures": 0, "num_finished": 0, "decode_steps": 0,
                       "decode_reqs": 0, "prefill_batches": 0, "prefill_tokens": 0,
-                      # decode steps launched before the previous step's tokens reached the host
-                      "overlapped_decode_steps": 0,
+                      # decode steps launched before the previous step's tokens reached the host, and
+                      # prefills queued behind a step in flight (the overlap schedule)
+                      "overlapped_decode_steps": 0, "overlapped_prefills": 0,
                       # tokens such steps computed for requests that had stopped (EOS, a stop string, an abort)
                       "overlap_discarded_tokens": 0}
         self.decode_tokens_since_log = 0
@@ -129,6 +131,9 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         if config.overlap_schedule and not self.overlap:
             logger.warning("--enable-overlap-schedule: not under tensor parallelism; decoding step by step")
         self.inflight = None
+        # SGLANG_OVERLAP_PREFILL=1 (experiment, off until measured on a GPU): a prefill admitted
+        # while a decode step is in flight is queued behind it (scheduler_overlap.py).
+        self.overlap_prefill = os.environ.get("SGLANG_OVERLAP_PREFILL", "0") == "1"
         self.check_integrity()
 
     # ------------------------------------------------------------------ loop

@@ -7,9 +7,12 @@ A turn with a step N in flight:
   0. With requests waiting, admission plans a prefill as the ordinary turn would (the same
      budgets, LoRA slots and wait-turn counts; the KV and slots N's finishing requests still hold
      count as held). A prefill goes first, as in the ordinary schedule: N is finished, then the
-     prefill runs. Requests that cannot be admitted (the batch at --max-running-requests, their
-     adapter waiting for a slot, KV short) do not stop the chain: the ordinary turn would decode
-     the same requests.
+     prefill runs; with SGLANG_OVERLAP_PREFILL=1 (an experiment, CPU-tested, off until measured
+     on a GPU) it is queued behind N instead (its inputs, metadata and launches prepared while N
+     runs), then N's outputs are processed (while the prefill runs), then the prefill's.
+     Requests that cannot be admitted (the batch at
+     --max-running-requests, their adapter waiting for a slot, KV short) do not stop the chain:
+     the ordinary turn would decode the same requests.
   1. `_continuation`: which of N's requests step N+1 decodes. Those that stop by length after N
      are left out (known before N's tokens); one that stops on EOS or a stop string is not known
      to, so it is decoded once more and that token is thrown away. No continuation (every request
@@ -22,8 +25,8 @@ A turn with a step N in flight:
      a token it will never have (`Req.decode_ahead`); `Scheduler.finish` gives it back first, so
      the request leaves exactly what the ordinary schedule would have left (the prefix cache
      included). Its row in N+1 is skipped when N+1 finishes.
-Everything else (prefill, retraction, adapter loads, cache flushes, faults) runs with no step in
-flight: such a turn, or such a message, finishes N first (`drain_inflight`).
+Everything else (retraction, adapter loads, cache flushes, faults, the rest of a chunked prompt)
+runs with no step in flight: such a turn, or such a message, finishes N first (`drain_inflight`).
 
 Greedy outputs equal the ordinary schedule's token for token. A sampled request draws with its own
 seed per step (the pending token is counted), so a seeded request samples the same tokens too; an
@@ -47,7 +50,7 @@ from sglang.srt.model_executor.launched_forward import LaunchedForward
 
 
 @dataclass
-class InflightDecode:
+class InflightStep:
     batch: ScheduleBatch
     launched: LaunchedForward
 
@@ -55,7 +58,7 @@ class InflightDecode:
 class SchedulerOverlapMixin:
     """Reads and updates the Scheduler's queues, model runner and stats."""
 
-    inflight: Optional[InflightDecode]  # the decode step launched and not finished (Scheduler.__init__: None)
+    inflight: Optional[InflightStep]  # the decode step launched and not finished (Scheduler.__init__: None)
 
     def overlap_turn(self) -> bool:
         """One turn of the overlap schedule; False when nothing was runnable."""
@@ -74,8 +77,17 @@ class SchedulerOverlapMixin:
             batch = self._plan_prefill()
             if batch is not None:
                 self.inflight = None
+                if not self.overlap_prefill:
+                    self._finish(prev)
+                    self.run_batch(*batch)
+                    return True
+                # SGLANG_OVERLAP_PREFILL=1: the prefill is queued behind the step in flight before
+                # that step's outputs are processed: its host work (inputs, metadata, launches)
+                # overlaps the step on the GPU, and the step's outputs are processed while it runs.
+                prefill = self._launch(batch[1], None, extend=True)
                 self._finish(prev)
-                self.run_batch(*batch)
+                if prefill is not None:
+                    self._finish(prefill)
                 return True
         nxt = self._continuation(prev)
         self.inflight = self._launch(nxt, prev) if nxt else None
@@ -88,7 +100,7 @@ class SchedulerOverlapMixin:
         if prev is not None:
             self._finish(prev)
 
-    def _continuation(self, prev: InflightDecode) -> Optional[list[Req]]:
+    def _continuation(self, prev: InflightStep) -> Optional[list[Req]]:
         if self.chunked_req is not None or self.faults:
             return None  # an ordinary turn decides (the rest of the prompt first, or the fault's batch)
         reqs = [r for r in prev.batch.reqs if not r.finished and not self.stop_checker.stops_by_length(r, 1)]
@@ -97,18 +109,24 @@ class SchedulerOverlapMixin:
             return None
         return reqs
 
-    def _launch(self, reqs: list[Req], prev: Optional[InflightDecode]) -> Optional[InflightDecode]:
+    def _launch(self, reqs: list[Req], prev: Optional[InflightStep], extend: bool = False) -> Optional[InflightStep]:
+        """Queue a decode step (its input tokens from `prev`'s device output when given) or, with
+        `extend`, a prefill of the admitted `reqs`; None when it failed (its requests failed)."""
         try:
-            tokens = None
-            if prev is not None:
-                tokens = prev.launched.sample.next_token_ids
-                if len(reqs) < len(prev.batch.reqs):  # the rows of the requests that go on
-                    keep = set(map(id, reqs))
-                    rows = [i for i, r in enumerate(prev.batch.reqs) if id(r) in keep]
-                    tokens = tokens.index_select(0, torch.tensor(rows, device=tokens.device))
-            batch = ScheduleBatch.prepare_decode(reqs, self.model_runner, self._evict, input_ids=tokens)
-            for r in reqs:
-                r.decode_ahead = 1 if prev is not None else 0
+            if extend:
+                batch = ScheduleBatch.prepare_extend(reqs, self.model_runner, self._evict,
+                                                     keep_lora_ids=self.keep_resident_for(reqs))
+            else:
+                tokens = None
+                if prev is not None:
+                    tokens = prev.launched.sample.next_token_ids
+                    if len(reqs) < len(prev.batch.reqs):  # the rows of the requests that go on
+                        keep = set(map(id, reqs))
+                        rows = [i for i, r in enumerate(prev.batch.reqs) if id(r) in keep]
+                        tokens = tokens.index_select(0, torch.tensor(rows, device=tokens.device))
+                batch = ScheduleBatch.prepare_decode(reqs, self.model_runner, self._evict, input_ids=tokens)
+                for r in reqs:
+                    r.decode_ahead = 1 if prev is not None else 0
             self._prefetch_adapters(reqs)
             self._maybe_inject_fault(batch)
             launched = self.model_runner.launch_forward(batch.forward_batch)
@@ -117,9 +135,11 @@ class SchedulerOverlapMixin:
             return None
         if prev is not None:
             self.stats["overlapped_decode_steps"] += 1
-        return InflightDecode(batch, launched)
+        elif extend:
+            self.stats["overlapped_prefills"] += 1
+        return InflightStep(batch, launched)
 
-    def _finish(self, step: InflightDecode) -> None:
+    def _finish(self, step: InflightStep) -> None:
         ahead = set(map(id, self.inflight.batch.reqs)) if self.inflight is not None else set()
         live = [r for r in step.batch.reqs if not r.finished]  # an abort may have come meanwhile
         for r in live:
@@ -129,7 +149,10 @@ class SchedulerOverlapMixin:
                 r.decode_ahead = 0
         try:
             out = self.model_runner.finish_forward(step.launched)
-            self.process_decode(step.batch, out)
+            if step.batch.is_extend:
+                self.process_extend(step.batch, out)
+            else:
+                self.process_decode(step.batch, out)
         except Exception as e:
             self.fail_requests(live, e)
             return

@@ -367,9 +367,8 @@ class ModelRunner:
     @torch.no_grad()
     def launch_forward(self, fb: ForwardBatch) -> LaunchedForward:
         """`forward` without waiting: everything is queued, the sampled tokens stay on the device
-        (and are being copied to the host); `finish_forward` returns what `forward` would have.
-        For decode batches (prompt logprobs would need more copies)."""
-        assert not fb.forward_mode.is_extend(), "launch_forward runs decode batches"
+        (and are being copied to the host); `finish_forward` returns what `forward` would have (a
+        prefill's prompt logprobs are copied there, after its sample)."""
         plan = self.prepare(fb)
         hidden = self.run_body(fb, plan)
         logits_out = self.compute_logits(fb, hidden)
