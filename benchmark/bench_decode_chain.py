@@ -186,7 +186,7 @@ def main() -> None:
             def layer(i: int, variant: str) -> None:
                 w = ws[i % layers]
                 pdl = "pdl" in variant
-                pf = 0 if "+pf" not in variant else (1 << 30 if variant.endswith("pfall") else int(variant.split("+pf")[1]))
+                pf = int(variant.split("+pf")[1]) if "+pf" in variant else 0  # columns prefetched
 
                 def mm(x, m, out):
                     if variant.startswith("cublas"):

@@ -10,9 +10,8 @@ A turn with a step N in flight:
      prefill runs; with SGLANG_OVERLAP_PREFILL=1 (an experiment, CPU-tested, off until measured
      on a GPU) it is queued behind N instead (its inputs, metadata and launches prepared while N
      runs), then N's outputs are processed (while the prefill runs), then the prefill's.
-     Requests that cannot be admitted (the batch at
-     --max-running-requests, their adapter waiting for a slot, KV short) do not stop the chain:
-     the ordinary turn would decode the same requests.
+     Requests that cannot be admitted (the batch at --max-running-requests, their adapter waiting
+     for a slot, KV short) do not stop the chain: the ordinary turn would decode the same requests.
   1. `_continuation`: which of N's requests step N+1 decodes. Those that stop by length after N
      are left out (known before N's tokens); one that stops on EOS or a stop string is not known
      to, so it is decoded once more and that token is thrown away. No continuation (every request

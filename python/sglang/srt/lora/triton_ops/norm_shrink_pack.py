@@ -172,9 +172,10 @@ def norm_shrink_pack(
     """x_aug [T, K + E] = [RMSNorm(x (+ residual)) | its packed pre-scaled shrink] in one launch.
 
     `weights` is the module's A [S, stack*max_rank, K] (an adapter of rank r in its first
-    stack*r rows; every slot but the last, the base model's of rank 0, has a block in E), `row_slots` int32 [T] each row's slot (-1: none). With `residual`, the sum
-    x + residual (the new residual) goes to `residual_out` (allocated when None; never `residual`
-    itself) and is returned; without, returns None. `norm_weight` None: no norm (and no
+    stack*r rows; every slot but the last, the base model's of rank 0, has a block in E),
+    `row_slots` int32 [T] each row's slot (-1: none). With `residual`, the sum x + residual (the
+    new residual) goes to `residual_out` (allocated when None; never `residual` itself) and is
+    returned; without, returns None. `norm_weight` None: no norm (and no
     residual), x_aug = [x | packed shrink of x], shrink_pack's result computed row by row.
     """
     assert x_aug.shape[1] - x.shape[1] >= (weights.shape[0] - 1) * stack_num * max_rank, x_aug.shape

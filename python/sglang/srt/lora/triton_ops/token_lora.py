@@ -361,7 +361,9 @@ def shrink_pack(
     num_rows, in_dim = x.shape
     extra = x_aug.shape[1] - in_dim
     assert weights.shape == (weights.shape[0], stack_num * max_rank, in_dim), (weights.shape, stack_num, max_rank)
-    assert x_aug.shape[0] == num_rows and x_aug.stride(1) == 1 and extra >= (weights.shape[0] - 1) * stack_num * max_rank
+    # Every slot but the last (the base model's, rank 0) has a block in E.
+    assert x_aug.shape[0] == num_rows and x_aug.stride(1) == 1
+    assert extra >= (weights.shape[0] - 1) * stack_num * max_rank, (extra, weights.shape)
     plan = plan or plan_pack(in_dim, stack_num, max_rank, extra, x.element_size())
     assert plan.extra_cols == extra, (plan.extra_cols, extra)
     if num_rows == 0:
