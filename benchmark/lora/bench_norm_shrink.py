@@ -41,6 +41,7 @@ from bench_util import add_output_args, emit_table, graph_us, model_dims, target
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd  # noqa: E402
 from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd  # noqa: E402
+from sglang.srt.lora.triton_ops import norm_shrink_pack as nsp  # noqa: E402
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack, silu_shrink_pack  # noqa: E402
 from sglang.srt.lora.triton_ops.token_lora import pdl_available, plan_pack, prepare_pack, token_segments  # noqa: E402
 
@@ -167,12 +168,15 @@ def main() -> None:
     p.add_argument("--decode-bs", nargs="+", type=int, default=[1, 8, 32, 64, 128])
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--tile-elements", nargs="*", type=int, default=[],
+                   help="also time `fused` with norm_shrink_pack.TILE_ELEMENTS set to each (its column tile: "
+                        "fewer, wider programs per row re-normalise the row fewer times)")
     add_output_args(p)
     args = p.parse_args()
     dry, device, dtype, models = target(args)
     bss = [1, 3] if dry else args.decode_bs
     slots = args.adapters + 1
-    lines = []
+    lines, tiles = [], []
     for shape in models:
         mods = build(shape, args.rank, slots, dtype, device)
         layers = model_dims(shape)[5]
@@ -192,16 +196,37 @@ def main() -> None:
                                      for o, r in zip(step.outs, ref)))
             if dry:
                 lines.append(f"| {bs} | - | - | - | - | - | - | - | - | - | {diff:.1e} |")
-                continue
-            base, unfused, fused, rowwise = (graph_us(lambda _, f=f: f()) for f in
-                                             (step.base, step.unfused, step.fused, step.rowwise))
-            n = len(mods)
-            lines.append(f"| {bs} | {base:.0f} | {unfused:.0f} | {fused:.0f} | {rowwise:.0f} | {unfused - base:.0f} | "
-                         f"{fused - base:.0f} | {rowwise - base:.0f} | {2 * (unfused - fused) / n:.2f} | "
-                         f"{(unfused - rowwise) / n:.2f} | {diff:.1e} |")
-            print(lines[-1], flush=True)
+                base = float("nan")
+            else:
+                base, unfused, fused, rowwise = (graph_us(lambda _, f=f: f()) for f in
+                                                 (step.base, step.unfused, step.fused, step.rowwise))
+                n = len(mods)
+                lines.append(f"| {bs} | {base:.0f} | {unfused:.0f} | {fused:.0f} | {rowwise:.0f} | "
+                             f"{unfused - base:.0f} | {fused - base:.0f} | {rowwise - base:.0f} | "
+                             f"{2 * (unfused - fused) / n:.2f} | {(unfused - rowwise) / n:.2f} | {diff:.1e} |")
+                print(lines[-1], flush=True)
+            for tile in args.tile_elements:
+                us, tile_diff = fused_with_tile(step, tile, ref, dry)
+                tiles.append(f"| {shape} | {bs} | {tile} | {us:.0f} | {us - base:.0f} | {tile_diff:.1e} |")
         lines.append("")
+    if args.tile_elements:
+        lines += [f"`fused` with other column tiles (default TILE_ELEMENTS {nsp.TILE_ELEMENTS})", "",
+                  "| model | decode bs | TILE_ELEMENTS | fused µs/step | LoRA fused | max rel diff |",
+                  "|---|---:|---:|---:|---:|---:|", *tiles, ""]
     emit_table(lines, args.out)
+
+
+def fused_with_tile(step: "Step", tile: int, ref: list[torch.Tensor], dry: bool) -> tuple[float, float]:
+    """`fused` (GPU µs per step) with norm_shrink_pack's column tile from `tile` elements, and its
+    max relative difference from `unfused`'s outputs."""
+    saved = nsp.TILE_ELEMENTS
+    nsp.TILE_ELEMENTS = tile
+    try:
+        step.fused()
+        diff = max(float((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-6)) for o, r in zip(step.outs, ref))
+        return (float("nan") if dry else graph_us(lambda _: step.fused())), diff
+    finally:
+        nsp.TILE_ELEMENTS = saved
 
 
 if __name__ == "__main__":
