@@ -64,22 +64,37 @@ def generate(url: str, body: dict) -> dict:
 
 def test_lora_info_lists_running_and_waiting_adapters(server):
     url = server[1]
-    long_a = {"text": "a long story", "lora_path": "a", "sampling_params": {"max_new_tokens": 400, "ignore_eos": True}}
+    long_a = {"text": "a long story", "lora_path": "a", "rid": "long-a",
+              "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True}}
     short_b = {"text": "b waits", "lora_path": "b", "sampling_params": {"max_new_tokens": 2}}
-    threads = [threading.Thread(target=generate, args=(url, body)) for body in (long_a, short_b)]
-    threads[0].start()
-    time.sleep(0.5)
-    threads[1].start()
-    deadline, seen = time.monotonic() + 60, None
-    while time.monotonic() < deadline:
+
+    def lora_info() -> dict:
         info = [k for k in scrape(url) if k[0] == "sglang:lora_requests_info"]
-        labels = dict(info[0][1]) if info else {}
-        if labels.get("running_lora_adapters") == "a" and labels.get("waiting_lora_adapters") == "b":
-            seen = labels
-            break
-        time.sleep(0.05)
-    for t in threads:
+        return dict(info[0][1]) if info else {}
+
+    def wait_for(pred, seconds: float = 60) -> dict | None:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            labels = lora_info()
+            if pred(labels):
+                return labels
+            time.sleep(0.02)
+        return None
+
+    # `a` is long and ends by abort, and `b` is sent once `a` is seen running: the wait does not
+    # race the length of `a` on a slow machine.
+    thread_a = threading.Thread(target=requests.post, args=(f"{url}/generate",),
+                                kwargs=dict(json=long_a, headers=AUTH, timeout=300))
+    thread_a.start()
+    running = wait_for(lambda labels: labels.get("running_lora_adapters") == "a")
+    thread_b = threading.Thread(target=generate, args=(url, short_b))
+    thread_b.start()
+    seen = wait_for(lambda labels: labels.get("running_lora_adapters") == "a"
+                    and labels.get("waiting_lora_adapters") == "b")
+    assert requests.post(f"{url}/abort_request", json={"rid": "long-a"}, headers=AUTH, timeout=30).status_code == 200
+    for t in (thread_a, thread_b):
         t.join(120)
+    assert running is not None, "never saw a running"
     assert seen is not None and seen["max_lora"] == "1", "never saw a running with b waiting"
 
 
