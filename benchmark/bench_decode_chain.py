@@ -17,6 +17,8 @@ with distinct weights per layer (no L2 reuse across layers), in these variants:
   cublas+pdl      the small kernels launched as programmatic dependents (early trigger, wait)
   gemv            a Triton GEMV on the tensor cores (bench_gemv.py's) in place of cuBLAS, no PDL
   fma             a Triton GEMV on the CUDA cores (register tiles, no shared memory), no PDL
+  best            per matrix whichever of cuBLAS, gemv and fma is fastest alone (a per-shape
+                  dispatch's upper bound), no PDL
   gemv+pdl        every kernel a programmatic dependent of the one before
   gemv+pdl+pfN    and the GEMV prefetches the first N columns of its rows into L2 before it
                   waits (the weights do not depend on the previous kernel); N from `--prefetch-k`
@@ -126,7 +128,7 @@ CONFIGS = [(16, 256, 4, 3), (16, 512, 4, 3), (32, 256, 4, 3), (32, 256, 4, 4), (
 FMA_CONFIGS = [(2, 4096, 4, 1, "fma"), (4, 2048, 4, 1, "fma"), (4, 4096, 8, 1, "fma"), (8, 1024, 4, 2, "fma"),
                (8, 512, 4, 3, "fma"), (16, 512, 8, 2, "fma"), (4, 1024, 4, 3, "fma"), (2, 2048, 4, 2, "fma"),
                (1, 4096, 4, 1, "fma"), (4, 512, 4, 4, "fma")]
-VARIANTS = ("cublas", "cublas+pdl", "gemv", "fma", "gemv+pdl")
+VARIANTS = ("cublas", "cublas+pdl", "gemv", "fma", "best", "gemv+pdl")
 
 
 def main() -> None:
@@ -146,6 +148,7 @@ def main() -> None:
     lines += ["| model | bs | variant | µs per layer | % HBM floor | / cublas | max rel diff |",
               "|---|---:|---|---:|---:|---:|---:|"]
     gen = torch.Generator().manual_seed(0)
+    picks: list[str] = []
     for shape in models:
         h, q, kv, inter, _, _ = model_dims(shape)
         mats = {"qkv": (q + 2 * kv, h), "o": (h, q), "gate_up": (2 * inter, h), "down": (h, inter)}
@@ -154,14 +157,18 @@ def main() -> None:
               for _ in range(layers)]
         layer_bytes = sum(n * k * 2 for n, k in mats.values())
         for bs in args.bs if not dry else [1, 3]:
-            # Each matrix's best configuration of either kernel at this batch, measured alone.
-            best, best_fma = {}, {}
+            # Each matrix's best configuration of either kernel at this batch, measured alone, and
+            # which of cuBLAS and the two kernels is fastest alone (the `best` variant's pick).
+            best, best_fma, choice = {}, {}, {}
             for m, (n, k) in mats.items():
                 x = torch.randn(bs, k, generator=gen).to(dtype).to(device)
                 out = torch.empty(bs, n, dtype=dtype, device=device)
-                for table, configs in ((best, CONFIGS), (best_fma, FMA_CONFIGS)):
+                alone = {"cublas": (float("nan") if dry else
+                                    graph_us(lambda i: torch.matmul(x, ws[i][m].t(), out=out), layers, 5, 30), None)}
+                for name, table, configs in (("gemv", best, CONFIGS), ("fma", best_fma, FMA_CONFIGS)):
                     if dry:
                         table[m] = configs[0]
+                        alone[name] = (float("nan"), configs[0])
                         continue
                     timed = []
                     for cfg in configs:
@@ -171,8 +178,14 @@ def main() -> None:
                         except Exception as e:  # a config the GPU cannot hold
                             print(f"  {m} {cfg}: {type(e).__name__}", file=sys.stderr)
                     table[m] = min(timed)[1]
+                    alone[name] = min(timed)
                     print(f"{shape} bs {bs} {m}: " + ", ".join(f"{c[:4]} {us:.1f}" for us, c in sorted(timed)[:4]),
                           flush=True)
+                # A dry run has no timings: it takes each kernel in turn, so every dispatch is checked.
+                pick = list(alone)[len(choice) % 3] if dry else min(alone, key=lambda name: alone[name][0])
+                choice[m] = (pick, alone[pick][1])
+                picks.append(f"{shape} bs {bs} {m}: " + ", ".join(f"{name} {us:.1f}" for name, (us, _) in alone.items())
+                             + f" µs alone -> {pick}")
             hidden = torch.randn(bs, h, generator=gen).to(dtype).to(device)
             buf = {"n1": torch.empty(bs, h, dtype=dtype, device=device),
                    "qkv": torch.empty(bs, q + 2 * kv, dtype=dtype, device=device),
@@ -189,10 +202,13 @@ def main() -> None:
                 pf = int(variant.split("+pf")[1]) if "+pf" in variant else 0  # columns prefetched
 
                 def mm(x, m, out):
-                    if variant.startswith("cublas"):
+                    kind, cfg = choice[m] if variant == "best" else (variant, None)
+                    if kind.startswith("cublas"):
                         torch.matmul(x, w[m].t(), out=out)
-                    elif variant == "fma":
+                    elif kind == "fma":
                         gemv(x, w[m], out, best_fma[m], False, 0)
+                    elif kind == "gemv" and cfg is not None:
+                        gemv(x, w[m], out, cfg, False, 0)
                     else:
                         n, k = mats[m]
                         gemv(x, w[m], out, best[m], pdl, min(triton.next_power_of_2(k), pf))
@@ -219,6 +235,8 @@ def main() -> None:
                              f"{us / results['cublas']:.2f} | {diff:.1e} |")
                 print(lines[-1], flush=True)
         del ws
+    lines += ["", "Each matrix alone (weights cycled past L2), the fastest configuration of each kernel:", "",
+              *[f"- {line}" for line in picks]]
     emit_table(lines, args.out)
 
 
