@@ -46,7 +46,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from bench_gemv import HBM_BYTES_PER_S, _gemv_kernel, gdc_launch_dependents, gdc_wait  # noqa: E402
+from bench_gemv import HBM_BYTES_PER_S, _gemv_kernel, gdc_launch_dependents, gdc_wait, gemv_tile  # noqa: E402
 from bench_util import add_output_args, emit_table, graph_us, model_dims, target  # noqa: E402
 
 
@@ -57,12 +57,7 @@ def _gemv_fma_kernel(X, W, Y, B, N, K, stride_x, stride_w, stride_y,
     """The same product on the CUDA cores: each program streams BLOCK_N rows of W in
     [BLOCK_N, BLOCK_K] register tiles (no shared memory, no tensor-core layout), every row's
     products reduced over K per tile in float32."""
-    pid = tl.program_id(0)
-    offs_b = tl.arange(0, BLOCK_B)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    b_mask = offs_b < B
-    n_mask = offs_n < N
+    offs_b, offs_n, offs_k, b_mask, n_mask = gemv_tile(B, N, BLOCK_B, BLOCK_N, BLOCK_K)
     x_ptrs = X + offs_b[:, None] * stride_x + offs_k[None, :]
     w_ptrs = W + offs_n[:, None].to(tl.int64) * stride_w + offs_k[None, :]
     acc = tl.zeros((BLOCK_B, BLOCK_N), dtype=tl.float32)

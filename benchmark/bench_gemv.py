@@ -60,15 +60,19 @@ def _prefetch_l2(ptrs):
 
 
 @triton.jit
+def gemv_tile(B, N, BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """A GEMV program's batch rows, its BLOCK_N output rows, the K offsets of a tile, and the
+    batch and output masks (shared with bench_decode_chain.py's CUDA-core kernel)."""
+    offs_b = tl.arange(0, BLOCK_B)
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    return offs_b, offs_n, tl.arange(0, BLOCK_K), offs_b < B, offs_n < N
+
+
+@triton.jit
 def _gemv_kernel(X, W, Y, B, N, K, stride_x, stride_w, stride_y,
                  BLOCK_B: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
                  PREFETCH_K: tl.constexpr):
-    pid = tl.program_id(0)
-    offs_b = tl.arange(0, BLOCK_B)
-    offs_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    b_mask = offs_b < B
-    n_mask = offs_n < N
+    offs_b, offs_n, offs_k, b_mask, n_mask = gemv_tile(B, N, BLOCK_B, BLOCK_N, BLOCK_K)
     if PDL:
         gdc_launch_dependents()
     if PREFETCH_K > 0:
