@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import traceback
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from sglang.srt.configs.forward_batch_info import ForwardMode
 from sglang.srt.configs.run_configs import SchedulerConfig
@@ -50,6 +50,9 @@ from sglang.srt.managers.scheduler_output import StopChecker, build_output
 from sglang.srt.managers.scheduler_output_processor import SchedulerOutputMixin
 from sglang.srt.managers.scheduler_overlap import SchedulerOverlapMixin
 from sglang.srt.model_executor.model_runner import ModelRunner
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -256,20 +259,24 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             if out is not None:
                 self.send(out)
 
+    def prepare_batch(self, mode: ForwardMode, reqs: list[Req],
+                      input_ids: Optional[torch.Tensor] = None) -> ScheduleBatch:
+        """The batch of `reqs` ready for the runner (a decode's `input_ids` may come from the
+        device: the overlap schedule's), the adapters waiting requests will want prefetched,
+        and any armed fault applied."""
+        if mode.is_extend():
+            batch = ScheduleBatch.prepare_extend(reqs, self.model_runner, self._evict,
+                                                 keep_lora_ids=self.keep_resident_for(reqs))
+        else:
+            batch = ScheduleBatch.prepare_decode(reqs, self.model_runner, self._evict, input_ids=input_ids)
+        self._prefetch_adapters(reqs)
+        self._maybe_inject_fault(batch)
+        return batch
+
     def run_batch(self, mode: ForwardMode, reqs: list[Req]) -> None:
         try:
-            if mode.is_extend():
-                batch = ScheduleBatch.prepare_extend(reqs, self.model_runner, self._evict,
-                                                     keep_lora_ids=self.keep_resident_for(reqs))
-            else:
-                batch = ScheduleBatch.prepare_decode(reqs, self.model_runner, self._evict)
-            self._prefetch_adapters(reqs)
-            self._maybe_inject_fault(batch)
-            out = self.model_runner.forward(batch.forward_batch)
-            if batch.is_extend:
-                self.process_extend(batch, out)
-            else:
-                self.process_decode(batch, out)
+            batch = self.prepare_batch(mode, reqs)
+            self.process_batch(batch, self.model_runner.forward(batch.forward_batch))
         except Exception as e:  # a failed forward fails its batch, never the server (at tp 1)
             if self.tp_group.size > 1:
                 raise RankFailure(

@@ -23,6 +23,12 @@ class SchedulerOutputMixin:
     """Reads the Scheduler's stop checker, queues, prefix cache and config; updates `running`,
     `stats` and the decode-log counters."""
 
+    def process_batch(self, batch: ScheduleBatch, out: ModelRunnerOutput) -> None:
+        if batch.is_extend:
+            self.process_extend(batch, out)
+        else:
+            self.process_decode(batch, out)
+
     def process_extend(self, batch: ScheduleBatch, out: ModelRunnerOutput) -> None:
         next_ids = out.next_token_ids.tolist()
         for i, req in enumerate(batch.reqs):

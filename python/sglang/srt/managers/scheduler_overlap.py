@@ -42,6 +42,7 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.configs.forward_batch_info import ForwardMode
 from sglang.srt.managers.req import Req
 from sglang.srt.managers.schedule_batch import ScheduleBatch
 from sglang.srt.managers.scheduler_output import build_output
@@ -112,22 +113,17 @@ class SchedulerOverlapMixin:
         """Queue a decode step (its input tokens from `prev`'s device output when given) or, with
         `extend`, a prefill of the admitted `reqs`; None when it failed (its requests failed)."""
         try:
-            if extend:
-                batch = ScheduleBatch.prepare_extend(reqs, self.model_runner, self._evict,
-                                                     keep_lora_ids=self.keep_resident_for(reqs))
-            else:
-                tokens = None
-                if prev is not None:
-                    tokens = prev.launched.sample.next_token_ids
-                    if len(reqs) < len(prev.batch.reqs):  # the rows of the requests that go on
-                        keep = set(map(id, reqs))
-                        rows = [i for i, r in enumerate(prev.batch.reqs) if id(r) in keep]
-                        tokens = tokens.index_select(0, torch.tensor(rows, device=tokens.device))
-                batch = ScheduleBatch.prepare_decode(reqs, self.model_runner, self._evict, input_ids=tokens)
+            tokens = None
+            if prev is not None:
+                tokens = prev.launched.sample.next_token_ids
+                if len(reqs) < len(prev.batch.reqs):  # the rows of the requests that go on
+                    keep = set(map(id, reqs))
+                    rows = [i for i, r in enumerate(prev.batch.reqs) if id(r) in keep]
+                    tokens = tokens.index_select(0, torch.tensor(rows, device=tokens.device))
+            batch = self.prepare_batch(ForwardMode.EXTEND if extend else ForwardMode.DECODE, reqs, tokens)
+            if not extend:
                 for r in reqs:
                     r.decode_ahead = 1 if prev is not None else 0
-            self._prefetch_adapters(reqs)
-            self._maybe_inject_fault(batch)
             launched = self.model_runner.launch_forward(batch.forward_batch)
         except Exception as e:  # a failed launch fails its requests, never the server
             self.fail_requests(reqs, e)
@@ -147,11 +143,7 @@ class SchedulerOverlapMixin:
             if id(r) not in ahead:
                 r.decode_ahead = 0
         try:
-            out = self.model_runner.finish_forward(step.launched)
-            if step.batch.is_extend:
-                self.process_extend(step.batch, out)
-            else:
-                self.process_decode(step.batch, out)
+            self.process_batch(step.batch, self.model_runner.finish_forward(step.launched))
         except Exception as e:
             self.fail_requests(live, e)
             return
