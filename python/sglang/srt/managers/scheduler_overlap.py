@@ -69,7 +69,7 @@ class SchedulerOverlapMixin:
                 return False
             mode, reqs = batch
             if mode.is_decode():
-                self.inflight = self._launch(reqs, None)
+                self.inflight = self._launch(mode, reqs, None)
             else:
                 self.run_batch(mode, reqs)
             return True
@@ -84,13 +84,13 @@ class SchedulerOverlapMixin:
                 # SGLANG_OVERLAP_PREFILL=1: the prefill is queued behind the step in flight before
                 # that step's outputs are processed: its host work (inputs, metadata, launches)
                 # overlaps the step on the GPU, and the step's outputs are processed while it runs.
-                prefill = self._launch(batch[1], None, extend=True)
+                prefill = self._launch(*batch, None)
                 self._finish(prev)
                 if prefill is not None:
                     self._finish(prefill)
                 return True
         nxt = self._continuation(prev)
-        self.inflight = self._launch(nxt, prev) if nxt else None
+        self.inflight = self._launch(ForwardMode.DECODE, nxt, prev) if nxt else None
         self._finish(prev)
         return True
 
@@ -109,9 +109,9 @@ class SchedulerOverlapMixin:
             return None
         return reqs
 
-    def _launch(self, reqs: list[Req], prev: Optional[InflightStep], extend: bool = False) -> Optional[InflightStep]:
-        """Queue a decode step (its input tokens from `prev`'s device output when given) or, with
-        `extend`, a prefill of the admitted `reqs`; None when it failed (its requests failed)."""
+    def _launch(self, mode: ForwardMode, reqs: list[Req], prev: Optional[InflightStep]) -> Optional[InflightStep]:
+        """Queue a decode step of `reqs` (its input tokens from `prev`'s device output when given)
+        or a prefill of them; None when it failed (its requests failed)."""
         try:
             tokens = None
             if prev is not None:
@@ -120,8 +120,8 @@ class SchedulerOverlapMixin:
                     keep = set(map(id, reqs))
                     rows = [i for i, r in enumerate(prev.batch.reqs) if id(r) in keep]
                     tokens = tokens.index_select(0, torch.tensor(rows, device=tokens.device))
-            batch = self.prepare_batch(ForwardMode.EXTEND if extend else ForwardMode.DECODE, reqs, tokens)
-            if not extend:
+            batch = self.prepare_batch(mode, reqs, tokens)
+            if mode.is_decode():
                 for r in reqs:
                     r.decode_ahead = 1 if prev is not None else 0
             launched = self.model_runner.launch_forward(batch.forward_batch)
@@ -130,7 +130,7 @@ class SchedulerOverlapMixin:
             return None
         if prev is not None:
             self.stats["overlapped_decode_steps"] += 1
-        elif extend:
+        elif mode.is_extend():
             self.stats["overlapped_prefills"] += 1
         return InflightStep(batch, launched)
 
