@@ -32,8 +32,9 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
   is on by default on a single GPU since the ninth session: base-serial and csgmv-serial are base's
   and csgmv's servers without it (--disable-overlap-schedule); base-overlap, csgmv-overlap and
   z64-64-overlap-schedule name it explicitly (the same servers as base, csgmv and z64-64 now).
-  base-qp, csgmv-qp and u8-4-qp: base's, csgmv's and u8-4's servers with SGLANG_OVERLAP_PREFILL=1
-  (a prefill admitted while a decode step is in flight queued behind it; an experiment).
+  A prefill admitted while a decode step is in flight is queued behind it (the default since the
+  eleventh session): base-pa, csgmv-pa and u8-4-pa are base's, csgmv's and u8-4's servers with
+  SGLANG_OVERLAP_PREFILL=0 (that prefill runs apart, once the step is finished).
   The first LoRA server of a call also compiles the Triton kernels (a cold cache): its capture and
   start-up are the longer for it, so list a server whose start-up is not compared first.
   (Adapters beyond the first 32 reuse their files round-robin: the weights do not change a step's
@@ -124,11 +125,11 @@ CONFIGS = {
     # its start-up against z64-64's is what the overlap saves (or costs).
     "z64-64-overlap": Config("z64-64-overlap", _lora("csgmv", 64), "zipf", adapters=64,
                              env=(("SGLANG_LORA_STARTUP_OVERLAP", "1"),)),
-    # SGLANG_OVERLAP_PREFILL=1 (experiment): a prefill admitted while a decode step is in flight
-    # is queued behind it (managers/scheduler_overlap.py).
-    "base-qp": Config("base-qp", (), None, env=(("SGLANG_OVERLAP_PREFILL", "1"),)),
-    "csgmv-qp": Config("csgmv-qp", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_OVERLAP_PREFILL", "1"),)),
-    "u8-4-qp": Config("u8-4-qp", _lora("csgmv", 4), env=(("SGLANG_OVERLAP_PREFILL", "1"),)),
+    # SGLANG_OVERLAP_PREFILL=0: a prefill admitted while a decode step is in flight runs once that
+    # step is finished, not queued behind it (managers/scheduler_overlap.py).
+    "base-pa": Config("base-pa", (), None, env=(("SGLANG_OVERLAP_PREFILL", "0"),)),
+    "csgmv-pa": Config("csgmv-pa", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_OVERLAP_PREFILL", "0"),)),
+    "u8-4-pa": Config("u8-4-pa", _lora("csgmv", 4), env=(("SGLANG_OVERLAP_PREFILL", "0"),)),
 }
 DISTINCT_ADAPTER_FILES = 32
 

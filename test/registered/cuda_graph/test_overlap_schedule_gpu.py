@@ -7,9 +7,9 @@ at the same turns (some while a decode step is in flight, one with a prompt long
 and prompt / top logprobs), run
 
   - ordinary       step by step (--disable-overlap-schedule);
-  - overlap        the default on one CUDA GPU: decode steps launched ahead, a prefill admitted
-                   while a step is in flight run once that step is finished;
-  - overlap+queued the same with SGLANG_OVERLAP_PREFILL=1: such a prefill queued behind the step.
+  - overlap        decode steps launched ahead, a prefill admitted while a step is in flight run
+                   once that step is finished (SGLANG_OVERLAP_PREFILL=0);
+  - overlap+queued the default on one CUDA GPU: such a prefill queued behind the step.
 
 Every request gets the same tokens and finish reason in all three, its logprobs agree within
 1e-3 (the schedules batch requests differently, so cuBLAS may sum in another order), the overlap

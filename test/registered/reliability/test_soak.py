@@ -8,6 +8,8 @@ locked, and the soak must have hit and evicted cached prefixes.
   * `test_soak` (CPU CI): tiny llama, 3 adapters + 1 cycling, 2 LoRA adapter slots,
     a 384-token KV pool (so requests are retracted), 32-token prefill chunks; load for
     `SGLANG_SOAK_SECONDS` (default 60).
+  * `test_soak_overlap_schedule` (CPU CI): the same through `--enable-overlap-schedule` for half
+    that time.
   * `test_soak_long` (`-m slow`, runs only with SGLANG_SOAK_LONG=1): the same for
     `SGLANG_SOAK_SECONDS` (default 900).
   * `test_soak_gpu` (`-m gpu`, runs only with SGLANG_SOAK_GPU=1, i.e. `GPU_SUITE_PARTS=soak
@@ -48,7 +50,8 @@ def run_soak(proc, cfg: SoakConfig, report_path: str, capsys) -> dict:
               f"refused (cycling adapter unloaded) {c.get('refused_unloaded_adapter', 0)}, "
               f"adapter loads/unloads {c.get('adapter_load', 0)}/{c.get('adapter_unload', 0)}, "
               f"retractions in the log {report['retractions_in_log']}, graph stats {report['graph_stats']}, "
-              f"overlapped decode steps {report['server_info'].get('overlapped_decode_steps')}, "
+              f"overlapped decode steps / prefills {report['server_info'].get('overlapped_decode_steps')} / "
+              f"{report['server_info'].get('overlapped_prefills')}, "
               f"pool loads/evictions {report['lora']['num_adapter_loads']}/{report['lora']['num_evictions']}, "
               f"latency {report['latency_s']}; prefix cache {report['prefix_cache']}; integrity: scheduler {report['scheduler_integrity']['ok']} "
               f"(runs {report['scheduler_integrity']['runs']}), tokenizer {report['tokenizer_integrity']['ok']} "
@@ -81,12 +84,12 @@ def cpu_adapters(tmp_path_factory) -> dict[str, str]:
     return {name: write_adapter(ckpt, str(root / name), **kw) for name, kw in specs.items()}
 
 
-def cpu_soak(cpu_adapters, tmp_path, capsys, seconds: float) -> None:
+def cpu_soak(cpu_adapters, tmp_path, capsys, seconds: float, extra: tuple[str, ...] = ()) -> dict:
     proc, url = popen_launch_server(tiny_lora_checkpoint("llama"), [
         "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native",
         "--max-loras-per-batch", "2", "--max-lora-rank", "16", "--lora-target-modules", "all",
         "--max-total-tokens", "384", "--chunked-prefill-size", "32", "--max-running-requests", "6",
-        "--decode-log-interval", "200", "--lora-paths", *[f"{n}={cpu_adapters[n]}" for n in "abc"],
+        "--decode-log-interval", "200", "--lora-paths", *[f"{n}={cpu_adapters[n]}" for n in "abc"], *extra,
     ])
     try:
         cfg = SoakConfig(url=url, duration=seconds, adapters=["a", "b", "c"], cycling={"cyc": cpu_adapters["cyc"]},
@@ -95,12 +98,22 @@ def cpu_soak(cpu_adapters, tmp_path, capsys, seconds: float) -> None:
         check_report(proc, url, report)
         assert report["retractions_in_log"] > 0, "the KV pool never ran out: not a stress test"
         assert report["lora"]["num_evictions"] > 0
+        return report
     finally:
         assert kill_server(proc) == 0, read_log(proc)[-3000:]
 
 
 def test_soak(cpu_adapters, tmp_path, capsys) -> None:
     cpu_soak(cpu_adapters, tmp_path, capsys, soak_seconds(60))
+
+
+def test_soak_overlap_schedule(cpu_adapters, tmp_path, capsys) -> None:
+    """The same load through the overlap schedule (the default on one CUDA GPU, off on the CPU):
+    decode steps launched ahead and prefills queued behind them meet aborts, retraction, adapter
+    evictions and unloads, and still nothing is lost."""
+    report = cpu_soak(cpu_adapters, tmp_path, capsys, soak_seconds(60) / 2, ("--enable-overlap-schedule",))
+    info = report["server_info"]
+    assert info["overlapped_decode_steps"] > 0 and info["overlapped_prefills"] > 0, info
 
 
 @pytest.mark.slow

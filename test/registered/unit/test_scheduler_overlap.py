@@ -2,9 +2,9 @@
 ordinary one, turn by turn on a tiny Qwen3 checkpoint (real ModelRunner, real pipes, CPU).
 
 The same requests give the same tokens, finish reasons and logprobs, through every way a request
-ends (length, EOS, a stop token, a stop string, an abort), arrivals while decoding (their prefills
-run after the step in flight, or queued behind it: SGLANG_OVERLAP_PREFILL=1), retraction, the
-prefix cache (read through the KV table's host twin, as on a GPU) and seeded sampling; the KV
+ends (length, EOS, a stop token, a stop string, an abort), arrivals while decoding (their
+prefills queued behind the step in flight, the default, or run after it: SGLANG_OVERLAP_PREFILL=0),
+retraction, the prefix cache (read through the KV table's host twin, as on a GPU) and seeded sampling; the KV
 accounting holds after every turn, nothing is left held at the end, and the steps really were
 launched ahead (the schedule's counter).
 """
@@ -39,7 +39,7 @@ def host_twin(monkeypatch):
 @pytest.fixture(autouse=True, params=["prefill-apart", "prefill-queued"])
 def overlap_prefill(request, monkeypatch) -> bool:
     """Every case in both ways an admitted prefill meets a step in flight: run after it, or queued
-    behind it (SGLANG_OVERLAP_PREFILL=1)."""
+    behind it (the default)."""
     queued = request.param == "prefill-queued"
     monkeypatch.setenv("SGLANG_OVERLAP_PREFILL", "1" if queued else "0")
     return queued
@@ -164,8 +164,8 @@ def test_arrivals_and_an_abort_while_decoding(ckpt, overlap_prefill):
     a, b = both(ckpt, submit, events)
     assert_same_outputs(a, b, aborted=("gone",))
     assert b.sched.stats["overlapped_decode_steps"] > 0
-    # "b" and "c" arrive while a step is in flight: their prefills are queued behind it (with
-    # SGLANG_OVERLAP_PREFILL=1) or run once it is finished.
+    # "b" and "c" arrive while a step is in flight: their prefills are queued behind it (the
+    # default) or run once it is finished (SGLANG_OVERLAP_PREFILL=0).
     assert b.sched.stats["overlapped_prefills"] == (2 if overlap_prefill else 0)
     assert a.sched.stats["overlapped_prefills"] == 0
     assert b.sched.stats["prefill_batches"] == a.sched.stats["prefill_batches"]

@@ -7,9 +7,9 @@ A turn with a step N in flight:
   0. With requests waiting, admission plans a prefill as the ordinary turn would (the same
      budgets, LoRA slots and wait-turn counts; the KV and slots N's finishing requests still hold
      count as held). A prefill goes first, as in the ordinary schedule: N is finished, then the
-     prefill runs; with SGLANG_OVERLAP_PREFILL=1 (an experiment, CPU-tested, off until measured
-     on a GPU) it is queued behind N instead (its inputs, metadata and launches prepared while N
-     runs), then N's outputs are processed (while the prefill runs), then the prefill's.
+     prefill runs; by default it is queued behind N instead (its inputs, metadata and launches
+     prepared while N runs), then N's outputs are processed (while the prefill runs), then the
+     prefill's. SGLANG_OVERLAP_PREFILL=0 finishes N first, then runs the prefill.
      Requests that cannot be admitted (the batch at --max-running-requests, their adapter waiting
      for a slot, KV short) do not stop the chain: the ordinary turn would decode the same requests.
   1. `_continuation`: which of N's requests step N+1 decodes. Those that stop by length after N
@@ -81,7 +81,7 @@ class SchedulerOverlapMixin:
                     self._finish(prev)
                     self.run_batch(*batch)
                     return True
-                # SGLANG_OVERLAP_PREFILL=1: the prefill is queued behind the step in flight before
+                # The default: the prefill is queued behind the step in flight before
                 # that step's outputs are processed: its host work (inputs, metadata, launches)
                 # overlaps the step on the GPU, and the step's outputs are processed while it runs.
                 prefill = self._launch(*batch, None)
