@@ -304,14 +304,16 @@ if [[ " $PARTS " == *" lora_decode "* ]]; then
   # rank, prefill 4x512 / 8x256 on 8 adapters) against the base GEMMs, then whole steps with
   # profile_forward (8 rank-16 adapters in 8 slots, csgmv, graphs): LoRA step / base step and the
   # LoRA kernels' GPU time. One process per shape; GPU_SUITE_DECODE_MODELS picks shapes (default
-  # both), GPU_SUITE_KERNEL_TUNINGS adds fold variants with other kernel knobs (e.g. "k256 k256w8").
+  # both), GPU_SUITE_KERNEL_TUNINGS adds fold variants with other kernel knobs (e.g. "k256 k256w8"),
+  # GPU_SUITE_KERNEL_ARGS more bench_lora_kernels arguments (e.g. "--ranks 16 --decode-bs 64
+  # --slots 9 65 --slot-sweep-prefill 16x512": the fold crossover at a serving wave's prefill).
   say "== LoRA decode at serving shapes"
   : >"$OUT/lora_kernels.md"
   : >"$OUT/lora_steps.md"
   for model in ${GPU_SUITE_DECODE_MODELS:-qwen3-4b llama-3.1-8b}; do
     start=$(date +%s)
     $PY benchmark/lora/bench_lora_kernels.py --models "$model" ${GPU_SUITE_KERNEL_TUNINGS:+--tunings $GPU_SUITE_KERNEL_TUNINGS} \
-      --out "/tmp/lora_kernels_$model.md" >>"$OUT/lora_decode.log" 2>&1 || status=1
+      ${GPU_SUITE_KERNEL_ARGS:-} --out "/tmp/lora_kernels_$model.md" >>"$OUT/lora_decode.log" 2>&1 || status=1
     cat "/tmp/lora_kernels_$model.md" >>"$OUT/lora_kernels.md" 2>/dev/null
     say "$model kernels: $(( $(date +%s) - start ))s"
     lora_step_rows "$model" "$OUT/lora_steps.md" "$OUT/lora_decode.log" "" --lora none,lora \
