@@ -86,7 +86,10 @@ LORA_VARIANTS = {
     "lora-rowwise": ("on", "1"),
     "lora-rowwise-small": ("on", "small"),
     "lora-rowwise-32": ("auto", "rows:32"),  # the default's row-wise kernels up to 32 rows
+    "lora-prefill-unfold": ("auto", "small"),  # the default, csgmv's folded modules apart at prefill
 }
+# SGLANG_LORA_PREFILL_UNFOLD of the variants that set it (backend/chunked_backend.py).
+PREFILL_UNFOLD = {"lora-prefill-unfold": "1"}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",
@@ -227,10 +230,12 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
         overrides["lora_fuse_norm"] = fuse_norm
         overrides["lora_fold"] = args.lora_fold
     os.environ["SGLANG_LORA_ROWWISE_DECODE"] = rowwise  # read when the backend is built
+    os.environ["SGLANG_LORA_PREFILL_UNFOLD"] = PREFILL_UNFOLD.get(lora, "0")
     buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
     runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
                           prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
     os.environ.pop("SGLANG_LORA_ROWWISE_DECODE")
+    os.environ.pop("SGLANG_LORA_PREFILL_UNFOLD")
     graphs: dict[str, Any] = {} if args.paths == "graph" else {"eager": None}
     if on_gpu:
         graphs["breakable"] = runner.prefill_graph_runner

@@ -232,12 +232,13 @@ if [[ " $PARTS " == *" many_steps "* ]]; then
   # that with the norms apart (lora-unfused; the default fuses them, unfolded modules too), and every module folded
   # (on), with the base beside them (~3 min), and a prefill of 16 requests x 512 tokens on 16
   # adapters (a serving wave's prefill batch: z64-64's TTFT was 1.46x the base's in the eleventh
-  # session while its ITL was 1.16x). The top kernels and per-launch times say where the
-  # per-adapter cost grows.
+  # session while its ITL was 1.16x), beside lora-prefill-unfold (SGLANG_LORA_PREFILL_UNFOLD=1:
+  # o_proj / down_proj, folded at 64 slots with 1,024 extra columns, run apart at prefill). The
+  # top kernels and per-launch times say where the per-adapter cost grows.
   say "== many-slot decode steps (64 slots)"
   : >"$OUT/many_steps.md"
   lora_step_rows qwen3-4b "$OUT/many_steps.md" "$OUT/many_steps.log" "fold=auto " \
-    --adapters 64 --lora-fold auto --lora none,lora,lora-unfused --tokens "" --prefill-batches 16x512 \
+    --adapters 64 --lora-fold auto --lora none,lora,lora-unfused,lora-prefill-unfold --tokens "" --prefill-batches 16x512 \
     --decode-bs 64 --decode-adapters 8,32,64 --rounds 2
   lora_step_rows qwen3-4b "$OUT/many_steps.md" "$OUT/many_steps.log" "fold=on " \
     --adapters 64 --lora-fold on --lora none,lora --tokens "" --prefill-batches 16x512 \

@@ -34,7 +34,9 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
   z64-64-overlap-schedule name it explicitly (the same servers as base, csgmv and z64-64 now).
   A prefill admitted while a decode step is in flight is queued behind it (the default since the
   eleventh session): base-pa, csgmv-pa and u8-4-pa are base's, csgmv's and u8-4's servers with
-  SGLANG_OVERLAP_PREFILL=0 (that prefill runs apart, once the step is finished).
+  SGLANG_OVERLAP_PREFILL=0 (that prefill runs apart, once the step is finished). csgmv-pu and
+  z64-64-pu: csgmv's and z64-64's servers with SGLANG_LORA_PREFILL_UNFOLD=1 (folded modules run
+  apart at prefill).
   The first LoRA server of a call also compiles the Triton kernels (a cold cache): its capture and
   start-up are the longer for it, so list a server whose start-up is not compared first.
   (Adapters beyond the first 32 reuse their files round-robin: the weights do not change a step's
@@ -130,6 +132,11 @@ CONFIGS = {
     "base-pa": Config("base-pa", (), None, env=(("SGLANG_OVERLAP_PREFILL", "0"),)),
     "csgmv-pa": Config("csgmv-pa", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_OVERLAP_PREFILL", "0"),)),
     "u8-4-pa": Config("u8-4-pa", _lora("csgmv", 4), env=(("SGLANG_OVERLAP_PREFILL", "0"),)),
+    # SGLANG_LORA_PREFILL_UNFOLD=1: csgmv's folded modules run apart at prefill (the base GEMM, the
+    # chunked shrink and expand), decode keeps the fold (backend/chunked_backend.py).
+    "csgmv-pu": Config("csgmv-pu", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_LORA_PREFILL_UNFOLD", "1"),)),
+    "z64-64-pu": Config("z64-64-pu", _lora("csgmv", 64), "zipf", adapters=64,
+                        env=(("SGLANG_LORA_PREFILL_UNFOLD", "1"),)),
 }
 DISTINCT_ADAPTER_FILES = 32
 

@@ -143,6 +143,39 @@ def test_decode_graph_greedy_matches_eager(lora_backend, prefill):
 
 
 @functools.lru_cache(maxsize=None)
+def prefill_unfold_runner(prefill: str):
+    """csgmv with SGLANG_LORA_PREFILL_UNFOLD=1: every folded module runs apart at prefill."""
+    os.environ["SGLANG_LORA_PREFILL_UNFOLD"] = "1"  # read when the backend is built
+    try:
+        return runner.__wrapped__("csgmv", prefill)
+    finally:
+        del os.environ["SGLANG_LORA_PREFILL_UNFOLD"]
+
+
+@pytest.mark.parametrize("prefill", ["breakable", "full"])
+def test_folded_modules_apart_at_prefill_graph_equals_eager(prefill):
+    """SGLANG_LORA_PREFILL_UNFOLD=1 (csgmv): the prefill graphs replay the base GEMM over
+    W_aug[:, :K], the chunked shrink and the expand reading B inside W_aug; prompt logprobs match
+    eager's and the folded engine's within TOL (as the folded graphs do above); decode keeps the
+    fold and its graph's greedy tokens equal eager's."""
+    g, e, folded = prefill_unfold_runner(prefill), prefill_unfold_runner("disabled"), runner("csgmv", "disabled")
+    backend = g.lora_manager.lora_backend
+    specs = [s for s in backend.specs.values() if s.folded]
+    assert specs
+    for prompts, names in ((MIXED, ["a", None, "b", None]), (PROMPTS[:1], ["a"])):
+        graph, used = prompt_logprobs(g, prompts, names)
+        assert used and not any(backend._runs_folded(s) for s in specs)
+        eager, _ = prompt_logprobs(e, prompts, names)
+        assert max_diff(graph, eager) < TOL
+        assert max_diff(eager, prompt_logprobs(folded, prompts, names)[0]) < TOL
+    names = ["a", None, "b", "a", None]
+    prompts = _prompts([11, 4, 30, 17, 8], seed=6)
+    g_ids, used = greedy(g, prompts, names, steps=12)
+    assert all(used) and all(backend._runs_folded(s) for s in specs)
+    assert g_ids == greedy(e, prompts, names, steps=12)[0]
+
+
+@functools.lru_cache(maxsize=None)
 def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = False, fold: str = "auto",
                       fuse: str = "on", dtype: str = "bfloat16"):
     ckpt, adapters = assets()

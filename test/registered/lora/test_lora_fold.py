@@ -249,3 +249,58 @@ def test_peft_parity_folded_and_not(backend, fold, tmp_path):
     refs = [hf_prompt_logprobs(peft, prompts[0]), hf_prompt_logprobs(hf_model(ckpt), prompts[1])]
     for got, ref in zip(out.input_token_logprobs, refs):
         torch.testing.assert_close(torch.tensor(got), ref, rtol=0, atol=1e-4)
+
+
+@pytest.mark.parametrize("setting", ["1", "cols:0"])
+def test_csgmv_runs_folded_modules_apart_at_prefill(setting, tmp_path, monkeypatch):
+    """SGLANG_LORA_PREFILL_UNFOLD: csgmv's folded modules run apart at prefill (base GEMM over
+    W_aug[:, :K], chunked shrink, the expand reading B inside W_aug, qkv's and gate_up's slices
+    included) and keep the fold at decode; prompt logprobs match HF + PEFT, and the greedy tokens
+    equal a server's without the setting."""
+    from helpers import EngineDriver, hf_model, hf_prompt_logprobs, make_runner, tiny_checkpoint
+    from lora_testlib import write_peft_adapter
+    from peft import PeftModel
+
+    ckpt = tiny_checkpoint("qwen3", hidden_size=64, intermediate_size=128)
+    path = write_peft_adapter(str(tmp_path / "a"), r=8, base_model=hf_model(ckpt), seed=7)
+    args = dict(lora_paths=[f"a={path}"], lora_backend="csgmv", lora_fold="on", max_lora_rank=16)
+    prompts = [[5, 9, 13, 200, 7, 3, 99], [11, 4, 250]]
+
+    def run(unfold: str):
+        monkeypatch.setenv("SGLANG_LORA_PREFILL_UNFOLD", unfold)  # read when the backend is built
+        runner = make_runner(ckpt, **args)
+        backend, lora_id = runner.lora_manager.lora_backend, next(iter(runner.lora_manager.refs))
+        specs = [s for s in backend.specs.values() if s.folded]
+        assert {s.stack for s in specs} == {1, 2, 3}
+        driver = EngineDriver(runner)
+        seqs = [driver.add(p, lora_id=i) for p, i in zip(prompts, [lora_id, None])]
+        out = driver.extend(seqs, logprob_start=0)
+        at_prefill = [backend._runs_folded(s) for s in specs]
+        tokens = [[t] for t in out.next_token_ids.tolist()]
+        for _ in range(3):
+            for seq, t in zip(seqs, tokens):
+                seq.tokens.append(t[-1])
+            step = driver.decode(seqs)
+            for t, n in zip(tokens, step.next_token_ids.tolist()):
+                t.append(n)
+        at_decode = [backend._runs_folded(s) for s in specs]
+        return out.input_token_logprobs, tokens, at_prefill, at_decode
+
+    logprobs, tokens, at_prefill, at_decode = run(setting)
+    assert not any(at_prefill) and all(at_decode)
+    peft = PeftModel.from_pretrained(hf_model(ckpt), path).eval()
+    refs = [hf_prompt_logprobs(peft, prompts[0]), hf_prompt_logprobs(hf_model(ckpt), prompts[1])]
+    for got, ref in zip(logprobs, refs):
+        torch.testing.assert_close(torch.tensor(got), ref, rtol=0, atol=1e-4)
+    _, folded_tokens, kept, _ = run("0")
+    assert all(kept) and tokens == folded_tokens
+
+
+def test_prefill_unfold_setting_is_checked():
+    from sglang.srt.lora.backend.chunked_backend import prefill_unfold_bound
+
+    assert prefill_unfold_bound("0") is None and prefill_unfold_bound("1") == -1
+    assert prefill_unfold_bound("cols:384") == 384
+    for bad in ("yes", "cols:", "cols:-1", "2"):
+        with pytest.raises(ValueError, match="SGLANG_LORA_PREFILL_UNFOLD"):
+            prefill_unfold_bound(bad)

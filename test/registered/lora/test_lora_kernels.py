@@ -175,6 +175,32 @@ def test_chunked_sgmv_expand(num_slices, bounds, chunk):
     _assert_untouched_rows(got, info, num_tokens)
 
 
+@pytest.mark.parametrize("slice_sizes", [(PLAIN_OUT,), (INTER, INTER), (Q, KV, KV)])
+def test_chunked_sgmv_expand_reads_a_folded_b_in_place(slice_sizes):
+    """A folded module run apart at prefill (csgmv, SGLANG_LORA_PREFILL_UNFOLD): the expand reads
+    B inside W_aug (fold.folded_b, slice k's rank columns k*R on) and adds exactly what it adds
+    from a plain B."""
+    from sglang.srt.lora.fold import fold_weight, folded_b
+
+    num_slices, out_dim = len(slice_sizes), sum(slice_sizes)
+    info, num_tokens = _csgmv_info(16, seed=11 * num_slices)
+    gen = torch.Generator().manual_seed(300 + num_slices)
+    xa = _poison_shrunk(_shrunk_input(num_tokens, num_slices, gen), info, num_slices)
+    b = _poisoned_b(out_dim, gen)
+    w_aug, sliced = fold_weight(torch.randn(out_dim, IN_DIM, generator=gen), slice_sizes, len(RANKS), MAX_RANK)
+    for slot in range(len(RANKS)):
+        sliced[slot].copy_(b[slot])
+    view, step = folded_b(w_aug, IN_DIM, num_slices, MAX_RANK, len(RANKS))
+    offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32) if num_slices == 3 else None
+    width = max(slice_sizes) if offsets is not None else None
+    base = torch.full((num_tokens, out_dim), SENTINEL)
+    plain = chunked_sgmv_lora_expand_forward(xa, b, info, base.clone(), num_slices, offsets, width)
+    folded = chunked_sgmv_lora_expand_forward(xa, view, info, base.clone(), num_slices, offsets, width,
+                                              slice_stride=step)
+    assert torch.equal(plain, folded)
+    _assert_untouched_rows(folded, info, num_tokens)
+
+
 def test_all_rank_zero_is_a_noop():
     """The capture-time state of every static info: kernels launch, nothing changes."""
     gen = torch.Generator().manual_seed(3)

@@ -111,6 +111,19 @@ class SlicedB:
         return torch.cat([v for _, _, v in self.parts], dim=self.ndim - 2)
 
 
+def folded_b(w_aug: torch.Tensor, in_dim: int, stack: int, max_rank: int, num_slots: int) -> tuple[torch.Tensor, int]:
+    """The B of every slot as the expand kernels read it, [S, N, R], in place inside W_aug, and
+    the column step between output slices (slice k's rank columns sit k*R past slice 0's).
+
+    The view's rows are all N outputs; for slice k a kernel adds k * the step to its column
+    offsets. Only the diagonal blocks are ever read: each slice reads its own rows."""
+    n, width = w_aug.shape
+    assert w_aug.stride(1) == 1 and width >= in_dim + num_slots * stack * max_rank, (w_aug.shape, in_dim)
+    view = w_aug.as_strided((num_slots, n, max_rank), (stack * max_rank, w_aug.stride(0), 1),
+                            w_aug.storage_offset() + in_dim)
+    return view, max_rank
+
+
 def fold_weight(
     weight: torch.Tensor, slice_sizes: Sequence[int], num_slots: int, max_rank: int, extra_cols: Optional[int] = None
 ) -> tuple[torch.Tensor, SlicedB]:

@@ -10,6 +10,13 @@ grid), and the segmented shrink and expand (triton_ops/sgemm_lora_{a,b}.py) redu
 chunk, with no split. Adapters' weight tiles are shared across requests, which pays off on long
 prefills. Segments of rank-0 slots (the base model, padding) return at once.
 
+At prefill (SGLANG_LORA_PREFILL_UNFOLD, off by default until measured on the H200) a folded module
+may run apart too: the base GEMM over W_aug[:, :K] (the base layer's weight), the chunked shrink
+with the pool's A and the chunked expand reading B in place inside W_aug (fold.folded_b). At long
+prefills W_aug's extra columns cost FLOPs (2*T*N*E) and shrink_pack copies x, where the expand
+costs one read-modify-write of the output (lora/fold.py); decode keeps the fold. `1`: every
+folded module at every prefill; `cols:N`: those with more than N extra columns; `0`: never.
+
 The chunk size is the same eagerly and under graphs, so a graph replay and an eager pass add the
 same bits. Graph modes keep the static segment buffers of the token-major backend; the refresh
 writes the live segments and leaves every other segment empty, under a rank-0 slot, so segments
@@ -18,11 +25,13 @@ of an earlier, larger batch are never re-applied (upstream bug #28371).
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
 
 from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches
+from sglang.srt.lora.fold import folded_b
 from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward, chunked_sgmv_lora_shrink_forward
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
 
@@ -39,9 +48,17 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
     ) -> None:
         super().__init__(max_loras_per_batch, device, max_lora_chunk_size, use_pdl)
         self.segment_rows = max_lora_chunk_size
+        # Folded modules with more extra columns than this run apart at prefill (None: never).
+        self.prefill_unfold_cols = prefill_unfold_bound(os.environ.get("SGLANG_LORA_PREFILL_UNFOLD", "0"))
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         return False
+
+    def _runs_folded(self, spec: LoRAModuleSpec) -> bool:
+        if not spec.folded:
+            return False
+        bound = self.prefill_unfold_cols
+        return not (self._extend_batch and bound is not None and spec.extra_cols > bound)
 
     # ---- unfolded modules --------------------------------------------------------------------
     def _add_unfolded(self, weights: LoRAModuleWeights, x: torch.Tensor, out: torch.Tensor,
@@ -56,7 +73,21 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
                          launches: _ModuleLaunches) -> None:
         spec, info = weights.spec, self.batch_info
         offsets = self._slice_offsets.get(spec.name)
+        b, slice_stride = weights.B, 0
+        if spec.folded:  # run apart at prefill: B read in place inside W_aug
+            b, slice_stride = folded_b(weights.folded, spec.in_dim, spec.stack, spec.max_rank,
+                                       weights.B.shape[0])
         chunked_sgmv_lora_expand_forward(
-            xa, weights.B, info, out, num_slices=spec.stack, slice_offsets=offsets,
-            max_slice_size=max(spec.slice_sizes) if offsets is not None else None,
+            xa, b, info, out, num_slices=spec.stack, slice_offsets=offsets,
+            max_slice_size=max(spec.slice_sizes) if offsets is not None else None, slice_stride=slice_stride,
         )
+
+
+def prefill_unfold_bound(value: str) -> Optional[int]:
+    """SGLANG_LORA_PREFILL_UNFOLD: "0" never (None), "1" every folded module (bound -1), "cols:N"
+    those with more than N extra columns of W_aug."""
+    if value in ("0", "1"):
+        return None if value == "0" else -1
+    if value.startswith("cols:") and value[5:].isdigit():
+        return int(value[5:])
+    raise ValueError(f"SGLANG_LORA_PREFILL_UNFOLD={value!r}: use 0, 1 or cols:N (N >= 0)")

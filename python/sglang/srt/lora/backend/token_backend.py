@@ -173,6 +173,7 @@ class TokenLoRABackend(BaseLoRABackend):
             os.environ.get("SGLANG_LORA_ROWWISE_DECODE", ROWWISE_DECODE_DEFAULT))
         self.rowwise_decode = self.rowwise_max_rows is not None
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
+        self._extend_batch = False  # the current batch is a prefill (fill_batch_info)
 
     def enable_norm_fusion(self) -> None:
         """Decode batches carry each row's slot, for the norm kernels that write x_aug themselves
@@ -193,7 +194,7 @@ class TokenLoRABackend(BaseLoRABackend):
         self.specs = dict(specs)
         self._slot_ranks, self._slot_scalings, self.dtype = slot_ranks, slot_scalings, dtype
         for name, spec in self.specs.items():
-            if not spec.folded and not spec.equal_slices:
+            if not spec.equal_slices:  # folded ones too: a subclass may expand them apart (csgmv)
                 self._slice_offsets[name] = torch.tensor(spec.slice_offsets, dtype=torch.int32, device=self.device)
         self._layouts = self._layout_tensors()
 
@@ -221,6 +222,12 @@ class TokenLoRABackend(BaseLoRABackend):
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         """Whether an unfolded module runs the token-major shrink/expand (subclasses may not)."""
         return True
+
+    def _runs_folded(self, spec: LoRAModuleSpec) -> bool:
+        """Whether a module takes its fold in the current batch. Here: whenever it is folded. A
+        subclass may run a folded module apart for some batches (csgmv at prefill); the choice
+        may depend on the batch's mode only, which a graph and an eager pass of it share."""
+        return spec.folded
 
     # ---- static infos ------------------------------------------------------------------------
     def _graph_meta(self, rows: int, with_row_slots: bool = False) -> _GraphMeta:
@@ -271,6 +278,7 @@ class TokenLoRABackend(BaseLoRABackend):
         fused = self.fuse_norm and not forward_batch.forward_mode.is_extend()
         assert not fused or num_rows == bs, (num_rows, bs)
         rowwise = fused and self.rowwise_fits(num_rows)
+        self._extend_batch = forward_batch.forward_mode.is_extend()
         if path.is_graph:
             meta = self._decode if path is ForwardPath.DECODE_GRAPH else self._prefill
             assert meta is not None, "init_*_cuda_graph_batch_info must run before a graph batch"
@@ -439,7 +447,7 @@ class TokenLoRABackend(BaseLoRABackend):
         if rows == 0:
             return base_layer(x)
         launches = self._launches[spec.name]
-        if spec.folded:
+        if self._runs_folded(spec):
             x_aug = scratch.matrix(rows, spec.in_dim + spec.extra_cols)
             if info.rowwise:
                 norm_shrink_pack(x, None, None, 0.0, weights.A, x_aug, info.row_slots[:rows], info.lora_ranks,

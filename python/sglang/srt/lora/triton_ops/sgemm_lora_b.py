@@ -31,6 +31,7 @@ def _segment_expand_kernel(
     x_stride_t,
     x_stride_r,
     w_stride_s,
+    w_stride_slice,
     w_stride_n,
     w_stride_r,
     out_stride_t,
@@ -77,7 +78,10 @@ def _segment_expand_kernel(
     offs_n = col0 + tl.arange(0, BLOCK_N)
     col_mask = offs_n < col_hi
     offs_r = tl.arange(0, BLOCK_R)
-    w_base = w_ptr + slot.to(tl.int64) * w_stride_s + offs_n[None, :].to(tl.int64) * w_stride_n
+    # w_stride_slice: 0 for a plain B; a folded module's B lives in W_aug, slice k's rank columns
+    # k*R past its slot's block (lora/fold.py).
+    w_base = (w_ptr + slot.to(tl.int64) * w_stride_s + slice_id * w_stride_slice
+              + offs_n[None, :].to(tl.int64) * w_stride_n)
     scaling = tl.load(scalings_ptr + slot)
 
     # This lane's token tiles: first_row + i * lanes * BLOCK_S, skipped past the segment end.
@@ -128,12 +132,15 @@ def segmented_expand(
     slice_offsets: Optional[torch.Tensor] = None,
     max_slice_width: Optional[int] = None,
     tiles: Optional[tuple[int, int]] = None,
+    slice_stride: int = 0,
 ) -> torch.Tensor:
     """Launch the expand over `batch_info`'s grid, accumulating into `base_output` in place.
 
     Slices are either given by `slice_offsets` (int device tensor [num_slices + 1]; then
     `max_slice_width` bounds the column grid) or, when None, equal: out_dim / num_slices each.
-    `tiles` (BLOCK_N, warps) overrides EXPAND_TILES (benchmarks).
+    `slice_stride` moves slice k's B by k * slice_stride elements (a folded module's B inside
+    W_aug, lora/fold.py `folded_b`); 0 for a plain B. `tiles` (BLOCK_N, warps) overrides
+    EXPAND_TILES (benchmarks).
     """
     assert x.dim() == 2 and weights.dim() == 3, (x.shape, weights.shape)
     num_tokens = x.shape[0]
@@ -169,6 +176,7 @@ def segmented_expand(
         x.stride(0),
         x.stride(1),
         weights.stride(0),
+        slice_stride,
         weights.stride(1),
         weights.stride(2),
         base_output.stride(0),
