@@ -44,10 +44,11 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
   adapter to the server, with its own host copy and slot.)
 
 Loads of one server configuration run back to back on one server. For each load the table has:
-request throughput and its ratio to the base's, mean / median TTFT, mean ITL, prefill batches that
-replayed a graph vs ran eagerly, the mean running batch (decode requests per decode step), all
-from the change of /get_server_info over the load; and per server its start-up time (launch to
-/health) with the graphs it captured and their capture time.
+request throughput and its ratio to the base's, mean / median TTFT, mean ITL, the seconds the
+forwards took on the stream in prefill and in decode (every server runs with SGLANG_FORWARD_TIMES=1),
+prefill batches that replayed a graph vs ran eagerly, the mean running batch (decode requests per
+decode step), all from the change of /get_server_info over the load; and per server its start-up
+time (launch to /health) with the graphs it captured and their capture time.
 """
 
 from __future__ import annotations
@@ -189,7 +190,9 @@ def launch(ckpt: str, cfg: Config, adapters: dict[str, str], port: int, log_path
         args += list(cfg.server)
         if dry_run:
             args[args.index("--lora-backend") + 1] = "torch_native"  # the Triton backends need a GPU
-    return start_server(args, port, log_path, timeout, env=dict(cfg.env))
+    # Every server times its forwards by phase (model_executor/forward_clock.py): the table's GPU
+    # seconds in prefill and decode over the load.
+    return start_server(args, port, log_path, timeout, env={"SGLANG_FORWARD_TIMES": "1", **dict(cfg.env)})
 
 
 def counters(info: dict[str, Any]) -> dict[str, float]:
@@ -202,6 +205,9 @@ def counters(info: dict[str, Any]) -> dict[str, float]:
     lora = info.get("lora") or {}
     for k in ("num_adapter_loads", "num_evictions", "num_prefetches"):
         out[k] = float(lora.get(k, 0))
+    timed = info.get("forward_seconds") or {}
+    for k in ("prefill_s", "decode_s"):
+        out[k] = float(timed.get(k, 0.0))
     return out
 
 
@@ -285,12 +291,12 @@ def to_markdown(rows: list[Row], header: str) -> str:
     base_p99 = base.result["ttft_ms"]["p99"] if base else None
     lines = [header, "",
              "| server | req/s | vs base | mean TTFT (ms) | median TTFT (ms) | p99 TTFT (ms) | worst adapter p99 TTFT "
-             "(x base p99) | mean ITL (ms) | prefill graph / eager | mean running batch | adapter loads "
-             "| start-up (s) | graphs (capture s) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "(x base p99) | mean ITL (ms) | forward s: prefill / decode | prefill graph / eager | mean running batch "
+             "| adapter loads | start-up (s) | graphs (capture s) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         if r.error or not r.result:
-            lines.append(f"| {r.config.name} | failed: {r.error[:120]} |" + " |" * 11)
+            lines.append(f"| {r.config.name} | failed: {r.error[:120]} |" + " |" * 12)
             continue
         res, d = r.result, r.delta
         rps = res["request_throughput"]
@@ -302,7 +308,8 @@ def to_markdown(rows: list[Row], header: str) -> str:
         lines.append(
             f"| {r.config.name} | {rps:.1f} | {ratio} | {res['ttft_ms']['mean']:.0f} | {res['ttft_ms']['median']:.0f} "
             f"| {res['ttft_ms']['p99']:.0f} | {worst_cell} "
-            f"| {res['itl_ms']['mean']:.1f} | {graph:.0f} / {d['eager_prefills']:.0f} | {batch:.1f} "
+            f"| {res['itl_ms']['mean']:.1f} | {d.get('prefill_s', 0.0):.2f} / {d.get('decode_s', 0.0):.2f} "
+            f"| {graph:.0f} / {d['eager_prefills']:.0f} | {batch:.1f} "
             f"| {d['num_adapter_loads']:.0f} | {r.server['startup_s']:.0f} "
             f"| {r.server['num_graphs']} ({r.server['capture_s']:.0f}) |"
         )

@@ -36,7 +36,7 @@ def server(tmp_path_factory):
     proc, url = popen_launch_server(ckpt, [
         "--device", "cpu", "--enable-metrics", "--served-model-name", MODEL, "--lora-backend", "torch_native",
         "--max-loras-per-batch", "1", "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()],
-    ], api_key=KEY)
+    ], api_key=KEY, env={"SGLANG_FORWARD_TIMES": "1"})
     yield proc, url
     assert kill_server(proc) == 0, read_log(proc)[-3000:]
 
@@ -150,6 +150,8 @@ def test_counters_and_histograms_follow_the_traffic(server):
     assert 0 <= after["sglang:token_usage", ()] <= 1 and after["sglang:cache_hit_rate", ()] > 0
     assert delta("sglang:forward_batches_total", mode="prefill", path="eager", reason="graphs_disabled") >= 5
     assert delta("sglang:forward_batches_total", mode="decode", path="eager", reason="graphs_disabled") > 0
+    assert delta("sglang:forward_seconds_total", mode="prefill") > 0  # SGLANG_FORWARD_TIMES=1
+    assert delta("sglang:forward_seconds_total", mode="decode") > 0
     assert after["sglang:lora_slot_loads_total", ()] >= 2 and after["sglang:lora_resident_adapters", ()] == 1
     assert after["sglang:lora_slot_load_seconds_count", ()] == after["sglang:lora_slot_loads_total", ()]
 

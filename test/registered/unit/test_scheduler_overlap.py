@@ -253,3 +253,19 @@ def test_a_failed_step_fails_only_its_requests(ckpt):
     assert h.sched.stats["num_forward_failures"] == 1
     assert h.out["steady"]["finish"]["type"] in ("length", "abort")
     assert_at_rest(h)
+
+
+def test_forward_seconds_count_every_forward_by_phase(ckpt, monkeypatch):
+    """SGLANG_FORWARD_TIMES=1 (model_executor/forward_clock.py): each finished forward, ordinary or
+    launched ahead, is counted once under its phase; off, /get_server_info says None."""
+    def submit(h: Harness) -> None:
+        for i in range(4):
+            h.submit(f"r{i}", prompt(9 + 4 * i, 30 + i), max_new_tokens=6 + 3 * i, ignore_eos=True)
+
+    assert Harness(ckpt).sched.live_info()["forward_seconds"] is None
+    monkeypatch.setenv("SGLANG_FORWARD_TIMES", "1")  # read when the ModelRunner is built
+    for h in both(ckpt, submit):
+        timed, stats = h.sched.live_info()["forward_seconds"], h.sched.stats
+        assert timed["prefill_forwards"] == stats["prefill_batches"] > 0
+        assert timed["decode_forwards"] == stats["decode_steps"] > 0
+        assert timed["prefill_s"] > 0 and timed["decode_s"] > 0

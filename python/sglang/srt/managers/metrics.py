@@ -148,6 +148,13 @@ class _SchedulerCollector:
         for mode, path, reason, count in (info.get("graph_stats") or {}).get("forward_paths", []):
             paths.add_metric([name, mode, path, reason], count)
         yield paths
+        timed = info.get("forward_seconds")  # SGLANG_FORWARD_TIMES=1 (model_executor/forward_clock.py)
+        if timed:
+            seconds = CounterMetricFamily("sglang:forward_seconds", "Seconds the forwards took on their stream, by "
+                                          "mode (SGLANG_FORWARD_TIMES=1).", labels=["model_name", "mode"])
+            for mode in ("prefill", "decode"):
+                seconds.add_metric([name, mode], timed.get(f"{mode}_s", 0.0))
+            yield seconds
         lora = info.get("lora")
         if lora:
             yield from _lora_families(name, lora)

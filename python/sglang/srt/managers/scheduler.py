@@ -344,6 +344,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             "last_gen_throughput": round(self.last_gen_throughput, 2),
             "last_integrity_check": dict(self.last_integrity_check),
             "graph_stats": self.model_runner.graph_stats(),
+            "forward_seconds": self.model_runner.clock.stats(),  # SGLANG_FORWARD_TIMES=1 (else None)
             **self.stats,
             **self.lora_info(),
         }

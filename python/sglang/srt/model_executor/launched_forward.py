@@ -33,6 +33,7 @@ class LaunchedForward:
     used_cuda_graph: bool
     host_sample: SamplerOutput  # the same tensors, being copied to the host
     copied: Optional[torch.cuda.Event]  # recorded after the copies (None on a CPU device)
+    timed: tuple = (None, None)  # the forward clock's marks at its launch and after its copies
 
     @classmethod
     def start(cls, fb: ForwardBatch, logits_out: LogitsProcessorOutput, sample: SamplerOutput,

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from collections import Counter
 from concurrent.futures import Future, wait
@@ -33,6 +34,7 @@ from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, TokenToKVPoolAllocator
 from sglang.srt.lora.lora_manager import LoRAManager
+from sglang.srt.model_executor.forward_clock import ForwardClock
 from sglang.srt.model_executor.launched_forward import LaunchedForward
 from sglang.srt.model_executor.model_loading import get_model
 from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
@@ -67,6 +69,7 @@ class ModelRunner:
         self.gpu_id = gpu_id
         self.tp_group = tp_group
         self.device = torch.device(f"cuda:{gpu_id}" if config.device == "cuda" else config.device)
+        self.clock = ForwardClock(os.environ.get("SGLANG_FORWARD_TIMES", "0") == "1", self.device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
             if config.deterministic:
@@ -360,23 +363,31 @@ class ModelRunner:
 
     @torch.no_grad()
     def forward(self, fb: ForwardBatch) -> ModelRunnerOutput:
+        start = self.clock.mark()
         plan = self.prepare(fb)
         hidden = self.run_body(fb, plan)
-        return self.run_eager_tail(fb, hidden, used_cuda_graph=plan.path.is_graph)
+        out = self.run_eager_tail(fb, hidden, used_cuda_graph=plan.path.is_graph)
+        self.clock.add(fb, start, self.clock.mark())
+        return out
 
     @torch.no_grad()
     def launch_forward(self, fb: ForwardBatch) -> LaunchedForward:
         """`forward` without waiting: everything is queued, the sampled tokens stay on the device
         (and are being copied to the host); `finish_forward` returns what `forward` would have (a
         prefill's prompt logprobs are copied there, after its sample)."""
+        start = self.clock.mark()
         plan = self.prepare(fb)
         hidden = self.run_body(fb, plan)
         logits_out = self.compute_logits(fb, hidden)
         sample = self._sample(fb, logits_out)
-        return LaunchedForward.start(fb, logits_out, sample, plan.path.is_graph)
+        launched = LaunchedForward.start(fb, logits_out, sample, plan.path.is_graph)
+        launched.timed = (start, self.clock.mark())
+        return launched
 
     def finish_forward(self, launched: LaunchedForward) -> ModelRunnerOutput:
-        return self._to_host(launched.fb, launched.logits_out, launched.wait(), launched.used_cuda_graph)
+        out = self._to_host(launched.fb, launched.logits_out, launched.wait(), launched.used_cuda_graph)
+        self.clock.add(launched.fb, *launched.timed)
+        return out
 
     @staticmethod
     def _live_tokens(fb: ForwardBatch) -> int:
