@@ -251,12 +251,14 @@ def test_peft_parity_folded_and_not(backend, fold, tmp_path):
         torch.testing.assert_close(torch.tensor(got), ref, rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("setting", ["1", "cols:0"])
-def test_csgmv_runs_folded_modules_apart_at_prefill(setting, tmp_path, monkeypatch):
+@pytest.mark.parametrize("setting,apart", [("1", True), ("cols:0", True), ("cols:0,tokens:10", True),
+                                           ("tokens:11", False)])
+def test_csgmv_runs_folded_modules_apart_at_prefill(setting, apart, tmp_path, monkeypatch):
     """SGLANG_LORA_PREFILL_UNFOLD: csgmv's folded modules run apart at prefill (base GEMM over
     W_aug[:, :K], chunked shrink, the expand reading B inside W_aug, qkv's and gate_up's slices
     included) and keep the fold at decode; prompt logprobs match HF + PEFT, and the greedy tokens
-    equal a server's without the setting."""
+    equal a server's without the setting. `tokens:T`: only prefills of at least T tokens (this
+    one has 10; without prefill graphs a batch's bucket is its own token count)."""
     from helpers import EngineDriver, hf_model, hf_prompt_logprobs, make_runner, tiny_checkpoint
     from lora_testlib import write_peft_adapter
     from peft import PeftModel
@@ -287,7 +289,7 @@ def test_csgmv_runs_folded_modules_apart_at_prefill(setting, tmp_path, monkeypat
         return out.input_token_logprobs, tokens, at_prefill, at_decode
 
     logprobs, tokens, at_prefill, at_decode = run(setting)
-    assert not any(at_prefill) and all(at_decode)
+    assert all(at_decode) and (not any(at_prefill) if apart else all(at_prefill))
     peft = PeftModel.from_pretrained(hf_model(ckpt), path).eval()
     refs = [hf_prompt_logprobs(peft, prompts[0]), hf_prompt_logprobs(hf_model(ckpt), prompts[1])]
     for got, ref in zip(logprobs, refs):
@@ -297,10 +299,11 @@ def test_csgmv_runs_folded_modules_apart_at_prefill(setting, tmp_path, monkeypat
 
 
 def test_prefill_unfold_setting_is_checked():
-    from sglang.srt.lora.backend.chunked_backend import prefill_unfold_bound
+    from sglang.srt.lora.backend.chunked_backend import PrefillUnfold, parse_prefill_unfold
 
-    assert prefill_unfold_bound("0") is None and prefill_unfold_bound("1") == -1
-    assert prefill_unfold_bound("cols:384") == 384
-    for bad in ("yes", "cols:", "cols:-1", "2"):
+    assert parse_prefill_unfold("0") is None and parse_prefill_unfold("1") == PrefillUnfold(-1, 0)
+    assert parse_prefill_unfold("cols:384") == PrefillUnfold(384, 0)
+    assert parse_prefill_unfold("cols:0,tokens:1024") == PrefillUnfold(0, 1024)
+    for bad in ("yes", "cols:", "cols:-1", "2", "tokens:8,tokens:9", "rows:4"):
         with pytest.raises(ValueError, match="SGLANG_LORA_PREFILL_UNFOLD"):
-            prefill_unfold_bound(bad)
+            parse_prefill_unfold(bad)

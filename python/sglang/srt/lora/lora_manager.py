@@ -419,7 +419,7 @@ class LoRAManager:
             return
         backend.init_cuda_graph_batch_info(max_bs_in_cuda_graph, num_tokens_per_bs, buckets)
 
-    def init_prefill_cuda_graph_batch_info(self, max_num_tokens: int) -> None:
+    def init_prefill_cuda_graph_batch_info(self, max_num_tokens: int, buckets: Optional[Sequence[int]] = None) -> None:
         backend = self.lora_backend
         if backend.prefill_cuda_graph_batch_info is not None:
             # Shared by every prefill graph of this process (e.g. breakable and full side by side
@@ -430,7 +430,7 @@ class LoRAManager:
                     f"tokens; cannot grow it to {max_num_tokens}"
                 )
             return
-        backend.init_prefill_cuda_graph_batch_info(max_num_tokens)
+        backend.init_prefill_cuda_graph_batch_info(max_num_tokens, buckets)
 
     @property
     def supports_prefill_cuda_graph(self) -> bool:

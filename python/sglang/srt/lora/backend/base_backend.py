@@ -125,8 +125,9 @@ class BaseLoRABackend(abc.ABC):
         graphs' batch sizes (None: every size up to the max is its own)."""
         raise NotImplementedError(f"LoRA backend {self.name} does not support the decode CUDA graph.")
 
-    def init_prefill_cuda_graph_batch_info(self, max_num_tokens: int) -> None:
-        """Allocate the prefill graph's static info once, sized for the largest token bucket."""
+    def init_prefill_cuda_graph_batch_info(self, max_num_tokens: int, buckets: Optional[Sequence[int]] = None) -> None:
+        """Allocate the prefill graph's static info once, sized for the largest token bucket;
+        `buckets` are the prefill graphs' token counts."""
         raise NotImplementedError(f"LoRA backend {self.name} does not support the prefill CUDA graph.")
 
     @staticmethod

@@ -15,7 +15,10 @@ may run apart too: the base GEMM over W_aug[:, :K] (the base layer's weight), th
 with the pool's A and the chunked expand reading B in place inside W_aug (fold.folded_b). At long
 prefills W_aug's extra columns cost FLOPs (2*T*N*E) and shrink_pack copies x, where the expand
 costs one read-modify-write of the output (lora/fold.py); decode keeps the fold. `1`: every
-folded module at every prefill; `cols:N`: those with more than N extra columns; `0`: never.
+folded module at every prefill; `cols:N`: those with more than N extra columns; `tokens:T`: at
+prefills whose graph bucket (eagerly: the bucket the batch would take; past the largest, its own
+token count) holds at least T tokens, so a batch and the graph it replays decide alike; both
+joined by a comma; `0`: never.
 
 The chunk size is the same eagerly and under graphs, so a graph replay and an eager pass add the
 same bits. Graph modes keep the static segment buffers of the token-major backend; the refresh
@@ -26,14 +29,20 @@ of an earlier, larger batch are never re-applied (upstream bug #28371).
 from __future__ import annotations
 
 import os
-from typing import Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
 
 import torch
+
+from sglang.srt.configs.forward_path import ForwardPath
 
 from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches
 from sglang.srt.lora.fold import folded_b
 from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward, chunked_sgmv_lora_shrink_forward
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
+
+if TYPE_CHECKING:
+    from sglang.srt.configs.forward_batch_info import ForwardBatch
 
 
 class ChunkedSgmvLoRABackend(TokenLoRABackend):
@@ -48,17 +57,24 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
     ) -> None:
         super().__init__(max_loras_per_batch, device, max_lora_chunk_size, use_pdl)
         self.segment_rows = max_lora_chunk_size
-        # Folded modules with more extra columns than this run apart at prefill (None: never).
-        self.prefill_unfold_cols = prefill_unfold_bound(os.environ.get("SGLANG_LORA_PREFILL_UNFOLD", "0"))
+        # Which folded modules run apart at which prefills (None: never).
+        self.prefill_unfold = parse_prefill_unfold(os.environ.get("SGLANG_LORA_PREFILL_UNFOLD", "0"))
+        self._unfold_now = False  # this batch is a prefill the rule's token bound admits
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         return False
 
+    def fill_batch_info(self, forward_batch: "ForwardBatch", weight_indices: list[int], lora_ranks: list[int],
+                        scalings: list[float], path: ForwardPath) -> None:
+        super().fill_batch_info(forward_batch, weight_indices, lora_ranks, scalings, path)
+        rule = self.prefill_unfold
+        self._unfold_now = (rule is not None and self._extend_batch
+                            and self.prefill_bucket(forward_batch.num_tokens) >= rule.min_tokens)
+
     def _runs_folded(self, spec: LoRAModuleSpec) -> bool:
         if not spec.folded:
             return False
-        bound = self.prefill_unfold_cols
-        return not (self._extend_batch and bound is not None and spec.extra_cols > bound)
+        return not (self._unfold_now and spec.extra_cols > self.prefill_unfold.min_cols)
 
     # ---- unfolded modules --------------------------------------------------------------------
     def _add_unfolded(self, weights: LoRAModuleWeights, x: torch.Tensor, out: torch.Tensor,
@@ -83,11 +99,25 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         )
 
 
-def prefill_unfold_bound(value: str) -> Optional[int]:
-    """SGLANG_LORA_PREFILL_UNFOLD: "0" never (None), "1" every folded module (bound -1), "cols:N"
-    those with more than N extra columns of W_aug."""
+@dataclass(frozen=True)
+class PrefillUnfold:
+    """Folded modules with more than `min_cols` extra columns run apart at prefills whose bucket
+    holds at least `min_tokens` tokens."""
+
+    min_cols: int = -1
+    min_tokens: int = 0
+
+
+def parse_prefill_unfold(value: str) -> Optional[PrefillUnfold]:
+    """SGLANG_LORA_PREFILL_UNFOLD: "0" never (None), "1" every folded module at every prefill,
+    "cols:N", "tokens:T" or both joined by a comma."""
     if value in ("0", "1"):
-        return None if value == "0" else -1
-    if value.startswith("cols:") and value[5:].isdigit():
-        return int(value[5:])
-    raise ValueError(f"SGLANG_LORA_PREFILL_UNFOLD={value!r}: use 0, 1 or cols:N (N >= 0)")
+        return None if value == "0" else PrefillUnfold()
+    fields = {}
+    for part in value.split(","):
+        key, _, number = part.partition(":")
+        if key not in ("cols", "tokens") or key in fields or not number.isdigit():
+            raise ValueError(f"SGLANG_LORA_PREFILL_UNFOLD={value!r}: use 0, 1, cols:N, tokens:T or "
+                             "cols:N,tokens:T (N, T >= 0)")
+        fields[key] = int(number)
+    return PrefillUnfold(min_cols=fields.get("cols", -1), min_tokens=fields.get("tokens", 0))

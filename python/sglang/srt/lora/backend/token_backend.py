@@ -173,6 +173,7 @@ class TokenLoRABackend(BaseLoRABackend):
             os.environ.get("SGLANG_LORA_ROWWISE_DECODE", ROWWISE_DECODE_DEFAULT))
         self.rowwise_decode = self.rowwise_max_rows is not None
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
+        self._prefill_buckets: list[int] = []  # the prefill graphs' token counts, for prefill_bucket
         self._extend_batch = False  # the current batch is a prefill (fill_batch_info)
 
     def enable_norm_fusion(self) -> None:
@@ -248,7 +249,8 @@ class TokenLoRABackend(BaseLoRABackend):
         self.cuda_graph_batch_info = self._decode.info
         self.max_bs_in_cuda_graph = max_bs_in_cuda_graph
 
-    def init_prefill_cuda_graph_batch_info(self, max_num_tokens: int) -> None:
+    def init_prefill_cuda_graph_batch_info(self, max_num_tokens: int, buckets: Optional[Sequence[int]] = None) -> None:
+        self._prefill_buckets = sorted(buckets or [])
         self._prefill = self._graph_meta(max_num_tokens)
         self.prefill_cuda_graph_batch_info = self._prefill.info
         # Segments have no per-request part: every request has >= 1 token, so the bucket's token
@@ -387,6 +389,11 @@ class TokenLoRABackend(BaseLoRABackend):
             return False
         padded = next((b for b in self._decode_buckets if b >= rows), rows)
         return padded <= self.rowwise_max_rows
+
+    def prefill_bucket(self, tokens: int) -> int:
+        """The prefill graph bucket a batch of `tokens` tokens takes (past the largest, or without
+        prefill graphs: its own count), so a rule on it decides a batch and its replay alike."""
+        return next((b for b in self._prefill_buckets if b >= tokens), tokens)
 
     def rowwise_now(self) -> bool:
         info = self.batch_info

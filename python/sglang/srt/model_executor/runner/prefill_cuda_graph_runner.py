@@ -85,7 +85,7 @@ class PrefillCudaGraphRunner(GraphRunnerBase):
             wanted = prefill_bucket_ladder(cap)
         if capture_lora:
             # Sized for the largest bucket wanted; the buckets it cannot serve are dropped below.
-            lora_manager.init_prefill_cuda_graph_batch_info(wanted[-1])
+            lora_manager.init_prefill_cuda_graph_batch_info(wanted[-1], wanted)
         # Requests a replayed batch may have: the full graph's slots, and the LoRA metadata's cap.
         max_reqs = None
         if backend == Backend.FULL:
