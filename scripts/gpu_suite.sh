@@ -185,12 +185,15 @@ if [[ " $PARTS " == *" lora_steps "* ]]; then
   # crossover may lie), 8 rank-16 adapters, csgmv, graphs:
   # prefill 128 (breakable), decode 1, 8, 32 and 64 on 1 and 8 adapters; the runners measured in
   # turn over three rounds (--rounds), so the order in the process does not pick the winner.
-  # GPU_SUITE_STEPS_MODELS picks shapes.
+  # GPU_SUITE_STEPS_MODELS picks shapes, GPU_SUITE_STEPS_VARIANTS the --lora variants (e.g.
+  # "none,lora,lora-prefill-unfold": csgmv's folded modules apart at prefill) and
+  # GPU_SUITE_STEPS_ARGS adds profile_forward arguments (e.g. "--prefill-batches 16x512").
   say "== LoRA steps: default (fused norms, row-wise at small batches) vs unfused vs segments only vs base"
   : >"$OUT/lora_steps.md"
   for model in ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b}; do
     lora_step_rows "$model" "$OUT/lora_steps.md" "$OUT/lora_steps.log" "" \
-      --lora none,lora-unfused,lora-segments,lora,lora-rowwise-32 --decode-bs 1,8,32,64 --decode-adapters 1,8 --rounds 3
+      --lora "${GPU_SUITE_STEPS_VARIANTS:-none,lora-unfused,lora-segments,lora,lora-rowwise-32}" \
+      --decode-bs 1,8,32,64 --decode-adapters 1,8 --rounds 3 ${GPU_SUITE_STEPS_ARGS:-}
   done
 fi
 
