@@ -35,7 +35,6 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sglang.srt.configs.forward_path import ForwardPath
-
 from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches
 from sglang.srt.lora.fold import folded_b
 from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward, chunked_sgmv_lora_shrink_forward

@@ -227,7 +227,8 @@ class TokenLoRABackend(BaseLoRABackend):
     def _runs_folded(self, spec: LoRAModuleSpec) -> bool:
         """Whether a module takes its fold in the current batch. Here: whenever it is folded. A
         subclass may run a folded module apart for some batches (csgmv at prefill); the choice
-        may depend on the batch's mode only, which a graph and an eager pass of it share."""
+        may depend only on what a graph and an eager pass of a batch share: its mode and its
+        graph bucket (`prefill_bucket`)."""
         return spec.folded
 
     # ---- static infos ------------------------------------------------------------------------
