@@ -32,6 +32,7 @@ SCHEDULES = {"ordinary": (False, "0"), "overlap": (True, "0"), "overlap+queued":
 def harness(schedule: str, monkeypatch) -> Harness:
     overlap, queued = SCHEDULES[schedule]
     monkeypatch.setenv("SGLANG_OVERLAP_PREFILL", queued)  # read when the Scheduler is built
+    monkeypatch.setenv("SGLANG_FORWARD_TIMES", "1")  # the forward clock's CUDA events, every schedule
     ckpt, adapters = assets()
     return Harness(
         ckpt, device="cuda", dtype="float32", attention_backend="triton", max_total_tokens=8192,
@@ -76,6 +77,9 @@ def test_the_overlap_schedules_give_the_ordinary_outputs(monkeypatch):
         s = h.sched
         assert s.inflight is None and not s.running and not s.waiting
         assert s.req_to_token_pool.available_size() == s.total_rows
+        timed = s.live_info()["forward_seconds"]  # every forward counted once, under its phase
+        assert timed["prefill_forwards"] == s.stats["prefill_batches"] and timed["prefill_s"] > 0
+        assert timed["decode_forwards"] == s.stats["decode_steps"] and timed["decode_s"] > 0
         runs[schedule] = (h.out, dict(s.stats))
     want, base_stats = runs["ordinary"]
     assert base_stats["overlapped_decode_steps"] == 0
