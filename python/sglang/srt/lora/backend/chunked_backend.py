@@ -67,7 +67,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
                         scalings: list[float], path: ForwardPath) -> None:
         super().fill_batch_info(forward_batch, weight_indices, lora_ranks, scalings, path)
         rule = self.prefill_unfold
-        self._unfold_now = (rule is not None and self._extend_batch
+        self._unfold_now = (rule is not None and forward_batch.forward_mode.is_extend()
                             and self.prefill_bucket(forward_batch.num_tokens) >= rule.min_tokens)
 
     def _runs_folded(self, spec: LoRAModuleSpec) -> bool:

@@ -174,7 +174,6 @@ class TokenLoRABackend(BaseLoRABackend):
         self.rowwise_decode = self.rowwise_max_rows is not None
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
         self._prefill_buckets: list[int] = []  # the prefill graphs' token counts, for prefill_bucket
-        self._extend_batch = False  # the current batch is a prefill (fill_batch_info)
 
     def enable_norm_fusion(self) -> None:
         """Decode batches carry each row's slot, for the norm kernels that write x_aug themselves
@@ -281,7 +280,6 @@ class TokenLoRABackend(BaseLoRABackend):
         fused = self.fuse_norm and not forward_batch.forward_mode.is_extend()
         assert not fused or num_rows == bs, (num_rows, bs)
         rowwise = fused and self.rowwise_fits(num_rows)
-        self._extend_batch = forward_batch.forward_mode.is_extend()
         if path.is_graph:
             meta = self._decode if path is ForwardPath.DECODE_GRAPH else self._prefill
             assert meta is not None, "init_*_cuda_graph_batch_info must run before a graph batch"
