@@ -43,7 +43,9 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
   cost, and 256 rank-16 adapters of this shape would take 17 GB of disk; each name is its own
   adapter to the server, with its own host copy and slot.)
 
-Loads of one server configuration run back to back on one server. For each load the table has:
+Loads of one server configuration run back to back on one server, each from an empty prefix
+cache (bench_serving --flush-cache after its warm-up request: every load sends the same prompts).
+For each load the table has:
 request throughput and its ratio to the base's, mean / median TTFT, mean ITL, the seconds the
 forwards took on the stream in prefill and in decode (every server runs with SGLANG_FORWARD_TIMES=1),
 prefill batches that replayed a graph vs ran eagerly, the mean running batch (decode requests per
@@ -82,6 +84,7 @@ class Config:
     extra: tuple[str, ...] = ()  # other server args
     scrape_s: float = 0.0  # scrape /metrics this often during the load (0: never)
     env: tuple[tuple[str, str], ...] = ()  # the server's extra environment variables
+    own_server: bool = False  # never shares a server with the configuration before it
 
 
 def _lora(backend: str, slots: int) -> tuple[str, ...]:
@@ -92,7 +95,7 @@ CONFIGS = {
     "base": Config("base", (), None),
     # The base server once more, its own start (list it last): the spread between two base servers
     # of one call, against which the LoRA/base ratios are read.
-    "base-again": Config("base-again", (), None),
+    "base-again": Config("base-again", (), None, own_server=True),
     "csgmv": Config("csgmv", _lora("csgmv", NUM_ADAPTERS)),
     "csgmv-zipf": Config("csgmv-zipf", _lora("csgmv", NUM_ADAPTERS), "zipf"),
     "triton": Config("triton", _lora("triton", NUM_ADAPTERS)),
@@ -133,6 +136,10 @@ CONFIGS = {
     "base-pa": Config("base-pa", (), None, env=(("SGLANG_OVERLAP_PREFILL", "0"),)),
     "csgmv-pa": Config("csgmv-pa", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_OVERLAP_PREFILL", "0"),)),
     "u8-4-pa": Config("u8-4-pa", _lora("csgmv", 4), env=(("SGLANG_OVERLAP_PREFILL", "0"),)),
+    # The base server with prefill graphs up to the chunk (8192 tokens, as a LoRA server's): by
+    # default its set stops at 2048, so the wave's 8192-token prefills run eagerly. H200,
+    # 2026-12-02: the same prefill seconds on the stream (1.64 / 1.64 s), req/s within the spread.
+    "base-g8k": Config("base-g8k", (), None, extra=("--cuda-graph-max-bs-prefill", "8192")),
     # SGLANG_LORA_PREFILL_UNFOLD=1: csgmv's folded modules run apart at prefill (the base GEMM, the
     # chunked shrink and expand), decode keeps the fold (backend/chunked_backend.py).
     "csgmv-pu": Config("csgmv-pu", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_LORA_PREFILL_UNFOLD", "1"),)),
@@ -205,6 +212,7 @@ def counters(info: dict[str, Any]) -> dict[str, float]:
     lora = info.get("lora") or {}
     for k in ("num_adapter_loads", "num_evictions", "num_prefetches"):
         out[k] = float(lora.get(k, 0))
+    out["cached_tokens"] = float((info.get("prefix_cache") or {}).get("cached_tokens", 0))
     timed = info.get("forward_seconds") or {}
     for k in ("prefill_s", "decode_s"):
         out[k] = float(timed.get(k, 0.0))
@@ -244,7 +252,10 @@ def run_load(url: str, cfg: Config, adapters: dict[str, str], args: argparse.Nam
 
     argv = ["--base-url", url, "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
             "--random-output-len", str(args.output_len), "--max-concurrency", str(args.concurrency),
-            "--seed", str(args.seed), "--disable-tqdm"]
+            "--seed", str(args.seed), "--disable-tqdm",
+            # Every load sends the same prompts (one seed): on a server shared with an earlier load
+            # (or after the warm-up request) they would hit its prefix cache.
+            "--flush-cache"]
     if cfg.distribution is not None:
         argv += ["--lora-name", *adapters, "--lora-distribution", cfg.distribution,
                  "--lora-zipf-alpha", str(args.zipf_alpha)]
@@ -313,6 +324,10 @@ def to_markdown(rows: list[Row], header: str) -> str:
             f"| {d['num_adapter_loads']:.0f} | {r.server['startup_s']:.0f} "
             f"| {r.server['num_graphs']} ({r.server['capture_s']:.0f}) |"
         )
+    cached = [r for r in rows if r.result and r.delta.get("cached_tokens", 0) > 0]
+    if cached:  # random prompts share no prefix: a hit means a load reused an earlier load's cache
+        lines.append("")
+        lines += [f"- {r.config.name}: {r.delta['cached_tokens']:.0f} prompt tokens from the prefix cache" for r in cached]
     again = next((r for r in rows if r.config.name == "base-again" and r.result), None)
     if base_rps and again:
         rps = again.result["request_throughput"]
@@ -341,7 +356,7 @@ def group_by_server(configs: list[Config]) -> list[list[Config]]:
     for cfg in configs:
         first = groups[-1][0] if groups else None
         same = (first.server, first.adapters, first.rank, first.extra, first.env) if first is not None else None
-        if same == (cfg.server, cfg.adapters, cfg.rank, cfg.extra, cfg.env):
+        if not cfg.own_server and same == (cfg.server, cfg.adapters, cfg.rank, cfg.extra, cfg.env):
             groups[-1].append(cfg)
         else:
             groups.append([cfg])
