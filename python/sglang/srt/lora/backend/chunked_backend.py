@@ -10,15 +10,16 @@ grid), and the segmented shrink and expand (triton_ops/sgemm_lora_{a,b}.py) redu
 chunk, with no split. Adapters' weight tiles are shared across requests, which pays off on long
 prefills. Segments of rank-0 slots (the base model, padding) return at once.
 
-At prefill (SGLANG_LORA_PREFILL_UNFOLD, off by default until measured on the H200) a folded module
-may run apart too: the base GEMM over W_aug[:, :K] (the base layer's weight), the chunked shrink
-with the pool's A and the chunked expand reading B in place inside W_aug (fold.folded_b). At long
-prefills W_aug's extra columns cost FLOPs (2*T*N*E) and shrink_pack copies x, where the expand
-costs one read-modify-write of the output (lora/fold.py); decode keeps the fold. `1`: every
-folded module at every prefill; `cols:N`: those with more than N extra columns; `tokens:T`: at
-prefills whose graph bucket (eagerly: the bucket the batch would take; past the largest, its own
-token count) holds at least T tokens, so a batch and the graph it replays decide alike; both
-joined by a comma; `0`: never.
+At prefill (SGLANG_LORA_PREFILL_UNFOLD, off by default: on the H200, 2026-12-02, it cost 3% of
+a server's requests/s at 8 slots and gained 2% at 64) a folded module may run apart too: the base
+GEMM over W_aug[:, :K] (the base layer's weight), the chunked shrink with the pool's A and the
+chunked expand reading B in place inside W_aug (fold.folded_b). At long prefills W_aug's extra
+columns cost FLOPs (2*T*N*E) and shrink_pack copies x, where the expand costs one
+read-modify-write of the output (lora/fold.py); decode keeps the fold. `1`: every folded module at
+every prefill; `cols:N`: those with more than N extra columns; `tokens:T`: at prefills whose graph
+bucket (eagerly: the bucket the batch would take; past the largest, its own token count) holds at
+least T tokens, so a batch and the graph it replays decide alike; both joined by a comma; `0`:
+never.
 
 The chunk size is the same eagerly and under graphs, so a graph replay and an eager pass add the
 same bits. Graph modes keep the static segment buffers of the token-major backend; the refresh
