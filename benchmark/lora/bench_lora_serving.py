@@ -43,8 +43,10 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
   cost, and 256 rank-16 adapters of this shape would take 17 GB of disk; each name is its own
   adapter to the server, with its own host copy and slot.)
 
-Loads of one server configuration run back to back on one server, each from an empty prefix
-cache (bench_serving --flush-cache after its warm-up request: every load sends the same prompts).
+Each server first takes an unmeasured load of one wave (--warmup-prompts, other prompts, 4 output
+tokens), so that kernels compile before the measured loads. Loads of one server configuration run
+back to back on one server, each from an empty prefix cache (bench_serving --flush-cache after its
+warm-up request: every load sends the same prompts).
 For each load the table has:
 request throughput and its ratio to the base's, mean / median TTFT, mean ITL, the seconds the
 forwards took on the stream in prefill and in decode (every server runs with SGLANG_FORWARD_TIMES=1),
@@ -247,12 +249,17 @@ class Scraper:
 
 
 # ---------------------------------------------------------------------------- one load
-def run_load(url: str, cfg: Config, adapters: dict[str, str], args: argparse.Namespace) -> dict[str, Any]:
+def run_load(url: str, cfg: Config, adapters: dict[str, str], args: argparse.Namespace,
+             warmup: bool = False) -> dict[str, Any]:
+    """One bench_serving load; `warmup`: the unmeasured load before a server's first, with other
+    prompts and 4 output tokens."""
     from sglang.bench_serving import main as bench_main
 
-    argv = ["--base-url", url, "--num-prompts", str(args.num_prompts), "--random-input-len", str(args.input_len),
-            "--random-output-len", str(args.output_len), "--max-concurrency", str(args.concurrency),
-            "--seed", str(args.seed), "--disable-tqdm",
+    prompts, output_len, seed = ((args.warmup_prompts, 4, args.seed + 1) if warmup
+                                 else (args.num_prompts, args.output_len, args.seed))
+    argv = ["--base-url", url, "--num-prompts", str(prompts), "--random-input-len", str(args.input_len),
+            "--random-output-len", str(output_len), "--max-concurrency", str(args.concurrency),
+            "--seed", str(seed), "--disable-tqdm",
             # Every load sends the same prompts (one seed): on a server shared with an earlier load
             # (or after the warm-up request) they would hit its prefix cache.
             "--flush-cache"]
@@ -278,9 +285,15 @@ def bench_server(ckpt: str, configs: list[Config], args: argparse.Namespace, por
         graphs = server_info(url).get("graph_stats", {})
         server = {"startup_s": startup, "num_graphs": graphs.get("num_graphs", 0),
                   "capture_s": graphs.get("capture_seconds", 0.0)}
-        for row in rows:
+        for i, row in enumerate(rows):
             row.server = server
             try:
+                if i == 0 and args.warmup_prompts:
+                    # Kernels the load's first full-size batches need (the eager prefills past the
+                    # graph set, above all) compile here, not inside the first measured load: on
+                    # the H200 (2026-12-02) a base server listed first spent 4.17 s in prefill
+                    # forwards, the same server later in other calls 1.64-1.83 s.
+                    run_load(url, row.config, adapters, args, warmup=True)
                 before = counters(server_info(url))
                 with Scraper(url, row.config.scrape_s) as scraper:
                     row.result = run_load(url, row.config, adapters, args)
@@ -377,10 +390,15 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--port", type=int, default=31100)
     p.add_argument("--server-timeout", type=float, default=600)
+    p.add_argument("--warmup-prompts", type=int, default=None,
+                   help="prompts of the unmeasured load before each server's first (default: the "
+                        "concurrency, one full wave; 0: none)")
     p.add_argument("--dry-run", action="store_true", help="CPU, tiny checkpoint, a few short prompts")
     args = p.parse_args(argv)
     if args.dry_run:
         args.num_prompts, args.input_len, args.output_len, args.concurrency = 8, 16, 4, 4
+    if args.warmup_prompts is None:
+        args.warmup_prompts = args.concurrency
     args.log_dir = args.log_dir or args.root
     os.makedirs(args.log_dir, exist_ok=True)
     configs = [CONFIGS[name.strip()] for name in args.configs.split(",") if name.strip()]
@@ -388,7 +406,7 @@ def main(argv: Optional[list[str]] = None) -> list[Row]:
     rows: list[Row] = []
     header = (f"`bench_serving`: {args.num_prompts} prompts of {args.input_len} tokens -> {args.output_len}, "
               f"concurrency {args.concurrency}, rank-16 adapters (8 unless the name says) on all seven modules, "
-              f"zipf alpha {args.zipf_alpha} "
+              f"zipf alpha {args.zipf_alpha}, after an unmeasured load of {args.warmup_prompts} prompts per server "
               f"({'tiny CPU dry run' if args.dry_run else 'Qwen3-4B shape, dummy weights, triton attention'}).")
     for i, group in enumerate(group_by_server(configs)):
         start = time.perf_counter()
