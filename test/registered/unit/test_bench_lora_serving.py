@@ -13,6 +13,7 @@ ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")
 sys.path.insert(0, os.path.join(ROOT, "benchmark", "lora"))
 
 import bench_lora_serving as bench  # noqa: E402
+from server_helpers import free_port  # noqa: E402
 
 
 def test_base_again_gets_its_own_server_and_zipf_shares_csgmv_s():
@@ -26,7 +27,7 @@ def test_dry_run_loads_on_one_server_start_from_an_empty_cache(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
     proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark/lora/bench_lora_serving.py"), "--dry-run",
                            "--configs", "csgmv,csgmv-zipf", "--root", str(tmp_path / "root"),
-                           "--port", "31460", "--out", str(out)],
+                           "--port", str(free_port()), "--out", str(out)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = out.read_text()
