@@ -46,13 +46,15 @@ the same prompts and the same adapter per request: 256 prompts of 512 tokens -> 
 Each server first takes an unmeasured load of one wave (--warmup-prompts, other prompts, 4 output
 tokens), so that kernels compile before the measured loads. Loads of one server configuration run
 back to back on one server, each from an empty prefix cache (bench_serving --flush-cache after its
-warm-up request: every load sends the same prompts).
-For each load the table has:
-request throughput and its ratio to the base's, mean / median TTFT, mean ITL, the seconds the
-forwards took on the stream in prefill and in decode (every server runs with SGLANG_FORWARD_TIMES=1),
-prefill batches that replayed a graph vs ran eagerly, the mean running batch (decode requests per
-decode step), all from the change of /get_server_info over the load; and per server its start-up
-time (launch to /health) with the graphs it captured and their capture time.
+warm-up request: every load sends the same prompts), and the table names any load that still took
+prompt tokens from the cache.
+
+For each load the table has: request throughput and its ratio to the base's, mean / median TTFT,
+mean ITL, the seconds the forwards took on the stream in prefill and in decode (every server runs
+with SGLANG_FORWARD_TIMES=1), prefill batches that replayed a graph vs ran eagerly, the mean
+running batch (decode requests per decode step), all from the change of /get_server_info over the
+load; and per server its start-up time (launch to /health) with the graphs it captured and their
+capture time.
 """
 
 from __future__ import annotations
