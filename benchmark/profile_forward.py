@@ -39,6 +39,7 @@ the Qwen3-4B process without the anchor profiled fine in the same call).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import gc
 import json
@@ -87,7 +88,11 @@ LORA_VARIANTS = {
     "lora-rowwise-small": ("on", "small"),
     "lora-rowwise-32": ("auto", "rows:32"),  # the default's row-wise kernels up to 32 rows
     "lora-prefill-unfold": ("auto", "small"),  # the default, csgmv's folded modules apart at prefill
+    "lora-late": ("auto", "small"),  # the default, its kernels captured with the early-start knobs off
 }
+# The variants captured with every early-start knob off (the norm kernel's PDL launch, the kernels
+# before a LoRA shrink releasing it at their start): see late_start.
+LATE_START = {"lora-late"}
 # SGLANG_LORA_PREFILL_UNFOLD of the variants that set it (backend/chunked_backend.py).
 PREFILL_UNFOLD = {"lora-prefill-unfold": "1"}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
@@ -215,6 +220,25 @@ class EngineSetup:
     layers: int
 
 
+@contextlib.contextmanager
+def late_start(enabled: bool):
+    """Every early-start knob off while the block runs (when enabled): the module constants
+    norm_shrink_pack.PDL_MAX_ROWS (0: never a PDL dependent), common.RELEASE_DEPENDENTS."""
+    from sglang.srt.layers.triton_ops import common
+    from sglang.srt.lora.triton_ops import norm_shrink_pack
+
+    knobs = ((norm_shrink_pack, "PDL_MAX_ROWS", 0), (common, "RELEASE_DEPENDENTS", False))
+    saved = [getattr(mod, name) for mod, name, _ in knobs]
+    try:
+        if enabled:
+            for mod, name, off in knobs:
+                setattr(mod, name, off)
+        yield
+    finally:
+        for (mod, name, _), value in zip(knobs, saved):
+            setattr(mod, name, value)
+
+
 def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str) -> EngineSetup:
     from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
 
@@ -232,8 +256,10 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
     os.environ["SGLANG_LORA_ROWWISE_DECODE"] = rowwise  # read when the backend is built
     os.environ["SGLANG_LORA_PREFILL_UNFOLD"] = PREFILL_UNFOLD.get(lora, "0")
     buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
-    runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
-                          prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
+    # Graphs keep the kernels as captured: the knobs need only hold while they are built.
+    with late_start(lora in LATE_START):
+        runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
+                              prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
     os.environ.pop("SGLANG_LORA_ROWWISE_DECODE")
     os.environ.pop("SGLANG_LORA_PREFILL_UNFOLD")
     graphs: dict[str, Any] = {} if args.paths == "graph" else {"eager": None}

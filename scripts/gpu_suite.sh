@@ -162,12 +162,16 @@ if [[ " $PARTS " == *" norm_shrink "* ]]; then
   # (on) and row-wise, folded and unfolded (~3 min).
   say "== norm + shrink_pack fused (decode)"
   start=$(date +%s)
-  # GPU_SUITE_NORM_TILES (e.g. "32768 65536") also times the fused kernel with wider column tiles.
+  # GPU_SUITE_NORM_TILES (e.g. "32768 65536") also times the fused kernel with wider column tiles;
+  # GPU_SUITE_NORM_ARGS more bench_norm_shrink arguments (e.g. "--early-start --decode-bs 1 8 64").
   $PY benchmark/lora/bench_norm_shrink.py ${GPU_SUITE_NORM_TILES:+--tile-elements $GPU_SUITE_NORM_TILES} \
-    --out "$OUT/norm_shrink.md" >"$OUT/norm_shrink.log" 2>&1 || status=1
+    ${GPU_SUITE_NORM_ARGS:-} --out "$OUT/norm_shrink.md" >"$OUT/norm_shrink.log" 2>&1 || status=1
   say "norm_shrink: $(( $(date +%s) - start ))s"
   grep -E "^\| [0-9]+ \||^\| (qwen|llama)" "$OUT/norm_shrink.md" 2>/dev/null >>"$SUMMARY"
-  # The whole decode step with --lora-fuse-norm against LoRA without it and the base, in one process.
+fi
+# The whole decode step with --lora-fuse-norm against LoRA without it and the base, in one process
+# (GPU_SUITE_NORM_STEPS=0: the kernel table above only).
+if [[ " $PARTS " == *" norm_shrink "* && "${GPU_SUITE_NORM_STEPS:-1}" != 0 ]]; then
   : >"$OUT/norm_shrink_steps.md"
   lora_step_rows qwen3-4b "$OUT/norm_shrink_steps.md" "$OUT/norm_shrink.log" "" \
     --lora none,lora-unfused,lora-fused,lora-rowwise --decode-bs 1,64 --decode-adapters 1,8

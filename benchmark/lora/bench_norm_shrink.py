@@ -43,6 +43,7 @@ from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd  # noqa: E402
 from sglang.srt.lora.triton_ops import norm_shrink_pack as nsp  # noqa: E402
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack, silu_shrink_pack  # noqa: E402
+from sglang.srt.layers.triton_ops import common  # noqa: E402
 from sglang.srt.lora.triton_ops.token_lora import pdl_available, plan_pack, prepare_pack, token_segments  # noqa: E402
 
 EPS = 1e-6
@@ -96,17 +97,24 @@ class Step:
         self.row_slots = torch.tensor([1 + i % adapters for i in range(bs)], dtype=torch.int32, device=device)
         perm, indptr, seg_slots, n_segs = token_segments(self.row_slots.cpu(), self.ranks.cpu(), 16)
         self.segments = (perm.to(device), indptr.to(device), seg_slots.to(device))
-        use_pdl = pdl_available(torch.device(device))
-        self.launches, self.x_aug, self.scratch = [], [], []
+        self.n_segs = n_segs
+        self.x_aug, self.scratch = [], []
         for m in mods:
             plan = plan_pack(m.in_dim, m.stack, m.rank, m.extra, self.residual.element_size())
-            width = m.in_dim + m.extra
-            self.x_aug.append(torch.empty(bs, width, dtype=dtype, device=device))
+            self.x_aug.append(torch.empty(bs, m.in_dim + m.extra, dtype=dtype, device=device))
             workspace = torch.empty(max(plan.shrink.workspace_numel(bs), 1), dtype=torch.float32, device=device)
             counters = torch.zeros(max(plan.shrink.num_counters(n_segs), 1), dtype=torch.int32, device=device)
             self.scratch.append((workspace, counters))
-            self.launches.append(prepare_pack(plan, bs, n_segs, self.x[m.in_dim], m.a, width, use_pdl))
+        self.prepare()
         self.outs: list[torch.Tensor] = []
+
+    def prepare(self) -> None:
+        """shrink_pack's prepared launches, one per module."""
+        use_pdl = pdl_available(self.residual.device)
+        self.launches = []
+        for m, x_aug in zip(self.mods, self.x_aug):
+            plan = plan_pack(m.in_dim, m.stack, m.rank, m.extra, self.residual.element_size())
+            self.launches.append(prepare_pack(plan, self.bs, self.n_segs, self.x[m.in_dim], m.a, x_aug.shape[1], use_pdl))
 
     def _input(self, m: Module) -> torch.Tensor:
         """The module's x: the norm's output (residual add fused), SiLU-and-mul's, or its own."""
@@ -168,6 +176,10 @@ def main() -> None:
     p.add_argument("--decode-bs", nargs="+", type=int, default=[1, 8, 32, 64, 128])
     p.add_argument("--adapters", type=int, default=8)
     p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--early-start", action="store_true",
+                   help="also time `fused` with the early-start knobs changed: norm_shrink_pack as a PDL dependent "
+                        "(up to norm_shrink_pack.PDL_MAX_ROWS rows), SiLU-and-mul releasing its dependents at its "
+                        "start (common.RELEASE_DEPENDENTS)")
     p.add_argument("--tile-elements", nargs="*", type=int, default=[],
                    help="also time `fused` with norm_shrink_pack.TILE_ELEMENTS set to each (its column tile: "
                         "fewer, wider programs per row re-normalise the row fewer times)")
@@ -176,7 +188,7 @@ def main() -> None:
     dry, device, dtype, models = target(args)
     bss = [1, 3] if dry else args.decode_bs
     slots = args.adapters + 1
-    lines, tiles = [], []
+    lines, tiles, early = [], [], []
     for shape in models:
         mods = build(shape, args.rank, slots, dtype, device)
         layers = model_dims(shape)[5]
@@ -205,6 +217,8 @@ def main() -> None:
                              f"{unfused - base:.0f} | {fused - base:.0f} | {rowwise - base:.0f} | "
                              f"{2 * (unfused - fused) / n:.2f} | {(unfused - rowwise) / n:.2f} | {diff:.1e} |")
                 print(lines[-1], flush=True)
+            if args.early_start:
+                early += early_start_rows(shape, step, dry)
             for tile in args.tile_elements:
                 us, tile_diff = fused_with_tile(step, tile, ref, dry)
                 tiles.append(f"| {shape} | {bs} | {tile} | {us:.0f} | {us - base:.0f} | {tile_diff:.1e} |")
@@ -213,7 +227,44 @@ def main() -> None:
         lines += [f"`fused` with other column tiles (default TILE_ELEMENTS {nsp.TILE_ELEMENTS})", "",
                   "| model | decode bs | TILE_ELEMENTS | fused µs/step | LoRA fused | max rel diff |",
                   "|---|---:|---:|---:|---:|---:|", *tiles, ""]
+    if args.early_start:
+        lines += [f"`fused` with the early-start knobs (default: the norm kernel a PDL dependent up to "
+                  f"{nsp.PDL_MAX_ROWS} rows, SiLU-and-mul releasing at its start; GPU µs per step, the same graph "
+                  "of the four folded modules)", "",
+                  "| model | decode bs | default | norm kernel never PDL | norm kernel always PDL | "
+                  "SiLU-and-mul without early release | all off | all off - default | outputs equal |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---|", *early, ""]
     emit_table(lines, args.out)
+
+
+EARLY_KNOBS = ((nsp, "PDL_MAX_ROWS"), (common, "RELEASE_DEPENDENTS"))
+ALWAYS = 1 << 30
+
+
+def early_start_rows(shape: str, step: "Step", dry: bool) -> list[str]:
+    """`fused` with the early-start knobs as they are (the default), the norm kernel never and
+    always a PDL dependent, SiLU-and-mul without its early release, all off: GPU µs per step, and
+    whether every output equals the default's bit for bit (the knobs move loads, never sums)."""
+    saved = [getattr(mod, name) for mod, name in EARLY_KNOBS]
+    settings = [tuple(saved), (0, saved[1]), (ALWAYS, saved[1]), (saved[0], False), (0, False)]
+    times, equal, ref = [], True, None
+    try:
+        for setting in settings:
+            for (mod, name), value in zip(EARLY_KNOBS, setting):
+                setattr(mod, name, value)
+            step.fused()
+            outs = [o.clone() for o in step.outs]
+            if ref is None:
+                ref = outs
+            equal = equal and all(torch.equal(o, r) for o, r in zip(outs, ref))
+            times.append(float("nan") if dry else graph_us(lambda _: step.fused()))
+    finally:
+        for (mod, name), value in zip(EARLY_KNOBS, saved):
+            setattr(mod, name, value)
+    row = f"| {shape} | {step.bs} | " + " | ".join(f"{t:.0f}" for t in times)
+    row += f" | {times[-1] - times[0]:.0f} | {'yes' if equal else 'NO'} |"
+    print(row, flush=True)
+    return [row]
 
 
 def fused_with_tile(step: "Step", tile: int, ref: list[torch.Tensor], dry: bool) -> tuple[float, float]:

@@ -175,9 +175,18 @@ def hopper_ptx(packed: bool, silu: bool = False) -> str:
         _norm_shrink_pack_kernel, {**bf16, "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32"},
         ["stride_x", "stride_r", "stride_ro", "stride_xaug", "stride_y", "a_stride_s", "a_stride_n", "K"],
         dict(STACK=stack, MAX_RANK=16, E_COLS=9 * stack * 16, BLOCK=triton_next_pow2(k), BLOCK_J=column_tile(k),
-             BLOCK_E=512, HAS_NORM=not silu, HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False),
+             BLOCK_E=512, HAS_NORM=not silu, HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False,
+             USE_PDL=True),
         floats=("eps",), num_warps=8,
     )
+
+
+def a_before_wait(ptx: str) -> bool:
+    """Launched as a PDL dependent, the kernel waits once, after the A tile's vector loads."""
+    import re
+
+    parts = ptx.split("griddepcontrol.wait")
+    return len(parts) == 2 and re.search(r"ld\.global(\.\w+)*\.v\d", parts[0]) is not None
 
 
 def triton_next_pow2(n: int) -> int:
@@ -196,7 +205,7 @@ def test_compiles_for_hopper():
     code = (f"import sys; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
             "import test_lora_norm_shrink as t; ptx = [t.hopper_ptx(p, s) for p, s in ((True, False), (False, False), "
             "(True, True), (False, True))]; "
-            "print('ok', all('st.global' in p for p in ptx))")
+            "print('ok', all('st.global' in p and t.a_before_wait(p) for p in ptx))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -18,20 +18,25 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
+from sglang.srt.layers.attention.triton_ops import decode_attention  # noqa: E402
 from sglang.srt.layers.triton_ops import rmsnorm, rope, silu_and_mul  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
 
-def compile_kernel(kernel, types: dict[str, str], consts: dict[str, object]) -> None:
+def compile_kernel(kernel, types: dict[str, str], consts: dict[str, object]) -> str:
     params = list(inspect.signature(kernel.fn).parameters)
     missing = set(params) - set(types) - set(consts)
     if missing:
         raise KeyError(f"{kernel.fn.__name__}: no type for {sorted(missing)}")
     signature = {p: ("constexpr" if p in consts else types[p]) for p in params}
     constexprs = {(params.index(name),): value for name, value in consts.items()}
-    triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET)
+    ptx = triton.compile(ASTSource(fn=kernel, signature=signature, constexprs=constexprs), target=TARGET).asm["ptx"]
+    # RELEASE: the kernel lets a programmatic dependent (a LoRA shrink) start; else it must not.
+    if ("griddepcontrol.launch_dependents" in ptx) != bool(consts.get("RELEASE", False)):
+        raise AssertionError(f"{kernel.fn.__name__} {consts}: launch_dependents does not follow RELEASE")
     print(f"ok {kernel.fn.__name__} {consts}", flush=True)
+    return ptx
 
 
 def main() -> None:
@@ -43,11 +48,18 @@ def main() -> None:
             dict(X=p, R=p, W=p, Y=p, stride_x="i64", stride_r="i64", stride_y="i64", n_cols="i32", eps="fp32"),
             dict(BLOCK=4096, HAS_RESIDUAL=residual, EMULATE_RNE=False),
         )
-    compile_kernel(
-        silu_and_mul._silu_and_mul_kernel,
-        dict(X=p, Y=p, stride_x="i64", stride_y="i64", d="i32"),
-        dict(BLOCK=1024, EMULATE_RNE=False),
-    )
+    for release in (False, True):
+        compile_kernel(
+            silu_and_mul._silu_and_mul_kernel,
+            dict(X=p, Y=p, stride_x="i64", stride_y="i64", d="i32"),
+            dict(BLOCK=1024, EMULATE_RNE=False, RELEASE=release),
+        )
+        compile_kernel(
+            decode_attention._decode_stage2_kernel,
+            dict(Part_O="*fp32", Part_LSE="*fp32", seq_lens="*i32", O=p, stride_pob="i64", stride_poh="i64",
+                 stride_pos="i64", stride_lb="i64", stride_lh="i64", stride_ob="i64", stride_oh="i64"),
+            dict(HEAD_DIM=128, BLOCK_D=128, BLOCK_N=64, NUM_KV_SPLITS=8, RELEASE=release),
+        )
     rope_types = dict(
         QKV=p, stride_t="i64", POS="*i64", COS_SIN="*fp32", stride_cs="i64", QW=p, KW=p, eps="fp32",
         K_BUF=p, V_BUF=p, LOC="*i64", stride_kb_slot="i64", stride_kb_head="i64",

@@ -2,15 +2,53 @@
 
 from __future__ import annotations
 
+import functools
 import os
 
+import torch
 import triton
 import triton.language as tl
+
+try:  # Hopper grid dependency control (programmatic dependent launch)
+    from triton.language.extra.cuda import gdc_launch_dependents
+except ImportError:  # pragma: no cover - triton without the intrinsics
+    gdc_launch_dependents = None
 
 
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels run on the CPU through numpy)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def pdl_available(device: torch.device) -> bool:
+    """Programmatic dependent launch: Hopper or newer, a triton with the intrinsics, no interpreter."""
+    if device.type != "cuda" or gdc_launch_dependents is None or interpreting():
+        return False
+    return _major_capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.lru_cache(maxsize=None)
+def _major_capability(index: int) -> int:
+    return torch.cuda.get_device_capability(index)[0]
+
+
+# Whether the kernels that precede a LoRA shrink (SiLU-and-mul, decode attention's merge) release
+# their programmatic dependents at their start. A module knob so that a benchmark can time both.
+RELEASE_DEPENDENTS = True
+
+
+def release_enabled(device: torch.device) -> bool:
+    """The RELEASE constexpr of a kernel that calls `release_dependents`."""
+    return RELEASE_DEPENDENTS and pdl_available(device)
+
+
+@triton.jit
+def release_dependents(ENABLED: tl.constexpr):
+    """Let a kernel launched after this one as a programmatic dependent start now (its blocks run
+    their prologue, then wait for this grid's completion before they read what it writes). A no-op
+    for a successor launched normally, so the base model's kernels are unaffected."""
+    if ENABLED:
+        gdc_launch_dependents()
 
 
 @triton.jit

@@ -10,7 +10,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.triton_ops.common import cast_rne, interpreting
+from sglang.srt.layers.triton_ops.common import cast_rne, interpreting, release_dependents, release_enabled
 
 _BLOCK = 1024
 
@@ -25,7 +25,11 @@ def silu_mul(gate, up, OUT_DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
 
 
 @triton.jit
-def _silu_and_mul_kernel(X, Y, stride_x, stride_y, d, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr):
+def _silu_and_mul_kernel(X, Y, stride_x, stride_y, d, BLOCK: tl.constexpr, EMULATE_RNE: tl.constexpr,
+                         RELEASE: tl.constexpr):
+    # A LoRA shrink launched as a programmatic dependent (down_proj's) reads its adapter's weights
+    # while this runs; it waits for this grid before it reads the output.
+    release_dependents(RELEASE)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -47,7 +51,8 @@ def silu_and_mul_fwd(x: torch.Tensor) -> torch.Tensor:
         return out
     block = min(_BLOCK, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-        x2, out.view(-1, d), x2.stride(0), d, d, BLOCK=block, EMULATE_RNE=interpreting(), num_warps=4
+        x2, out.view(-1, d), x2.stride(0), d, d, BLOCK=block, EMULATE_RNE=interpreting(),
+        RELEASE=release_enabled(x.device), num_warps=4
     )
     return out
 

@@ -22,16 +22,15 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 
+from sglang.srt.layers.triton_ops.common import pdl_available
 from sglang.srt.lora.segments import build_segments, idle_slot_of
 from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block
-from sglang.srt.lora.triton_ops._token_rows import gdc_wait
 from sglang.srt.lora.triton_ops.launch import BoundKernel, PreparedLaunch
 from sglang.srt.lora.triton_ops.shrink_pack import _shrink_pack_kernel
 from sglang.srt.lora.triton_ops.sgemm_lora_b import qkv_offset_alignment
@@ -147,13 +146,6 @@ def plan_expand(
         out_dim, num_slices, slice_width, max_slice_width, max_rank, block_s, block_n, rank_block(max_rank),
         n_tiles,
     )
-
-
-def pdl_available(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper or newer, a triton with the intrinsics, no interpreter."""
-    if device.type != "cuda" or gdc_wait is None or os.environ.get("TRITON_INTERPRET") == "1":
-        return False
-    return torch.cuda.get_device_capability(device)[0] >= 9
 
 
 # ---- bound kernels (one per specialisation) ---------------------------------------------------

@@ -28,6 +28,8 @@ from sglang.srt.layers.attention.triton_ops.extend_attention import (
     _mma,
     dot_flags,
 )
+from sglang.srt.layers.triton_ops.common import release_dependents, release_enabled
+
 # Rows of the (query-heads x keys) dot: tensor-core MMAs need at least 16.
 _MIN_BLOCK_H = 16
 
@@ -146,7 +148,11 @@ def _decode_stage2_kernel(
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_KV_SPLITS: tl.constexpr,
+    RELEASE: tl.constexpr,
 ):
+    # A LoRA shrink launched as a programmatic dependent (o_proj's) reads its adapter's weights
+    # while this runs; it waits for this grid before it reads the output.
+    release_dependents(RELEASE)
     b = tl.program_id(0)
     h = tl.program_id(1)
     seq_len = tl.load(seq_lens + b).to(tl.int32)
@@ -241,6 +247,7 @@ def decode_attention_fwd(
         BLOCK_D=block_d,
         BLOCK_N=cfg.block_n,
         NUM_KV_SPLITS=num_kv_splits,
+        RELEASE=release_enabled(q.device),
         num_warps=4 if block_d >= 128 else 2,
         num_stages=1,
     )
