@@ -26,6 +26,7 @@ values. At prefill sizes every row would read its adapter's A again; there shrin
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -44,8 +45,9 @@ TILE_ELEMENTS = 16384
 # --early-start (H200, 2026-12-02, the four folded modules x all layers, 8 adapters) measured it
 # 27-32 µs per step cheaper at 1 and 8 rows, 36 µs dearer at 64 (768 programs of 8 warps waiting
 # on SMs the GEMM before still drains on). The rows are a graph bucket's static count, and the
-# launch mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others.
-PDL_MAX_ROWS = 16
+# launch mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others;
+# SGLANG_LORA_PDL=0 (every LoRA kernel launched plainly) makes it 0.
+PDL_MAX_ROWS = 16 if os.environ.get("SGLANG_LORA_PDL", "1") != "0" else 0
 
 
 @triton.jit
