@@ -42,12 +42,13 @@ from sglang.srt.lora.triton_ops._token_rows import gdc_wait
 TILE_ELEMENTS = 16384
 # Launched as a programmatic dependent of the kernel before (Hopper) at batches of up to this many
 # rows: the prologue (slot, rank, A tile) runs while that kernel drains. bench_norm_shrink
-# --early-start (H200, 2026-12-02, the four folded modules x all layers, 8 adapters) measured it
-# 27-32 µs per step cheaper at 1 and 8 rows, 36 µs dearer at 64 (768 programs of 8 warps waiting
-# on SMs the GEMM before still drains on). The rows are a graph bucket's static count, and the
-# launch mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others;
-# SGLANG_LORA_PDL=0 (every LoRA kernel launched plainly) makes it 0.
-PDL_MAX_ROWS = 16 if os.environ.get("SGLANG_LORA_PDL", "1") != "0" else 0
+# --early-start (H200, 2026-12-02, the four folded modules x all layers, 8 adapters; GPU µs per
+# step against a plain launch) measured it 14-34 µs cheaper at 1, 8, 16 and 32 rows, 25-37 µs dearer
+# at 64 (768 programs of 8 warps waiting on SMs that the GEMM before still drains). The rows are a
+# graph bucket's static count, and the launch mode moves no sum: graph == eager holds. A module
+# knob, so benchmarks can time others; SGLANG_LORA_PDL=0 (every LoRA kernel launched plainly)
+# makes it 0.
+PDL_MAX_ROWS = 32 if os.environ.get("SGLANG_LORA_PDL", "1") != "0" else 0
 
 
 @triton.jit
