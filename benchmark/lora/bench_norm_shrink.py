@@ -97,24 +97,17 @@ class Step:
         self.row_slots = torch.tensor([1 + i % adapters for i in range(bs)], dtype=torch.int32, device=device)
         perm, indptr, seg_slots, n_segs = token_segments(self.row_slots.cpu(), self.ranks.cpu(), 16)
         self.segments = (perm.to(device), indptr.to(device), seg_slots.to(device))
-        self.n_segs = n_segs
-        self.x_aug, self.scratch = [], []
+        use_pdl = pdl_available(torch.device(device))
+        self.launches, self.x_aug, self.scratch = [], [], []
         for m in mods:
             plan = plan_pack(m.in_dim, m.stack, m.rank, m.extra, self.residual.element_size())
-            self.x_aug.append(torch.empty(bs, m.in_dim + m.extra, dtype=dtype, device=device))
+            width = m.in_dim + m.extra
+            self.x_aug.append(torch.empty(bs, width, dtype=dtype, device=device))
             workspace = torch.empty(max(plan.shrink.workspace_numel(bs), 1), dtype=torch.float32, device=device)
             counters = torch.zeros(max(plan.shrink.num_counters(n_segs), 1), dtype=torch.int32, device=device)
             self.scratch.append((workspace, counters))
-        self.prepare()
+            self.launches.append(prepare_pack(plan, bs, n_segs, self.x[m.in_dim], m.a, width, use_pdl))
         self.outs: list[torch.Tensor] = []
-
-    def prepare(self) -> None:
-        """shrink_pack's prepared launches, one per module."""
-        use_pdl = pdl_available(self.residual.device)
-        self.launches = []
-        for m, x_aug in zip(self.mods, self.x_aug):
-            plan = plan_pack(m.in_dim, m.stack, m.rank, m.extra, self.residual.element_size())
-            self.launches.append(prepare_pack(plan, self.bs, self.n_segs, self.x[m.in_dim], m.a, x_aug.shape[1], use_pdl))
 
     def _input(self, m: Module) -> torch.Tensor:
         """The module's x: the norm's output (residual add fused), SiLU-and-mul's, or its own."""
