@@ -21,8 +21,9 @@ def interpreting() -> bool:
 
 
 def pdl_available(device: torch.device) -> bool:
-    """Programmatic dependent launch: Hopper or newer, a triton with the intrinsics, no interpreter."""
-    if device.type != "cuda" or gdc_launch_dependents is None or interpreting():
+    """Programmatic dependent launch: NVIDIA Hopper or newer, a triton with the intrinsics, no
+    interpreter. (ROCm also reports device type "cuda", with other capability numbers.)"""
+    if device.type != "cuda" or torch.version.hip is not None or gdc_launch_dependents is None or interpreting():
         return False
     return _major_capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
