@@ -97,7 +97,7 @@ class Step:
         self.row_slots = torch.tensor([1 + i % adapters for i in range(bs)], dtype=torch.int32, device=device)
         perm, indptr, seg_slots, n_segs = token_segments(self.row_slots.cpu(), self.ranks.cpu(), 16)
         self.segments = (perm.to(device), indptr.to(device), seg_slots.to(device))
-        use_pdl = pdl_available(torch.device(device))
+        use_pdl = self.use_pdl = pdl_available(torch.device(device))
         self.launches, self.x_aug, self.scratch = [], [], []
         for m in mods:
             plan = plan_pack(m.in_dim, m.stack, m.rank, m.extra, self.residual.element_size())
@@ -126,15 +126,16 @@ class Step:
         the row-wise pack alone."""
         x = self.x[m.in_dim]
         if m.act:
-            silu_shrink_pack(self.gate_up, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings, m.rank)
+            silu_shrink_pack(self.gate_up, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings, m.rank,
+                             use_pdl=self.use_pdl)
         elif m.norm:
             # The new residual to its own buffer (ping-pong), as the fused engine does.
             new = norm_shrink_pack(x, self.res_work, m.norm_w, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks,
-                                   self.scalings, m.stack, m.rank, residual_out=self.res_out)
+                                   self.scalings, m.stack, m.rank, residual_out=self.res_out, use_pdl=self.use_pdl)
             self.res_work, self.res_out = new, self.res_work
         else:
             norm_shrink_pack(x, None, None, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings,
-                             m.stack, m.rank)
+                             m.stack, m.rank, use_pdl=self.use_pdl)
 
     def base(self) -> None:
         self.outs = []

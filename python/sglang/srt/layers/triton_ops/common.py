@@ -9,10 +9,10 @@ import torch
 import triton
 import triton.language as tl
 
-try:  # Hopper grid dependency control (programmatic dependent launch)
-    from triton.language.extra.cuda import gdc_launch_dependents
+try:  # Hopper grid dependency control (programmatic dependent launch); None where triton lacks it
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:  # pragma: no cover - triton without the intrinsics
-    gdc_launch_dependents = None
+    gdc_launch_dependents = gdc_wait = None
 
 
 def interpreting() -> bool:

@@ -413,13 +413,13 @@ class TokenLoRABackend(BaseLoRABackend):
             # The scratch x_aug: read by the module's GEMM, the very next kernel (as shrink_pack's is).
             x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
             new_residual = norm_shrink_pack(x, residual, norm_weight, eps, weights.A, x_aug, slots, self._slot_ranks,
-                                            self._slot_scalings, spec.stack, spec.max_rank)
+                                            self._slot_scalings, spec.stack, spec.max_rank, use_pdl=self.use_pdl)
             return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug), new_residual
         # Unfolded: the shrink output in the scratch, read by the expand after the base GEMM.
         normed = torch.empty_like(x)
         xa = self._scratch.matrix(rows, spec.stack * spec.max_rank)
         new_residual = norm_shrink(x, residual, norm_weight, eps, weights.A, normed, xa, slots, self._slot_ranks,
-                                   spec.stack, spec.max_rank)
+                                   spec.stack, spec.max_rank, use_pdl=self.use_pdl)
         return PreparedInput(normed, xa=xa), new_residual
 
     def run_act(self, weights: LoRAModuleWeights, gate_up: torch.Tensor) -> PreparedInput:
@@ -429,11 +429,12 @@ class TokenLoRABackend(BaseLoRABackend):
         slots = info.row_slots[:rows]
         if spec.folded:
             x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
-            silu_shrink_pack(gate_up, weights.A, x_aug, slots, self._slot_ranks, self._slot_scalings, spec.max_rank)
+            silu_shrink_pack(gate_up, weights.A, x_aug, slots, self._slot_ranks, self._slot_scalings, spec.max_rank,
+                             use_pdl=self.use_pdl)
             return PreparedInput(x_aug[:, :d], x_aug=x_aug)
         act = torch.empty((rows, d), dtype=gate_up.dtype, device=gate_up.device)
         xa = self._scratch.matrix(rows, spec.max_rank)
-        silu_shrink(gate_up, weights.A, act, xa, slots, self._slot_ranks, spec.max_rank)
+        silu_shrink(gate_up, weights.A, act, xa, slots, self._slot_ranks, spec.max_rank, use_pdl=self.use_pdl)
         return PreparedInput(act, xa=xa)
 
     def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: torch.nn.Module) -> torch.Tensor:
@@ -457,7 +458,7 @@ class TokenLoRABackend(BaseLoRABackend):
             x_aug = scratch.matrix(rows, spec.in_dim + spec.extra_cols)
             if info.rowwise:
                 norm_shrink_pack(x, None, None, 0.0, weights.A, x_aug, info.row_slots[:rows], info.lora_ranks,
-                                 info.scalings, spec.stack, spec.max_rank)
+                                 info.scalings, spec.stack, spec.max_rank, use_pdl=self.use_pdl)
             else:
                 launches.pack(x, weights.A, x_aug, scratch.workspace, scratch.counters, info.permutation,
                               info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings)

@@ -9,10 +9,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-try:
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover - triton without grid dependency control
-    gdc_launch_dependents = gdc_wait = None
+from sglang.srt.layers.triton_ops.common import gdc_launch_dependents, gdc_wait  # noqa: F401 (re-exported)
 
 
 @triton.jit

@@ -26,29 +26,26 @@ values. At prefill sizes every row would read its adapter's A again; there shrin
 
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.triton_ops.common import interpreting, pdl_available
+from sglang.srt.layers.triton_ops.common import gdc_wait, interpreting
 from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_mul
-from sglang.srt.lora.triton_ops._token_rows import gdc_wait
 
 # Elements of one A tile a program holds in registers (BLOCK_J x next_pow2(K)).
 TILE_ELEMENTS = 16384
-# Launched as a programmatic dependent of the kernel before (Hopper) at batches of up to this many
-# rows: the prologue (slot, rank, A tile) runs while that kernel drains. bench_norm_shrink
-# --early-start (H200, 2026-12-02, the four folded modules x all layers, 8 adapters; GPU µs per
-# step against a plain launch) measured it 14-34 µs cheaper at 1, 8, 16 and 32 rows, 25-37 µs dearer
-# at 64 (768 programs of 8 warps waiting on SMs that the GEMM before still drains). The rows are a
-# graph bucket's static count, and the launch mode moves no sum: graph == eager holds. A module
-# knob, so benchmarks can time others; SGLANG_LORA_PDL=0 (every LoRA kernel launched plainly)
-# makes it 0.
-PDL_MAX_ROWS = 32 if os.environ.get("SGLANG_LORA_PDL", "1") != "0" else 0
+# With `use_pdl` (the backend's: Hopper, SGLANG_LORA_PDL not 0), launched as a programmatic
+# dependent of the kernel before at batches of up to this many rows: the prologue (slot, rank, A
+# tile) runs while that kernel drains. bench_norm_shrink --early-start (H200, 2026-12-02, the four
+# folded modules x all layers, 8 adapters; GPU µs per step against a plain launch) measured it 14-34
+# µs cheaper at 1, 8, 16 and 32 rows, 25-37 µs dearer at 64 (768 programs of 8 warps waiting on SMs
+# that the GEMM before still drains). The rows are a graph bucket's static count, and the launch
+# mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others.
+PDL_MAX_ROWS = 32
 
 
 @triton.jit
@@ -136,7 +133,7 @@ def column_tile(in_dim: int) -> int:
 
 
 def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_ranks, scalings, stack_num, max_rank,
-            residual_out, packed: bool, silu: bool = False) -> Optional[torch.Tensor]:
+            residual_out, packed: bool, silu: bool = False, use_pdl: bool = False) -> Optional[torch.Tensor]:
     rows = x.shape[0]
     in_dim = x.shape[1] // 2 if silu else x.shape[1]  # SiLU-and-mul: x = [gate | up]
     assert not silu or (norm_weight is None and residual is None and x.shape[1] == 2 * in_dim)
@@ -158,7 +155,7 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
     r = residual if residual is not None else x
     ro = residual_out if residual is not None else x
     y = y if y is not None else out
-    pdl = rows <= PDL_MAX_ROWS and pdl_available(x.device)
+    pdl = use_pdl and rows <= PDL_MAX_ROWS
     _norm_shrink_pack_kernel[(rows, triton.cdiv(stack_num * max_rank, block_j))](
         x, r, ro, norm_weight if norm_weight is not None else x, weights, out, y, row_slots, lora_ranks, scalings,
         x.stride(0), r.stride(0), ro.stride(0), out.stride(0), y.stride(0), weights.stride(0), weights.stride(1),
@@ -187,6 +184,7 @@ def norm_shrink_pack(
     stack_num: int,
     max_rank: int,
     residual_out: Optional[torch.Tensor] = None,
+    use_pdl: bool = False,
 ) -> Optional[torch.Tensor]:
     """x_aug [T, K + E] = [RMSNorm(x (+ residual)) | its packed pre-scaled shrink] in one launch.
 
@@ -196,28 +194,30 @@ def norm_shrink_pack(
     new residual) goes to `residual_out` (allocated when None; never `residual` itself) and is
     returned; without, returns None. `norm_weight` None: no norm (and no
     residual), x_aug = [x | packed shrink of x], shrink_pack's result computed row by row.
+    `use_pdl` (the backend's decision; every function here takes it): a programmatic dependent
+    launch at batches of up to PDL_MAX_ROWS rows.
     """
     assert x_aug.shape[1] - x.shape[1] >= (weights.shape[0] - 1) * stack_num * max_rank, x_aug.shape
     return _launch(x, residual, norm_weight, eps, weights, x_aug, None, row_slots, lora_ranks, scalings, stack_num,
-                   max_rank, residual_out, packed=True)
+                   max_rank, residual_out, packed=True, use_pdl=use_pdl)
 
 
 def silu_shrink_pack(gate_up: torch.Tensor, weights: torch.Tensor, x_aug: torch.Tensor, row_slots: torch.Tensor,
-                     lora_ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int) -> None:
+                     lora_ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, use_pdl: bool = False) -> None:
     """x_aug [T, d + E] = [silu(gate) * up | its packed pre-scaled shrink] from gate_up [T, 2d]:
     the SiLU-and-mul before a folded down_proj and its shrink_pack in one launch."""
     d = gate_up.shape[1] // 2
     assert x_aug.shape[1] - d >= (weights.shape[0] - 1) * max_rank, x_aug.shape
     _launch(gate_up, None, None, 0.0, weights, x_aug, None, row_slots, lora_ranks, scalings, 1, max_rank, None,
-            packed=True, silu=True)
+            packed=True, silu=True, use_pdl=use_pdl)
 
 
 def silu_shrink(gate_up: torch.Tensor, weights: torch.Tensor, act_out: torch.Tensor, xa: torch.Tensor,
-                row_slots: torch.Tensor, lora_ranks: torch.Tensor, max_rank: int) -> None:
+                row_slots: torch.Tensor, lora_ranks: torch.Tensor, max_rank: int, use_pdl: bool = False) -> None:
     """act_out [T, d] = silu(gate) * up and xa its compact unscaled shrink (an unfolded down_proj)."""
     assert act_out.shape == (gate_up.shape[0], gate_up.shape[1] // 2) and act_out.stride(1) == 1
     _launch(gate_up, None, None, 0.0, weights, xa, act_out, row_slots, lora_ranks, lora_ranks, 1, max_rank, None,
-            packed=False, silu=True)
+            packed=False, silu=True, use_pdl=use_pdl)
 
 
 def norm_shrink(
@@ -233,6 +233,7 @@ def norm_shrink(
     stack_num: int,
     max_rank: int,
     residual_out: Optional[torch.Tensor] = None,
+    use_pdl: bool = False,
 ) -> Optional[torch.Tensor]:
     """For an unfolded module: normed_out [T, K] = RMSNorm(x (+ residual)) and xa [T, stack*max_rank]
     its shrink, xa[t, :c*r] = normed[t] @ A[slot(t), :c*r]^T (unscaled; what token_shrink writes, and
@@ -241,7 +242,7 @@ def norm_shrink(
     assert xa.shape[1] >= stack_num * max_rank, xa.shape
     # No scalings here (the expand applies them): the kernel's scalings argument goes unread.
     return _launch(x, residual, norm_weight, eps, weights, xa, normed_out, row_slots, lora_ranks, lora_ranks,
-                   stack_num, max_rank, residual_out, packed=False)
+                   stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl)
 
 
 __all__ = ["norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
