@@ -42,6 +42,7 @@ import argparse
 import contextlib
 import dataclasses
 import gc
+import importlib
 import json
 import os
 import statistics
@@ -90,9 +91,13 @@ LORA_VARIANTS = {
     "lora-prefill-unfold": ("auto", "small"),  # the default, csgmv's folded modules apart at prefill
     "lora-late": ("auto", "small"),  # the default, its kernels captured with the early-start knobs off
 }
-# The variants captured with every early-start knob off (the norm kernel's PDL launch, the kernels
-# before a LoRA shrink releasing it at their start): see late_start.
-LATE_START = {"lora-late"}
+# Module constants that a variant's runner is built (and its graphs captured) with, against the
+# default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
+# PDL launch, the kernels before a LoRA shrink releasing it at their start).
+VARIANT_KNOBS = {
+    "lora-late": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "PDL_MAX_ROWS", 0),
+                  ("sglang.srt.layers.triton_ops.common", "RELEASE_DEPENDENTS", False)),
+}
 # SGLANG_LORA_PREFILL_UNFOLD of the variants that set it (backend/chunked_backend.py).
 PREFILL_UNFOLD = {"lora-prefill-unfold": "1"}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
@@ -221,18 +226,13 @@ class EngineSetup:
 
 
 @contextlib.contextmanager
-def late_start(enabled: bool):
-    """Every early-start knob off while the block runs (when enabled): the module constants
-    norm_shrink_pack.PDL_MAX_ROWS (0: never a PDL dependent), common.RELEASE_DEPENDENTS."""
-    from sglang.srt.layers.triton_ops import common
-    from sglang.srt.lora.triton_ops import norm_shrink_pack
-
-    knobs = ((norm_shrink_pack, "PDL_MAX_ROWS", 0), (common, "RELEASE_DEPENDENTS", False))
+def variant_knobs(lora: str):
+    """The module constants of VARIANT_KNOBS[lora] set while the block runs, restored after."""
+    knobs = [(importlib.import_module(mod), name, value) for mod, name, value in VARIANT_KNOBS.get(lora, ())]
     saved = [getattr(mod, name) for mod, name, _ in knobs]
     try:
-        if enabled:
-            for mod, name, off in knobs:
-                setattr(mod, name, off)
+        for mod, name, value in knobs:
+            setattr(mod, name, value)
         yield
     finally:
         for (mod, name, _), value in zip(knobs, saved):
@@ -257,7 +257,7 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
     os.environ["SGLANG_LORA_PREFILL_UNFOLD"] = PREFILL_UNFOLD.get(lora, "0")
     buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
     # Graphs keep the kernels as captured: the knobs need only hold while they are built.
-    with late_start(lora in LATE_START):
+    with variant_knobs(lora):
         runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
                               prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
     os.environ.pop("SGLANG_LORA_ROWWISE_DECODE")

@@ -9,8 +9,8 @@ plan before 2026-12-02) each program then reads one 4 KB tile of B: the kernel i
 programs' start-up, not by bytes. This measures plans of (BLOCK_N, warps) against each other: GPU µs
 per launch of one CUDA graph holding the expand of every layer (each layer its own B, so the weights
 come from HBM as in a real step), Qwen3-4B shapes, rank 16, 64 slots, on decode batches of 64 rows on
-1, 8, 32 and 64 adapters and on a 8 x 256 prefill on 8 adapters. Every plan's output is checked
-equal, bit for bit, to the default's (the plan must not change a sum).
+1, 8, 32 and 64 adapters, on a 8 x 256 prefill on 8 adapters and on one 128-token prefill. Every
+plan's output is checked equal, bit for bit, to the default's (the plan must not change a sum).
 """
 
 from __future__ import annotations
@@ -104,7 +104,8 @@ def main() -> None:
     plans = PLANS[:3] if dry else PLANS
     cases = [("decode 64 x 1", [0] * 64, [1] * 64), ("decode 64 x 8", [i % 8 for i in range(64)], [1] * 64),
              ("decode 64 x 32", [i % 32 for i in range(64)], [1] * 64),
-             ("decode 64 x 64", list(range(64)), [1] * 64), ("prefill 8 x 256 x 8", list(range(8)), [256] * 8)]
+             ("decode 64 x 64", list(range(64)), [1] * 64), ("prefill 8 x 256 x 8", list(range(8)), [256] * 8),
+             ("prefill 128 x 1", [0], [128])]
     if dry:
         cases = [("decode 8 x 8", list(range(8)), [1] * 8), ("prefill 2 x 20 x 2", [0, 1], [20, 20])]
     lines = [f"### Expand tile plans, {torch.cuda.get_device_name(0) if not dry else 'CPU (interpreter)'}, "

@@ -18,9 +18,23 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.lora.triton_ops._token_rows import segment_lane_start, segment_slot_rank
+from sglang.srt.lora.triton_ops._token_rows import segment_lane_start
 from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block, token_block, token_lanes
 from sglang.srt.lora.utils import LoRABatchInfo
+
+
+@triton.jit
+def _slice_columns(slice_offsets_ptr, slice_id, slice_width, HAS_OFFSETS: tl.constexpr, OFFSET_ALIGN: tl.constexpr):
+    """[col_lo, col_hi) of output slice `slice_id`: loaded offsets (qkv) or equal slices."""
+    if HAS_OFFSETS:
+        # Loaded offsets carry no alignment facts; the host-derived hint restores vectorised
+        # access to base_output's columns.
+        col_lo = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id), OFFSET_ALIGN)
+        col_hi = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id + 1), OFFSET_ALIGN)
+    else:
+        col_lo = slice_id * slice_width
+        col_hi = col_lo + slice_width
+    return col_lo, col_hi
 
 
 @triton.jit
@@ -54,25 +68,24 @@ def _segment_expand_kernel(
     LANE_ITERS: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
-    # Slot and rank first: base requests, padding and unused graph segments leave here.
     seg = tl.program_id(2)
-    slot, rank = segment_slot_rank(weight_indices_ptr, lora_ranks_ptr, seg)
-    if rank == 0:
-        return
-    seg_end, tile_n, first_row = segment_lane_start(seg_indptr_ptr, seg, n_tiles, BLOCK_S)
-    if first_row >= seg_end:  # also covers empty segments
-        return
     slice_id = tl.program_id(1)
-    if HAS_OFFSETS:
-        # Loaded offsets carry no alignment facts; the host-derived hint restores vectorised
-        # access to base_output's columns.
-        col_lo = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id), OFFSET_ALIGN)
-        col_hi = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id + 1), OFFSET_ALIGN)
-    else:
-        col_lo = slice_id * slice_width
-        col_hi = col_lo + slice_width
+    # The loads go in three dependent rounds (fewer rounds, shorter programs: at decode the kernel is
+    # bound by its programs' latency, not by bytes): (slot, segment bounds, slice columns) ->
+    # (rank, scaling, the first tile's rows) -> (x, B and the output tile, together).
+    slot = tl.load(weight_indices_ptr + seg)
+    seg_end, tile_n, first_row = segment_lane_start(seg_indptr_ptr, seg, n_tiles, BLOCK_S)
+    col_lo, col_hi = _slice_columns(slice_offsets_ptr, slice_id, slice_width, HAS_OFFSETS, OFFSET_ALIGN)
     col0 = col_lo + tile_n * BLOCK_N
-    if col0 >= col_hi:  # the narrower slices (kv under GQA) have fewer column tiles
+    # Empty segments (most of a graph bucket's) and the narrower slices' spare column tiles (kv
+    # under GQA) leave after the first round.
+    if (first_row >= seg_end) | (col0 >= col_hi):
+        return
+    rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)
+    scaling = tl.load(scalings_ptr + tl.maximum(slot, 0))
+    first_offs = first_row + tl.arange(0, BLOCK_S)
+    first_rows = tl.load(perm_ptr + first_offs, mask=first_offs < seg_end, other=0).to(tl.int64)
+    if rank == 0:  # base requests and padding rows
         return
 
     offs_n = col0 + tl.arange(0, BLOCK_N)
@@ -82,15 +95,20 @@ def _segment_expand_kernel(
     # k*R past its slot's block (lora/fold.py).
     w_base = (w_ptr + slot.to(tl.int64) * w_stride_s + slice_id * w_stride_slice
               + offs_n[None, :].to(tl.int64) * w_stride_n)
-    scaling = tl.load(scalings_ptr + slot)
 
     # This lane's token tiles: first_row + i * lanes * BLOCK_S, skipped past the segment end.
-    for it in range(LANE_ITERS):
+    for it in tl.static_range(LANE_ITERS):
         row0 = first_row + it * lanes * BLOCK_S
         if row0 < seg_end:
             offs_s = row0 + tl.arange(0, BLOCK_S)
             row_mask = offs_s < seg_end
-            rows = tl.load(perm_ptr + offs_s, mask=row_mask, other=0).to(tl.int64)
+            if it == 0:
+                rows = first_rows
+            else:
+                rows = tl.load(perm_ptr + offs_s, mask=row_mask, other=0).to(tl.int64)
+            out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :] * out_stride_n
+            mask = row_mask[:, None] & col_mask[None, :]
+            base = tl.load(out_ptrs, mask=mask, other=0.0)  # in flight with x and B
             # Slice k of the shrink output holds columns [k*rank, (k+1)*rank) (compact prefix).
             x_ptrs = x_ptr + rows[:, None] * x_stride_t + (slice_id * rank + offs_r)[None, :] * x_stride_r
             w_ptrs = w_base + offs_r[:, None] * w_stride_r
@@ -107,9 +125,6 @@ def _segment_expand_kernel(
                 x_ptrs += BLOCK_R * x_stride_r
                 w_ptrs += BLOCK_R * w_stride_r
 
-            out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :] * out_stride_n
-            mask = row_mask[:, None] & col_mask[None, :]
-            base = tl.load(out_ptrs, mask=mask, other=0.0)
             result = base.to(tl.float32) + acc * scaling
             tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty), mask=mask)
 
