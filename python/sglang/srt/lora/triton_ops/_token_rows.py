@@ -1,7 +1,7 @@
-"""Jit helpers shared by the LoRA kernels: a segment's slot and rank, where a program of the
-segmented (csgmv) kernels starts, the rows and slot of one token-major segment, and the split-K
-ticket reduction. Also the grid-dependency-control intrinsics (Hopper PDL), None where triton
-lacks them.
+"""Jit helpers shared by the LoRA kernels: a segment's slot and rank, an expand's output slice
+columns, where a program of the segmented (csgmv) kernels starts, the rows and slot of one
+token-major segment, and the split-K ticket reduction. Also the grid-dependency-control
+intrinsics (Hopper PDL), None where triton lacks them.
 """
 
 from __future__ import annotations
@@ -18,6 +18,21 @@ def segment_slot_rank(weight_indices_ptr, lora_ranks_ptr, seg):
     slot = tl.load(weight_indices_ptr + seg)
     rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)
     return slot, rank
+
+
+@triton.jit
+def slice_columns(slice_offsets_ptr, slice_id, slice_width, HAS_OFFSETS: tl.constexpr, OFFSET_ALIGN: tl.constexpr):
+    """[col_lo, col_hi) of an expand's output slice `slice_id`: loaded offsets (qkv, whose q and kv
+    widths may differ) or equal slices of `slice_width`."""
+    if HAS_OFFSETS:
+        # Loaded offsets carry no alignment facts; the host-derived hint restores vectorised
+        # access to the output's columns.
+        col_lo = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id), OFFSET_ALIGN)
+        col_hi = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id + 1), OFFSET_ALIGN)
+    else:
+        col_lo = slice_id * slice_width
+        col_hi = col_lo + slice_width
+    return col_lo, col_hi
 
 
 @triton.jit

@@ -18,23 +18,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.lora.triton_ops._token_rows import segment_lane_start
+from sglang.srt.lora.triton_ops._token_rows import segment_lane_start, slice_columns
 from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block, token_block, token_lanes
 from sglang.srt.lora.utils import LoRABatchInfo
-
-
-@triton.jit
-def _slice_columns(slice_offsets_ptr, slice_id, slice_width, HAS_OFFSETS: tl.constexpr, OFFSET_ALIGN: tl.constexpr):
-    """[col_lo, col_hi) of output slice `slice_id`: loaded offsets (qkv) or equal slices."""
-    if HAS_OFFSETS:
-        # Loaded offsets carry no alignment facts; the host-derived hint restores vectorised
-        # access to base_output's columns.
-        col_lo = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id), OFFSET_ALIGN)
-        col_hi = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id + 1), OFFSET_ALIGN)
-    else:
-        col_lo = slice_id * slice_width
-        col_hi = col_lo + slice_width
-    return col_lo, col_hi
 
 
 @triton.jit
@@ -75,7 +61,7 @@ def _segment_expand_kernel(
     # (rank, scaling, the first tile's rows) -> (x, B and the output tile, together).
     slot = tl.load(weight_indices_ptr + seg)
     seg_end, tile_n, first_row = segment_lane_start(seg_indptr_ptr, seg, n_tiles, BLOCK_S)
-    col_lo, col_hi = _slice_columns(slice_offsets_ptr, slice_id, slice_width, HAS_OFFSETS, OFFSET_ALIGN)
+    col_lo, col_hi = slice_columns(slice_offsets_ptr, slice_id, slice_width, HAS_OFFSETS, OFFSET_ALIGN)
     col0 = col_lo + tile_n * BLOCK_N
     # Empty segments (most of a graph bucket's) and the narrower slices' spare column tiles (kv
     # under GQA) leave after the first round.

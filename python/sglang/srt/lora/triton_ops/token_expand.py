@@ -18,7 +18,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang.srt.lora.triton_ops._token_rows import gdc_wait, segment_rows
+from sglang.srt.lora.triton_ops._token_rows import gdc_wait, segment_rows, slice_columns
 
 
 @triton.jit
@@ -88,13 +88,7 @@ def _token_expand_kernel(
     slice_id = tl.program_id(1)
     tile_n = pid % n_tiles
     seg = pid // n_tiles
-    if HAS_OFFSETS:
-        # Loaded offsets carry no alignment facts; the host-derived hint restores vector access.
-        col_lo = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id), OFFSET_ALIGN)
-        col_hi = tl.multiple_of(tl.load(slice_offsets_ptr + slice_id + 1), OFFSET_ALIGN)
-    else:
-        col_lo = slice_id * slice_width
-        col_hi = col_lo + slice_width
+    col_lo, col_hi = slice_columns(slice_offsets_ptr, slice_id, slice_width, HAS_OFFSETS, OFFSET_ALIGN)
     offs_n = col_lo + tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = offs_n < col_hi  # narrower slices (kv under GQA) have idle column tiles
     rows, row_mask, active_rows, slot, rank = segment_rows(perm_ptr, seg_indptr_ptr, weight_indices_ptr, lora_ranks_ptr, seg,
