@@ -34,14 +34,11 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench_util import add_output_args, emit_table, graph_us, model_dims, target  # noqa: E402
+# Grid dependency control (Hopper PDL), for bench_decode_chain.py's variants; None where triton lacks it.
+from sglang.srt.layers.triton_ops.common import gdc_launch_dependents, gdc_wait  # noqa: E402,F401
 
 HBM_BYTES_PER_S = 4.8e12  # H200
 L2_BYTES = 50 * 2**20
-
-try:  # grid dependency control (Hopper PDL), for bench_decode_chain.py's variants
-    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-except ImportError:  # pragma: no cover
-    gdc_launch_dependents = gdc_wait = None
 
 
 

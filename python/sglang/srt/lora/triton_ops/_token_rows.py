@@ -1,7 +1,7 @@
 """Jit helpers shared by the LoRA kernels: a segment's slot and rank, an expand's output slice
 columns, where a program of the segmented (csgmv) kernels starts, the rows and slot of one
-token-major segment, and the split-K ticket reduction. Also the grid-dependency-control
-intrinsics (Hopper PDL), None where triton lacks them.
+token-major segment, and the split-K ticket reduction. (The grid-dependency-control intrinsics
+the kernels use for Hopper PDL live in layers/triton_ops/common.py.)
 """
 
 from __future__ import annotations
@@ -9,7 +9,6 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.triton_ops.common import gdc_launch_dependents, gdc_wait  # noqa: F401 (re-exported)
 
 
 @triton.jit

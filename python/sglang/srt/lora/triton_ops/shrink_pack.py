@@ -40,7 +40,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang.srt.lora.triton_ops._token_rows import gdc_wait, segment_rows, split_k_finish
+from sglang.srt.layers.triton_ops.common import gdc_wait
+from sglang.srt.lora.triton_ops._token_rows import segment_rows, split_k_finish
 
 
 @triton.jit

@@ -18,7 +18,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from sglang.srt.lora.triton_ops._token_rows import gdc_wait, segment_rows, slice_columns
+from sglang.srt.layers.triton_ops.common import gdc_wait
+from sglang.srt.lora.triton_ops._token_rows import segment_rows, slice_columns
 
 
 @triton.jit
