@@ -90,6 +90,7 @@ LORA_VARIANTS = {
     "lora-rowwise-32": ("auto", "rows:32"),  # the default's row-wise kernels up to 32 rows
     "lora-prefill-unfold": ("auto", "small"),  # the default, csgmv's folded modules apart at prefill
     "lora-late": ("auto", "small"),  # the default, its kernels captured with the early-start knobs off
+    "lora-b-late": ("auto", "small"),  # the default, the unfolded expand loading B after the rank (the old order)
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -97,6 +98,7 @@ LORA_VARIANTS = {
 VARIANT_KNOBS = {
     "lora-late": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "PDL_MAX_ROWS", 0),
                   ("sglang.srt.layers.triton_ops.common", "RELEASE_DEPENDENTS", False)),
+    "lora-b-late": (("sglang.srt.lora.triton_ops.sgemm_lora_b", "EXPAND_TILES", (256, 4)),),
 }
 # SGLANG_LORA_PREFILL_UNFOLD of the variants that set it (backend/chunked_backend.py).
 PREFILL_UNFOLD = {"lora-prefill-unfold": "1"}

@@ -244,12 +244,15 @@ if [[ " $PARTS " == *" many_steps "* ]]; then
   # top kernels and per-launch times say where the per-adapter cost grows.
   say "== many-slot decode steps (64 slots)"
   : >"$OUT/many_steps.md"
+  # GPU_SUITE_MANY_VARIANTS picks the fold=auto variants; GPU_SUITE_MANY_FOLD_ON=0 skips fold=on.
   lora_step_rows qwen3-4b "$OUT/many_steps.md" "$OUT/many_steps.log" "fold=auto " \
-    --adapters 64 --lora-fold auto --lora none,lora,lora-unfused,lora-prefill-unfold --tokens "" --prefill-batches 16x512 \
-    --decode-bs 64 --decode-adapters 8,32,64 --rounds 2
-  lora_step_rows qwen3-4b "$OUT/many_steps.md" "$OUT/many_steps.log" "fold=on " \
-    --adapters 64 --lora-fold on --lora none,lora --tokens "" --prefill-batches 16x512 \
-    --decode-bs 64 --decode-adapters 8,32,64 --rounds 2
+    --adapters 64 --lora-fold auto --lora "${GPU_SUITE_MANY_VARIANTS:-none,lora,lora-unfused,lora-prefill-unfold}" \
+    --tokens "" --prefill-batches 16x512 --decode-bs 64 --decode-adapters 8,32,64 --rounds 2
+  if [[ "${GPU_SUITE_MANY_FOLD_ON:-1}" != 0 ]]; then
+    lora_step_rows qwen3-4b "$OUT/many_steps.md" "$OUT/many_steps.log" "fold=on " \
+      --adapters 64 --lora-fold on --lora none,lora --tokens "" --prefill-batches 16x512 \
+      --decode-bs 64 --decode-adapters 8,32,64 --rounds 2
+  fi
 fi
 
 if [[ " $PARTS " == *" blas_env "* ]]; then

@@ -36,9 +36,11 @@ from sglang.srt.lora.utils import LoRABatchInfo  # noqa: E402
 
 # (module, slice widths) at the Qwen3-4B shape: q 32 x 128, kv 8 x 128; intermediate 9728.
 MODULES = {"qkv_proj": (4096, 1024, 1024), "gate_up_proj": (9728, 9728)}
-# The default first (the others are checked against its bits), then the candidates measured on
-# 2026-12-02 (several 128-wide tiles per program lost there too: see RESULTS.md).
-CANDIDATES = [(128, 4), (256, 4), (256, 8), (512, 8)]
+# The default first (the others are checked against its bits), then the candidates: one segment per
+# program (measured on 2026-12-02; several 128-wide tiles per program, and on 2026-12-04 several
+# segments per program, lost: see RESULTS.md), and "b-early": B's first rank block loaded with the
+# rank and the rows, before the dot's other operands.
+CANDIDATES = [(256, 4), (256, 4, "b-early"), (256, 8, "b-early"), (128, 4, "b-early"), (512, 8, "b-early")]
 PLANS = [EXPAND_TILES] + [plan for plan in CANDIDATES if plan != EXPAND_TILES]
 CHUNK = 16  # csgmv's --max-lora-chunk-size default
 
@@ -101,7 +103,7 @@ def main() -> None:
     dtype = torch.float32 if dry else torch.bfloat16
     layers, num_slots, rank = (1, 9, 4) if dry else (36, 65, 16)
     modules = {"qkv_proj": (32, 16, 16)} if dry else MODULES
-    plans = PLANS[:3] if dry else PLANS
+    plans = PLANS[:3] + [PLANS[-2]] if dry else PLANS
     cases = [("decode 64 x 1", [0] * 64, [1] * 64), ("decode 64 x 8", [i % 8 for i in range(64)], [1] * 64),
              ("decode 64 x 32", [i % 32 for i in range(64)], [1] * 64),
              ("decode 64 x 64", list(range(64)), [1] * 64), ("prefill 8 x 256 x 8", list(range(8)), [256] * 8),
@@ -111,7 +113,7 @@ def main() -> None:
     lines = [f"### Expand tile plans, {torch.cuda.get_device_name(0) if not dry else 'CPU (interpreter)'}, "
              f"torch {torch.__version__} ({time.strftime('%Y-%m-%d')})", "",
              "GPU µs per launch (one graph of the expand of every layer), rank 16, 64 slots; plan = "
-             "(BLOCK_N, warps); `same` = equal, bit for bit, to the first plan's.", "",
+             "(BLOCK_N, warps[, 'b-early']); `same` = equal, bit for bit, to the first plan's.", "",
              "| module | case | " + " | ".join(str(pl) for pl in plans) + " | all same |",
              "|---|---|" + "---:|" * len(plans) + "---|"]
     for name, widths in modules.items():

@@ -268,7 +268,8 @@ def test_expand_tile_plans_give_the_same_bits(block_n):
 
     one = run((block_n, 4))
     torch.testing.assert_close(one, expected, rtol=1e-5, atol=1e-4)
-    for tiles in [(block_n, 2), (block_n, 8)]:
+    # "b-early": B's first rank block loaded with the rank and rows, zeroed past the rank after.
+    for tiles in [(block_n, 2), (block_n, 8), (block_n, 4, "b-early"), (block_n, 8, "b-early")]:
         got = run(tiles)
         assert torch.equal(got, one), tiles
         _assert_untouched_rows(got, info, num_tokens)

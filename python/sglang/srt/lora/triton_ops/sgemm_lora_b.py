@@ -53,6 +53,7 @@ def _segment_expand_kernel(
     R_ITERS: tl.constexpr,
     LANE_ITERS: tl.constexpr,
     DOT_PREC: tl.constexpr,
+    B_EARLY: tl.constexpr,
 ):
     seg = tl.program_id(2)
     slice_id = tl.program_id(1)
@@ -67,20 +68,24 @@ def _segment_expand_kernel(
     # under GQA) leave after the first round.
     if (first_row >= seg_end) | (col0 >= col_hi):
         return
+    offs_n = col0 + tl.arange(0, BLOCK_N)
+    col_mask = offs_n < col_hi
+    offs_r = tl.arange(0, BLOCK_R)
+    # w_stride_slice: 0 for a plain B; a folded module's B lives in W_aug, slice k's rank columns
+    # k*R past its slot's block (lora/fold.py).
+    w_base = (w_ptr + tl.maximum(slot, 0).to(tl.int64) * w_stride_s + slice_id * w_stride_slice
+              + offs_n[None, :].to(tl.int64) * w_stride_n)
+    if B_EARLY:
+        # B's first rank block depends on the slot alone: in flight with the rank and the rows
+        # (round 2) rather than after them. Unmasked by the rank (not known yet): the columns
+        # past it are zeroed once it is, as the masked load would have left them.
+        b_first = tl.load(w_base + offs_r[:, None] * w_stride_r, mask=col_mask[None, :], other=0.0)
     rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)
     scaling = tl.load(scalings_ptr + tl.maximum(slot, 0))
     first_offs = first_row + tl.arange(0, BLOCK_S)
     first_rows = tl.load(perm_ptr + first_offs, mask=first_offs < seg_end, other=0).to(tl.int64)
     if rank == 0:  # base requests and padding rows
         return
-
-    offs_n = col0 + tl.arange(0, BLOCK_N)
-    col_mask = offs_n < col_hi
-    offs_r = tl.arange(0, BLOCK_R)
-    # w_stride_slice: 0 for a plain B; a folded module's B lives in W_aug, slice k's rank columns
-    # k*R past its slot's block (lora/fold.py).
-    w_base = (w_ptr + slot.to(tl.int64) * w_stride_s + slice_id * w_stride_slice
-              + offs_n[None, :].to(tl.int64) * w_stride_n)
 
     # This lane's token tiles: first_row + i * lanes * BLOCK_S, skipped past the segment end.
     for it in tl.static_range(LANE_ITERS):
@@ -99,12 +104,15 @@ def _segment_expand_kernel(
             x_ptrs = x_ptr + rows[:, None] * x_stride_t + (slice_id * rank + offs_r)[None, :] * x_stride_r
             w_ptrs = w_base + offs_r[:, None] * w_stride_r
             acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
-            for ri in range(R_ITERS):
+            for ri in tl.static_range(R_ITERS):
                 # K is clipped to the slot's rank: columns past it may hold stale or
                 # uninitialised data.
                 r_mask = offs_r < rank - ri * BLOCK_R
                 a = tl.load(x_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-                b = tl.load(w_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
+                if B_EARLY and ri == 0 and it == 0:
+                    b = tl.where(r_mask[:, None], b_first, 0.0).to(b_first.dtype)
+                else:
+                    b = tl.load(w_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
                 # Compute in the weights' dtype: an fp32 (split-K) shrink output is rounded like
                 # a bf16 one would have been, and bf16 x bf16 keeps the tensor-core path.
                 acc = tl.dot(a.to(b.dtype), b, acc, input_precision=DOT_PREC)
@@ -120,8 +128,14 @@ def _segment_expand_kernel(
 # qkv_proj / gate_up_proj µs per launch against 128-wide, decode 64 on 1 adapter 3.8 / 5.2 (4.9 /
 # 7.6), on 8 4.8 / 7.1 (5.3 / 9.6), on 32 7.3 / 14.9 (7.5 / 16.2), on 64 11.5 / 25.8 (11.4 / 26.3),
 # prefill 8 x 256 21.3 / 59.0 (23.6 / 63.2); the same bits in every case. Several 128-wide tiles
-# per program lost (longer programs, fewer of them in flight), so a program covers one tile.
-EXPAND_TILES = (256, 4)
+# per program lost (longer programs, fewer of them in flight), so a program covers one tile; so did
+# several segments per program (2026-12-04: a batched dot over 2-8 segments, 1.3-2.6x slower).
+# "b-early" loads B's first rank block in the second load round (with the rank and the rows) rather
+# than the third. bench_expand_tiles (2026-12-04), qkv / gate_up µs per launch, with it (without):
+# decode 64 on 8 adapters 4.2 / 6.2 (4.8 / 7.1), on 64 8.8 / 19.8 (11.1 / 25.7), prefill 8 x 256
+# 17.0 / 48.0 (20.3 / 57.2); the same bits. Whole decode steps at 64 slots (profile_forward) spent
+# 1,481 / 1,883 / 2,760 µs of LoRA kernels on 8 / 32 / 64 adapters without it, 1,408 / 1,760 / 2,464 with.
+EXPAND_TILES = (256, 4, "b-early")
 
 
 def segmented_expand(
@@ -132,7 +146,7 @@ def segmented_expand(
     num_slices: int,
     slice_offsets: Optional[torch.Tensor] = None,
     max_slice_width: Optional[int] = None,
-    tiles: Optional[tuple[int, int]] = None,
+    tiles: Optional[tuple] = None,
     slice_stride: int = 0,
 ) -> torch.Tensor:
     """Launch the expand over `batch_info`'s grid, accumulating into `base_output` in place.
@@ -140,8 +154,8 @@ def segmented_expand(
     Slices are either given by `slice_offsets` (int device tensor [num_slices + 1]; then
     `max_slice_width` bounds the column grid) or, when None, equal: out_dim / num_slices each.
     `slice_stride` moves slice k's B by k * slice_stride elements (a folded module's B inside
-    W_aug, lora/fold.py `folded_b`); 0 for a plain B. `tiles` (BLOCK_N, warps) overrides
-    EXPAND_TILES (benchmarks).
+    W_aug, lora/fold.py `folded_b`); 0 for a plain B. `tiles` (BLOCK_N, warps[, "b-early"])
+    overrides EXPAND_TILES (benchmarks, tests).
     """
     assert x.dim() == 2 and weights.dim() == 3, (x.shape, weights.shape)
     num_tokens = x.shape[0]
@@ -161,7 +175,7 @@ def segmented_expand(
     assert batch_info.permutation is not None, "csgmv expand needs batch_info.permutation"
 
     block_s = token_block(batch_info.max_len)
-    block_n, num_warps = tiles or EXPAND_TILES
+    block_n, num_warps, b_early = _plan(tiles or EXPAND_TILES)
     block_n = min(block_n, max(16, triton.next_power_of_2(max_slice_width)))
     block_r = rank_block(max_rank)
     n_tiles = triton.cdiv(max_slice_width, block_n)
@@ -199,9 +213,16 @@ def segmented_expand(
         R_ITERS=triton.cdiv(max_rank, block_r),
         LANE_ITERS=lane_iters,
         DOT_PREC=dot_precision(weights),
+        B_EARLY=b_early,
         num_warps=num_warps,
     )
     return base_output
+
+
+def _plan(tiles: tuple) -> tuple[int, int, bool]:
+    """(BLOCK_N, warps, B loaded early) of a plan (BLOCK_N, warps[, "b-early"])."""
+    assert len(tiles) in (2, 3) and (len(tiles) == 2 or tiles[2] == "b-early"), tiles
+    return tiles[0], tiles[1], len(tiles) == 3
 
 
 def qkv_offset_alignment(out_dim: int, max_slice_width: int) -> int:
