@@ -77,8 +77,9 @@ def _segment_expand_kernel(
               + offs_n[None, :].to(tl.int64) * w_stride_n)
     if B_EARLY:
         # B's first rank block depends on the slot alone: in flight with the rank and the rows
-        # (round 2) rather than after them. Unmasked by the rank (not known yet): the columns
-        # past it are zeroed once it is, as the masked load would have left them.
+        # (round 2) rather than after them. Unmasked by the rank (not known yet): the rows past
+        # it are zeroed once it is, as the masked load would have left them. (Rank-0 segments
+        # load their slot's block for nothing: one small tile, from L2 after the first.)
         b_first = tl.load(w_base + offs_r[:, None] * w_stride_r, mask=col_mask[None, :], other=0.0)
     rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)
     scaling = tl.load(scalings_ptr + tl.maximum(slot, 0))
@@ -86,6 +87,8 @@ def _segment_expand_kernel(
     first_rows = tl.load(perm_ptr + first_offs, mask=first_offs < seg_end, other=0).to(tl.int64)
     if rank == 0:  # base requests and padding rows
         return
+    if B_EARLY:
+        b_first = tl.where(offs_r[:, None] < rank, b_first, 0.0).to(b_first.dtype)
 
     # This lane's token tiles: first_row + i * lanes * BLOCK_S, skipped past the segment end.
     for it in tl.static_range(LANE_ITERS):
@@ -109,8 +112,8 @@ def _segment_expand_kernel(
                 # uninitialised data.
                 r_mask = offs_r < rank - ri * BLOCK_R
                 a = tl.load(x_ptrs, mask=row_mask[:, None] & r_mask[None, :], other=0.0)
-                if B_EARLY and ri == 0 and it == 0:
-                    b = tl.where(r_mask[:, None], b_first, 0.0).to(b_first.dtype)
+                if B_EARLY and ri == 0:  # the same block for every token tile of the lane
+                    b = b_first
                 else:
                     b = tl.load(w_ptrs, mask=r_mask[:, None] & col_mask[None, :], other=0.0)
                 # Compute in the weights' dtype: an fp32 (split-K) shrink output is rounded like
