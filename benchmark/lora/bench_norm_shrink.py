@@ -62,6 +62,11 @@ class Module:
         self.a = (torch.randn(slots, stack * rank, in_dim, generator=gen) / in_dim**0.5).to(dtype).to(device)
         self.w_aug = (torch.randn(out_dim, in_dim + self.extra, generator=gen) / in_dim**0.5).to(dtype).to(device)
         self.w = self.w_aug[:, :in_dim]
+        if stack == 1 and not norm:
+            # `afold` (o_proj, down_proj): W_a = [W; A of every slot] (the GEMM also writes every
+            # slot's shrink), B transposed [S, R, N] for the norm after it.
+            self.w_a = torch.cat([self.w, self.a.reshape(slots * rank, in_dim)]).contiguous()
+            self.bt = (torch.randn(slots, rank, out_dim, generator=gen) / rank**0.5).to(dtype).to(device)
 
 
 def build(shape: str, rank: int, slots: int, dtype, device) -> list[Module]:
@@ -157,6 +162,32 @@ class Step:
     def unfused(self) -> None:
         self._lora(lambda m: False)
 
+    def afold(self) -> None:
+        """o_proj and down_proj A-folded: their GEMM over W_a writes [base output | every slot's
+        shrink], and the next norm (fused with its module's shrink) adds the row's delta before the
+        residual. No LoRA launch of their own; SiLU-and-mul is the base's kernel. The first qkv
+        norm of the step has no delta before it."""
+        self.outs = []
+        self.res_work.copy_(self.residual)
+        pending = None  # (GEMM output [T, N + S*R], its module)
+        for i, m in enumerate(self.mods):
+            if m.norm:
+                x, delta = self.x[m.in_dim], None
+                if pending is not None:
+                    out, pm = pending
+                    x = out[:, : m.in_dim]
+                    delta = nsp.DeferredDelta(out[:, m.in_dim :], pm.bt, self.scalings, pm.rank)
+                new = norm_shrink_pack(x, self.res_work, m.norm_w, EPS, m.a, self.x_aug[i], self.row_slots,
+                                       self.ranks, self.scalings, m.stack, m.rank, residual_out=self.res_out,
+                                       use_pdl=self.use_pdl, delta=delta)
+                self.res_work, self.res_out = new, self.res_work
+                self.outs.append(F.linear(self.x_aug[i], m.w_aug))
+            else:
+                x = silu_and_mul_fwd(self.gate_up) if m.act else self.x[m.in_dim]
+                out = F.linear(x, m.w_a)
+                pending = (out, m)
+                self.outs.append(out)
+
     def fused(self) -> None:  # --lora-fuse-norm
         self._lora(lambda m: m.norm)
 
@@ -177,12 +208,14 @@ def main() -> None:
     p.add_argument("--tile-elements", nargs="*", type=int, default=[],
                    help="also time `fused` with norm_shrink_pack.TILE_ELEMENTS set to each (its column tile: "
                         "fewer, wider programs per row re-normalise the row fewer times)")
+    p.add_argument("--afold", action="store_true",
+                   help="also time `afold`: o_proj / down_proj A-folded, their deltas added by the next norm")
     add_output_args(p)
     args = p.parse_args()
     dry, device, dtype, models = target(args)
     bss = [1, 3] if dry else args.decode_bs
     slots = args.adapters + 1
-    lines, tiles, early = [], [], []
+    lines, tiles, early, afolds = [], [], [], []
     for shape in models:
         mods = build(shape, args.rank, slots, dtype, device)
         layers = model_dims(shape)[5]
@@ -211,6 +244,15 @@ def main() -> None:
                              f"{unfused - base:.0f} | {fused - base:.0f} | {rowwise - base:.0f} | "
                              f"{2 * (unfused - fused) / n:.2f} | {(unfused - rowwise) / n:.2f} | {diff:.1e} |")
                 print(lines[-1], flush=True)
+            if args.afold:
+                step.afold()  # compiles; its outputs are not `unfused`'s (the deltas move to the next norm)
+                if not dry:
+                    us = graph_us(lambda _: step.afold())
+                    best = min(fused, rowwise)
+                    afolds.append(f"| {shape} | {bs} | {base:.0f} | {fused - base:.0f} | {rowwise - base:.0f} | "
+                                  f"{us - base:.0f} | {(us - base) / max(best - base, 1e-9):.2f} | "
+                                  f"{us / base:.3f} | {best / base:.3f} |")
+                    print(afolds[-1], flush=True)
             if args.early_start:
                 early += early_start_rows(shape, step, dry)
             for tile in args.tile_elements:
@@ -221,6 +263,12 @@ def main() -> None:
         lines += [f"`fused` with other column tiles (default TILE_ELEMENTS {nsp.TILE_ELEMENTS})", "",
                   "| model | decode bs | TILE_ELEMENTS | fused µs/step | LoRA fused | max rel diff |",
                   "|---|---:|---:|---:|---:|---:|", *tiles, ""]
+    if args.afold:
+        lines += ["`afold`: o_proj / down_proj A-folded (W_a = [W; A of every slot], the next norm adds the delta); "
+                  "LoRA µs per step over the base, and step / base", "",
+                  "| model | decode bs | base µs/step | LoRA fused | LoRA rowwise | LoRA afold | afold / best | "
+                  "afold step / base | best step / base |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *afolds, ""]
     if args.early_start:
         lines += [f"`fused` with the early-start knobs (default: the norm kernel a PDL dependent up to "
                   f"{nsp.PDL_MAX_ROWS} rows, SiLU-and-mul releasing at its start; GPU µs per step, the same graph "

@@ -16,6 +16,7 @@ from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd
 from sglang.srt.lora.fold import fold_extra_columns
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd
 from sglang.srt.lora.triton_ops.norm_shrink_pack import (
+    DeferredDelta,
     column_tile,
     norm_shrink,
     norm_shrink_pack,
@@ -23,7 +24,7 @@ from sglang.srt.lora.triton_ops.norm_shrink_pack import (
     silu_shrink_pack,
 )
 from sglang.srt.lora.triton_ops.token_lora import shrink_pack, token_shrink
-from test_lora_fold import RANKS, RANKS_T, ROW_SLOTS, SCALINGS_T, S, R, _poisoned_a, ref_x_aug
+from test_lora_fold import RANKS, RANKS_T, ROW_SLOTS, SCALINGS, SCALINGS_T, S, R, _poisoned_a, ref_x_aug
 
 EPS = 1e-6
 
@@ -124,6 +125,46 @@ def test_silu_and_mul_before_down_proj(dtype):
         assert torch.equal(xa[t, r:], torch.full((R - r,), -777.0, dtype=dtype)), t  # untouched
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_deferred_delta_of_an_a_folded_module(dtype):
+    """x is an A-folded module's base output (a strided view of its GEMM's [T, N + S*R] output),
+    and the row's delta scaling * s[slot block] @ B^T is added before the residual: rmsnorm_fwd of
+    the module output computed in torch (float32 sum of the delta, one rounding), and the packed
+    shrink of that. Rank rows past an adapter's rank in B^T hold NaN: never read."""
+    slots, _, residual, norm_w, a, extra = inputs(300, 3, dtype, 41)
+    rows, gen = slots.numel(), torch.Generator().manual_seed(42)
+    gemm_out = (3 * torch.randn(rows, 300 + S * R, generator=gen)).to(dtype)
+    base_out, shrink = gemm_out[:, :300], gemm_out[:, 300:]
+    bt = torch.randn(S, R, 300, generator=gen)
+    for slot, r in enumerate(RANKS):
+        bt[slot, r:] = float("nan")
+    bt = bt.to(dtype)
+    x_aug = torch.full((rows, 300 + extra), float("nan"), dtype=dtype)
+    res_in = residual.clone()
+    new_res = norm_shrink_pack(base_out, residual, norm_w, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 3, R,
+                               delta=DeferredDelta(shrink, bt, SCALINGS_T, R))
+    module_out = base_out.float().clone()
+    for t, s in enumerate(ROW_SLOTS):
+        r = RANKS[s] if s >= 0 else 0
+        if r:
+            module_out[t] += SCALINGS[s] * (shrink[t, s * R : s * R + r].float() @ bt[s, :r].float())
+    ref_res = residual.clone()
+    normed = rmsnorm_fwd(module_out.to(dtype), norm_w, EPS, residual=ref_res)
+    assert torch.equal(residual, res_in) and not torch.isnan(x_aug).any()
+    tol = dict(rtol=1e-5, atol=1e-4) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(new_res.float(), ref_res.float(), **tol)
+    torch.testing.assert_close(x_aug[:, :300].float(), normed.float(), **tol)
+    expected = ref_x_aug(x_aug[:, :300].float(), a.float(), ROW_SLOTS, 3, extra)
+    torch.testing.assert_close(x_aug.float(), expected, **tol)
+    # Rows without an adapter get no delta: rmsnorm_fwd of the base output, bit for bit.
+    plain = [t for t, s in enumerate(ROW_SLOTS) if s < 0 or RANKS[s] == 0]
+    ref_plain = residual.clone()
+    normed_plain = rmsnorm_fwd(base_out.contiguous(), norm_w, EPS, residual=ref_plain)
+    assert torch.equal(x_aug[plain, :300], normed_plain[plain]) and torch.equal(new_res[plain], ref_plain[plain])
+    # An adapter row whose delta is large moved: the delta was added at all.
+    assert not torch.equal(new_res, ref_plain)
+
+
 def test_bf16_norm_is_rmsnorm_bit_for_bit():
     slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.bfloat16, 1)
     x_aug = torch.empty((slots.numel(), 300 + extra), dtype=torch.bfloat16)
@@ -163,20 +204,23 @@ def test_column_tile_is_a_layer_constant():
     assert all(RANKS[s] <= R for s in range(S))
 
 
-def hopper_ptx(packed: bool, silu: bool = False) -> str:
-    """The kernel compiled for sm_90 at Qwen3-4B shapes: qkv after its norm, or down_proj after
-    SiLU-and-mul (run without TRITON_INTERPRET)."""
+def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False) -> str:
+    """The kernel compiled for sm_90 at Qwen3-4B shapes: qkv after its norm (with `delta`, adding
+    the deferred delta of the A-folded down_proj before it), or down_proj after SiLU-and-mul (run
+    without TRITON_INTERPRET)."""
     from sglang.srt.lora.triton_ops.norm_shrink_pack import _norm_shrink_pack_kernel
     from test_lora_token_kernels import _compile_for_hopper
 
     k, stack = (9728, 1) if silu else (2560, 3)
     bf16 = {n: "*bf16" for n in ("X", "R", "R_OUT", "NORM_W", "A", "XAUG", "Y")}
     return _compile_for_hopper(
-        _norm_shrink_pack_kernel, {**bf16, "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32"},
-        ["stride_x", "stride_r", "stride_ro", "stride_xaug", "stride_y", "a_stride_s", "a_stride_n", "K"],
+        _norm_shrink_pack_kernel, {**bf16, "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32",
+                                   "D_S": "*bf16", "D_BT": "*bf16", "D_SCALINGS": "*fp32"},
+        ["stride_x", "stride_r", "stride_ro", "stride_xaug", "stride_y", "a_stride_s", "a_stride_n", "stride_ds",
+         "dbt_stride_s", "dbt_stride_r", "K"],
         dict(STACK=stack, MAX_RANK=16, E_COLS=9 * stack * 16, BLOCK=triton_next_pow2(k), BLOCK_J=column_tile(k),
              BLOCK_E=512, HAS_NORM=not silu, HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False,
-             USE_PDL=True),
+             USE_PDL=True, DELTA_RANK=16 if delta else 0),
         floats=("eps",), num_warps=8,
     )
 
@@ -204,7 +248,7 @@ def test_compiles_for_hopper():
     python_dir = os.path.join(here, "..", "..", "..", "python")  # this checkout's package, not an installed one
     code = (f"import sys; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
             "import test_lora_norm_shrink as t; ptx = [t.hopper_ptx(p, s) for p, s in ((True, False), (False, False), "
-            "(True, True), (False, True))]; "
+            "(True, True), (False, True))] + [t.hopper_ptx(True, delta=True)]; "
             "print('ok', all('st.global' in p and t.a_before_wait(p) for p in ptx))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -26,13 +26,14 @@ values. At prefill sizes every row would read its adapter's A again; there shrin
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.triton_ops.common import gdc_wait, interpreting
+from sglang.srt.layers.triton_ops.common import cast_rne, gdc_wait, interpreting
 from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_mul
 
@@ -48,10 +49,24 @@ TILE_ELEMENTS = 16384
 PDL_MAX_ROWS = 32
 
 
+@dataclass
+class DeferredDelta:
+    """The LoRA delta an A-folded module (o_proj, down_proj: W_a = [W; A of every slot]) leaves to
+    the norm after it: `shrink` [T, S*max_rank] the unscaled x @ A^T of every slot (the GEMM's last
+    columns; row t uses its slot's block), `bt` [S, max_rank, K] each slot's B transposed (rank
+    rows past an adapter's rank are never read), `scalings` [S] float32."""
+
+    shrink: torch.Tensor
+    bt: torch.Tensor
+    scalings: torch.Tensor
+    max_rank: int
+
+
 @triton.jit
 def _norm_shrink_pack_kernel(
-    X, R, R_OUT, NORM_W, A, XAUG, Y, ROW_SLOTS, RANKS, SCALINGS,
-    stride_x, stride_r, stride_ro, stride_xaug, stride_y, a_stride_s, a_stride_n,
+    X, R, R_OUT, NORM_W, A, XAUG, Y, ROW_SLOTS, RANKS, SCALINGS, D_S, D_BT, D_SCALINGS,
+    stride_x, stride_r, stride_ro, stride_xaug, stride_y, a_stride_s, a_stride_n, stride_ds, dbt_stride_s,
+    dbt_stride_r,
     K, eps,
     STACK: tl.constexpr,
     MAX_RANK: tl.constexpr,
@@ -65,6 +80,7 @@ def _norm_shrink_pack_kernel(
     PACKED: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
     USE_PDL: tl.constexpr,
+    DELTA_RANK: tl.constexpr,
 ):
     # PACKED (a folded module): XAUG is x_aug [T, K + E], Y unused. Otherwise (an unfolded one) Y
     # gets the normalised rows [T, K] and XAUG is the shrink output [T, STACK * MAX_RANK], each
@@ -97,7 +113,28 @@ def _norm_shrink_pack_kernel(
         up = tl.load(X + row * stride_x + K + offs, mask=mask, other=0.0)
         y = silu_mul(gate, up, XAUG.dtype.element_ty, EMULATE_RNE)
     else:
-        x = load_row(X, R, row, stride_x, stride_r, offs, mask, HAS_RESIDUAL, EMULATE_RNE)
+        if DELTA_RANK > 0:
+            # The deferred LoRA delta of the A-folded module before (o_proj / down_proj, whose GEMM
+            # wrote X = its base output and D_S = every slot's unscaled shrink): the row's module
+            # output X + scaling * s[slot block] @ B[slot]^T, rounded to the model dtype as a module
+            # output is, then the residual add of load_row.
+            d_slot = tl.maximum(slot, 0)
+            delta = tl.zeros((BLOCK,), dtype=tl.float32)
+            for j in tl.static_range(DELTA_RANK):
+                live = j < rank
+                s_j = tl.load(D_S + row * stride_ds + d_slot * DELTA_RANK + j, mask=live, other=0.0)
+                # A block-vs-scalar bound, not `mask & live` (the interpreter rejects a block & a scalar).
+                b_j = tl.load(D_BT + d_slot.to(tl.int64) * dbt_stride_s + j * dbt_stride_r + offs,
+                              mask=offs < tl.where(live, K, 0), other=0.0)
+                delta += s_j.to(tl.float32) * b_j.to(tl.float32)
+            d_scale = tl.where(rank > 0, tl.load(D_SCALINGS + d_slot), 0.0)
+            x = tl.load(X + row * stride_x + offs, mask=mask, other=0.0)
+            x = cast_rne(x.to(tl.float32) + d_scale * delta, x.dtype, EMULATE_RNE)
+            if HAS_RESIDUAL:
+                res = tl.load(R + row * stride_r + offs, mask=mask, other=0.0)
+                x = cast_rne(x.to(tl.float32) + res.to(tl.float32), x.dtype, EMULATE_RNE)
+        else:
+            x = load_row(X, R, row, stride_x, stride_r, offs, mask, HAS_RESIDUAL, EMULATE_RNE)
         if HAS_RESIDUAL and tile == 0:
             tl.store(R_OUT + row * stride_ro + offs, x, mask=mask)
         if HAS_NORM:
@@ -133,7 +170,8 @@ def column_tile(in_dim: int) -> int:
 
 
 def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_ranks, scalings, stack_num, max_rank,
-            residual_out, packed: bool, silu: bool = False, use_pdl: bool = False) -> Optional[torch.Tensor]:
+            residual_out, packed: bool, silu: bool = False, use_pdl: bool = False,
+            delta: Optional["DeferredDelta"] = None) -> Optional[torch.Tensor]:
     rows = x.shape[0]
     in_dim = x.shape[1] // 2 if silu else x.shape[1]  # SiLU-and-mul: x = [gate | up]
     assert not silu or (norm_weight is None and residual is None and x.shape[1] == 2 * in_dim)
@@ -156,14 +194,24 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
     ro = residual_out if residual is not None else x
     y = y if y is not None else out
     pdl = use_pdl and rows <= PDL_MAX_ROWS
+    if delta is not None:
+        assert norm_weight is not None and not silu, "a deferred delta is added before a norm"
+        assert delta.shrink.shape[0] == rows and delta.shrink.stride(1) == 1, delta.shrink.shape
+        assert delta.bt.shape[2] == in_dim and delta.bt.stride(2) == 1 and delta.bt.shape[1] == delta.max_rank
+        d_s, d_bt, d_scalings = delta.shrink, delta.bt, delta.scalings
+        d_strides = (delta.shrink.stride(0), delta.bt.stride(0), delta.bt.stride(1))
+    else:
+        d_s, d_bt, d_scalings, d_strides = x, x, scalings, (0, 0, 0)
     _norm_shrink_pack_kernel[(rows, triton.cdiv(stack_num * max_rank, block_j))](
         x, r, ro, norm_weight if norm_weight is not None else x, weights, out, y, row_slots, lora_ranks, scalings,
+        d_s, d_bt, d_scalings,
         x.stride(0), r.stride(0), ro.stride(0), out.stride(0), y.stride(0), weights.stride(0), weights.stride(1),
+        *d_strides,
         in_dim, eps,
         STACK=stack_num, MAX_RANK=max_rank, E_COLS=extra, BLOCK=block, BLOCK_J=block_j,
         BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_SILU=silu, PACKED=packed,
-        EMULATE_RNE=interpreting(), USE_PDL=pdl,
+        EMULATE_RNE=interpreting(), USE_PDL=pdl, DELTA_RANK=delta.max_rank if delta is not None else 0,
         # rmsnorm_fwd's warps for the row: the same reduction tree, so the norm equals its output.
         num_warps=8 if block >= 4096 else (4 if block >= 1024 else 2),
         **({"launch_pdl": True} if pdl else {}),
@@ -185,6 +233,7 @@ def norm_shrink_pack(
     max_rank: int,
     residual_out: Optional[torch.Tensor] = None,
     use_pdl: bool = False,
+    delta: Optional[DeferredDelta] = None,
 ) -> Optional[torch.Tensor]:
     """x_aug [T, K + E] = [RMSNorm(x (+ residual)) | its packed pre-scaled shrink] in one launch.
 
@@ -195,11 +244,12 @@ def norm_shrink_pack(
     returned; without, returns None. `norm_weight` None: no norm (and no
     residual), x_aug = [x | packed shrink of x], shrink_pack's result computed row by row.
     `use_pdl` (the backend's decision; every function here takes it): a programmatic dependent
-    launch at batches of up to PDL_MAX_ROWS rows.
+    launch at batches of up to PDL_MAX_ROWS rows. `delta`: x is an A-folded module's base output,
+    and its row's LoRA delta is added (and rounded, as the module's output) before the residual.
     """
     assert x_aug.shape[1] - x.shape[1] >= (weights.shape[0] - 1) * stack_num * max_rank, x_aug.shape
     return _launch(x, residual, norm_weight, eps, weights, x_aug, None, row_slots, lora_ranks, scalings, stack_num,
-                   max_rank, residual_out, packed=True, use_pdl=use_pdl)
+                   max_rank, residual_out, packed=True, use_pdl=use_pdl, delta=delta)
 
 
 def silu_shrink_pack(gate_up: torch.Tensor, weights: torch.Tensor, x_aug: torch.Tensor, row_slots: torch.Tensor,
@@ -245,4 +295,4 @@ def norm_shrink(
                    stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl)
 
 
-__all__ = ["norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
+__all__ = ["DeferredDelta", "norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
