@@ -32,17 +32,20 @@ def assets(tmp_path_factory):
     }
 
 
-def runner_for(assets, backend: str, fuse, rowwise: bool = False, fold: str = "auto"):
+def runner_for(assets, backend: str, fuse, rowwise: bool = False, fold: str = "auto", afold: str = "0"):
     """fuse: a --lora-fuse-norm mode, or True / False for on / off."""
     # o_proj / down_proj take the row-wise kernel at every decode batch (1) or never (0; the
-    # default, small, would at these tests' small batches). Read when the backend is built.
+    # default, small, would at these tests' small batches), and defer their delta to the next norm
+    # (afold: SGLANG_LORA_AFOLD, off here unless asked: the default, small, would at these batches).
+    # Read when the backend is built.
     os.environ["SGLANG_LORA_ROWWISE_DECODE"] = "1" if rowwise else "0"
+    os.environ["SGLANG_LORA_AFOLD"] = afold
     ckpt, paths = assets
     try:
         runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
                              max_lora_rank=8, lora_fuse_norm=fuse, lora_fold=fold)
     finally:
-        del os.environ["SGLANG_LORA_ROWWISE_DECODE"]
+        del os.environ["SGLANG_LORA_ROWWISE_DECODE"], os.environ["SGLANG_LORA_AFOLD"]
     assert runner.lora_manager.lora_backend.__dict__.get("rowwise_decode", False) == rowwise
     return runner
 
@@ -114,6 +117,57 @@ def test_fused_decode_equals_unfused(assets, backend, fold, rowwise, monkeypatch
     _, base_logprobs, _ = decode_run(fused_runner, names=(None,) * 4)
     assert float((logprobs - base_logprobs)[:, [0, 2, 3]].abs().max()) > 1e-3
     assert float((logprobs - base_logprobs)[:, 1].abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("backend,rowwise", [("triton", False), ("csgmv", False), ("csgmv", True)])
+def test_a_folded_o_and_down_leave_their_delta_to_the_next_norm(assets, backend, rowwise, monkeypatch):
+    """SGLANG_LORA_AFOLD (the default, `small`, at these batches): the folded o_proj and down_proj
+    run one GEMM over [W; A] and the norm after each adds the row's delta (post_attention_layernorm
+    o_proj's, the next layer's input_layernorm down_proj's; the last down_proj, before the final norm,
+    keeps its kernel): no LoRA kernel of their own at decode, also where the row-wise kernels would
+    run, and the decode equals the unfused engine's to float32 rounding."""
+    runner = runner_for(assets, backend, fuse=True, rowwise=rowwise, afold="small")
+    pool = runner.lora_manager.pool
+    assert pool.a_fold_modules == ["down_proj", "o_proj"]
+    layers = runner.model.model.layers
+    assert [l.self_attn.o_proj.defers_to_norm for l in layers] == [True] * len(layers)
+    assert [l.mlp.down_proj.defers_to_norm for l in layers] == [True] * (len(layers) - 1) + [False]
+    assert layers[0].input_layernorm.fusion.producer is None
+    assert layers[1].input_layernorm.fusion.producer is layers[0].mlp.down_proj
+    assert layers[0].post_attention_layernorm.fusion.producer is layers[0].self_attn.o_proj
+    from sglang.srt.lora.backend import token_backend
+
+    backend_obj = runner.lora_manager.lora_backend
+    module_calls, deltas = [], []
+    run_module, run_norm = backend_obj.run_module, backend_obj.run_norm
+    monkeypatch.setattr(backend_obj, "run_module",
+                        lambda w, *a, **kw: module_calls.append(w.spec.name) or run_module(w, *a, **kw))
+    monkeypatch.setattr(backend_obj, "run_norm",
+                        lambda *a, delta=None, **kw: deltas.append(delta is not None) or run_norm(*a, delta=delta, **kw))
+    silu = token_backend.silu_shrink_pack
+    silu_calls = []
+    monkeypatch.setattr(token_backend, "silu_shrink_pack", lambda *a, **kw: silu_calls.append(1) or silu(*a, **kw))
+    tokens, logprobs, _ = decode_run(runner)
+    monkeypatch.undo()
+    prefill_calls = 4 * len(layers)  # every module at prefill (nothing fuses or defers there)
+    assert module_calls[:prefill_calls].count("o_proj") == len(layers)
+    # At decode, only the last layer's down_proj still calls its own kernel (row-wise: the SiLU's).
+    assert module_calls[prefill_calls:] == ([] if rowwise else ["down_proj"] * 4)
+    assert len(silu_calls) == (4 if rowwise else 0)
+    # Every norm but the first layer's input_layernorm takes a delta.
+    assert deltas == ([False] + [True] * (2 * len(layers) - 1)) * 4
+    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, backend, fuse=False))
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
+    _, base_logprobs, _ = decode_run(runner, names=(None,) * 4)
+    assert float((logprobs - base_logprobs)[:, [0, 3]].abs().max()) > 1e-3  # adapter a has o_proj / down_proj
+
+
+def test_a_fold_is_off_without_norm_fusion(assets):
+    """The deltas go to fused norms: with --lora-fuse-norm off the pool lays out no A-fold."""
+    runner = runner_for(assets, "csgmv", fuse=False, afold="small")
+    assert runner.lora_manager.pool.a_fold_modules == []
+    assert not any(m.defers_to_norm for layer in runner.lora_manager.lora_modules.values() for m in layer.values())
 
 
 @pytest.mark.parametrize("fold", ["auto", "off"])

@@ -18,6 +18,17 @@ rank moves in.
 The cost: every forward reads E*N extra weight elements and does 2*T*N*E extra FLOPs, whatever
 the number of adapters the batch uses. `should_fold` bounds the extra bytes (see its docstring for
 the arithmetic); modules over the bound keep separate shrink and expand kernels.
+
+The A-fold (`a_fold_views`; o_proj and down_proj, one output slice, with a fused norm after them):
+the buffer behind W_aug has S*R more rows, which hold A, so that
+
+    W_a [N + S_a*R, K] = [ W ; A of every adapter slot ]      (a view: rows of W_aug's buffer, cols < K)
+
+and one GEMM `x @ W_a.T` gives the base output and every slot's unscaled shrink. At small decode
+batches the module stops there and the fused norm after it adds each row's
+`scaling * shrink[slot block] @ B^T` (lora/norm_fusion.py): no LoRA kernel of its own. Elsewhere it
+runs as any folded module: shrink_pack (reading A in place, row stride K + E) and the GEMM over
+W_aug. The pool also keeps B transposed [slots, R, N] for the norm kernel.
 """
 
 from __future__ import annotations
@@ -34,6 +45,9 @@ EXTRA_COLS_ALIGN = 16  # W_aug's row stride stays 32-byte aligned (bf16) for cuB
 # (4*T*N bytes) while E < 2*PEAK/BW ~ 370, which the same bound gives for the widest module
 # (gate_up of Llama-8B, N = 28672: E <= 365).
 FOLD_MAX_EXTRA_BYTES = 20 * 2**20
+# The modules that may take the A-fold (a_fold_views): one output slice, and a fused norm after them
+# (post_attention_layernorm after o_proj, the next layer's input_layernorm after down_proj).
+A_FOLD_MODULES = ("o_proj", "down_proj")
 
 
 def fold_extra_columns(num_slots: int, stack: int, max_rank: int) -> int:
@@ -125,15 +139,18 @@ def folded_b(w_aug: torch.Tensor, in_dim: int, stack: int, max_rank: int, num_sl
 
 
 def fold_weight(
-    weight: torch.Tensor, slice_sizes: Sequence[int], num_slots: int, max_rank: int, extra_cols: Optional[int] = None
+    weight: torch.Tensor, slice_sizes: Sequence[int], num_slots: int, max_rank: int, extra_cols: Optional[int] = None,
+    a_rows: int = 0,
 ) -> tuple[torch.Tensor, SlicedB]:
-    """W_aug [N, K + E] holding `weight` [N, K] and zero B blocks, and the SlicedB view of them."""
+    """W_aug [N, K + E] holding `weight` [N, K] and zero B blocks, and the SlicedB view of them.
+    With `a_rows`, W_aug is the first N rows of a zero buffer [N + a_rows, K + E] whose last rows
+    hold A for the A-fold (`a_fold_views`)."""
     n, k = weight.shape
     assert sum(slice_sizes) == n, (slice_sizes, n)
     c = len(slice_sizes)
     e = extra_cols if extra_cols is not None else fold_extra_columns(num_slots, c, max_rank)
     assert e >= num_slots * c * max_rank, (e, num_slots, c, max_rank)
-    w_aug = torch.zeros(n, k + e, dtype=weight.dtype, device=weight.device)
+    w_aug = torch.zeros(n + a_rows, k + e, dtype=weight.dtype, device=weight.device)[:n]
     w_aug[:, :k].copy_(weight)
     blocks = w_aug[:, k : k + num_slots * c * max_rank].view(n, num_slots, c, max_rank)
     parts, lo = [], 0
@@ -141,3 +158,19 @@ def fold_weight(
         parts.append((lo, lo + size, blocks[lo : lo + size, :, kk, :].permute(1, 0, 2)))  # [S, rows, R]
         lo += size
     return w_aug, SlicedB(parts)
+
+
+def a_fold_views(w_aug: torch.Tensor, in_dim: int, num_slots: int, max_rank: int, gemm_slots: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The A-fold of a one-slice module (o_proj, down_proj) whose W_aug was built with
+    `a_rows = num_slots * max_rank`: A of every slot [S, R, K], in the buffer's rows past W_aug's N
+    (so a slot write lands there), and W_a = [W; A of the first `gemm_slots` slots] [N + gemm_slots*R,
+    K], whose one GEMM gives [x W^T | x A^T of every slot]: the base output and every slot's
+    unscaled shrink. Both are views (the row stride of W_aug)."""
+    n, width = w_aug.shape
+    stride = w_aug.stride(0)
+    assert w_aug.stride(1) == 1 and width >= in_dim and gemm_slots <= num_slots, (w_aug.shape, in_dim)
+    a = w_aug.as_strided((num_slots, max_rank, in_dim), (max_rank * stride, stride, 1),
+                         w_aug.storage_offset() + n * stride)
+    w_a = w_aug.as_strided((n + gemm_slots * max_rank, in_dim), (stride, 1), w_aug.storage_offset())
+    return a, w_a

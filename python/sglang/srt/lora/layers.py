@@ -34,7 +34,7 @@ from sglang.srt.layers.linear import (
     RowParallelLinear,
 )
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
-from sglang.srt.lora.utils import LoRAModuleWeights, PreparedInput
+from sglang.srt.lora.utils import DeferredDelta, LoRAModuleWeights, PreparedInput
 
 
 class BaseLayerWithLoRA(nn.Module):
@@ -45,6 +45,11 @@ class BaseLayerWithLoRA(nn.Module):
         self.lora: Optional[LoRAModuleWeights] = None
         # What the norm before this module already wrote (lora/norm_fusion.py), for the next call.
         self.prepared: Optional[PreparedInput] = None
+        # A-fold (o_proj, down_proj): whether a fused norm after this module takes its delta
+        # (set by lora/norm_fusion.py), and the delta it left in this forward with the base output
+        # it belongs to, until that norm takes it.
+        self.defers_to_norm = False
+        self.deferred: Optional[tuple[DeferredDelta, torch.Tensor]] = None
 
     # The rest of the engine may read the wrapped layer's attributes through the wrapper.
     @property
@@ -128,11 +133,29 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
     def backend_bias(self) -> Optional[torch.Tensor]:
         return self.base_layer.partial_bias  # rank 0's alone: the all-reduce must count it once
 
+    def take_deferred(self, x: torch.Tensor) -> Optional[DeferredDelta]:
+        """The delta this module left for the norm after it, which is called with `x`: it must be
+        the base output that delta belongs to (a delta must never be dropped). Cleared."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is None:
+            return None
+        delta, out = deferred
+        assert x.data_ptr() == out.data_ptr() and x.shape == out.shape, "the norm is not fed the A-folded output"
+        return delta
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         prepared = self.take_prepared(x)
         if not self.lora_active:
             return self.base_layer(x)
         base = self.base_layer
+        self.deferred = None  # a forward cut short (an exception) may have left one: its output is gone too
+        if self.defers_to_norm and self.lora_backend.defers(self.lora):
+            # A-fold (tp 1 only: the pool lays it out for one rank): base output and every slot's
+            # shrink in one GEMM; the fused norm after this module adds the row's delta.
+            assert prepared is None
+            out, delta = self.lora_backend.run_deferred(self.lora, x.reshape(-1, x.shape[-1]))
+            self.deferred = (delta, out)
+            return out.view(*x.shape[:-1], out.shape[-1])
         if prepared is not None:  # down_proj after the fused SiLU-and-mul (lora/norm_fusion.py)
             partial = self.lora_backend.run_prepared(self.lora, prepared, base.forward_partial)
         else:

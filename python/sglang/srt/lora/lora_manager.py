@@ -154,6 +154,10 @@ class LoRAManager:
             config.eviction_policy,
             fold_candidates=foldable,
             fold_mode=config.fold,
+            # The A-fold's delta goes to a fused norm, on one rank (a row-parallel GEMM's shrink
+            # columns would need the all-reduce before the norm adds them).
+            a_fold=(self.lora_backend.a_fold and self.lora_backend.supports_norm_fusion and config.fuse_norm != "off"
+                    and tp_group.size == 1),
         )
         fold_base_weights(base_model, self.pool, self.shapes, dtype)
         self.lora_modules: dict[int, dict[str, BaseLayerWithLoRA]] = wrap_lora_modules(

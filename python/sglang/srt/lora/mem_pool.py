@@ -41,7 +41,7 @@ import torch
 
 from sglang.srt.lora.backend._staging import copy_into
 from sglang.srt.lora.eviction_policy import get_eviction_policy
-from sglang.srt.lora.fold import fold_extra_columns, fold_weight, should_fold
+from sglang.srt.lora.fold import A_FOLD_MODULES, a_fold_views, fold_extra_columns, fold_weight, should_fold
 from sglang.srt.lora.lora_config import LoRAConfig, get_stacked_multiply
 from sglang.srt.lora.slot_loader import SlotLoader
 from sglang.srt.utils import CumulativeHistogram
@@ -82,6 +82,7 @@ class LoRAMemoryPool:
         eviction_policy: str = "lru",
         fold_candidates: Iterable[str] = (),
         fold_mode: str = "auto",
+        a_fold: bool = False,
     ) -> None:
         if max_loras_per_batch < 1:
             raise ValueError("--max-loras-per-batch must be >= 1")
@@ -100,7 +101,7 @@ class LoRAMemoryPool:
         self.device = torch.device(device)
         self.eviction_policy = get_eviction_policy(eviction_policy)
 
-        self._allocate(self._choose_folded(fold_candidates, fold_mode))
+        self._allocate(self._choose_folded(fold_candidates, fold_mode), a_fold)
 
         self.slot_to_lora_id: list[object] = [EMPTY] * self.num_adapter_slots + [None]  # lora_id (str | None) or EMPTY
         self.lora_id_to_slot: dict[Optional[str], int] = {None: self.base_slot}
@@ -134,7 +135,7 @@ class LoRAMemoryPool:
             if mode == "on" or should_fold(self.shapes.modules[m].out_dim, self.fold_extra_columns(m), elem)
         ]
 
-    def _allocate(self, fold_modules: Iterable[str]) -> None:
+    def _allocate(self, fold_modules: Iterable[str], a_fold: bool = False) -> None:
         """A_buffer[module][layer]: [slots, c*R, in]; B_buffer[module][layer]: [slots, out, R]
         (a SlicedB over W_aug for folded modules, set by fold_base_weight). Zero-initialised, so no
         slot ever holds non-finite garbage a kernel or the folded GEMM could touch."""
@@ -145,6 +146,14 @@ class LoRAMemoryPool:
         self.B_buffer: dict[str, list[Any]] = {}
         # W_aug per folded module and layer (None until fold_base_weight).
         self.folded_weight: dict[str, list[Optional[torch.Tensor]]] = {}
+        # The A-fold (lora/fold.py, a_fold_views): folded one-slice modules (o_proj, down_proj) whose
+        # W_aug buffer also holds A, as rows past N, so that one GEMM gives the base output and every
+        # slot's shrink; B is also kept transposed [slots, R, N] for the norm that adds the delta.
+        self.a_fold_modules: list[str] = [m for m in self.fold_modules
+                                          if a_fold and get_stacked_multiply(m) == 1 and m in A_FOLD_MODULES]
+        self.a_folded_weight: dict[str, list[Optional[torch.Tensor]]] = {m: [None] * self.shapes.num_layers
+                                                                          for m in self.a_fold_modules}
+        self.Bt_buffer: dict[str, list[torch.Tensor]] = {}
         R, n = self.max_lora_rank, self.shapes.num_layers
         for module in self.target_modules:
             shape = self.shapes.modules[module]
@@ -156,6 +165,12 @@ class LoRAMemoryPool:
             if module in self.fold_modules:
                 self.B_buffer[module] = [None] * n
                 self.folded_weight[module] = [None] * n
+                if module in self.a_fold_modules:
+                    self.A_buffer[module] = [None] * n  # views into W_aug's buffer (fold_base_weight)
+                    self.Bt_buffer[module] = [
+                        torch.zeros(self.num_slots, R, shape.out_dim, dtype=self.dtype, device=self.device)
+                        for _ in range(n)
+                    ]
             else:
                 self.B_buffer[module] = [
                     torch.zeros(self.num_slots, shape.out_dim, R, dtype=self.dtype, device=self.device)
@@ -179,12 +194,18 @@ class LoRAMemoryPool:
         assert module in self.fold_modules and self.folded_weight[module][layer] is None, (module, layer)
         shape = self.shapes.modules[module]
         assert tuple(weight.shape) == (shape.out_dim, shape.in_dim), (module, tuple(weight.shape))
+        a_fold = module in self.a_fold_modules
+        R = self.max_lora_rank
         w_aug, b = fold_weight(
-            weight.to(self.dtype), shape.out_sizes, self.num_fold_slots, self.max_lora_rank,
-            self.fold_extra_columns(module)
+            weight.to(self.dtype), shape.out_sizes, self.num_fold_slots, R, self.fold_extra_columns(module),
+            a_rows=self.num_slots * R if a_fold else 0,
         )
         self.folded_weight[module][layer] = w_aug
         self.B_buffer[module][layer] = b
+        if a_fold:
+            # A rows for every slot (the kernels index A by slot), the GEMM only the adapter slots'.
+            a, w_a = a_fold_views(w_aug, shape.in_dim, self.num_slots, R, self.num_fold_slots)
+            self.A_buffer[module][layer], self.a_folded_weight[module][layer] = a, w_a
         return w_aug
 
     def _publish_slot(self, slot: int) -> None:
@@ -323,9 +344,11 @@ class LoRAMemoryPool:
                 c = get_stacked_multiply(module)
                 old = written.get(module, 0)
                 new = r if module in present else 0
+                bt = self.Bt_buffer.get(module)
                 for layer in range(self.shapes.num_layers):
                     a_slot = self.A_buffer[module][layer][slot]
                     b_slot = self.B_buffer[module][layer][slot]
+                    bt_slot = bt[layer][slot] if bt is not None else None
                     weights = adapter.layers[layer].get(module)
                     if weights is not None:
                         a, b = weights
@@ -333,13 +356,19 @@ class LoRAMemoryPool:
                         assert fits, f"{module} layer {layer}: shapes {tuple(a.shape)}, {tuple(b.shape)} do not fit the pool"
                         a_slot[: c * r].copy_(a, non_blocking=True)
                         b_slot[:, :r].copy_(b, non_blocking=True)
+                        if bt_slot is not None:
+                            bt_slot[:r].copy_(b.t(), non_blocking=True)
                     elif new:
                         # A layer the adapter skips inside a module it has: its prefix must be zero.
                         a_slot[: c * r].zero_()
                         b_slot[:, :r].zero_()
+                        if bt_slot is not None:
+                            bt_slot[:r].zero_()
                     if old > new:  # what the previous occupant left beyond the new prefix
                         a_slot[c * new : c * old].zero_()
                         b_slot[:, new:old].zero_()
+                        if bt_slot is not None:
+                            bt_slot[new:old].zero_()
                 written[module] = new
             self.slot_ranks[slot] = r
             self.slot_scalings[slot] = float(adapter.scaling)
@@ -352,7 +381,8 @@ class LoRAMemoryPool:
     # ------------------------------------------------------------------ checks
     def data_ptrs(self) -> list[int]:
         """Addresses of every buffer (tests assert they never change)."""
-        return [t.data_ptr() for m in self.target_modules for t in self.A_buffer[m] + self.B_buffer[m]]
+        return [t.data_ptr() for m in self.target_modules
+                for t in self.A_buffer[m] + self.B_buffer[m] + self.Bt_buffer.get(m, [])]
 
     def integrity_problems(self) -> list[str]:
         problems: list[str] = []

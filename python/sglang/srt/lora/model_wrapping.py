@@ -74,8 +74,9 @@ def fold_base_weights(model: nn.Module, pool: "LoRAMemoryPool", shapes: LoRAMode
         extra = pool.fold_extra_columns(module)
         mib = shape.out_dim * extra * dtype.itemsize / 2**20
         logger.info(
-            "LoRA %s: folded into the base GEMM, W_aug [%d, %d + %d] (+%.1f MiB read per layer and forward)",
+            "LoRA %s: folded into the base GEMM, W_aug [%d, %d + %d] (+%.1f MiB read per layer and forward)%s",
             module, shape.out_dim, shape.in_dim, extra, mib,
+            ", with A as rows past it for small decode batches (A-fold)" if module in pool.a_fold_modules else "",
         )
 
 
@@ -94,7 +95,10 @@ def wrap_lora_modules(
         spec = specs[module] = LoRAModuleSpec(
             module, shape.in_dim, tuple(shape.out_sizes), pool.max_lora_rank,
             pool.fold_extra_columns(module) if folded else 0,
+            a_row_stride=pool.A_buffer[module][0].stride(1) if shapes.num_layers else shape.in_dim,
         )
+        # Launches are prepared against the spec's A layout (token_backend._layout_tensors).
+        assert all(a.stride(1) == spec.a_row_stride and a.stride(2) == 1 for a in pool.A_buffer[module]), module
         for layer_id, name in sorted(found.get(module, {}).items()):
             parent_name, _, child = name.rpartition(".")
             parent = model.get_submodule(parent_name) if parent_name else model
@@ -109,6 +113,8 @@ def wrap_lora_modules(
                     pool.B_buffer[module][layer_id],
                     wrapper.backend_bias,
                     pool.folded_weight[module][layer_id] if folded else None,
+                    a_folded=pool.a_folded_weight[module][layer_id] if module in pool.a_fold_modules else None,
+                    bt=pool.Bt_buffer[module][layer_id] if module in pool.a_fold_modules else None,
                 )
             )
             setattr(parent, child, wrapper)

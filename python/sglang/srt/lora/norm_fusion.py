@@ -14,6 +14,13 @@ The norm and the module stay what they are; they meet through two seams:
 Anything else (prefill, LoRA off for the batch, a caller that hands the module another tensor)
 takes the unfused path, which computes the same function.
 
+A third seam at small decode batches (SGLANG_LORA_AFOLD, backend/token_backend.py): an A-folded
+o_proj or down_proj (lora/fold.py) runs only its GEMM over [W; A], which also gives every slot's
+shrink, and leaves the delta (`BaseLayerWithLoRA.deferred`) to the fused norm its output feeds
+(`NormShrinkFusion.producer`: post_attention_layernorm for o_proj, the next layer's input_layernorm
+for down_proj). That norm adds `scaling * shrink @ B^T` to the row before the residual. The last
+layer's down_proj feeds the final norm, which has no fusion, so it keeps its kernel.
+
 Both decode paths fuse (graph capture and eager decode take the same decision from the batch's
 metadata), so graph = eager stays bit for bit. Against the unfused path the norm's output is the
 same bits and only the adapters' shrink sums run in another order (float32 accumulation).
@@ -44,15 +51,21 @@ class NormShrinkFusion:
     """The `fusion` of one RMSNorm whose output feeds one LoRA module. A plain object, not a
     module: it must not put the target into the norm's module tree."""
 
-    def __init__(self, norm: RMSNorm, target: BaseLayerWithLoRA, backend: "BaseLoRABackend") -> None:
-        self.norm, self.target, self.backend = norm, target, backend
+    def __init__(self, norm: RMSNorm, target: BaseLayerWithLoRA, backend: "BaseLoRABackend",
+                 producer: Optional[BaseLayerWithLoRA] = None) -> None:
+        # producer: the A-folded module whose output this norm takes (o_proj, the previous layer's
+        # down_proj), which may leave its delta here (`defers_to_norm`).
+        self.norm, self.target, self.backend, self.producer = norm, target, backend, producer
 
     def __call__(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Optional[NormResult]:
         target = self.target
+        delta = self.producer.take_deferred(x) if self.producer is not None else None
         if not target.lora_active or not self.backend.fuses_norm():
+            # Both follow the batch info the producer's deferral did: a delta is never dropped here.
+            assert delta is None, "an A-folded module left a delta to a norm that does not fuse"
             return None
         prepared, new_residual = self.backend.run_norm(target.lora, self.norm.weight, self.norm.variance_epsilon,
-                                                       x, residual)
+                                                       x, residual, delta=delta)
         target.prepared = prepared
         return prepared.normed if residual is None else (prepared.normed, new_residual)
 
@@ -68,8 +81,33 @@ class ActShrinkFusion:
         target = self.target
         if not target.lora_active or not self.backend.rowwise_now() or gate_up.dim() != 2:
             return None
+        if target.defers_to_norm and self.backend.defers(target.lora):
+            return None  # down_proj takes no shrink from here: its GEMM computes it (A-fold)
         target.prepared = self.backend.run_act(target.lora, gate_up)
         return target.prepared.normed
+
+
+# The A-folded module whose output a norm takes: (norm attribute, the producer's path, its layer offset).
+_PRODUCERS = {"post_attention_layernorm": ("self_attn.o_proj", 0), "input_layernorm": ("mlp.down_proj", -1)}
+
+
+def _producer(wrapped: dict[int, dict[str, BaseLayerWithLoRA]], module_names: dict[str, dict[int, str]],
+              layer_id: int, layer_name: str, norm_attr: str) -> Optional[BaseLayerWithLoRA]:
+    """The A-folded o_proj (same layer) or down_proj (the layer before) whose output feeds the norm
+    `norm_attr` of decoder layer `layer_name` (`<stack>.<layer_id>`), if it has the A-fold's weights;
+    else None."""
+    path, offset = _PRODUCERS[norm_attr]
+    kind = path.rsplit(".", 1)[1]
+    src = layer_id + offset
+    module, name = wrapped.get(src, {}).get(kind), module_names.get(kind, {}).get(src)
+    if module is None or name is None or module.lora is None or module.lora.a_folded is None:
+        return None
+    # Both in one stack of decoder layers, `<stack>.<src>` and `<stack>.<layer_id>` (the model's loop
+    # hands a layer's output straight to the next one's input_layernorm).
+    stack, _, index = layer_name.rpartition(".")
+    if index != str(layer_id) or name != f"{stack}.{src}.{path}":
+        return None
+    return module
 
 
 def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerWithLoRA]],
@@ -98,7 +136,10 @@ def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerW
             layer = model.get_submodule(name[: -len(path) - 1])
             norm = getattr(layer, norm_attr, None)
             if isinstance(norm, RMSNorm):
-                norm.fusion = NormShrinkFusion(norm, target, backend)
+                producer = _producer(wrapped, module_names, layer_id, name[: -len(path) - 1], norm_attr)
+                norm.fusion = NormShrinkFusion(norm, target, backend, producer)
+                if producer is not None:
+                    producer.defers_to_norm = True
                 count += 1
         down, name = modules.get("down_proj"), module_names.get("down_proj", {}).get(layer_id)
         if (backend.rowwise_decode and down is not None and down.lora is not None and name

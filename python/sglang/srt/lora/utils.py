@@ -45,6 +45,9 @@ class LoRABatchInfo:
     # Whether o_proj's and down_proj's shrinks run row by row in this batch (SGLANG_LORA_ROWWISE_DECODE,
     # backend/token_backend.py); decided when the batch is prepared (at capture: for the bucket).
     rowwise: bool = False
+    # Whether A-folded o_proj / down_proj leave their delta to the fused norm after them
+    # (SGLANG_LORA_AFOLD, backend/token_backend.py); decided like `rowwise`.
+    defer: bool = False
 
 
 @dataclass(frozen=True)
@@ -56,6 +59,9 @@ class LoRAModuleSpec:
     slice_sizes: tuple[int, ...]  # output slices in order, e.g. (q, kv, kv)
     max_rank: int
     extra_cols: int = 0  # E of W_aug when folded (lora/fold.py); 0 = separate shrink and expand
+    # A's row stride in elements: in_dim, or in_dim + E when A lives inside W_aug's buffer (the
+    # A-fold, lora/fold.py a_fold_views); 0 reads as in_dim. Launches prepared per batch bake it in.
+    a_row_stride: int = 0
 
     @property
     def stack(self) -> int:
@@ -90,6 +96,23 @@ class LoRAModuleWeights:
     B: Any  # [slots, out, R]: a tensor, or a fold.SlicedB inside `folded`
     bias: Optional[torch.Tensor]
     folded: Optional[torch.Tensor] = None  # W_aug [out, in + E] when folded
+    # A-folded (o_proj, down_proj; lora/fold.py): [W; A of every adapter slot] [out + S_a*R, in], a
+    # view of W_aug's buffer whose GEMM also writes every slot's shrink, and B transposed [slots, R, out].
+    a_folded: Optional[torch.Tensor] = None
+    bt: Optional[torch.Tensor] = None
+
+
+@dataclass
+class DeferredDelta:
+    """The LoRA delta an A-folded module leaves to the norm after it (lora/norm_fusion.py):
+    `shrink` [T, S_a*max_rank] the unscaled x @ A^T of every adapter slot (its GEMM's last columns;
+    row t uses its slot's block), `bt` [slots, max_rank, out] each slot's B transposed (rank rows
+    past an adapter's rank are never read), `scalings` [slots] float32."""
+
+    shrink: torch.Tensor
+    bt: torch.Tensor
+    scalings: torch.Tensor
+    max_rank: int
 
 
 @dataclass

@@ -31,7 +31,7 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.forward_path import ForwardPath
-from sglang.srt.lora.utils import LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights, PreparedInput
+from sglang.srt.lora.utils import DeferredDelta, LoRABatchInfo, LoRAModuleSpec, LoRAModuleWeights, PreparedInput
 
 if TYPE_CHECKING:
     from sglang.srt.configs.forward_batch_info import ForwardBatch
@@ -106,9 +106,22 @@ class BaseLoRABackend(abc.ABC):
         return False
 
     def run_norm(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
-                 residual: Optional[torch.Tensor]) -> tuple[PreparedInput, Optional[torch.Tensor]]:
-        """(the norm of x (+ residual) with the module's shrink, the new residual)."""
+                 residual: Optional[torch.Tensor], delta: Optional[DeferredDelta] = None
+                 ) -> tuple[PreparedInput, Optional[torch.Tensor]]:
+        """(the norm of x (+ residual) with the module's shrink, the new residual); with `delta`, x is
+        an A-folded module's base output and its delta is added first."""
         raise NotImplementedError(f"LoRA backend {self.name} does not fuse norms")
+
+    # An A-folded module (lora/fold.py a_fold_views) may leave its delta to the fused norm after it.
+    a_fold: bool = False
+
+    def defers(self, weights: LoRAModuleWeights) -> bool:
+        """Whether this forward's A-folded `weights` leave their delta to the norm after them."""
+        return False
+
+    def run_deferred(self, weights: LoRAModuleWeights, x: torch.Tensor) -> tuple[torch.Tensor, DeferredDelta]:
+        """(the module's base output, its delta for the norm after it): one GEMM over [W; A]."""
+        raise NotImplementedError(f"LoRA backend {self.name} does not defer deltas")
 
     def run_act(self, weights: LoRAModuleWeights, gate_up: torch.Tensor) -> PreparedInput:
         """SiLU-and-mul of gate_up with the shrink of the module it feeds (down_proj)."""

@@ -26,7 +26,6 @@ values. At prefill sizes every row would read its adapter's A again; there shrin
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -36,6 +35,7 @@ import triton.language as tl
 from sglang.srt.layers.triton_ops.common import cast_rne, gdc_wait, interpreting
 from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_mul
+from sglang.srt.lora.utils import DeferredDelta
 
 # Elements of one A tile a program holds in registers (BLOCK_J x next_pow2(K)).
 TILE_ELEMENTS = 16384
@@ -47,19 +47,6 @@ TILE_ELEMENTS = 16384
 # that the GEMM before still drains). The rows are a graph bucket's static count, and the launch
 # mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others.
 PDL_MAX_ROWS = 32
-
-
-@dataclass
-class DeferredDelta:
-    """The LoRA delta an A-folded module (o_proj, down_proj: W_a = [W; A of every slot]) leaves to
-    the norm after it: `shrink` [T, S*max_rank] the unscaled x @ A^T of every slot (the GEMM's last
-    columns; row t uses its slot's block), `bt` [S, max_rank, K] each slot's B transposed (rank
-    rows past an adapter's rank are never read), `scalings` [S] float32."""
-
-    shrink: torch.Tensor
-    bt: torch.Tensor
-    scalings: torch.Tensor
-    max_rank: int
 
 
 @triton.jit
@@ -171,7 +158,7 @@ def column_tile(in_dim: int) -> int:
 
 def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_ranks, scalings, stack_num, max_rank,
             residual_out, packed: bool, silu: bool = False, use_pdl: bool = False,
-            delta: Optional["DeferredDelta"] = None) -> Optional[torch.Tensor]:
+            delta: Optional[DeferredDelta] = None) -> Optional[torch.Tensor]:
     rows = x.shape[0]
     in_dim = x.shape[1] // 2 if silu else x.shape[1]  # SiLU-and-mul: x = [gate | up]
     assert not silu or (norm_weight is None and residual is None and x.shape[1] == 2 * in_dim)
@@ -284,15 +271,16 @@ def norm_shrink(
     max_rank: int,
     residual_out: Optional[torch.Tensor] = None,
     use_pdl: bool = False,
+    delta: Optional[DeferredDelta] = None,
 ) -> Optional[torch.Tensor]:
     """For an unfolded module: normed_out [T, K] = RMSNorm(x (+ residual)) and xa [T, stack*max_rank]
     its shrink, xa[t, :c*r] = normed[t] @ A[slot(t), :c*r]^T (unscaled; what token_shrink writes, and
-    the expand kernels read). Rows without an adapter get nothing in xa. Returns as norm_shrink_pack."""
+    the expand kernels read). Rows without an adapter get nothing in xa. Returns, and takes `delta`, as norm_shrink_pack."""
     assert normed_out.shape == x.shape and normed_out.stride(1) == 1
     assert xa.shape[1] >= stack_num * max_rank, xa.shape
     # No scalings here (the expand applies them): the kernel's scalings argument goes unread.
     return _launch(x, residual, norm_weight, eps, weights, xa, normed_out, row_slots, lora_ranks, lora_ranks,
-                   stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl)
+                   stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl, delta=delta)
 
 
 __all__ = ["DeferredDelta", "norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
