@@ -203,12 +203,14 @@ def test_folded_modules_apart_at_prefill_graph_equals_eager(prefill):
 
 @functools.lru_cache(maxsize=None)
 def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = False, fold: str = "auto",
-                      fuse: str = "on", dtype: str = "bfloat16"):
+                      fuse: str = "on", dtype: str = "bfloat16", afold: str = "small"):
     ckpt, adapters = assets()
     mode = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
                 cuda_graph_bs_decode=DECODE_BUCKETS) if graphs else dict(disable_cuda_graph=True)
-    # Read when the backend is built: "1" (True) at every decode batch, "small" up to 16 rows.
+    # Read when the backend is built: "1" (True) at every decode batch, "small" up to 16 rows; the
+    # A-fold (SGLANG_LORA_AFOLD) likewise, "small" its default.
     os.environ["SGLANG_LORA_ROWWISE_DECODE"] = {True: "1", False: "0"}.get(rowwise, rowwise)
+    os.environ["SGLANG_LORA_AFOLD"] = afold
     try:
         return make_runner(
             ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
@@ -216,7 +218,7 @@ def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = Fal
             max_loras_per_batch=3, lora_backend=lora_backend, lora_fuse_norm=fuse, lora_fold=fold, **mode,
         )
     finally:
-        del os.environ["SGLANG_LORA_ROWWISE_DECODE"]
+        del os.environ["SGLANG_LORA_ROWWISE_DECODE"], os.environ["SGLANG_LORA_AFOLD"]
 
 
 def decode_logprobs(r, prompts, names, steps: int) -> tuple[list[list[int]], torch.Tensor, list[bool]]:
@@ -249,29 +251,35 @@ def agreeing_diffs(runs: list[tuple[list[list[int]], torch.Tensor]], steps: int)
     return diffs
 
 
-@pytest.mark.parametrize("lora_backend,fuse,rowwise,fold", [
-    ("triton", "auto", False, "auto"), ("csgmv", "auto", False, "auto"),
-    ("csgmv", "on", True, "auto"), ("csgmv", "on", "small", "auto"), ("csgmv", "on", False, "off"),
-    ("csgmv", "auto", "small", "off"), ("triton", "auto", "small", "off")])
-def test_fused_norm_decode_graph_equals_eager(lora_backend, fuse, rowwise, fold):
-    """--lora-fuse-norm: the decode graph replays the row-wise kernels and equals fused eager bit
-    for bit. Folded modules (fold auto at these sizes) without the row-wise kernels equal the
-    unfused engine bit for bit. Unfolded modules (fold off, also with the default auto and its
-    row-wise kernels at small batches: the row-wise shrink against the unfused path's tensor-core
-    dots) and the row-wise o_proj / down_proj round differently, so there the measure is the error
-    against the float32 engine: no worse than the unfused bf16 engine's, within the margin the PEFT
-    parity test allows."""
+@pytest.mark.parametrize("lora_backend,fuse,rowwise,fold,afold", [
+    ("triton", "auto", False, "auto", "0"), ("csgmv", "auto", False, "auto", "0"),
+    ("triton", "auto", False, "auto", "small"), ("csgmv", "auto", "small", "auto", "small"),
+    ("csgmv", "on", True, "auto", "small"), ("csgmv", "on", "small", "auto", "small"),
+    ("csgmv", "on", False, "off", "small"), ("csgmv", "auto", "small", "off", "small"),
+    ("triton", "auto", "small", "off", "small")])
+def test_fused_norm_decode_graph_equals_eager(lora_backend, fuse, rowwise, fold, afold):
+    """--lora-fuse-norm: the decode graph replays the row-wise kernels (and the A-fold's deferred
+    deltas) and equals fused eager bit for bit. Folded modules (fold auto at these sizes) without
+    the row-wise kernels and the A-fold equal the unfused engine bit for bit. Unfolded modules (fold
+    off, also with the default auto and its row-wise kernels at small batches: the row-wise shrink
+    against the unfused path's tensor-core dots), the row-wise o_proj / down_proj and the A-fold (its
+    delta summed in the norm) round differently, so there the measure is the error against the
+    float32 engine: no worse than the unfused bf16 engine's, within the margin the PEFT parity test
+    allows."""
     names = ["a", None, "b", "a", None]
     prompts = _prompts([11, 4, 30, 17, 8], seed=6)
     steps = 12
-    g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, rowwise, fold, fuse), prompts, names, steps)
-    e_tok, e_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, rowwise, fold, fuse), prompts, names, steps)
+    g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, rowwise, fold, fuse, afold=afold),
+                                        prompts, names, steps)
+    eager = fused_norm_runner(lora_backend, False, rowwise, fold, fuse, afold=afold)
+    e_tok, e_lp, _ = decode_logprobs(eager, prompts, names, steps)
     unfused = fused_norm_runner(lora_backend, False, False, fold, fuse="off")
     u_tok, u_lp, _ = decode_logprobs(unfused, prompts, names, steps)
     assert all(used), "some decode steps did not replay the decode graph"
     assert g_tok == e_tok and torch.equal(g_lp, e_lp)
-    assert fused_norm_runner(lora_backend, False, rowwise, fold, fuse).lora_manager.lora_backend.fuse_norm
-    if fold == "auto" and rowwise is False:
+    assert eager.lora_manager.lora_backend.fuse_norm
+    assert bool(eager.lora_manager.pool.a_fold_modules) == (afold != "0" and fold == "auto")
+    if fold == "auto" and rowwise is False and afold == "0":
         assert e_tok == u_tok and torch.equal(e_lp, u_lp)
         return
     ref = fused_norm_runner(lora_backend, False, False, fold, fuse="off", dtype="float32")
