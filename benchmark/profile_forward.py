@@ -92,6 +92,7 @@ LORA_VARIANTS = {
     "lora-late": ("auto", "small"),  # the default, its kernels captured with the early-start knobs off
     "lora-b-late": ("auto", "small"),  # the default, the unfolded expand loading B after the rank (the old order)
     "lora-no-afold": ("auto", "small"),  # the default without the A-fold (o_proj / down_proj keep their kernels)
+    "lora-afold-expand": ("auto", "small"),  # the default, past the A-fold's bound its GEMM and the expand (csgmv)
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -103,8 +104,9 @@ VARIANT_KNOBS = {
 }
 # SGLANG_LORA_PREFILL_UNFOLD of the variants that set it (backend/chunked_backend.py).
 PREFILL_UNFOLD = {"lora-prefill-unfold": "1"}
-# SGLANG_LORA_AFOLD of the variants that set it (backend/token_backend.py; the others: its default).
-AFOLD = {"lora-no-afold": "0"}
+# Environment of the variants that set it, read when the backend is built (backend/token_backend.py,
+# chunked_backend.py; the others: the defaults).
+VARIANT_ENV = {"lora-no-afold": {"SGLANG_LORA_AFOLD": "0"}, "lora-afold-expand": {"SGLANG_LORA_AFOLD_EXPAND": "1"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",
@@ -260,8 +262,7 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
         overrides["lora_fold"] = args.lora_fold
     os.environ["SGLANG_LORA_ROWWISE_DECODE"] = rowwise  # read when the backend is built
     os.environ["SGLANG_LORA_PREFILL_UNFOLD"] = PREFILL_UNFOLD.get(lora, "0")
-    if lora in AFOLD:
-        os.environ["SGLANG_LORA_AFOLD"] = AFOLD[lora]
+    os.environ.update(VARIANT_ENV.get(lora, {}))
     buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
     # Graphs keep the kernels as captured: the knobs need only hold while they are built.
     with variant_knobs(lora):
@@ -269,7 +270,8 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
                               prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
     os.environ.pop("SGLANG_LORA_ROWWISE_DECODE")
     os.environ.pop("SGLANG_LORA_PREFILL_UNFOLD")
-    os.environ.pop("SGLANG_LORA_AFOLD", None)
+    for name in VARIANT_ENV.get(lora, {}):
+        os.environ.pop(name)
     graphs: dict[str, Any] = {} if args.paths == "graph" else {"eager": None}
     if on_gpu:
         graphs["breakable"] = runner.prefill_graph_runner

@@ -201,6 +201,29 @@ def test_chunked_sgmv_expand_reads_a_folded_b_in_place(slice_sizes):
     _assert_untouched_rows(folded, info, num_tokens)
 
 
+def test_chunked_sgmv_expand_reads_every_slots_shrink_and_b_transposed():
+    """The A-fold's expand (csgmv, decode batches past SGLANG_LORA_AFOLD's bound): x is the GEMM's
+    every-slot shrink [T, S*R] (row t's values at its slot's block, x_slot_stride = R), B the pool's
+    transposed copy [S, R, N] seen as [S, N, R], and the base output a strided view of the same GEMM
+    output: the same bits as the compact shrink and a plain B."""
+    info, num_tokens = _csgmv_info(16, seed=13)
+    gen = torch.Generator().manual_seed(400)
+    xa = _poison_shrunk(_shrunk_input(num_tokens, 1, gen), info, 1)
+    b = _poisoned_b(PLAIN_OUT, gen)
+    every = torch.full((num_tokens, len(RANKS) * MAX_RANK), float("nan"))
+    for rows, slot, r in _segments(info):
+        every[rows, slot * MAX_RANK : slot * MAX_RANK + r] = xa[rows, :r]
+    bt = b.transpose(1, 2).contiguous()  # [S, R, N], the pool's copy
+    gemm_out = torch.full((num_tokens, PLAIN_OUT + every.shape[1]), SENTINEL)
+    gemm_out[:, PLAIN_OUT:] = every
+    plain = chunked_sgmv_lora_expand_forward(xa, b, info, torch.full((num_tokens, PLAIN_OUT), SENTINEL), 1)
+    got = chunked_sgmv_lora_expand_forward(gemm_out[:, PLAIN_OUT:], bt.transpose(1, 2), info,
+                                           gemm_out[:, :PLAIN_OUT], 1, x_slot_stride=MAX_RANK)
+    assert got.data_ptr() == gemm_out.data_ptr()
+    assert torch.equal(gemm_out[:, :PLAIN_OUT], plain)
+    _assert_untouched_rows(gemm_out[:, :PLAIN_OUT], info, num_tokens)
+
+
 def test_all_rank_zero_is_a_noop():
     """The capture-time state of every static info: kernels launch, nothing changes."""
     gen = torch.Generator().manual_seed(3)

@@ -32,7 +32,8 @@ def assets(tmp_path_factory):
     }
 
 
-def runner_for(assets, backend: str, fuse, rowwise: bool = False, fold: str = "auto", afold: str = "0"):
+def runner_for(assets, backend: str, fuse, rowwise: bool = False, fold: str = "auto", afold: str = "0",
+               afold_expand: bool = False):
     """fuse: a --lora-fuse-norm mode, or True / False for on / off."""
     # o_proj / down_proj take the row-wise kernel at every decode batch (1) or never (0; the
     # default, small, would at these tests' small batches), and defer their delta to the next norm
@@ -40,12 +41,14 @@ def runner_for(assets, backend: str, fuse, rowwise: bool = False, fold: str = "a
     # Read when the backend is built.
     os.environ["SGLANG_LORA_ROWWISE_DECODE"] = "1" if rowwise else "0"
     os.environ["SGLANG_LORA_AFOLD"] = afold
+    os.environ["SGLANG_LORA_AFOLD_EXPAND"] = "1" if afold_expand else "0"
     ckpt, paths = assets
     try:
         runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
                              max_lora_rank=8, lora_fuse_norm=fuse, lora_fold=fold)
     finally:
         del os.environ["SGLANG_LORA_ROWWISE_DECODE"], os.environ["SGLANG_LORA_AFOLD"]
+        del os.environ["SGLANG_LORA_AFOLD_EXPAND"]
     assert runner.lora_manager.lora_backend.__dict__.get("rowwise_decode", False) == rowwise
     return runner
 
@@ -161,6 +164,32 @@ def test_a_folded_o_and_down_leave_their_delta_to_the_next_norm(assets, backend,
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
     _, base_logprobs, _ = decode_run(runner, names=(None,) * 4)
     assert float((logprobs - base_logprobs)[:, [0, 3]].abs().max()) > 1e-3  # adapter a has o_proj / down_proj
+
+
+def test_a_folded_o_and_down_past_the_bound_run_the_expand(assets, monkeypatch):
+    """SGLANG_LORA_AFOLD_EXPAND=1 (csgmv): past the deferral's bound (rows:2 here, the batch has 4)
+    the A-folded modules run their GEMM over [W; A] and the segmented expand of every slot's shrink
+    (not shrink_pack and the GEMM over W_aug); the last down_proj, with no fused norm after it, keeps
+    the fold. The decode equals the unfused engine's to float32 rounding."""
+    runner = runner_for(assets, "csgmv", fuse=True, afold="rows:2", afold_expand=True)
+    backend_obj = runner.lora_manager.lora_backend
+    from sglang.srt.lora.backend import chunked_backend
+
+    expands, deltas = [], []
+    expand = chunked_backend.chunked_sgmv_lora_expand_forward
+    monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_expand_forward",
+                        lambda *a, **kw: expands.append(kw.get("x_slot_stride", 0)) or expand(*a, **kw))
+    run_norm = backend_obj.run_norm
+    monkeypatch.setattr(backend_obj, "run_norm",
+                        lambda *a, delta=None, **kw: deltas.append(delta is not None) or run_norm(*a, delta=delta, **kw))
+    tokens, logprobs, _ = decode_run(runner)
+    monkeypatch.undo()
+    layers = len(runner.model.model.layers)
+    assert expands == [8] * ((2 * layers - 1) * 4)  # x_slot_stride = the pool rank, every decode step
+    assert not any(deltas)
+    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False))
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
 
 
 def test_a_fold_is_off_without_norm_fusion(assets):

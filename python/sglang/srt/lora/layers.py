@@ -99,6 +99,16 @@ class BaseLayerWithLoRA(nn.Module):
             return prepared
         return None
 
+    def take_deferred(self, x: torch.Tensor) -> Optional[DeferredDelta]:
+        """The delta this module left for the norm after it, which is called with `x`: it must be
+        the base output that delta belongs to (a delta must never be dropped). Cleared."""
+        deferred, self.deferred = self.deferred, None
+        if deferred is None:
+            return None
+        delta, out = deferred
+        assert x.data_ptr() == out.data_ptr() and x.shape == out.shape, "the norm is not fed the A-folded output"
+        return delta
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         prepared = self.take_prepared(x)
         if not self.lora_active:
@@ -133,16 +143,6 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
     def backend_bias(self) -> Optional[torch.Tensor]:
         return self.base_layer.partial_bias  # rank 0's alone: the all-reduce must count it once
 
-    def take_deferred(self, x: torch.Tensor) -> Optional[DeferredDelta]:
-        """The delta this module left for the norm after it, which is called with `x`: it must be
-        the base output that delta belongs to (a delta must never be dropped). Cleared."""
-        deferred, self.deferred = self.deferred, None
-        if deferred is None:
-            return None
-        delta, out = deferred
-        assert x.data_ptr() == out.data_ptr() and x.shape == out.shape, "the norm is not fed the A-folded output"
-        return delta
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         prepared = self.take_prepared(x)
         if not self.lora_active:
@@ -155,6 +155,11 @@ class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
             assert prepared is None
             out, delta = self.lora_backend.run_deferred(self.lora, x.reshape(-1, x.shape[-1]))
             self.deferred = (delta, out)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        if self.defers_to_norm and prepared is None and self.lora_backend.expands_a_folded(self.lora):
+            # Larger decode batches (SGLANG_LORA_AFOLD_EXPAND): the same GEMM, then the expand; the
+            # output is a strided view of the GEMM's, which the fused norm after this module reads.
+            out = self.lora_backend.run_a_folded(self.lora, x.reshape(-1, x.shape[-1]))
             return out.view(*x.shape[:-1], out.shape[-1])
         if prepared is not None:  # down_proj after the fused SiLU-and-mul (lora/norm_fusion.py)
             partial = self.lora_backend.run_prepared(self.lora, prepared, base.forward_partial)

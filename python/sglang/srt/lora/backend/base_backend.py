@@ -123,6 +123,15 @@ class BaseLoRABackend(abc.ABC):
         """(the module's base output, its delta for the norm after it): one GEMM over [W; A]."""
         raise NotImplementedError(f"LoRA backend {self.name} does not defer deltas")
 
+    def expands_a_folded(self, weights: LoRAModuleWeights) -> bool:
+        """Whether this forward runs A-folded `weights` as their GEMM over [W; A] and an expand
+        (decode batches past the deferral's bound; SGLANG_LORA_AFOLD_EXPAND)."""
+        return False
+
+    def run_a_folded(self, weights: LoRAModuleWeights, x: torch.Tensor) -> torch.Tensor:
+        """The module's output (base + delta): the GEMM over [W; A], then the expand in place."""
+        raise NotImplementedError(f"LoRA backend {self.name} has no A-fold expand")
+
     def run_act(self, weights: LoRAModuleWeights, gate_up: torch.Tensor) -> PreparedInput:
         """SiLU-and-mul of gate_up with the shrink of the module it feeds (down_proj)."""
         raise NotImplementedError(f"LoRA backend {self.name} does not fuse activations")

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn.functional as F
 
 from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches
@@ -60,6 +61,11 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         # Which folded modules run apart at which prefills (None: never).
         self.prefill_unfold = parse_prefill_unfold(os.environ.get("SGLANG_LORA_PREFILL_UNFOLD", "0"))
         self._unfold_now = False  # this batch is a prefill the rule's token bound admits
+        # SGLANG_LORA_AFOLD_EXPAND=1 (off by default, not yet measured on a GPU): at decode batches
+        # past SGLANG_LORA_AFOLD's bound, an A-folded o_proj / down_proj runs its GEMM over [W; A]
+        # and the segmented expand of every slot's shrink into the base output, in place of
+        # shrink_pack (split-K over K) and the GEMM over W_aug.
+        self.afold_expand = os.environ.get("SGLANG_LORA_AFOLD_EXPAND", "0") == "1"
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         return False
@@ -75,6 +81,22 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         if not spec.folded:
             return False
         return not (self._unfold_now and spec.extra_cols > self.prefill_unfold.min_cols)
+
+    # ---- A-folded modules past the deferral's bound (SGLANG_LORA_AFOLD_EXPAND) ----------------
+    def expands_a_folded(self, weights: LoRAModuleWeights) -> bool:
+        info = self.batch_info
+        return (self.afold_expand and weights.a_folded is not None and info is not None
+                and info.row_slots is not None and not info.defer)
+
+    def run_a_folded(self, weights: LoRAModuleWeights, x: torch.Tensor) -> torch.Tensor:
+        spec, n = weights.spec, weights.spec.out_dim
+        assert weights.bias is None, "an A-folded module has no bias"
+        out = F.linear(x, weights.a_folded)  # [x W^T | x A^T of every adapter slot]
+        base = out[:, :n]
+        # B transposed [S, R, N] read as [S, N, R]: a tile's output columns are contiguous.
+        chunked_sgmv_lora_expand_forward(out[:, n:], weights.bt.transpose(1, 2), self.batch_info, base,
+                                         num_slices=1, x_slot_stride=spec.max_rank)
+        return base
 
     # ---- unfolded modules --------------------------------------------------------------------
     def _add_unfolded(self, weights: LoRAModuleWeights, x: torch.Tensor, out: torch.Tensor,

@@ -30,6 +30,7 @@ def _segment_expand_kernel(
     out_ptr,
     x_stride_t,
     x_stride_r,
+    x_slot_stride,
     w_stride_s,
     w_stride_slice,
     w_stride_n,
@@ -103,8 +104,10 @@ def _segment_expand_kernel(
             out_ptrs = out_ptr + rows[:, None] * out_stride_t + offs_n[None, :] * out_stride_n
             mask = row_mask[:, None] & col_mask[None, :]
             base = tl.load(out_ptrs, mask=mask, other=0.0)  # in flight with x and B
-            # Slice k of the shrink output holds columns [k*rank, (k+1)*rank) (compact prefix).
-            x_ptrs = x_ptr + rows[:, None] * x_stride_t + (slice_id * rank + offs_r)[None, :] * x_stride_r
+            # Slice k of the shrink output holds columns [k*rank, (k+1)*rank) (compact prefix), past
+            # slot * x_slot_stride when x holds every slot's shrink (the A-fold's GEMM output).
+            x_cols = tl.maximum(slot, 0) * x_slot_stride + slice_id * rank + offs_r
+            x_ptrs = x_ptr + rows[:, None] * x_stride_t + x_cols[None, :] * x_stride_r
             w_ptrs = w_base + offs_r[:, None] * w_stride_r
             acc = tl.zeros((BLOCK_S, BLOCK_N), dtype=tl.float32)
             for ri in tl.static_range(R_ITERS):
@@ -151,19 +154,23 @@ def segmented_expand(
     max_slice_width: Optional[int] = None,
     tiles: Optional[tuple] = None,
     slice_stride: int = 0,
+    x_slot_stride: int = 0,
 ) -> torch.Tensor:
     """Launch the expand over `batch_info`'s grid, accumulating into `base_output` in place.
 
     Slices are either given by `slice_offsets` (int device tensor [num_slices + 1]; then
     `max_slice_width` bounds the column grid) or, when None, equal: out_dim / num_slices each.
     `slice_stride` moves slice k's B by k * slice_stride elements (a folded module's B inside
-    W_aug, lora/fold.py `folded_b`); 0 for a plain B. `tiles` (BLOCK_N, warps[, "b-early"])
-    overrides EXPAND_TILES (benchmarks, tests).
+    W_aug, lora/fold.py `folded_b`); 0 for a plain B. `x_slot_stride`: x holds every slot's
+    shrink, slot s's at columns s * x_slot_stride on (the A-fold's GEMM output, lora/fold.py
+    `a_fold_views`); 0 for the compact shrink of each row's own slot. `tiles` (BLOCK_N, warps[,
+    "b-early"]) overrides EXPAND_TILES (benchmarks, tests).
     """
     assert x.dim() == 2 and weights.dim() == 3, (x.shape, weights.shape)
     num_tokens = x.shape[0]
     _, out_dim, max_rank = weights.shape
     assert x.shape[1] >= num_slices * max_rank, (x.shape, num_slices, max_rank)
+    assert x_slot_stride == 0 or num_slices == 1, "every slot's shrink: one-slice modules only"
     assert base_output.shape == (num_tokens, out_dim), (base_output.shape, num_tokens, out_dim)
     if slice_offsets is None:
         assert out_dim % num_slices == 0, (out_dim, num_slices)
@@ -193,6 +200,7 @@ def segmented_expand(
         base_output,
         x.stride(0),
         x.stride(1),
+        x_slot_stride,
         weights.stride(0),
         slice_stride,
         weights.stride(1),
