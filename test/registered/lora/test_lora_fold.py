@@ -205,6 +205,59 @@ def test_pool_loads_into_w_aug_and_leaves_no_residue():
     assert pool.data_ptrs() == ptrs and pool.integrity_problems() == []
 
 
+def test_a_fold_pool_keeps_a_in_w_aug_and_b_transposed():
+    """The A-fold's layout (fold.a_fold_views): a folded o_proj / down_proj's A lives in the rows of
+    W_aug's buffer past N (W_a = [W; A of the adapter slots] is one view, the base weight another),
+    and the pool keeps B transposed beside it. Loading writes both; a smaller adapter moving in
+    leaves no residue in the prefix the kernels read; nothing moves."""
+    from test_mem_pool import SHAPES, make_adapter
+
+    from sglang.srt.lora.mem_pool import LoRAMemoryPool
+
+    modules = ["qkv_proj", "o_proj", "down_proj"]
+    pool = LoRAMemoryPool(SHAPES, modules, 2, 8, torch.float32, "cpu", fold_candidates=modules, a_fold=True)
+    assert pool.a_fold_modules == ["down_proj", "o_proj"]  # not qkv_proj: three output slices
+    gen = torch.Generator().manual_seed(8)
+    bases = {}
+    for m in pool.fold_modules:
+        for layer in range(SHAPES.num_layers):
+            shape = SHAPES.modules[m]
+            bases[m, layer] = torch.randn(shape.out_dim, shape.in_dim, generator=gen)
+            pool.fold_base_weight(m, layer, bases[m, layer])
+    ptrs = pool.data_ptrs()
+    ads = {"big": make_adapter("big", r=8, modules=modules, seed=1), "small": make_adapter("small", r=3, seed=2,
+                                                                                           modules=["o_proj"])}
+    pool.make_resident({"big"}, ads)
+    big_slot = pool.get_slot("big")
+    for m in pool.a_fold_modules:
+        shape = SHAPES.modules[m]
+        for layer in range(SHAPES.num_layers):
+            a, b = ads["big"].layers[layer][m]
+            w_a, w_aug = pool.a_folded_weight[m][layer], pool.folded_weight[m][layer]
+            assert w_a.shape == (shape.out_dim + 2 * 8, shape.in_dim) and w_a.data_ptr() == w_aug.data_ptr()
+            assert torch.equal(w_a[: shape.out_dim], bases[m, layer])
+            rows = shape.out_dim + big_slot * 8
+            assert torch.equal(w_a[rows : rows + 8], a) and torch.equal(pool.A_buffer[m][layer][big_slot], a)
+            assert torch.equal(pool.Bt_buffer[m][layer][big_slot], b.t())
+            # One GEMM: the base output and the slot's shrink.
+            x = torch.randn(3, shape.in_dim, generator=gen)
+            out = x @ w_a.T
+            torch.testing.assert_close(out[:, : shape.out_dim], x @ bases[m, layer].T)
+            torch.testing.assert_close(out[:, rows : rows + 8], x @ a.T)
+    pool.free("big")
+    pool.make_resident({"small"}, ads)
+    assert pool.get_slot("small") == big_slot
+    for layer in range(SHAPES.num_layers):
+        a, b = ads["small"].layers[layer]["o_proj"]
+        assert torch.equal(pool.A_buffer["o_proj"][layer][big_slot][:3], a)
+        assert torch.equal(pool.Bt_buffer["o_proj"][layer][big_slot][:3], b.t())
+        assert not pool.A_buffer["o_proj"][layer][big_slot][3:].any()
+        assert not pool.Bt_buffer["o_proj"][layer][big_slot][3:].any()
+        assert not pool.A_buffer["down_proj"][layer][big_slot].any()  # small has no down_proj
+        assert not pool.Bt_buffer["down_proj"][layer][big_slot].any()
+    assert pool.data_ptrs() == ptrs and pool.integrity_problems() == []
+
+
 def test_manager_folds_and_logs(caplog):
     """The manager re-lays the base weights (the model's outputs do not change) and says what it did."""
     import logging

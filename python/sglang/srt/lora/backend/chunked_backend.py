@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.nn.functional as F
 
 from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches
@@ -89,13 +88,10 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
                 and info.row_slots is not None and not info.defer)
 
     def run_a_folded(self, weights: LoRAModuleWeights, x: torch.Tensor) -> torch.Tensor:
-        spec, n = weights.spec, weights.spec.out_dim
-        assert weights.bias is None, "an A-folded module has no bias"
-        out = F.linear(x, weights.a_folded)  # [x W^T | x A^T of every adapter slot]
-        base = out[:, :n]
+        base, delta = self.run_deferred(weights, x)
         # B transposed [S, R, N] read as [S, N, R]: a tile's output columns are contiguous.
-        chunked_sgmv_lora_expand_forward(out[:, n:], weights.bt.transpose(1, 2), self.batch_info, base,
-                                         num_slices=1, x_slot_stride=spec.max_rank)
+        chunked_sgmv_lora_expand_forward(delta.shrink, delta.bt.transpose(1, 2), self.batch_info, base,
+                                         num_slices=1, x_slot_stride=delta.max_rank)
         return base
 
     # ---- unfolded modules --------------------------------------------------------------------
