@@ -258,6 +258,18 @@ def test_a_fold_pool_keeps_a_in_w_aug_and_b_transposed():
     assert pool.data_ptrs() == ptrs and pool.integrity_problems() == []
 
 
+def test_a_fold_rule_bounds_its_extra_bytes():
+    """The A-fold reads S*R*(K - N) more bytes than the B fold: taken at 8 rank-16 adapter slots on
+    the Qwen3-4B and Llama-8B shapes (what the H200 measured), not for a down_proj of 64 slots."""
+    from sglang.srt.lora.fold import A_FOLD_MAX_EXTRA_BYTES, should_a_fold
+
+    assert should_a_fold(9728, 2560, 8, 16, 2) and should_a_fold(14336, 4096, 8, 16, 2)  # down_proj
+    assert should_a_fold(4096, 2560, 64, 16, 2)  # Qwen3-4B o_proj: K - N = 1,536
+    assert not should_a_fold(9728, 2560, 64, 16, 2) and not should_a_fold(9728, 2560, 8, 64, 2)
+    assert should_a_fold(4096, 4096, 256, 64, 2)  # K = N: nothing more to read
+    assert 8 * 16 * (14336 - 4096) * 2 <= A_FOLD_MAX_EXTRA_BYTES
+
+
 def test_manager_folds_and_logs(caplog):
     """The manager re-lays the base weights (the model's outputs do not change) and says what it did."""
     import logging

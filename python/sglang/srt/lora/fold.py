@@ -48,6 +48,13 @@ FOLD_MAX_EXTRA_BYTES = 20 * 2**20
 # The modules that may take the A-fold (a_fold_views): one output slice, and a fused norm after them
 # (post_attention_layernorm after o_proj, the next layer's input_layernorm after down_proj).
 A_FOLD_MODULES = ("o_proj", "down_proj")
+# The A-fold's GEMM reads S*R rows of A (K wide) where the B fold's reads S*R columns of B (N tall):
+# S*R*(K - N) more bytes per module and small decode step. bench_norm_shrink (H200, 8 adapters,
+# rank 16) measured the A-fold ~1.7 µs per module cheaper net of its 0.3-2.6 MiB (Qwen3-4B /
+# Llama-8B down_proj: K - N = 7,168 / 10,240); 4 MiB is ~1 µs at 4.3 TB/s. Past it (many slots or a
+# high rank on a wide down_proj: 64 slots of rank 16 read 14 MiB more on the Qwen3-4B shape) the
+# module keeps the B fold alone.
+A_FOLD_MAX_EXTRA_BYTES = 4 * 2**20
 
 
 def fold_extra_columns(num_slots: int, stack: int, max_rank: int) -> int:
@@ -59,6 +66,12 @@ def fold_extra_columns(num_slots: int, stack: int, max_rank: int) -> int:
 def should_fold(out_dim: int, extra_cols: int, elem_size: int) -> bool:
     """The `auto` rule: fold while the extra weight bytes every forward reads stay small."""
     return out_dim * extra_cols * elem_size <= FOLD_MAX_EXTRA_BYTES
+
+
+def should_a_fold(in_dim: int, out_dim: int, num_slots: int, max_rank: int, elem_size: int) -> bool:
+    """Whether a folded one-slice module also takes the A-fold: its GEMM's extra bytes over the B
+    fold's (A_FOLD_MAX_EXTRA_BYTES) stay small."""
+    return num_slots * max_rank * max(in_dim - out_dim, 0) * elem_size <= A_FOLD_MAX_EXTRA_BYTES
 
 
 Index = Union[int, slice, tuple]
