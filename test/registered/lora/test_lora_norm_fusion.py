@@ -145,8 +145,11 @@ def test_a_folded_o_and_down_leave_their_delta_to_the_next_norm(assets, backend,
     run_module, run_norm = backend_obj.run_module, backend_obj.run_norm
     monkeypatch.setattr(backend_obj, "run_module",
                         lambda w, *a, **kw: module_calls.append(w.spec.name) or run_module(w, *a, **kw))
-    monkeypatch.setattr(backend_obj, "run_norm",
-                        lambda *a, delta=None, **kw: deltas.append(delta is not None) or run_norm(*a, delta=delta, **kw))
+    def counting_norm(*a, delta=None, **kw):
+        deltas.append(delta is not None)
+        return run_norm(*a, delta=delta, **kw)
+
+    monkeypatch.setattr(backend_obj, "run_norm", counting_norm)
     silu = token_backend.silu_shrink_pack
     silu_calls = []
     monkeypatch.setattr(token_backend, "silu_shrink_pack", lambda *a, **kw: silu_calls.append(1) or silu(*a, **kw))
@@ -180,8 +183,11 @@ def test_a_folded_o_and_down_past_the_bound_run_the_expand(assets, monkeypatch):
     monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_expand_forward",
                         lambda *a, **kw: expands.append(kw.get("x_slot_stride", 0)) or expand(*a, **kw))
     run_norm = backend_obj.run_norm
-    monkeypatch.setattr(backend_obj, "run_norm",
-                        lambda *a, delta=None, **kw: deltas.append(delta is not None) or run_norm(*a, delta=delta, **kw))
+    def counting_norm(*a, delta=None, **kw):
+        deltas.append(delta is not None)
+        return run_norm(*a, delta=delta, **kw)
+
+    monkeypatch.setattr(backend_obj, "run_norm", counting_norm)
     tokens, logprobs, _ = decode_run(runner)
     monkeypatch.undo()
     layers = len(runner.model.model.layers)

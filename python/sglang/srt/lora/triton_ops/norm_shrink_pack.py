@@ -275,7 +275,8 @@ def norm_shrink(
 ) -> Optional[torch.Tensor]:
     """For an unfolded module: normed_out [T, K] = RMSNorm(x (+ residual)) and xa [T, stack*max_rank]
     its shrink, xa[t, :c*r] = normed[t] @ A[slot(t), :c*r]^T (unscaled; what token_shrink writes, and
-    the expand kernels read). Rows without an adapter get nothing in xa. Returns, and takes `delta`, as norm_shrink_pack."""
+    the expand kernels read). Rows without an adapter get nothing in xa. Returns, and takes `delta`,
+    as norm_shrink_pack."""
     assert normed_out.shape == x.shape and normed_out.stride(1) == 1
     assert xa.shape[1] >= stack_num * max_rank, xa.shape
     # No scalings here (the expand applies them): the kernel's scalings argument goes unread.
