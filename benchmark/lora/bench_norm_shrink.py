@@ -14,6 +14,8 @@ residual add fused), o_proj, and down_proj after SiLU-and-mul. Variants:
   rowwise  fused, o_proj's shrink_pack replaced by the row-wise kernel without a norm, and
            down_proj's SiLU-and-mul + shrink_pack by the row-wise kernel with SiLU-and-mul
            (SGLANG_LORA_ROWWISE_DECODE=1)
+  afold_expand  fused, o_proj / down_proj as one GEMM over [W; A] and the segmented expand
+           (SGLANG_LORA_AFOLD_EXPAND=1); with --afold also `afold` (the delta in the next norm)
 captured as one CUDA graph per variant and replayed; GPU µs per step, and per module saved against
 `unfused`. The rows take the batch's adapters in turn (8 adapters in 9 slots, the serving
 default). Every LoRA variant's outputs are compared with `unfused`'s first (max |diff| of the GEMM
@@ -40,6 +42,8 @@ import torch.nn.functional as F  # noqa: E402
 from bench_util import add_output_args, emit_table, graph_us, model_dims, target  # noqa: E402
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd  # noqa: E402
 from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
+from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward  # noqa: E402
+from sglang.srt.lora.utils import LoRABatchInfo  # noqa: E402
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd  # noqa: E402
 from sglang.srt.lora.triton_ops import norm_shrink_pack as nsp  # noqa: E402
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink_pack, silu_shrink_pack  # noqa: E402
@@ -66,7 +70,9 @@ class Module:
             # `afold` (o_proj, down_proj): W_a = [W; A of every slot] (the GEMM also writes every
             # slot's shrink), B transposed [S, R, N] for the norm after it.
             self.w_a = torch.cat([self.w, self.a.reshape(slots * rank, in_dim)]).contiguous()
-            self.bt = (torch.randn(slots, rank, out_dim, generator=gen) / rank**0.5).to(dtype).to(device)
+            # The same B as W_aug's blocks (slot s at columns K + s*R), transposed [S, R, N].
+            blocks = self.w_aug[:, in_dim : in_dim + slots * rank].reshape(out_dim, slots, rank)
+            self.bt = blocks.permute(1, 2, 0).contiguous()
 
 
 def build(shape: str, rank: int, slots: int, dtype, device) -> list[Module]:
@@ -102,6 +108,10 @@ class Step:
         self.row_slots = torch.tensor([1 + i % adapters for i in range(bs)], dtype=torch.int32, device=device)
         perm, indptr, seg_slots, n_segs = token_segments(self.row_slots.cpu(), self.ranks.cpu(), 16)
         self.segments = (perm.to(device), indptr.to(device), seg_slots.to(device))
+        # The same segments as csgmv's expand reads them (`afold_expand`).
+        self.info = LoRABatchInfo(bs, self.ranks, self.scalings, bs=n_segs, num_segments=n_segs, max_len=16,
+                                  seg_indptr=self.segments[1], weight_indices=self.segments[2],
+                                  permutation=self.segments[0])
         use_pdl = self.use_pdl = pdl_available(torch.device(device))
         self.launches, self.x_aug, self.scratch = [], [], []
         for m in mods:
@@ -161,6 +171,23 @@ class Step:
 
     def unfused(self) -> None:
         self._lora(lambda m: False)
+
+    def afold_expand(self) -> None:
+        """Past the A-fold's deferral bound (SGLANG_LORA_AFOLD_EXPAND=1, csgmv): the norms fused as in
+        `fused`; o_proj and down_proj run their GEMM over W_a and the segmented expand of every slot's
+        shrink into the base columns (B transposed, x_slot_stride = R). The same outputs as `unfused`."""
+        self.outs = []
+        self.res_work.copy_(self.residual)
+        for i, m in enumerate(self.mods):
+            if m.norm:
+                self._rowwise(i, m)
+                self.outs.append(F.linear(self.x_aug[i], m.w_aug))
+                continue
+            n = m.w.shape[0]
+            out = F.linear(self._input(m), m.w_a)
+            chunked_sgmv_lora_expand_forward(out[:, n:], m.bt.transpose(1, 2), self.info, out[:, :n], 1,
+                                             x_slot_stride=m.rank)
+            self.outs.append(out[:, :n])
 
     def afold(self) -> None:
         """o_proj and down_proj A-folded: their GEMM over W_a writes [base output | every slot's
@@ -229,7 +256,7 @@ def main() -> None:
             step.unfused()
             ref = [o.float().clone() for o in step.outs]
             diff = 0.0
-            for variant in (step.fused, step.rowwise):
+            for variant in (step.fused, step.rowwise, step.afold_expand):
                 variant()
                 diff = max(diff, max(float((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-6))
                                      for o, r in zip(step.outs, ref)))
@@ -248,10 +275,11 @@ def main() -> None:
                 step.afold()  # compiles; its outputs are not `unfused`'s (the deltas move to the next norm)
                 if not dry:
                     us = graph_us(lambda _: step.afold())
+                    expand_us = graph_us(lambda _: step.afold_expand())
                     best = min(fused, rowwise)
                     afolds.append(f"| {shape} | {bs} | {base:.0f} | {fused - base:.0f} | {rowwise - base:.0f} | "
-                                  f"{us - base:.0f} | {(us - base) / max(best - base, 1e-9):.2f} | "
-                                  f"{us / base:.3f} | {best / base:.3f} |")
+                                  f"{us - base:.0f} | {expand_us - base:.0f} | "
+                                  f"{(us - base) / max(best - base, 1e-9):.2f} | {us / base:.3f} | {best / base:.3f} |")
                     print(afolds[-1], flush=True)
             if args.early_start:
                 early += early_start_rows(shape, step, dry)
@@ -266,9 +294,9 @@ def main() -> None:
     if args.afold:
         lines += ["`afold`: o_proj / down_proj A-folded (W_a = [W; A of every slot], the next norm adds the delta); "
                   "LoRA µs per step over the base, and step / base", "",
-                  "| model | decode bs | base µs/step | LoRA fused | LoRA rowwise | LoRA afold | afold / best | "
-                  "afold step / base | best step / base |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|", *afolds, ""]
+                  "| model | decode bs | base µs/step | LoRA fused | LoRA rowwise | LoRA afold | LoRA afold_expand | "
+                  "afold / best | afold step / base | best step / base |",
+                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *afolds, ""]
     if args.early_start:
         lines += [f"`fused` with the early-start knobs (default: the norm kernel a PDL dependent up to "
                   f"{nsp.PDL_MAX_ROWS} rows, SiLU-and-mul releasing at its start; GPU µs per step, the same graph "
