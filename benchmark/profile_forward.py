@@ -102,11 +102,12 @@ VARIANT_KNOBS = {
                   ("sglang.srt.layers.triton_ops.common", "RELEASE_DEPENDENTS", False)),
     "lora-b-late": (("sglang.srt.lora.triton_ops.sgemm_lora_b", "EXPAND_TILES", (256, 4)),),
 }
-# SGLANG_LORA_PREFILL_UNFOLD of the variants that set it (backend/chunked_backend.py).
-PREFILL_UNFOLD = {"lora-prefill-unfold": "1"}
-# Environment of the variants that set it, read when the backend is built (backend/token_backend.py,
-# chunked_backend.py; the others: the defaults).
-VARIANT_ENV = {"lora-no-afold": {"SGLANG_LORA_AFOLD": "0"}, "lora-afold-expand": {"SGLANG_LORA_AFOLD_EXPAND": "1"}}
+# Environment read when a variant's backend is built (backend/token_backend.py, chunked_backend.py):
+# BASE_ENV for every variant (csgmv's prefill unfold off, whatever the caller's environment), then the
+# variant's own; anything else keeps its default.
+BASE_ENV = {"SGLANG_LORA_PREFILL_UNFOLD": "0"}
+VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora-no-afold": {"SGLANG_LORA_AFOLD": "0"},
+               "lora-afold-expand": {"SGLANG_LORA_AFOLD_EXPAND": "1"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",
@@ -261,16 +262,15 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
         overrides["lora_fuse_norm"] = fuse_norm
         overrides["lora_fold"] = args.lora_fold
     os.environ["SGLANG_LORA_ROWWISE_DECODE"] = rowwise  # read when the backend is built
-    os.environ["SGLANG_LORA_PREFILL_UNFOLD"] = PREFILL_UNFOLD.get(lora, "0")
-    os.environ.update(VARIANT_ENV.get(lora, {}))
+    env = {**BASE_ENV, **VARIANT_ENV.get(lora, {})}
+    os.environ.update(env)
     buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
     # Graphs keep the kernels as captured: the knobs need only hold while they are built.
     with variant_knobs(lora):
         runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
                               prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
     os.environ.pop("SGLANG_LORA_ROWWISE_DECODE")
-    os.environ.pop("SGLANG_LORA_PREFILL_UNFOLD")
-    for name in VARIANT_ENV.get(lora, {}):
+    for name in env:
         os.environ.pop(name)
     graphs: dict[str, Any] = {} if args.paths == "graph" else {"eager": None}
     if on_gpu:

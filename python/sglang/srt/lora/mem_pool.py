@@ -156,12 +156,11 @@ class LoRAMemoryPool:
         # The A-fold (lora/fold.py, a_fold_views): folded one-slice modules (o_proj, down_proj) whose
         # W_aug buffer also holds A, as rows past N, so that one GEMM gives the base output and every
         # slot's shrink; B is also kept transposed [slots, R, N] for the norm that adds the delta.
-        elem = torch.empty((), dtype=self.dtype).element_size()
         self.a_fold_modules: list[str] = [
             m for m in self.fold_modules
             if a_fold and get_stacked_multiply(m) == 1 and m in A_FOLD_MODULES and should_a_fold(
                 self.shapes.modules[m].in_dim, self.shapes.modules[m].out_dim, self.num_fold_slots,
-                self.max_lora_rank, elem)
+                self.max_lora_rank, self.dtype.itemsize)
         ]
         self.a_folded_weight: dict[str, list[Optional[torch.Tensor]]] = {m: [None] * self.shapes.num_layers
                                                                           for m in self.a_fold_modules}
