@@ -92,7 +92,7 @@ LORA_VARIANTS = {
     "lora-late": ("auto", "small"),  # the default, its kernels captured with the early-start knobs off
     "lora-b-late": ("auto", "small"),  # the default, the unfolded expand loading B after the rank (the old order)
     "lora-no-afold": ("auto", "small"),  # the default without the A-fold (o_proj / down_proj keep their kernels)
-    "lora-afold-expand": ("auto", "small"),  # the default, past the A-fold's bound its GEMM and the expand (csgmv)
+    "lora-no-afold-expand": ("auto", "small"),  # the default, past the A-fold's bound shrink_pack and W_aug (csgmv)
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -107,7 +107,7 @@ VARIANT_KNOBS = {
 # variant's own; anything else keeps its default.
 BASE_ENV = {"SGLANG_LORA_PREFILL_UNFOLD": "0"}
 VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora-no-afold": {"SGLANG_LORA_AFOLD": "0"},
-               "lora-afold-expand": {"SGLANG_LORA_AFOLD_EXPAND": "1"}}
+               "lora-no-afold-expand": {"SGLANG_LORA_AFOLD_EXPAND": "0"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",

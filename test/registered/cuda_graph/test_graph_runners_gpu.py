@@ -256,7 +256,9 @@ def agreeing_diffs(runs: list[tuple[list[list[int]], torch.Tensor]], steps: int)
     ("triton", "auto", False, "auto", "small"), ("csgmv", "auto", "small", "auto", "small"),
     ("csgmv", "on", True, "auto", "small"), ("csgmv", "on", "small", "auto", "small"),
     ("csgmv", "on", False, "off", "small"), ("csgmv", "auto", "small", "off", "small"),
-    ("triton", "auto", "small", "off", "small")])
+    ("triton", "auto", "small", "off", "small"),
+    # Past the A-fold's bound (2 rows; the batch has 5): csgmv's GEMM over [W; A] and the expand.
+    ("csgmv", "auto", "small", "auto", "rows:2")])
 def test_fused_norm_decode_graph_equals_eager(lora_backend, fuse, rowwise, fold, afold):
     """--lora-fuse-norm: the decode graph replays the row-wise kernels (and the A-fold's deferred
     deltas) and equals fused eager bit for bit. Folded modules (fold auto at these sizes) without
@@ -279,6 +281,8 @@ def test_fused_norm_decode_graph_equals_eager(lora_backend, fuse, rowwise, fold,
     assert g_tok == e_tok and torch.equal(g_lp, e_lp)
     assert eager.lora_manager.lora_backend.fuse_norm
     assert bool(eager.lora_manager.pool.a_fold_modules) == (afold != "0" and fold == "auto")
+    if afold == "rows:2":
+        assert eager.lora_manager.lora_backend.afold_expand  # SGLANG_LORA_AFOLD_EXPAND's default
     if fold == "auto" and rowwise is False and afold == "0":
         assert e_tok == u_tok and torch.equal(e_lp, u_lp)
         return
