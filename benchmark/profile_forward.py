@@ -93,6 +93,7 @@ LORA_VARIANTS = {
     "lora-b-late": ("auto", "small"),  # the default, the unfolded expand loading B after the rank (the old order)
     "lora-no-afold": ("auto", "small"),  # the default without the A-fold (o_proj / down_proj keep their kernels)
     "lora-no-afold-expand": ("auto", "small"),  # the default, past the A-fold's bound shrink_pack and W_aug (csgmv)
+    "lora-expand-pdl": ("auto", "small"),  # the default, csgmv's expand launched as a programmatic dependent
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -101,6 +102,7 @@ VARIANT_KNOBS = {
     "lora-late": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "PDL_MAX_ROWS", 0),
                   ("sglang.srt.layers.triton_ops.common", "RELEASE_DEPENDENTS", False)),
     "lora-b-late": (("sglang.srt.lora.triton_ops.sgemm_lora_b", "EXPAND_TILES", (256, 4)),),
+    "lora-expand-pdl": (("sglang.srt.lora.triton_ops.sgemm_lora_b", "PDL_MAX_ROWS", 1 << 20),),
 }
 # Environment read when a variant's backend is built (backend/token_backend.py, chunked_backend.py):
 # BASE_ENV for every variant (csgmv's prefill unfold off, whatever the caller's environment), then the

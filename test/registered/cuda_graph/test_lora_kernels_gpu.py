@@ -246,3 +246,16 @@ def test_decode_graph_replay_matches_eager(backend_cls, fold):
         for key in static_out:
             assert torch.equal(static_out[key][:bs], same_rows[key][:bs]), (bs, key)
         assert_close_rel(static_out, _reference(layer, [1] * bs, slots, ranks, decode, inputs), bs)
+
+
+def test_csgmv_expand_as_a_dependent_replays_like_eager(monkeypatch):
+    """sgemm_lora_b.PDL_MAX_ROWS past every batch: csgmv's unfolded expand launched as a programmatic
+    dependent of the GEMM before it. Graph replays still equal eager on the same rows bit for bit and
+    the reference within bf16 rounding (decode and prefill)."""
+    from sglang.srt.lora.triton_ops import sgemm_lora_b
+
+    if not ChunkedSgmvLoRABackend(NUM_SLOTS, DEV).use_pdl:
+        pytest.skip("no programmatic dependent launch on this GPU")
+    monkeypatch.setattr(sgemm_lora_b, "PDL_MAX_ROWS", 1 << 20)
+    test_decode_graph_replay_matches_eager(ChunkedSgmvLoRABackend, False)
+    test_prefill_graph_replay_matches_eager(ChunkedSgmvLoRABackend, False)

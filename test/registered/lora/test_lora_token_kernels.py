@@ -319,3 +319,52 @@ def test_token_kernels_compile_for_hopper():
     expected = {"ticket": True, "launch_dependents": False, "wait": False, "vector_rmw": True, "vector_copy": True}
     assert plain == expected, plain
     assert pdl == dict(expected, launch_dependents=True, wait=True), pdl
+
+
+def segment_expand_ptx_facts(use_pdl: bool) -> dict[str, int]:
+    """csgmv's segmented expand compiled for sm_90 (run without TRITON_INTERPRET): how many PDL
+    waits it has, and how many branches come before the first (0: every program reaches it)."""
+    import re
+
+    from sglang.srt.lora.triton_ops.sgemm_lora_b import _segment_expand_kernel
+
+    ptx = _compile_for_hopper(
+        _segment_expand_kernel,
+        {"x_ptr": "*bf16", "w_ptr": "*bf16", "out_ptr": "*bf16", "seg_indptr_ptr": "*i32",
+         "weight_indices_ptr": "*i32", "lora_ranks_ptr": "*i32", "scalings_ptr": "*fp32", "perm_ptr": "*i32",
+         "slice_offsets_ptr": "*i32"},
+        ["x_stride_t", "x_stride_r", "x_slot_stride", "w_stride_s", "w_stride_slice", "w_stride_n", "w_stride_r",
+         "out_stride_t", "out_stride_n", "slice_width", "n_tiles", "lanes"],
+        dict(HAS_OFFSETS=False, OFFSET_ALIGN=1, BLOCK_S=16, BLOCK_N=256, BLOCK_R=16, R_ITERS=1, LANE_ITERS=1,
+             DOT_PREC="tf32", B_EARLY=True, USE_PDL=use_pdl),
+        num_warps=4,
+        launch_pdl=use_pdl,
+    )
+    body = ptx[ptx.index(".entry"):]
+    head = body.split("griddepcontrol.wait")[0]
+    return {"waits": body.count("griddepcontrol.wait"), "branches_before_wait": len(re.findall(r"\bbra\b", head)),
+            "loads_before_wait": len(re.findall(r"ld\.global", head))}
+
+
+def test_segment_expand_as_a_dependent_waits_in_every_program():
+    """Launched as a programmatic dependent (sgemm_lora_b.PDL_MAX_ROWS), the expand waits once, in
+    straight-line code before any branch: also the programs with nothing to do wait before they
+    leave, so the kernel never completes before the GEMM it follows. Its metadata and B loads come
+    before the wait. Without PDL no wait is compiled in. (A subprocess without TRITON_INTERPRET.)"""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    python_dir = os.path.join(here, "..", "..", "..", "python")
+    code = (
+        f"import sys, json; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
+        "import test_lora_token_kernels as t; print(json.dumps([t.segment_expand_ptx_facts(p) for p in (False, True)]))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    plain, pdl = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert plain["waits"] == 0, plain
+    assert pdl["waits"] == 1 and pdl["branches_before_wait"] == 0 and pdl["loads_before_wait"] > 0, pdl

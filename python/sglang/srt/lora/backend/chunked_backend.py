@@ -92,7 +92,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         base, delta = self.run_deferred(weights, x)
         # B transposed [S, R, N] read as [S, N, R]: a tile's output columns are contiguous.
         chunked_sgmv_lora_expand_forward(delta.shrink, delta.bt.transpose(1, 2), self.batch_info, base,
-                                         num_slices=1, x_slot_stride=delta.max_rank)
+                                         num_slices=1, x_slot_stride=delta.max_rank, use_pdl=self.use_pdl)
         return base
 
     # ---- unfolded modules --------------------------------------------------------------------
@@ -115,6 +115,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         chunked_sgmv_lora_expand_forward(
             xa, b, info, out, num_slices=spec.stack, slice_offsets=offsets,
             max_slice_size=max(spec.slice_sizes) if offsets is not None else None, slice_stride=slice_stride,
+            use_pdl=self.use_pdl,
         )
 
 

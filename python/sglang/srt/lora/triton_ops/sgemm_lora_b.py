@@ -7,6 +7,13 @@ csgmv's unfolded modules: plain (1 slice), gate_up (2 equal slices), qkv (3 slic
 Every output element is one dot over the rank, computed by one program; the tile width is a
 launch constant (EXPAND_TILES), the same under a graph and eagerly, so a graph replay and an eager
 pass add the same bits.
+
+With USE_PDL (`use_pdl` and at most PDL_MAX_ROWS rows) the kernel is launched as a programmatic
+dependent of the kernel before it (Hopper; at decode the module's GEMM): its first two load rounds
+read only the batch's metadata and B, which no kernel of the forward writes, so they overlap that
+kernel's tail; every program then waits (`gdc_wait`) before it reads x or the output tile, and
+before it leaves, also those with nothing to do, so the kernel never completes before the one it
+depends on (a dependent of this kernel may rely on that). The launch mode moves no sum.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sglang.srt.layers.triton_ops.common import gdc_wait
 from sglang.srt.lora.triton_ops._token_rows import segment_lane_start, slice_columns
 from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block, token_block, token_lanes
 from sglang.srt.lora.utils import LoRABatchInfo
@@ -55,6 +63,7 @@ def _segment_expand_kernel(
     LANE_ITERS: tl.constexpr,
     DOT_PREC: tl.constexpr,
     B_EARLY: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     seg = tl.program_id(2)
     slice_id = tl.program_id(1)
@@ -66,9 +75,11 @@ def _segment_expand_kernel(
     col_lo, col_hi = slice_columns(slice_offsets_ptr, slice_id, slice_width, HAS_OFFSETS, OFFSET_ALIGN)
     col0 = col_lo + tile_n * BLOCK_N
     # Empty segments (most of a graph bucket's) and the narrower slices' spare column tiles (kv
-    # under GQA) leave after the first round.
-    if (first_row >= seg_end) | (col0 >= col_hi):
-        return
+    # under GQA) leave after the first round (launched as a dependent: after the wait below).
+    empty = (first_row >= seg_end) | (col0 >= col_hi)
+    if not USE_PDL:
+        if empty:
+            return
     offs_n = col0 + tl.arange(0, BLOCK_N)
     col_mask = offs_n < col_hi
     offs_r = tl.arange(0, BLOCK_R)
@@ -81,11 +92,19 @@ def _segment_expand_kernel(
         # (round 2) rather than after them. Unmasked by the rank (not known yet): the rows past
         # it are zeroed once it is, as the masked load would have left them. (Rank-0 segments
         # load their slot's block for nothing: one small tile, from L2 after the first.)
-        b_first = tl.load(w_base + offs_r[:, None] * w_stride_r, mask=col_mask[None, :], other=0.0)
+        b_cols = col_mask
+        if USE_PDL:  # empty segments are still here: they load nothing
+            b_cols = offs_n < tl.where(first_row < seg_end, col_hi, 0)
+        b_first = tl.load(w_base + offs_r[:, None] * w_stride_r, mask=b_cols[None, :], other=0.0)
     rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)
     scaling = tl.load(scalings_ptr + tl.maximum(slot, 0))
     first_offs = first_row + tl.arange(0, BLOCK_S)
     first_rows = tl.load(perm_ptr + first_offs, mask=first_offs < seg_end, other=0).to(tl.int64)
+    if USE_PDL:
+        # Everything above is metadata and B; x and the output tile are the GEMM's, read below.
+        gdc_wait()
+        if empty:
+            return
     if rank == 0:  # base requests and padding rows
         return
     if B_EARLY:
@@ -142,6 +161,10 @@ def _segment_expand_kernel(
 # 17.0 / 48.0 (20.3 / 57.2); the same bits. Whole decode steps at 64 slots (profile_forward) spent
 # 1,481 / 1,883 / 2,760 µs of LoRA kernels on 8 / 32 / 64 adapters without it, 1,408 / 1,760 / 2,464 with.
 EXPAND_TILES = (256, 4, "b-early")
+# With the backend's `use_pdl`, launches of at most this many rows go as programmatic dependents
+# (see the module doc). 0 (never) until measured on the H200: profile_forward's `lora-expand-pdl`
+# variant sets it past every bucket.
+PDL_MAX_ROWS = 0
 
 
 def segmented_expand(
@@ -155,6 +178,7 @@ def segmented_expand(
     tiles: Optional[tuple] = None,
     slice_stride: int = 0,
     x_slot_stride: int = 0,
+    use_pdl: bool = False,
 ) -> torch.Tensor:
     """Launch the expand over `batch_info`'s grid, accumulating into `base_output` in place.
 
@@ -164,7 +188,8 @@ def segmented_expand(
     W_aug, lora/fold.py `folded_b`); 0 for a plain B. `x_slot_stride`: x holds every slot's
     shrink, slot s's at columns s * x_slot_stride on (the A-fold's GEMM output, lora/fold.py
     `a_fold_views`); 0 for the compact shrink of each row's own slot. `tiles` (BLOCK_N, warps[,
-    "b-early"]) overrides EXPAND_TILES (benchmarks, tests).
+    "b-early"]) overrides EXPAND_TILES (benchmarks, tests). `use_pdl`: the backend's (Hopper, the
+    intrinsics present); the launch is a programmatic dependent up to PDL_MAX_ROWS rows.
     """
     assert x.dim() == 2 and weights.dim() == 3, (x.shape, weights.shape)
     num_tokens = x.shape[0]
@@ -194,6 +219,7 @@ def segmented_expand(
     if num_tokens == 0 or grid[0] == 0 or grid[2] == 0:
         return base_output  # eager only: graph-mode infos always have a non-empty grid
     offsets = slice_offsets if slice_offsets is not None else batch_info.seg_indptr  # unused then
+    pdl = use_pdl and num_tokens <= PDL_MAX_ROWS
     _segment_expand_kernel[grid](
         x,
         weights,
@@ -225,7 +251,9 @@ def segmented_expand(
         LANE_ITERS=lane_iters,
         DOT_PREC=dot_precision(weights),
         B_EARLY=b_early,
+        USE_PDL=pdl,
         num_warps=num_warps,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return base_output
 
