@@ -19,6 +19,7 @@ depends on (a dependent of this kernel may rely on that). The launch mode moves 
 from __future__ import annotations
 
 import math
+import os
 from typing import Optional
 
 import torch
@@ -162,9 +163,13 @@ def _segment_expand_kernel(
 # 1,481 / 1,883 / 2,760 µs of LoRA kernels on 8 / 32 / 64 adapters without it, 1,408 / 1,760 / 2,464 with.
 EXPAND_TILES = (256, 4, "b-early")
 # With the backend's `use_pdl`, launches of at most this many rows go as programmatic dependents
-# (see the module doc). 0 (never) until measured on the H200: profile_forward's `lora-expand-pdl`
-# variant sets it past every bucket.
-PDL_MAX_ROWS = 0
+# (see the module doc); SGLANG_LORA_EXPAND_PDL_ROWS, 0 (never) by default. profile_forward's
+# `lora-expand-pdl` variant sets it past every bucket: on the H200 (2026-12-04, Qwen3-4B, 8 rank-16
+# adapters, decode graphs, 3 paired rounds) a step of 32 requests on 8 adapters took 24, 34 and 37
+# µs less, one of 64 took 56, 165 and -1 µs less (median LoRA / base 1.16 -> 1.15 and 1.18 -> 1.16);
+# the kernel-level graph = eager test passed with it. Off until the engine's graph = eager tests have
+# run with it on the GPU.
+PDL_MAX_ROWS = int(os.environ.get("SGLANG_LORA_EXPAND_PDL_ROWS", "0"))
 
 
 def segmented_expand(
