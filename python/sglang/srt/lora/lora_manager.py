@@ -10,6 +10,7 @@ never re-derives that choice (DESIGN §6).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
@@ -398,7 +399,8 @@ class LoRAManager:
             raise ValueError(f"forward batch has {bs} requests but {len(lora_ids)} lora_ids")
         # The running requests' adapters (keep_lora_ids) only must not be evicted: they are not
         # this batch's, so they are neither loaded, marked used nor counted against the slots here.
-        self.pool.make_resident(set(lora_ids), self.adapters, self.pinned_ids | set(forward_batch.keep_lora_ids))
+        # Pinned and kept ids chained, not joined: read only when a slot must be freed.
+        self.pool.make_resident(set(lora_ids), self.adapters, itertools.chain(self.pinned_ids, forward_batch.keep_lora_ids))
         slot_of = self.pool.lora_id_to_slot  # what get_slot reads, without a call per request
         weight_indices = [slot_of[lora_id] for lora_id in lora_ids]
         self.lora_backend.fill_batch_info(

@@ -269,17 +269,17 @@ class LoRAMemoryPool:
         for lora_id in wanted:
             if lora_id not in adapters:
                 raise ValueError(f"LoRA adapter id {lora_id!r} is not loaded")
-        keep = set(wanted) | set(pinned_ids)  # the batch's adapters and the pinned ones stay
         # Sorted only so that policy order and slot assignment are reproducible.
         ordered = sorted(wanted)
         for lora_id in ordered:
             self.eviction_policy.mark_used(lora_id)
-        for lora_id in ordered:
-            if lora_id in self.lora_id_to_slot:
-                continue
-            slot = self._free_slot(keep)
-            assert slot is not None
-            self._load(lora_id, slot, adapters[lora_id])
+        missing = [u for u in ordered if u not in self.lora_id_to_slot]
+        if missing:  # (most batches find every adapter resident: no sets built, `pinned_ids` not read)
+            keep = wanted | set(pinned_ids)  # the batch's adapters and the pinned ones stay
+            for lora_id in missing:
+                slot = self._free_slot(keep)
+                assert slot is not None
+                self._load(lora_id, slot, adapters[lora_id])
         self.loader.wait_for(self.lora_id_to_slot[u] for u in wanted)
 
     def prefetch(

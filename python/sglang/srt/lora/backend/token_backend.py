@@ -188,6 +188,7 @@ class TokenLoRABackend(BaseLoRABackend):
         self.afold_max_rows = rowwise_decode_bound(os.environ.get("SGLANG_LORA_AFOLD", AFOLD_DEFAULT),
                                                    AFOLD_SMALL_ROWS, "SGLANG_LORA_AFOLD")
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
+        self._row_plans: dict[tuple[int, bool], tuple[bool, bool, int]] = {}  # _row_plan_for's
         self._prefill_buckets: list[int] = []  # the prefill graphs' token counts, for prefill_bucket
 
     def enable_norm_fusion(self) -> None:
@@ -195,6 +196,7 @@ class TokenLoRABackend(BaseLoRABackend):
         (lora/norm_fusion.py). Before the graphs' static infos are allocated."""
         assert self._decode is None, "enable_norm_fusion runs before init_cuda_graph_batch_info"
         self.fuse_norm = True
+        self._row_plans.clear()
 
     # ---- start-up ----------------------------------------------------------------------------
     def init_modules(
@@ -260,6 +262,7 @@ class TokenLoRABackend(BaseLoRABackend):
     def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1,
                                    buckets: Optional[Sequence[int]] = None) -> None:
         self._decode_buckets = sorted(buckets or [])
+        self._row_plans.clear()  # rowwise / defer follow the buckets
         self._decode = self._graph_meta(max_bs_in_cuda_graph * num_tokens_per_bs, with_row_slots=self.fuse_norm)
         self.cuda_graph_batch_info = self._decode.info
         self.max_bs_in_cuda_graph = max_bs_in_cuda_graph
@@ -286,30 +289,31 @@ class TokenLoRABackend(BaseLoRABackend):
         launches of every module kind for this batch. `lora_ranks` (host list) decides which rows
         are active; `scalings` is not read: the kernels read the pool's device tensors."""
         assert self.specs, "init_modules must run before the first batch"
+        # The host work here runs before every LoRA forward while the GPU waits (before a graph
+        # replay, all of it is): an unchanged graph batch only builds its key and compares.
         bs = forward_batch.batch_size
         assert len(weight_indices) == bs, (len(weight_indices), bs)
         num_rows = forward_batch.num_tokens
-        lens = self._request_lens(forward_batch)
-        idle = idle_slot_of(lora_ranks)
+        extend = forward_batch.forward_mode.is_extend()
         # Decode rows are requests: each row's slot, for the fused norm kernels.
-        fused = self.fuse_norm and not forward_batch.forward_mode.is_extend()
+        fused = self.fuse_norm and not extend
         assert not fused or num_rows == bs, (num_rows, bs)
-        rowwise = fused and self.rowwise_fits(num_rows)
-        defer = fused and self._bucket_within(num_rows, self.afold_max_rows)
+        rowwise, defer, capacity = self._row_plan_for(num_rows, fused)
         if path.is_graph:
             meta = self._decode if path is ForwardPath.DECODE_GRAPH else self._prefill
             assert meta is not None, "init_*_cuda_graph_batch_info must run before a graph batch"
-            assert path is ForwardPath.DECODE_GRAPH or forward_batch.forward_mode.is_extend(), forward_batch.forward_mode
+            assert path is ForwardPath.DECODE_GRAPH or extend, forward_batch.forward_mode
             assert num_rows <= meta.rows, (num_rows, meta.rows)
-            decode = not forward_batch.forward_mode.is_extend()
-            key = (tuple(weight_indices), num_rows if decode else tuple(lens), tuple(lora_ranks))
+            lens = self._request_lens(forward_batch) if extend else None
+            key = (tuple(weight_indices), tuple(lens) if extend else num_rows, tuple(lora_ranks))
             self.metadata_refreshes += 1
             if key != meta.filled_for:
                 self.metadata_writes += 1
+                idle = idle_slot_of(lora_ranks)
                 # The static segments cover every row the graph kind holds (padding in row order), so
                 # any bucket's grid finds all of its rows in its first segment_capacity(bucket) segments.
-                segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, meta.rows, idle,
-                                      one_row_each=decode or None)
+                segs = build_segments(weight_indices, lens or [1] * bs, lora_ranks, self.segment_rows, meta.rows,
+                                      idle, one_row_each=not extend or None)
                 assert segs.num_segments <= meta.capacity, (segs.num_segments, meta.capacity)
                 row_slots = weight_indices + [-1] * (meta.rows - bs) if meta.info.row_slots is not None else None
                 meta.staging.write(self._packed(segs, meta.capacity, idle, row_slots))
@@ -318,9 +322,11 @@ class TokenLoRABackend(BaseLoRABackend):
             info.num_rows, info.num_segments = num_rows, meta.filled_segments
             info.rowwise, info.defer = rowwise, defer
             # The grid's segment axis for this row count: at capture, the bucket's capacity.
-            info.bs = self.segment_capacity(num_rows)
+            info.bs = capacity
         else:
-            segs = build_segments(weight_indices, lens, lora_ranks, self.segment_rows, num_rows, idle)
+            idle = idle_slot_of(lora_ranks)
+            segs = build_segments(weight_indices, self._request_lens(forward_batch), lora_ranks, self.segment_rows,
+                                  num_rows, idle)
             n = segs.num_segments
             end = num_rows + 2 * n + 1
             packed = to_device(self._packed(segs, n, idle, weight_indices if fused else None), torch.int32, self.device)
@@ -402,6 +408,20 @@ class TokenLoRABackend(BaseLoRABackend):
         within the bound. A batch and the graph bucket it replays decide alike, so graph = eager
         holds on one server; two servers with other bucket ladders may decide a size differently."""
         return self._bucket_within(rows, self.rowwise_max_rows)
+
+    def _row_plan_for(self, num_rows: int, fused: bool) -> tuple[bool, bool, int]:
+        """(rowwise, defer, segment capacity) of a batch of `num_rows` rows: functions of the row
+        count and of settings fixed before the first batch (the decode buckets, the norm fusion),
+        so computed once per count."""
+        key = (num_rows, fused)
+        plan = self._row_plans.get(key)
+        if plan is None:
+            if len(self._row_plans) >= _LAUNCH_CACHE_SIZE:
+                self._row_plans.clear()
+            plan = (fused and self.rowwise_fits(num_rows), fused and self._bucket_within(num_rows, self.afold_max_rows),
+                    self.segment_capacity(num_rows))
+            self._row_plans[key] = plan
+        return plan
 
     def _bucket_within(self, rows: int, bound: Optional[int]) -> bool:
         if bound is None:
