@@ -297,10 +297,9 @@ def hopper_ptx_flags(use_pdl: bool) -> dict[str, bool]:
     }
 
 
-def test_token_kernels_compile_for_hopper():
-    """The interpreter skips what only the compiler checks (globals, types, PDL intrinsics); the
-    compiler needs the real @triton.jit objects, so this runs in a subprocess without
-    TRITON_INTERPRET (bundled ptxas, no GPU needed)."""
+def _without_interpreter(function: str) -> list:
+    """[function(False), function(True)] of this module, run in a subprocess without
+    TRITON_INTERPRET (the compiler needs the real @triton.jit objects; bundled ptxas, no GPU)."""
     import json
     import os
     import subprocess
@@ -310,12 +309,19 @@ def test_token_kernels_compile_for_hopper():
     python_dir = os.path.join(here, "..", "..", "..", "python")  # this checkout's package, not an installed one
     code = (
         f"import sys, json; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
-        "import test_lora_token_kernels as t; print(json.dumps([t.hopper_ptx_flags(p) for p in (False, True)]))"
+        f"import test_lora_token_kernels as t; print(json.dumps([t.{function}(p) for p in (False, True)]))"
     )
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    plain, pdl = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def test_token_kernels_compile_for_hopper():
+    """The interpreter skips what only the compiler checks (globals, types, PDL intrinsics); the
+    compiler needs the real @triton.jit objects, so this runs in a subprocess without
+    TRITON_INTERPRET (bundled ptxas, no GPU needed)."""
+    plain, pdl = _without_interpreter("hopper_ptx_flags")
     expected = {"ticket": True, "launch_dependents": False, "wait": False, "vector_rmw": True, "vector_copy": True}
     assert plain == expected, plain
     assert pdl == dict(expected, launch_dependents=True, wait=True), pdl
@@ -351,20 +357,6 @@ def test_segment_expand_as_a_dependent_waits_in_every_program():
     straight-line code before any branch: also the programs with nothing to do wait before they
     leave, so the kernel never completes before the GEMM it follows. Its metadata and B loads come
     before the wait. Without PDL no wait is compiled in. (A subprocess without TRITON_INTERPRET.)"""
-    import json
-    import os
-    import subprocess
-    import sys
-
-    here = os.path.dirname(os.path.abspath(__file__))
-    python_dir = os.path.join(here, "..", "..", "..", "python")
-    code = (
-        f"import sys, json; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
-        "import test_lora_token_kernels as t; print(json.dumps([t.segment_expand_ptx_facts(p) for p in (False, True)]))"
-    )
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    plain, pdl = json.loads(proc.stdout.strip().splitlines()[-1])
+    plain, pdl = _without_interpreter("segment_expand_ptx_facts")
     assert plain["waits"] == 0, plain
     assert pdl["waits"] == 1 and pdl["branches_before_wait"] == 0 and pdl["loads_before_wait"] > 0, pdl
