@@ -400,7 +400,8 @@ class LoRAManager:
         # The running requests' adapters (keep_lora_ids) only must not be evicted: they are not
         # this batch's, so they are neither loaded, marked used nor counted against the slots here.
         # Pinned and kept ids chained, not joined: read only when a slot must be freed.
-        self.pool.make_resident(set(lora_ids), self.adapters, itertools.chain(self.pinned_ids, forward_batch.keep_lora_ids))
+        kept = itertools.chain(self.pinned_ids, forward_batch.keep_lora_ids)
+        self.pool.make_resident(set(lora_ids), self.adapters, kept)
         slot_of = self.pool.lora_id_to_slot  # what get_slot reads, without a call per request
         weight_indices = [slot_of[lora_id] for lora_id in lora_ids]
         self.lora_backend.fill_batch_info(

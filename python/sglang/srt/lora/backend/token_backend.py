@@ -312,8 +312,8 @@ class TokenLoRABackend(BaseLoRABackend):
                 idle = idle_slot_of(lora_ranks)
                 # The static segments cover every row the graph kind holds (padding in row order), so
                 # any bucket's grid finds all of its rows in its first segment_capacity(bucket) segments.
-                segs = build_segments(weight_indices, lens or [1] * bs, lora_ranks, self.segment_rows, meta.rows,
-                                      idle, one_row_each=not extend or None)
+                segs = build_segments(weight_indices, lens if extend else [1] * bs, lora_ranks, self.segment_rows,
+                                      meta.rows, idle, one_row_each=not extend or None)
                 assert segs.num_segments <= meta.capacity, (segs.num_segments, meta.capacity)
                 row_slots = weight_indices + [-1] * (meta.rows - bs) if meta.info.row_slots is not None else None
                 meta.staging.write(self._packed(segs, meta.capacity, idle, row_slots))
