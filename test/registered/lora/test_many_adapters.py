@@ -136,6 +136,7 @@ def test_the_slot_budget_follows_device_memory(monkeypatch) -> None:
     import torch
 
     from sglang.srt.lora import pool_sizing
+    from sglang.srt.lora.fold import A_FOLD_MAX_EXTRA_BYTES
     from sglang.srt.lora.lora import LoRAModelShapes, LoRAModuleShape
 
     shapes = LoRAModelShapes(num_layers=2, modules={
@@ -144,6 +145,13 @@ def test_the_slot_budget_follows_device_memory(monkeypatch) -> None:
     })
     per_slot = pool_sizing.slot_bytes(shapes, ["qkv_proj", "down_proj"], 8, torch.bfloat16)
     assert per_slot == 2 * 2 * ((3 * 8 * 64 + 128 * 8) + (8 * 128 + 64 * 8))
+    # The A-fold keeps down_proj's B transposed too while S*R*(K-N) fits its bound: 8*64*2 bytes a
+    # slot at 30 slots here; never at a count past the bound.
+    assert pool_sizing.slot_bytes(shapes, ["qkv_proj", "down_proj"], 8, torch.bfloat16, a_fold_slots=30) == (
+        per_slot + 2 * 2 * 64 * 8)
+    past_bound = A_FOLD_MAX_EXTRA_BYTES // (8 * 64 * 2) + 1
+    assert pool_sizing.slot_bytes(shapes, ["qkv_proj", "down_proj"], 8, torch.bfloat16,
+                                  a_fold_slots=past_bound) == per_slot
     cpu = torch.device("cpu")
     count = pool_sizing.auto_slot_count
     assert count(shapes, ["qkv_proj"], 8, torch.bfloat16, cpu, 3) == pool_sizing.DEFAULT_SLOTS
@@ -156,4 +164,6 @@ def test_the_slot_budget_follows_device_memory(monkeypatch) -> None:
     gpu = torch.device("cuda", 0)
     shapes_all = ["qkv_proj", "down_proj"]
     assert count(shapes, shapes_all, 8, torch.bfloat16, gpu, 12) == 12
-    assert count(shapes, shapes_all, 8, torch.bfloat16, gpu, 64) == 30
+    # Room for 30 slots of A and B: 26 with the A-fold's copy of down_proj's B (per slot 16,384 ->
+    # 18,432 bytes: 491,520 // 18,432 = 26).
+    assert count(shapes, shapes_all, 8, torch.bfloat16, gpu, 64) == 26

@@ -17,6 +17,7 @@ from typing import Callable, Iterable, Optional
 
 import torch
 
+from sglang.srt.lora.fold import A_FOLD_MODULES, should_a_fold
 from sglang.srt.lora.lora import LoRAModelShapes
 from sglang.srt.lora.lora_config import get_stacked_multiply
 
@@ -27,12 +28,19 @@ AUTO_POOL_MEMORY_FRACTION = 0.05  # 7 GiB of an H200: ~100 rank-16 slots of a 4B
 AUTO_MAX_SLOTS = 256
 
 
-def slot_bytes(shapes: LoRAModelShapes, target_modules: Iterable[str], max_rank: int, dtype: torch.dtype) -> int:
-    """Device bytes one slot takes: A [c*R, in] and B [out, R] of every module, every layer."""
+def slot_bytes(shapes: LoRAModelShapes, target_modules: Iterable[str], max_rank: int, dtype: torch.dtype,
+               a_fold_slots: int = 0) -> int:
+    """Device bytes one slot takes: A [c*R, in] and B [out, R] of every module, every layer; with
+    `a_fold_slots`, also the transposed B [R, out] that the A-fold keeps for o_proj / down_proj
+    where it applies at that many slots (fold.should_a_fold; counted whether or not the backend
+    takes it, so the budget errs on the side of the KV pool)."""
     per_layer = 0
     for module in target_modules:
         shape = shapes.modules[module]
         per_layer += get_stacked_multiply(module) * max_rank * shape.in_dim + shape.out_dim * max_rank
+        if a_fold_slots and module in A_FOLD_MODULES and should_a_fold(
+                shape.in_dim, shape.out_dim, a_fold_slots, max_rank, dtype.itemsize):
+            per_layer += shape.out_dim * max_rank
     return per_layer * shapes.num_layers * dtype.itemsize
 
 
@@ -55,6 +63,9 @@ def auto_slot_count(
     slots = min(wanted, AUTO_MAX_SLOTS)
     if device.type == "cuda":
         budget = AUTO_POOL_MEMORY_FRACTION * torch.cuda.mem_get_info(device)[1]
+        slots = min(slots, max(1, int(budget // per_slot)))
+        # The A-fold's copy of B where it applies at that count (fewer slots keep it too).
+        per_slot = slot_bytes(shapes, target_modules, max_rank, dtype, a_fold_slots=slots)
         slots = min(slots, max(1, int(budget // per_slot)))
         budget_note = f"within {AUTO_POOL_MEMORY_FRACTION:.0%} of the device memory, {budget / 2**30:.1f} GiB"
     slots = agree(slots)
