@@ -94,6 +94,10 @@ LORA_VARIANTS = {
     "lora-no-afold": ("auto", "small"),  # the default without the A-fold (o_proj / down_proj keep their kernels)
     "lora-no-afold-expand": ("auto", "small"),  # the default, past the A-fold's bound shrink_pack and W_aug (csgmv)
     "lora-expand-pdl": ("auto", "small"),  # the default, csgmv's expand launched as a programmatic dependent
+    # The default with csgmv's segments of 32 / 64 rows (--max-lora-chunk-size; 16 by default): fewer
+    # reads of A at prefill, fewer programs.
+    "lora-chunk-32": ("auto", "small"),
+    "lora-chunk-64": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -108,6 +112,8 @@ VARIANT_KNOBS = {
 # BASE_ENV for every variant (csgmv's prefill unfold off, whatever the caller's environment), then the
 # variant's own; anything else keeps its default.
 BASE_ENV = {"SGLANG_LORA_PREFILL_UNFOLD": "0"}
+# Server arguments a variant's runner is built with, over the default's.
+VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}
 VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora-no-afold": {"SGLANG_LORA_AFOLD": "0"},
                "lora-no-afold-expand": {"SGLANG_LORA_AFOLD_EXPAND": "0"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
@@ -263,6 +269,7 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
     if lora != "none":
         overrides["lora_fuse_norm"] = fuse_norm
         overrides["lora_fold"] = args.lora_fold
+        overrides.update(VARIANT_ARGS.get(lora, {}))
     os.environ["SGLANG_LORA_ROWWISE_DECODE"] = rowwise  # read when the backend is built
     env = {**BASE_ENV, **VARIANT_ENV.get(lora, {})}
     os.environ.update(env)
