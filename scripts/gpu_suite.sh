@@ -190,7 +190,8 @@ if [[ " $PARTS " == *" lora_steps "* ]]; then
   # prefill 128 (breakable), decode 1, 8, 32 and 64 on 1 and 8 adapters; the runners measured in
   # turn over three rounds (--rounds), so the order in the process does not pick the winner.
   # GPU_SUITE_STEPS_MODELS picks shapes, GPU_SUITE_STEPS_VARIANTS the --lora variants (e.g.
-  # "none,lora,lora-prefill-unfold": csgmv's folded modules apart at prefill) and
+  # "none,lora,lora-prefill-unfold": csgmv's folded modules apart at prefill; lora-expand-pdl: the
+  # expand as a programmatic dependent; lora-chunk-32 / lora-chunk-64: csgmv's segment rows) and
   # GPU_SUITE_STEPS_ARGS adds profile_forward arguments (e.g. "--prefill-batches 16x512").
   say "== LoRA steps: default (fused norms, row-wise at small batches) vs unfused vs segments only vs base"
   : >"$OUT/lora_steps.md"
