@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl  # noqa: F401 (a @triton.jit function's module must see it)
 
 from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward, chunked_sgmv_lora_shrink_forward
 from sglang.srt.lora.utils import LoRABatchInfo
@@ -296,3 +298,34 @@ def test_expand_tile_plans_give_the_same_bits(block_n):
         got = run(tiles)
         assert torch.equal(got, one), tiles
         _assert_untouched_rows(got, info, num_tokens)
+
+
+@triton.jit
+def _no_wait():
+    """The grid dependency wait's stand-in under the interpreter (which has no such control)."""
+    pass
+
+
+def test_expand_as_a_dependent_gives_the_same_bits(monkeypatch):
+    """Launched as a programmatic dependent (sgemm_lora_b.PDL_MAX_ROWS) the expand's empty segment,
+    rank-0 segments and kv's spare column tiles reach the wait and leave after it, B's first block
+    masked for them: the same bits as the plain launch, nothing outside the segments touched. (The
+    interpreter has no grid dependency control: the wait is a no-op here; the GPU test and the PTX
+    check cover the launch itself.)"""
+    from sglang.srt.lora.triton_ops import sgemm_lora_b
+
+    monkeypatch.setattr(sgemm_lora_b, "gdc_wait", _no_wait)
+    monkeypatch.setattr(sgemm_lora_b, "PDL_MAX_ROWS", 1 << 20)
+    info, num_tokens = _csgmv_info(16, seed=11)
+    gen = torch.Generator().manual_seed(211)
+    xa = _poison_shrunk(_shrunk_input(num_tokens, 3, gen), info, 3)
+    b = _poisoned_b(Q + 2 * KV, gen)
+    offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32)
+
+    def run(use_pdl: bool) -> torch.Tensor:
+        base = torch.full((num_tokens, Q + 2 * KV), SENTINEL)
+        return sgemm_lora_b.segmented_expand(xa, b, info, base, 3, offsets, max(Q, KV), use_pdl=use_pdl)
+
+    plain, dependent = run(False), run(True)
+    assert torch.equal(dependent, plain)
+    _assert_untouched_rows(dependent, info, num_tokens)
