@@ -108,12 +108,12 @@ VARIANT_KNOBS = {
     "lora-b-late": (("sglang.srt.lora.triton_ops.sgemm_lora_b", "EXPAND_TILES", (256, 4)),),
     "lora-expand-pdl": (("sglang.srt.lora.triton_ops.sgemm_lora_b", "PDL_MAX_ROWS", 1 << 20),),
 }
+# Server arguments a variant's runner is built with, over the default's.
+VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}
 # Environment read when a variant's backend is built (backend/token_backend.py, chunked_backend.py):
 # BASE_ENV for every variant (csgmv's prefill unfold off, whatever the caller's environment), then the
 # variant's own; anything else keeps its default.
 BASE_ENV = {"SGLANG_LORA_PREFILL_UNFOLD": "0"}
-# Server arguments a variant's runner is built with, over the default's.
-VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}
 VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora-no-afold": {"SGLANG_LORA_AFOLD": "0"},
                "lora-no-afold-expand": {"SGLANG_LORA_AFOLD_EXPAND": "0"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
