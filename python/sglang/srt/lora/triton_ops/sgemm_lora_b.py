@@ -164,11 +164,11 @@ def _segment_expand_kernel(
 EXPAND_TILES = (256, 4, "b-early")
 # With the backend's `use_pdl`, launches of at most this many rows go as programmatic dependents
 # (see the module doc); SGLANG_LORA_EXPAND_PDL_ROWS, 0 (never) by default. profile_forward's
-# `lora-expand-pdl` variant sets it past every bucket: on the H200 (2026-12-04, Qwen3-4B, 8 rank-16
-# adapters, decode graphs, 3 paired rounds) a step of 32 requests on 8 adapters took 24, 34 and 37
-# µs less, one of 64 took 56, 165 and -1 µs less (median LoRA / base 1.16 -> 1.15 and 1.18 -> 1.16);
-# the kernel-level graph = eager test passed with it. Off until the engine's graph = eager tests have
-# run with it on the GPU.
+# `lora-expand-pdl` variant sets it past every bucket. On the H200 (2026-12-04, 8 rank-16 adapters,
+# decode graphs) the engine's graph = eager tests pass with it at 64 rows, and a step of 64 requests
+# on 8 adapters spends 0.5% less GPU time (LoRA kernels 705 -> 681 µs on the Qwen3-4B shape, 715 ->
+# 689 on the 8B one), which the walls did not show (5.437 against 5.427 ms, 6.700 against 6.717):
+# too little to make it the default.
 PDL_MAX_ROWS = int(os.environ.get("SGLANG_LORA_EXPAND_PDL_ROWS", "0"))
 
 
