@@ -195,8 +195,7 @@ class TokenLoRABackend(BaseLoRABackend):
         """Decode batches carry each row's slot, for the norm kernels that write x_aug themselves
         (lora/norm_fusion.py). Before the graphs' static infos are allocated."""
         assert self._decode is None, "enable_norm_fusion runs before init_cuda_graph_batch_info"
-        self.fuse_norm = True
-        self._row_plans.clear()
+        self.fuse_norm = True  # _row_plan_for's key carries it: no cached plan to drop
 
     # ---- start-up ----------------------------------------------------------------------------
     def init_modules(
