@@ -97,6 +97,40 @@ def test_shrink_pack_rows_do_not_depend_on_the_row_count():
     assert torch.equal(replay[live.numel() :, 1100:], torch.zeros(37, extra))
 
 
+def test_shrink_pack_on_a_bucket_grid_leaves_rows_past_the_batch_alone():
+    """A graph's grid spans the bucket's segment capacity: past the live segments come empty ones
+    (start == end), and segments may reach rows past num_rows. Those programs return without a
+    write, and the live rows are the eager bits."""
+    from sglang.srt.lora.segments import segment_capacity
+    from sglang.srt.lora.triton_ops.token_lora import prepare_pack, token_segments
+
+    gen = torch.Generator().manual_seed(5)
+    live = torch.tensor(ROW_SLOTS[:-4], dtype=torch.int32)
+    n_live, bucket_rows, in_dim = live.numel(), live.numel() + 6, 300
+    x = torch.randn(bucket_rows, in_dim, generator=gen)
+    a = _poisoned_a(2, in_dim, gen)
+    extra = fold_extra_columns(S, 2, R)
+    plan = plan_pack(in_dim, 2, R, extra, 4)
+    plan = dataclasses.replace(plan, shrink=with_split(plan.shrink, 2))
+    eager = torch.full((n_live, in_dim + extra), float("nan"))
+    shrink_pack(x[:n_live], a, eager, live, RANKS_T, SCALINGS_T, 2, R, plan=plan)
+    # The bucket's segments: the live rows, then an inactive run over the padding rows.
+    perm, indptr, slots, n_segs = token_segments(torch.cat([live, torch.full((6,), -1, dtype=torch.int32)]),
+                                                 RANKS_T, plan.shrink.block_s)
+    capacity = segment_capacity(bucket_rows, plan.shrink.block_s, S)
+    assert capacity > n_segs
+    indptr = torch.cat([indptr, indptr[-1:].expand(capacity - n_segs)])
+    slots = torch.cat([slots, torch.zeros(capacity - n_segs, dtype=torch.int32)])  # the idle slot 0
+    replay = torch.full((bucket_rows, in_dim + extra), float("nan"))
+    workspace = torch.full((plan.shrink.workspace_numel(n_live),), float("nan"))
+    counters = torch.zeros(plan.shrink.num_counters(capacity), dtype=torch.int32)
+    launch = prepare_pack(plan, n_live, capacity, x, a, replay.stride(0))
+    launch(x, a, replay, workspace, counters, perm, indptr, slots, RANKS_T, SCALINGS_T)
+    assert torch.equal(replay[:n_live], eager)
+    assert torch.isnan(replay[n_live:]).all()  # rows past the batch: not one write
+    assert torch.equal(counters, torch.zeros_like(counters))
+
+
 def test_folded_gemm_is_base_plus_lora():
     """F.linear(x_aug, W_aug) = x W^T + each row's scaling * (x A_k^T) B_k^T in slice k."""
     gen = torch.Generator().manual_seed(4)

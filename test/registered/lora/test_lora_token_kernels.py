@@ -131,12 +131,13 @@ def test_plans_depend_on_static_shapes_only():
     (a graph replays a padded bucket, eager runs the live rows), only K and the widths."""
     down = plan_shrink(14336, 16, 2)  # Llama-8B down_proj: 56 K tiles in at most 32 pieces
     assert down.split == 28 and down.k_per_split == 512 and down.k_per_split % down.block_k == 0
-    qkv = plan_shrink(4096, 48, 2)  # one 256-deep K tile per program
+    qkv = plan_shrink(4096, 48, 2)  # one 256-deep K tile per program, two 32-wide column tiles
     assert qkv.split == 16 and qkv.k_per_split == 256 and qkv.block_s == 16
+    assert (qkv.block_n, qkv.n_tiles) == (32, 2)
     assert plan_shrink(40, 16, 4).split == 1  # a single K tile cannot be split
-    # Only the grid follows the batch: one program column (x splits) per segment.
-    assert [qkv.grid(n)[0] for n in (1, 2, 130)] == [16, 32, 2080]
-    assert qkv.workspace_numel(32) == 16 * 32 * 64 and qkv.num_counters(3) == 3
+    # Only the grid follows the batch: one program column (x tiles x splits) per segment.
+    assert [qkv.grid(n)[0] for n in (1, 2, 130)] == [32, 64, 4160]
+    assert qkv.workspace_numel(32) == 16 * 32 * 64 and qkv.num_counters(3) == 6
     assert plan_expand(6144, 3, 16, 4096).block_s == plan_expand(128, 1, 16).block_s == 16
     assert plan_shrink(4096, 48, 2, block_s=32).block_s == 32  # csgmv's chunk
 

@@ -20,8 +20,11 @@ is in exactly one segment) x column tiles of c*R x K splits. For the rows of its
   every other column  zero: other slots' blocks, rank columns j >= r, the padding, and all of E for
                       rows without an adapter (base model, rank-0 slots, padding rows).
 Every element is written exactly once, by one program: the copy by the column-tile-0 program of
-each K split, the zeros by the (split 0, column tile 0) program, the shrink values by the program
-that finishes the segment's reduction. So nothing needs clearing between launches.
+each K split, the zeros of a BLOCK_E-wide column stripe by one of the segment's programs (stripes
+dealt out over all of them, written first: so no program's tail grows with the pool's slots), the
+shrink values by the program that finishes the segment's reduction. So nothing needs clearing
+between launches. The programs of an empty segment (a graph bucket's grid reaches past the live
+batch's segments) return at once.
 
 One slot per program: the reduction reads that adapter's A tile once for up to BLOCK_S rows, so
 a batch costs its adapters' bytes, however its requests interleave them. Split-K partials meet in
@@ -85,7 +88,21 @@ def _shrink_pack_kernel(
                                               num_rows, BLOCK_S)
     if USE_PDL:
         gdc_wait()  # x is the previous kernel's output
+    if tl.load(seg_indptr_ptr + seg) >= tl.load(seg_indptr_ptr + seg + 1):
+        return  # an empty segment (past the live batch's): nothing to write
     active = rank > 0
+
+    # ---- zeros: every extra column that is not one of the rows' own shrink values -------------
+    # The segment's n_tiles * SPLIT programs take BLOCK_E-wide stripes of E in turn.
+    block_w: tl.constexpr = STACK * MAX_RANK
+    programs = n_tiles * SPLIT
+    for e0 in range((tile_n * SPLIT + split) * BLOCK_E, E_COLS, programs * BLOCK_E):
+        cols = e0 + tl.arange(0, BLOCK_E)
+        # Rank 0 (no adapter): no column is a value, all of E is zeroed.
+        is_value = ((cols // block_w) == slot) & (((cols % block_w) % MAX_RANK) < rank)
+        mask = row_mask[:, None] & ((cols < E_COLS) & ~is_value)[None, :]
+        ptrs = xaug_ptr + rows[:, None] * xaug_stride_t + K + cols[None, :]
+        tl.store(ptrs, tl.zeros((BLOCK_S, BLOCK_E), dtype=xaug_ptr.dtype.element_ty), mask=mask)
     offs_n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     col_mask = offs_n < STACK * rank  # the adapter's compact prefix
     offs_k = tl.arange(0, BLOCK_K)
@@ -110,17 +127,6 @@ def _shrink_pack_kernel(
         x_ptrs += BLOCK_K
         xaug_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-
-    # ---- zeros: every extra column that is not one of the rows' own shrink values -------------
-    block_w: tl.constexpr = STACK * MAX_RANK
-    if (split == 0) & (tile_n == 0):
-        for e0 in range(0, E_COLS, BLOCK_E):
-            cols = e0 + tl.arange(0, BLOCK_E)
-            # Rank 0 (no adapter): no column is a value, all of E is zeroed.
-            is_value = ((cols // block_w) == slot) & (((cols % block_w) % MAX_RANK) < rank)
-            mask = row_mask[:, None] & ((cols < E_COLS) & ~is_value)[None, :]
-            ptrs = xaug_ptr + rows[:, None] * xaug_stride_t + K + cols[None, :]
-            tl.store(ptrs, tl.zeros((BLOCK_S, BLOCK_E), dtype=xaug_ptr.dtype.element_ty), mask=mask)
 
     # ---- values: the segment's reduction, finished by one program ------------------------------
     if active:

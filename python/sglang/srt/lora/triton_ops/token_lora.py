@@ -11,8 +11,8 @@ layer then launches it with its own tensors: no shape arithmetic, allocation or 
 
 Tile choices (H200; see benchmark/lora/bench_lora_kernels.py):
   shrink / shrink_pack  one segment (16 rows for `triton`, csgmv's chunk) of one slot per program:
-           its adapter's A tile is read once for all of them; the whole stacked rank in one column
-           tile up to 128, 256-deep K tiles for 16-bit inputs. K is split in pieces of about
+           its adapter's A tile is read once for all of them; column tiles of up to 32 of the
+           stacked rank (SHRINK_MAX_COLS), 256-deep K tiles for 16-bit inputs. K is split in pieces of about
            K_PER_SPLIT (one K tile per program, at most MAX_SPLIT pieces), so decode and short
            prefills are not one long serial reduction.
   expand   one segment per program, 128-wide column tiles; a read-modify-write of the base output.
@@ -43,7 +43,8 @@ SEGMENT_ROWS = 16  # `triton`'s segment size: the smallest `tl.dot` tile
 # --tunings) measured 512 -> 256 at -15% LoRA µs per layer at decode 1 and 64 (k128: the same plans).
 K_PER_SPLIT = 256
 MAX_SPLIT = 32
-PACK_BLOCK_E = 128
+SHRINK_MAX_COLS = 32
+PACK_BLOCK_E = 128  # the widest zero stripe of shrink_pack (pack_block_e)
 K_DEPTH_16BIT = 256  # K tile of 16-bit inputs with tiles up to 64 wide (halved past that, and for fp32)
 NUM_WARPS = 4
 
@@ -76,7 +77,11 @@ class ShrinkPlan:
 
 @functools.lru_cache(maxsize=None)
 def plan_shrink(in_dim: int, stacked_rank: int, elem_size: int, block_s: int = SEGMENT_ROWS) -> ShrinkPlan:
-    block_n = rank_block(stacked_rank, cap=128)
+    # At most 32 columns per program: a wider stack (qkv's 3 x r) takes more, shorter programs,
+    # whose latencies overlap. H200, Llama-8B, graph grid (benchmark/lora/probe_shrink_pack.py):
+    # qkv at rank 16 7.8 against 10.1 µs at 128 rows (+0.7 at 512, +2.2 at 2048); at rank 64
+    # 13.6 / 28.1 / 83.1 against 21.5 / 41.1 / 95.0 µs for the former 128-wide tile.
+    block_n = rank_block(stacked_rank, cap=SHRINK_MAX_COLS)
     n_tiles = triton.cdiv(stacked_rank, block_n)
     # Stage bytes (x tile + A tile) near 32 KB: 256-deep for 16-bit inputs and tiles up to 64 wide.
     depth = K_DEPTH_16BIT if max(block_s, block_n) <= 64 else K_DEPTH_16BIT // 2
@@ -180,13 +185,19 @@ def _bound_expand(
     )
 
 
+def pack_block_e(plan: PackPlan) -> int:
+    """shrink_pack's zero stripe: E dealt out over a segment's programs, about one stripe each."""
+    per_program = triton.cdiv(plan.extra_cols, plan.shrink.n_tiles * plan.shrink.split)
+    return max(16, min(PACK_BLOCK_E, triton.next_power_of_2(per_program)))
+
+
 @functools.lru_cache(maxsize=None)
 def _bound_pack(plan: PackPlan, dot_prec: str, use_pdl: bool) -> BoundKernel:
     s = plan.shrink
     return BoundKernel(
         _shrink_pack_kernel,
         dict(STACK=plan.stack, MAX_RANK=plan.max_rank, E_COLS=plan.extra_cols, BLOCK_S=s.block_s,
-             BLOCK_N=s.block_n, BLOCK_K=s.block_k, BLOCK_E=PACK_BLOCK_E, SPLIT=s.split, DOT_PREC=dot_prec,
+             BLOCK_N=s.block_n, BLOCK_K=s.block_k, BLOCK_E=pack_block_e(plan), SPLIT=s.split, DOT_PREC=dot_prec,
              USE_PDL=use_pdl),
         **_options(use_pdl),
     )
