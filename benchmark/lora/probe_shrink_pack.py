@@ -98,7 +98,7 @@ def main():
                     bound = BoundKernel(ks[kname], dict(
                         STACK=c, MAX_RANK=R, E_COLS=E, BLOCK_S=s.block_s, BLOCK_N=s.block_n, BLOCK_K=s.block_k,
                         BLOCK_E=pack_block_e(plan), SPLIT=s.split, DOT_PREC="tf32",
-                        USE_PDL=False), num_warps=4)
+                        USE_PDL=False, COPY_X=True), num_warps=4)
                     launch = bound.prepare(s.grid(n), s.ints(rows) + (x.stride(0), A.stride(0), A.stride(1),
                                                                        x_aug.stride(0), s.n_tiles))
                     ws = torch.empty(max(1, s.workspace_numel(rows)), device=dev)

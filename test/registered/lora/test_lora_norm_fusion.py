@@ -268,3 +268,39 @@ def test_no_lora_on_the_norm_fed_modules_nothing_fused(assets, caplog, tmp_path,
         runner = build()
     assert "no norm feeds a LoRA" in caplog.text
     assert all(m.fusion is None for m in runner.model.modules() if isinstance(m, (RMSNorm, SiluAndMul)))
+
+
+@pytest.mark.parametrize("backend,afold", [("triton", "0"), ("csgmv", "0"), ("csgmv", "small")])
+def test_prefill_producers_write_into_x_aug(assets, backend, afold, monkeypatch):
+    """SGLANG_LORA_PACK_IN_PLACE=1: at prefill, where no kernel fuses, the norms before the folded
+    qkv_proj / gate_up_proj and the SiLU-and-mul before the folded down_proj write their output
+    into the module's x_aug, and shrink_pack adds only the shrink. The same kernels compute the
+    same values, so the whole run equals the copying one bit for bit (decode, which fuses, reads
+    the prefill's KV cache)."""
+    from sglang.srt.layers.triton_ops.dispatch import fused_kernels
+
+    monkeypatch.setenv("SGLANG_LORA_PACK_IN_PLACE", "1")
+    in_place = runner_for(assets, backend, fuse=True, afold=afold)
+    monkeypatch.delenv("SGLANG_LORA_PACK_IN_PLACE")
+    copying = runner_for(assets, backend, fuse=True, afold=afold)
+    backend_obj = in_place.lora_manager.lora_backend
+    assert backend_obj.pack_in_place and not copying.lora_manager.lora_backend.pack_in_place
+    layers = in_place.model.model.layers
+    assert all(l.mlp.act_fn.fusion is not None for l in layers)  # attached for down_proj too
+    answered = []
+    original = backend_obj.in_place_input
+
+    def counting(*args, **kwargs):
+        prepared = original(*args, **kwargs)
+        answered.append(prepared is not None)
+        return prepared
+
+    backend_obj.in_place_input = counting
+    with fused_kernels("triton"):
+        tokens, logprobs, _ = decode_run(in_place)
+        ref_tokens, ref_logprobs, _ = decode_run(copying)
+    del backend_obj.in_place_input
+    # qkv_proj, gate_up_proj and down_proj of every layer, once, at the prefill; never at decode.
+    assert answered.count(True) == 3 * len(layers)
+    assert tokens == ref_tokens
+    assert torch.equal(logprobs, ref_logprobs)

@@ -284,8 +284,8 @@ def hopper_ptx_flags(use_pdl: bool) -> dict[str, bool]:
          **SEGMENT_PTRS, "lora_ranks_ptr": "*i32", "scalings_ptr": "*fp32"},
         ["num_rows", "part_plane", "K", "k_per_split", "x_stride_t", "w_stride_s", "w_stride_n", "xaug_stride_t",
          "n_tiles"],
-        dict(STACK=3, MAX_RANK=16, E_COLS=432, BLOCK_S=16, BLOCK_N=64, BLOCK_K=256, BLOCK_E=128, SPLIT=8,
-             DOT_PREC="tf32", USE_PDL=use_pdl),
+        dict(STACK=3, MAX_RANK=16, E_COLS=432, BLOCK_S=16, BLOCK_N=32, BLOCK_K=256, BLOCK_E=32, SPLIT=8,
+             DOT_PREC="tf32", USE_PDL=use_pdl, COPY_X=True),
         num_warps=4,
         launch_pdl=use_pdl,
     )

@@ -12,7 +12,10 @@ The norm and the module stay what they are; they meet through two seams:
     (same address and shape) and runs only the rest: the GEMM over x_aug, or the base GEMM and the
     expand.
 Anything else (prefill, LoRA off for the batch, a caller that hands the module another tensor)
-takes the unfused path, which computes the same function.
+takes the unfused path, which computes the same function. With SGLANG_LORA_PACK_IN_PLACE=1 the
+unfused path before a folded module writes the norm's (or the SiLU-and-mul's) output straight into
+the module's x_aug (`backend.in_place_input`), where shrink_pack would have copied it: the same
+kernel and bits, one write of the rows less.
 
 A third seam at small decode batches (SGLANG_LORA_AFOLD, backend/token_backend.py): an A-folded
 o_proj or down_proj (lora/fold.py) runs only its GEMM over [W; A], which also gives every slot's
@@ -36,6 +39,9 @@ from torch import nn
 
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import NormResult, RMSNorm
+from sglang.srt.layers.triton_ops.dispatch import use_triton
+from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd
+from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd
 from sglang.srt.lora.layers import BaseLayerWithLoRA
 
 if TYPE_CHECKING:
@@ -63,28 +69,53 @@ class NormShrinkFusion:
         if not target.lora_active or not self.backend.fuses_norm():
             # Both follow the batch info the producer's deferral did: a delta is never dropped here.
             assert delta is None, "an A-folded module left a delta to a norm that does not fuse"
-            return None
+            return self._into_x_aug(x, residual) if target.lora_active else None
         prepared, new_residual = self.backend.run_norm(target.lora, self.norm.weight, self.norm.variance_epsilon,
                                                        x, residual, delta=delta)
         target.prepared = prepared
         return prepared.normed if residual is None else (prepared.normed, new_residual)
 
+    def _into_x_aug(self, x: torch.Tensor, residual: Optional[torch.Tensor]) -> Optional[NormResult]:
+        """The plain norm, written where the backend asks (x_aug's first columns), or None."""
+        if x.dim() != 2 or not use_triton(x):
+            return None
+        prepared = self.backend.in_place_input(self.target.lora, x.shape[0])
+        if prepared is None:
+            return None
+        rmsnorm_fwd(x, self.norm.weight, self.norm.variance_epsilon, residual=residual, out=prepared.normed)
+        self.target.prepared = prepared
+        return prepared.normed if residual is None else (prepared.normed, residual)
+
 
 class ActShrinkFusion:
-    """The `fusion` of the SiLU-and-mul before down_proj (SGLANG_LORA_ROWWISE_DECODE=1): the
-    activation and down_proj's shrink in one kernel."""
+    """The `fusion` of the SiLU-and-mul before down_proj: with SGLANG_LORA_ROWWISE_DECODE, the
+    activation and down_proj's shrink in one kernel at decode; with SGLANG_LORA_PACK_IN_PLACE, the
+    activation written into down_proj's x_aug where nothing fuses."""
 
     def __init__(self, target: BaseLayerWithLoRA, backend: "BaseLoRABackend") -> None:
         self.target, self.backend = target, backend
 
     def __call__(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
         target = self.target
-        if not target.lora_active or not self.backend.rowwise_now() or gate_up.dim() != 2:
+        if not target.lora_active or gate_up.dim() != 2:
             return None
+        if not self.backend.rowwise_now():
+            return self._into_x_aug(gate_up)
         if target.defers_to_norm and self.backend.defers(target.lora):
             return None  # down_proj takes no shrink from here: its GEMM computes it (A-fold)
         target.prepared = self.backend.run_act(target.lora, gate_up)
         return target.prepared.normed
+
+    def _into_x_aug(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+        """The plain SiLU-and-mul, written where the backend asks (x_aug's first columns), or None."""
+        if not use_triton(gate_up):
+            return None
+        prepared = self.backend.in_place_input(self.target.lora, gate_up.shape[0])
+        if prepared is None:
+            return None
+        silu_and_mul_fwd(gate_up, out=prepared.normed)
+        self.target.prepared = prepared
+        return prepared.normed
 
 
 # The A-folded module whose output a norm takes: (norm attribute, the producer's path, its layer offset).
@@ -142,7 +173,7 @@ def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerW
                     producer.defers_to_norm = True
                 count += 1
         down, name = modules.get("down_proj"), module_names.get("down_proj", {}).get(layer_id)
-        if (backend.rowwise_decode and down is not None and down.lora is not None and name
+        if ((backend.rowwise_decode or backend.pack_in_place) and down is not None and down.lora is not None and name
                 and name.endswith(".mlp.down_proj")):
             act = getattr(model.get_submodule(name[: -len(".down_proj")]), "act_fn", None)
             if isinstance(act, SiluAndMul):

@@ -125,3 +125,6 @@ class PreparedInput:
     normed: torch.Tensor
     x_aug: Optional[torch.Tensor] = None
     xa: Optional[torch.Tensor] = None
+    # The norm (or activation) wrote only `normed`, x_aug's first columns (the copy shrink_pack
+    # would make is already there): the module still launches shrink_pack, without the copy.
+    pack_pending: bool = False

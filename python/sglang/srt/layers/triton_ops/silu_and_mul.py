@@ -6,6 +6,8 @@ to the model dtype, then the product is computed in float32 and rounded again.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import triton
 import triton.language as tl
@@ -38,20 +40,26 @@ def _silu_and_mul_kernel(X, Y, stride_x, stride_y, d, BLOCK: tl.constexpr, EMULA
     tl.store(Y + row * stride_y + cols, silu_mul(gate, up, Y.dtype.element_ty, EMULATE_RNE), mask=mask)
 
 
-def silu_and_mul_fwd(x: torch.Tensor) -> torch.Tensor:
-    """x [..., 2d] -> [..., d]."""
+def silu_and_mul_fwd(x: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """x [..., 2d] -> [..., d], into `out` when given: [rows, d] with contiguous rows and any row
+    stride (e.g. the first d columns of a LoRA module's x_aug, lora/norm_fusion.py)."""
     if x.shape[-1] % 2:
         raise ValueError(f"the last dim ({x.shape[-1]}) must be even: [gate | up]")
     d = x.shape[-1] // 2
     x2 = x.reshape(-1, 2 * d)
     assert x2.stride(-1) == 1, "rows must be contiguous"
-    out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+    if out is None:
+        out = torch.empty((*x.shape[:-1], d), dtype=x.dtype, device=x.device)
+        y2 = out.view(-1, d)
+    else:
+        assert out.shape == (x2.shape[0], d) and out.stride(1) == 1 and out.dtype == x.dtype, (out.shape, x.shape)
+        y2 = out
     n_rows = x2.shape[0]
     if n_rows == 0 or d == 0:
         return out
     block = min(_BLOCK, triton.next_power_of_2(d))
     _silu_and_mul_kernel[(n_rows, triton.cdiv(d, block))](
-        x2, out.view(-1, d), x2.stride(0), d, d, BLOCK=block, EMULATE_RNE=interpreting(),
+        x2, y2, x2.stride(0), y2.stride(0), d, BLOCK=block, EMULATE_RNE=interpreting(),
         RELEASE=release_enabled(x.device), num_warps=4
     )
     return out

@@ -132,6 +132,15 @@ class BaseLoRABackend(abc.ABC):
         """The module's output (base + delta): the GEMM over [W; A], then the expand in place."""
         raise NotImplementedError(f"LoRA backend {self.name} has no A-fold expand")
 
+    # Whether in_place_input may answer (the SiLU-and-mul before down_proj then gets a fusion too).
+    pack_in_place: bool = False
+
+    def in_place_input(self, weights: LoRAModuleWeights, rows: int) -> Optional[PreparedInput]:
+        """Where the kernel before an unfused folded module (its norm, the SiLU-and-mul) may write
+        its output for this forward: x_aug's first columns (`pack_pending`), so that the module's
+        shrink_pack need not copy it there; None: the kernel writes its own output."""
+        return None
+
     def run_act(self, weights: LoRAModuleWeights, gate_up: torch.Tensor) -> PreparedInput:
         """SiLU-and-mul of gate_up with the shrink of the module it feeds (down_proj)."""
         raise NotImplementedError(f"LoRA backend {self.name} does not fuse activations")

@@ -139,6 +139,7 @@ class _GraphMeta:
 @dataclass
 class _ModuleLaunches:
     pack: Optional[PreparedLaunch] = None  # folded
+    pack_in_place: Optional[PreparedLaunch] = None  # folded, x already in x_aug (SGLANG_LORA_PACK_IN_PLACE)
     shrink: Optional[PreparedLaunch] = None  # unfolded, token-major
     expand: Optional[PreparedLaunch] = None
 
@@ -187,6 +188,12 @@ class TokenLoRABackend(BaseLoRABackend):
         # batches (SGLANG_LORA_AFOLD: 0, 1, small, rows:N; the pool lays out W_aug for it only when on).
         self.afold_max_rows = rowwise_decode_bound(os.environ.get("SGLANG_LORA_AFOLD", AFOLD_DEFAULT),
                                                    AFOLD_SMALL_ROWS, "SGLANG_LORA_AFOLD")
+        # SGLANG_LORA_PACK_IN_PLACE=1: where no kernel fuses the norm (prefill), the norm before a
+        # folded qkv_proj / gate_up_proj and the SiLU-and-mul before a folded down_proj write their
+        # output straight into x_aug's first columns (in_place_input), and shrink_pack only adds
+        # the packed shrink: one write of the module's input rows less (T x K elements; at a
+        # 8192-token prefill of the Qwen3-4B shape 160 MB per layer for down_proj alone).
+        self.pack_in_place = os.environ.get("SGLANG_LORA_PACK_IN_PLACE", "0") == "1"
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
         self._row_plans: dict[tuple[int, bool], tuple[bool, bool, int]] = {}  # _row_plan_for's
         self._prefill_buckets: list[int] = []  # the prefill graphs' token counts, for prefill_bucket
@@ -213,6 +220,8 @@ class TokenLoRABackend(BaseLoRABackend):
             if not spec.equal_slices:  # folded ones too: a subclass may expand them apart (csgmv)
                 self._slice_offsets[name] = torch.tensor(spec.slice_offsets, dtype=torch.int32, device=self.device)
         self._layouts = self._layout_tensors()
+        self._xaug_like = {name: torch.empty((0, s.in_dim + s.extra_cols), dtype=dtype, device=self.device)
+                           for name, s in self.specs.items() if s.folded}
 
     def segment_capacity(self, rows: int) -> int:
         """Most segments a batch of `rows` rows can take (lora/segments.py)."""
@@ -373,7 +382,10 @@ class TokenLoRABackend(BaseLoRABackend):
                 plan = plan_pack(s.in_dim, s.stack, s.max_rank, s.extra_cols, elem, block_s)
                 width = s.in_dim + s.extra_cols
                 launches[name] = _ModuleLaunches(
-                    pack=prepare_pack(plan, num_rows, num_segments, x_like, a_like, width, self.use_pdl)
+                    pack=prepare_pack(plan, num_rows, num_segments, x_like, a_like, width, self.use_pdl),
+                    pack_in_place=(prepare_pack(plan, num_rows, num_segments, self._xaug_like[name][:, : s.in_dim],
+                                                a_like, width, self.use_pdl, copy_x=False)
+                                   if self.pack_in_place else None),
                 )
             elif self._uses_token_kernels(s):
                 cr = s.stack * s.max_rank
@@ -494,8 +506,23 @@ class TokenLoRABackend(BaseLoRABackend):
         silu_shrink(gate_up, weights.A, act, xa, slots, self._slot_ranks, spec.max_rank, use_pdl=self.use_pdl)
         return PreparedInput(act, xa=xa)
 
+    def in_place_input(self, weights: LoRAModuleWeights, rows: int) -> Optional[PreparedInput]:
+        spec, info = weights.spec, self.batch_info
+        # Only where nothing fuses (no row slots: prefill, or decode without norm fusion) and the
+        # module runs folded: a graph and an eager pass of a batch decide alike.
+        if (not self.pack_in_place or info is None or info.row_slots is not None or info.rowwise or info.defer
+                or rows == 0 or rows != info.num_rows or not self._runs_folded(spec)):
+            return None
+        x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
+        return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug, pack_pending=True)
+
     def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: torch.nn.Module) -> torch.Tensor:
         if prepared.x_aug is not None:
+            if prepared.pack_pending:  # the rows are in place: shrink_pack adds only the shrink
+                info, scratch = self.batch_info, self._scratch
+                self._launches[weights.spec.name].pack_in_place(
+                    prepared.normed, weights.A, prepared.x_aug, scratch.workspace, scratch.counters,
+                    info.permutation, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings)
             return F.linear(prepared.x_aug, weights.folded, weights.bias)
         out = base_layer(prepared.normed)
         self._expand_unfolded(weights, prepared.xa, out, self._launches[weights.spec.name])

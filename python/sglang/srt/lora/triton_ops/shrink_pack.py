@@ -33,6 +33,9 @@ a fixed order. Tiles and the split are functions of K and the widths alone, and 
 not depend on the other rows of its segment, so a graph replay on a padded bucket and an eager
 pass on the live rows reduce every row in the same order: graph == eager, bit for bit.
 
+With COPY_X False, x is x_aug's own first K columns (a strided view: the norm or activation before
+the module wrote its output there, lora/norm_fusion.py) and the copy is skipped: only E is written.
+
 With USE_PDL the kernel may be launched as a programmatic dependent of whatever kernel precedes
 it (Hopper): it reads its segment's rows, slot and rank, then waits (`gdc_wait`) before touching x
 or writing anything. Every program waits, so the kernel never completes before its predecessor.
@@ -78,6 +81,7 @@ def _shrink_pack_kernel(
     SPLIT: tl.constexpr,
     DOT_PREC: tl.constexpr,
     USE_PDL: tl.constexpr,
+    COPY_X: tl.constexpr = True,
 ):
     pid = tl.program_id(0)
     split = pid % SPLIT
@@ -119,8 +123,9 @@ def _shrink_pack_kernel(
         k_mask = offs_k < k_hi - k
         tile_mask = row_mask[:, None] & k_mask[None, :]
         xt = tl.load(x_ptrs, mask=tile_mask, other=0.0)
-        if tile_n == 0:
-            tl.store(xaug_ptrs, xt, mask=tile_mask)
+        if COPY_X:
+            if tile_n == 0:
+                tl.store(xaug_ptrs, xt, mask=tile_mask)
         if active:
             b = tl.load(w_ptrs, mask=k_mask[:, None] & col_mask[None, :], other=0.0)
             acc = tl.dot(xt, b.to(xt.dtype), acc, input_precision=DOT_PREC)

@@ -192,13 +192,13 @@ def pack_block_e(plan: PackPlan) -> int:
 
 
 @functools.lru_cache(maxsize=None)
-def _bound_pack(plan: PackPlan, dot_prec: str, use_pdl: bool) -> BoundKernel:
+def _bound_pack(plan: PackPlan, dot_prec: str, use_pdl: bool, copy_x: bool = True) -> BoundKernel:
     s = plan.shrink
     return BoundKernel(
         _shrink_pack_kernel,
         dict(STACK=plan.stack, MAX_RANK=plan.max_rank, E_COLS=plan.extra_cols, BLOCK_S=s.block_s,
              BLOCK_N=s.block_n, BLOCK_K=s.block_k, BLOCK_E=pack_block_e(plan), SPLIT=s.split, DOT_PREC=dot_prec,
-             USE_PDL=use_pdl),
+             USE_PDL=use_pdl, COPY_X=copy_x),
         **_options(use_pdl),
     )
 
@@ -246,13 +246,15 @@ def prepare_expand(
 
 def prepare_pack(
     plan: PackPlan, num_rows: int, num_segments: int, x: torch.Tensor, weights: torch.Tensor, xaug_stride: int,
-    use_pdl: bool = False,
+    use_pdl: bool = False, copy_x: bool = True,
 ) -> PreparedLaunch:
-    """shrink_pack of one folded module kind for one batch (x, weights: examples, as above)."""
+    """shrink_pack of one folded module kind for one batch (x, weights: examples, as above).
+    copy_x False: x will be x_aug[:, :K] itself (row stride xaug_stride), already in place."""
     assert x.stride(1) == 1 and weights.stride(2) == 1, "K must be the contiguous dimension"
     assert weights.numel() < 2**31 and num_rows * xaug_stride < 2**31, "offsets are 32-bit in the kernel"
+    assert copy_x or x.stride(0) == xaug_stride, "in place, x is x_aug's first columns"
     s = plan.shrink
-    bound = _bound_pack(plan, dot_precision(x, weights), use_pdl)
+    bound = _bound_pack(plan, dot_precision(x, weights), use_pdl, copy_x)
     ints = s.ints(num_rows) + (x.stride(0), weights.stride(0), weights.stride(1), xaug_stride, s.n_tiles)
     return bound.prepare(plan.grid(num_segments), ints)
 
