@@ -18,9 +18,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parents[1] / "python"))
+sys.path.insert(0, str(HERE))
 import torch  # noqa: E402
 import triton  # noqa: E402
 
+from bench_lora_kernels import gpu_time_us  # noqa: E402
 from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
 from sglang.srt.lora.segments import segment_capacity  # noqa: E402
 from sglang.srt.lora.triton_ops.launch import BoundKernel  # noqa: E402
@@ -46,19 +48,6 @@ def kernels():
     zeros = new[start:end]
     last = new.replace(zeros, "").replace("    # ---- values:", zeros + "\n    # ---- values:")
     return {"first": load("first_pack", new), "last": load("last_pack", last)}
-
-
-def t_us(fn, reps=10):
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    return triton.testing.do_bench(g.replay, warmup=5, rep=40) * 1e3 / reps
 
 
 def main():
@@ -110,7 +99,7 @@ def main():
                         ref = x_aug.clone()
                     elif not torch.equal(ref, x_aug):
                         print(f"  ({name} R{R} {kname} bn{bn} differs: {(ref - x_aug).abs().max().item():.3g})")
-                    res.append(f"{t_us(lambda: launch(x, A, x_aug, ws, ctr, perm, ip, w_i, ranks, scal)):.1f}")
+                    res.append(f"{gpu_time_us(lambda: launch(x, A, x_aug, ws, ctr, perm, ip, w_i, ranks, scal)):.1f}")
                 print(f"| {name} | {R} | {slots} | {E} | " + " | ".join(res) + " |", flush=True)
                 del x_aug, A
                 torch.cuda.empty_cache()
