@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.triton_ops.common import cast_rne, interpreting
+from sglang.srt.layers.triton_ops.common import cast_rne, interpreting, release_dependents, release_enabled
 
 
 @triton.jit
@@ -47,7 +47,12 @@ def _rmsnorm_kernel(
     BLOCK: tl.constexpr,
     HAS_RESIDUAL: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    RELEASE: tl.constexpr,
 ):
+    # A LoRA shrink_pack launched as a programmatic dependent (a folded qkv_proj's or
+    # gate_up_proj's where no kernel fuses the norm: prefill) reads its segments meanwhile; it
+    # waits for this grid before it reads the rows.
+    release_dependents(RELEASE)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
@@ -102,6 +107,7 @@ def rmsnorm_fwd(
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
         EMULATE_RNE=interpreting(),
+        RELEASE=release_enabled(x.device),
         num_warps=num_warps,
     )
     return out
