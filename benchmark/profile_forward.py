@@ -101,6 +101,9 @@ LORA_VARIANTS = {
     # The default, the norms / SiLU-and-mul before folded modules writing into x_aug at prefill
     # (SGLANG_LORA_PACK_IN_PLACE=1: shrink_pack without the copy of x).
     "lora-pack-in-place": ("auto", "small"),
+    # The default, RMSNorm releasing its programmatic dependents at its start (a folded module's
+    # shrink_pack at prefill starts early).
+    "lora-norm-release": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -110,6 +113,7 @@ VARIANT_KNOBS = {
                   ("sglang.srt.layers.triton_ops.common", "RELEASE_DEPENDENTS", False)),
     "lora-b-late": (("sglang.srt.lora.triton_ops.sgemm_lora_b", "EXPAND_TILES", (256, 4)),),
     "lora-expand-pdl": (("sglang.srt.lora.triton_ops.sgemm_lora_b", "PDL_MAX_ROWS", 1 << 20),),
+    "lora-norm-release": (("sglang.srt.layers.triton_ops.rmsnorm", "RELEASE_AT_START", True),),
 }
 # Server arguments a variant's runner is built with, over the default's.
 VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}

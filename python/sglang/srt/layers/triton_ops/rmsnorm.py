@@ -39,6 +39,12 @@ def rms_normalize(x, W, offs, mask, n_cols, eps, OUT_DTYPE: tl.constexpr, EMULAT
     return cast_rne(normed * w, OUT_DTYPE, EMULATE_RNE)
 
 
+# Whether the kernel releases its programmatic dependents at its start (with RELEASE_DEPENDENTS, see
+# common.py): only a LoRA shrink_pack at prefill is one. Off until the GPU measures it
+# (profile_forward's `lora-norm-release` variant against `lora`).
+RELEASE_AT_START = False
+
+
 @triton.jit
 def _rmsnorm_kernel(
     X, R, W, Y,
@@ -107,7 +113,7 @@ def rmsnorm_fwd(
         BLOCK=block,
         HAS_RESIDUAL=residual is not None,
         EMULATE_RNE=interpreting(),
-        RELEASE=release_enabled(x.device),
+        RELEASE=RELEASE_AT_START and release_enabled(x.device),
         num_warps=num_warps,
     )
     return out
