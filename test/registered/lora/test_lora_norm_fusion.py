@@ -304,3 +304,41 @@ def test_prefill_producers_write_into_x_aug(assets, backend, afold, monkeypatch)
     assert answered.count(True) == 3 * len(layers)
     assert tokens == ref_tokens
     assert torch.equal(logprobs, ref_logprobs)
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, in_place, monkeypatch):
+    """SGLANG_LORA_AFOLD_PREFILL=1 (csgmv): prefills run the A-folded o_proj / down_proj as their
+    GEMM over [W; A] and the segmented expand too (the last down_proj keeps the fold). The plain
+    norm after each reads the strided output; with SGLANG_LORA_PACK_IN_PLACE it writes the next
+    module's x_aug, and the SiLU-and-mul before an A-folded down_proj writes a plain output. The
+    run equals the unfused engine's to float32 rounding."""
+    from sglang.srt.layers.triton_ops.dispatch import fused_kernels
+    from sglang.srt.lora.backend import chunked_backend
+
+    monkeypatch.setenv("SGLANG_LORA_AFOLD_PREFILL", "1")
+    if in_place:
+        monkeypatch.setenv("SGLANG_LORA_PACK_IN_PLACE", "1")
+    runner = runner_for(assets, "csgmv", fuse=True, afold="small", afold_expand=True)
+    monkeypatch.delenv("SGLANG_LORA_AFOLD_PREFILL")
+    monkeypatch.delenv("SGLANG_LORA_PACK_IN_PLACE", raising=False)
+    backend_obj = runner.lora_manager.lora_backend
+    assert backend_obj.afold_prefill and backend_obj.pack_in_place == in_place
+    expands, answered = [], []
+    expand = chunked_backend.chunked_sgmv_lora_expand_forward
+    monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_expand_forward",
+                        lambda *a, **kw: expands.append(kw.get("x_slot_stride", 0)) or expand(*a, **kw))
+    in_place_input = backend_obj.in_place_input
+    monkeypatch.setattr(backend_obj, "in_place_input",
+                        lambda *a, **kw: answered.append(in_place_input(*a, **kw)) or answered[-1])
+    with fused_kernels("triton"):
+        tokens, logprobs, _ = decode_run(runner, steps=2)
+    monkeypatch.undo()
+    layers = len(runner.model.model.layers)
+    # The prefill: every o_proj and every down_proj but the last; decode defers to the norms (small).
+    assert expands == [8] * (2 * layers - 1)
+    # In place: qkv_proj and gate_up_proj of every layer and the last down_proj (the others expand).
+    assert sum(p is not None for p in answered) == (2 * layers + 1 if in_place else 0)
+    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False), steps=2)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)

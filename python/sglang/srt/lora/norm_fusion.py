@@ -110,6 +110,8 @@ class ActShrinkFusion:
         """The plain SiLU-and-mul, written where the backend asks (x_aug's first columns), or None."""
         if not use_triton(gate_up):
             return None
+        if self.target.defers_to_norm and self.backend.expands_a_folded(self.target.lora):
+            return None  # down_proj's GEMM over [W; A] computes its shrink: no x_aug this time
         prepared = self.backend.in_place_input(self.target.lora, gate_up.shape[0])
         if prepared is None:
             return None

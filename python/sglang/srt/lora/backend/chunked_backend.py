@@ -66,6 +66,13 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         # GEMM over W_aug. On the H200 a decode step of 64 requests on 8 adapters went 1.21 -> 1.17 of
         # the base (Qwen3-4B) and 1.17 -> 1.13 (8B); at 32, 1.18 -> 1.17 and 1.14 -> 1.13.
         self.afold_expand = os.environ.get("SGLANG_LORA_AFOLD_EXPAND", "1") != "0"
+        # SGLANG_LORA_AFOLD_PREFILL=1 (off until measured): prefills take that path too. It trades
+        # shrink_pack's split-K latency (about 5-8 µs per launch at 128 rows, H200) for the expand's
+        # read-modify-write of the output and S*R more GEMM rows. Its output is a strided view, which
+        # the plain norm after the module reads in place; with SGLANG_LORA_PACK_IN_PLACE that norm
+        # also writes the next module's x_aug directly (else that module copies its strided input).
+        self.afold_prefill = os.environ.get("SGLANG_LORA_AFOLD_PREFILL", "0") == "1"
+        self._extend_now = False  # this batch is a prefill (extend)
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         return False
@@ -73,6 +80,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
     def fill_batch_info(self, forward_batch: "ForwardBatch", weight_indices: list[int], lora_ranks: list[int],
                         scalings: list[float], path: ForwardPath) -> None:
         super().fill_batch_info(forward_batch, weight_indices, lora_ranks, scalings, path)
+        self._extend_now = forward_batch.forward_mode.is_extend()
         rule = self.prefill_unfold
         self._unfold_now = (rule is not None and forward_batch.forward_mode.is_extend()
                             and self.prefill_bucket(forward_batch.num_tokens) >= rule.min_tokens)
@@ -85,8 +93,10 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
     # ---- A-folded modules past the deferral's bound (SGLANG_LORA_AFOLD_EXPAND) ----------------
     def expands_a_folded(self, weights: LoRAModuleWeights) -> bool:
         info = self.batch_info
-        return (self.afold_expand and weights.a_folded is not None and info is not None
-                and info.row_slots is not None and not info.defer)
+        if not self.afold_expand or weights.a_folded is None or info is None or info.defer:
+            return False
+        # Decode batches carry row slots (the fused norms'); prefills only with SGLANG_LORA_AFOLD_PREFILL.
+        return info.row_slots is not None or (self.afold_prefill and self._extend_now)
 
     def run_a_folded(self, weights: LoRAModuleWeights, x: torch.Tensor) -> torch.Tensor:
         base, delta = self.run_deferred(weights, x)
