@@ -288,20 +288,15 @@ def test_prefill_producers_write_into_x_aug(assets, backend, afold, monkeypatch)
     layers = in_place.model.model.layers
     assert all(l.mlp.act_fn.fusion is not None for l in layers)  # attached for down_proj too
     answered = []
-    original = backend_obj.in_place_input
-
-    def counting(*args, **kwargs):
-        prepared = original(*args, **kwargs)
-        answered.append(prepared is not None)
-        return prepared
-
-    backend_obj.in_place_input = counting
+    in_place_input = backend_obj.in_place_input
+    monkeypatch.setattr(backend_obj, "in_place_input",
+                        lambda *a, **kw: answered.append(in_place_input(*a, **kw)) or answered[-1])
     with fused_kernels("triton"):
         tokens, logprobs, _ = decode_run(in_place)
         ref_tokens, ref_logprobs, _ = decode_run(copying)
-    del backend_obj.in_place_input
+    monkeypatch.undo()
     # qkv_proj, gate_up_proj and down_proj of every layer, once, at the prefill; never at decode.
-    assert answered.count(True) == 3 * len(layers)
+    assert sum(p is not None for p in answered) == 3 * len(layers)
     assert tokens == ref_tokens
     assert torch.equal(logprobs, ref_logprobs)
 

@@ -33,8 +33,9 @@ def _major_capability(index: int) -> int:
     return torch.cuda.get_device_capability(index)[0]
 
 
-# Whether the kernels that precede a LoRA shrink (SiLU-and-mul, decode attention's merge; RMSNorm with its RELEASE_AT_START) release
-# their programmatic dependents at their start. A module knob so that a benchmark can time both.
+# Whether the kernels that precede a LoRA shrink (SiLU-and-mul, decode attention's merge; RMSNorm
+# with its RELEASE_AT_START) release their programmatic dependents at their start. A module knob so
+# that a benchmark can time both.
 RELEASE_DEPENDENTS = True
 
 

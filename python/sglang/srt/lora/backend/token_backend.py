@@ -508,8 +508,8 @@ class TokenLoRABackend(BaseLoRABackend):
 
     def in_place_input(self, weights: LoRAModuleWeights, rows: int) -> Optional[PreparedInput]:
         spec, info = weights.spec, self.batch_info
-        # Only where nothing fuses (no row slots: prefill, or decode without norm fusion) and the
-        # module runs folded: a graph and an eager pass of a batch decide alike.
+        # Only where nothing fuses (no row slots: prefill) and the module runs folded: functions of
+        # the batch's mode and bucket, so a graph and an eager pass of a batch decide alike.
         if (not self.pack_in_place or info is None or info.row_slots is not None or info.rowwise or info.defer
                 or rows == 0 or rows != info.num_rows or not self._runs_folded(spec)):
             return None
