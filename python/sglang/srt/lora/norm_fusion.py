@@ -69,7 +69,7 @@ class NormShrinkFusion:
         if not target.lora_active or not self.backend.fuses_norm():
             # Both follow the batch info the producer's deferral did: a delta is never dropped here.
             assert delta is None, "an A-folded module left a delta to a norm that does not fuse"
-            return self._into_x_aug(x, residual) if target.lora_active else None
+            return self._into_x_aug(x, residual) if target.lora_active and self.backend.pack_in_place else None
         prepared, new_residual = self.backend.run_norm(target.lora, self.norm.weight, self.norm.variance_epsilon,
                                                        x, residual, delta=delta)
         target.prepared = prepared
@@ -100,7 +100,7 @@ class ActShrinkFusion:
         if not target.lora_active or gate_up.dim() != 2:
             return None
         if not self.backend.rowwise_now():
-            return self._into_x_aug(gate_up)
+            return self._into_x_aug(gate_up) if self.backend.pack_in_place else None
         if target.defers_to_norm and self.backend.defers(target.lora):
             return None  # down_proj takes no shrink from here: its GEMM computes it (A-fold)
         target.prepared = self.backend.run_act(target.lora, gate_up)
