@@ -301,24 +301,27 @@ def test_prefill_producers_write_into_x_aug(assets, backend, afold, monkeypatch)
     assert torch.equal(logprobs, ref_logprobs)
 
 
-@pytest.mark.parametrize("in_place", [False, True])
-def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, in_place, monkeypatch):
+@pytest.mark.parametrize("bound,in_place", [("1", False), ("1", True), ("rows:4", True)])
+def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, bound, in_place, monkeypatch):
     """SGLANG_LORA_AFOLD_PREFILL=1 (csgmv): prefills run the A-folded o_proj / down_proj as their
-    GEMM over [W; A] and the segmented expand too (the last down_proj keeps the fold). The plain
-    norm after each reads the strided output; with SGLANG_LORA_PACK_IN_PLACE it writes the next
-    module's x_aug, and the SiLU-and-mul before an A-folded down_proj writes a plain output. The
-    run equals the unfused engine's to float32 rounding."""
+    GEMM over [W; A] and the segmented expand too (the last down_proj keeps the fold); rows:4 only
+    prefills of at most 4 tokens (this one has 19: shrink_pack as before). The plain norm after
+    each reads the strided output; with SGLANG_LORA_PACK_IN_PLACE it writes the next module's
+    x_aug, and the SiLU-and-mul before an A-folded down_proj writes a plain output. The run equals
+    the unfused engine's to float32 rounding."""
     from sglang.srt.layers.triton_ops.dispatch import fused_kernels
     from sglang.srt.lora.backend import chunked_backend
 
-    monkeypatch.setenv("SGLANG_LORA_AFOLD_PREFILL", "1")
+    monkeypatch.setenv("SGLANG_LORA_AFOLD_PREFILL", bound)
     if in_place:
         monkeypatch.setenv("SGLANG_LORA_PACK_IN_PLACE", "1")
     runner = runner_for(assets, "csgmv", fuse=True, afold="small", afold_expand=True)
     monkeypatch.delenv("SGLANG_LORA_AFOLD_PREFILL")
     monkeypatch.delenv("SGLANG_LORA_PACK_IN_PLACE", raising=False)
     backend_obj = runner.lora_manager.lora_backend
-    assert backend_obj.afold_prefill and backend_obj.pack_in_place == in_place
+    assert backend_obj.afold_prefill_max == (1 << 30 if bound == "1" else 4)
+    assert backend_obj.pack_in_place == in_place
+    expanding = bound == "1"
     expands, answered = [], []
     expand = chunked_backend.chunked_sgmv_lora_expand_forward
     monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_expand_forward",
@@ -331,9 +334,9 @@ def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, in_place, monkeyp
     monkeypatch.undo()
     layers = len(runner.model.model.layers)
     # The prefill: every o_proj and every down_proj but the last; decode defers to the norms (small).
-    assert expands == [8] * (2 * layers - 1)
-    # In place: qkv_proj and gate_up_proj of every layer and the last down_proj (the others expand).
-    assert sum(p is not None for p in answered) == (2 * layers + 1 if in_place else 0)
+    assert expands == [8] * ((2 * layers - 1) if expanding else 0)
+    # In place: qkv_proj and gate_up_proj of every layer and the down_proj that do not expand.
+    assert sum(p is not None for p in answered) == (((2 * layers + 1) if expanding else 3 * layers) if in_place else 0)
     ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False), steps=2)
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)

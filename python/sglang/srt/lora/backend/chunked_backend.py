@@ -36,13 +36,18 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sglang.srt.configs.forward_path import ForwardPath
-from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches
+from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches, rowwise_decode_bound
 from sglang.srt.lora.fold import folded_b
 from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward, chunked_sgmv_lora_shrink_forward
 from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
 
 if TYPE_CHECKING:
     from sglang.srt.configs.forward_batch_info import ForwardBatch
+
+
+# SGLANG_LORA_AFOLD_PREFILL=small: prefills of up to this many tokens (their graph bucket), where
+# shrink_pack's latency outweighs the A-fold's extra GEMM rows.
+AFOLD_PREFILL_SMALL_TOKENS = 512
 
 
 class ChunkedSgmvLoRABackend(TokenLoRABackend):
@@ -66,13 +71,16 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         # GEMM over W_aug. On the H200 a decode step of 64 requests on 8 adapters went 1.21 -> 1.17 of
         # the base (Qwen3-4B) and 1.17 -> 1.13 (8B); at 32, 1.18 -> 1.17 and 1.14 -> 1.13.
         self.afold_expand = os.environ.get("SGLANG_LORA_AFOLD_EXPAND", "1") != "0"
-        # SGLANG_LORA_AFOLD_PREFILL=1 (off until measured): prefills take that path too. It trades
-        # shrink_pack's split-K latency (about 5-8 µs per launch at 128 rows, H200) for the expand's
-        # read-modify-write of the output and S*R more GEMM rows. Its output is a strided view, which
-        # the plain norm after the module reads in place; with SGLANG_LORA_PACK_IN_PLACE that norm
-        # also writes the next module's x_aug directly (else that module copies its strided input).
-        self.afold_prefill = os.environ.get("SGLANG_LORA_AFOLD_PREFILL", "0") == "1"
-        self._extend_now = False  # this batch is a prefill (extend)
+        # SGLANG_LORA_AFOLD_PREFILL (0 until measured; 1 every prefill, small those whose graph bucket
+        # holds at most AFOLD_PREFILL_SMALL_TOKENS tokens, rows:N at most N): prefills take that path
+        # too. It trades shrink_pack's split-K latency (about 5-8 µs per launch at 128 rows, H200)
+        # for the expand's read-modify-write of the output and S*R more GEMM rows, whose FLOPs
+        # (2*T*S*R*K) outgrow the B fold's (2*T*N*E) at long prefills. Its output is a strided view,
+        # which the plain norm after the module reads in place; with SGLANG_LORA_PACK_IN_PLACE that
+        # norm also writes the next module's x_aug directly (else that module copies its input).
+        self.afold_prefill_max = rowwise_decode_bound(os.environ.get("SGLANG_LORA_AFOLD_PREFILL", "0"),
+                                                      AFOLD_PREFILL_SMALL_TOKENS, "SGLANG_LORA_AFOLD_PREFILL")
+        self._afold_prefill_now = False  # this batch is a prefill the bound admits
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         return False
@@ -80,7 +88,9 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
     def fill_batch_info(self, forward_batch: "ForwardBatch", weight_indices: list[int], lora_ranks: list[int],
                         scalings: list[float], path: ForwardPath) -> None:
         super().fill_batch_info(forward_batch, weight_indices, lora_ranks, scalings, path)
-        self._extend_now = forward_batch.forward_mode.is_extend()
+        bound = self.afold_prefill_max
+        self._afold_prefill_now = (bound is not None and forward_batch.forward_mode.is_extend()
+                                   and self.prefill_bucket(forward_batch.num_tokens) <= bound)
         rule = self.prefill_unfold
         self._unfold_now = (rule is not None and forward_batch.forward_mode.is_extend()
                             and self.prefill_bucket(forward_batch.num_tokens) >= rule.min_tokens)
@@ -96,7 +106,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         if not self.afold_expand or weights.a_folded is None or info is None or info.defer:
             return False
         # Decode batches carry row slots (the fused norms'); prefills only with SGLANG_LORA_AFOLD_PREFILL.
-        return info.row_slots is not None or (self.afold_prefill and self._extend_now)
+        return info.row_slots is not None or self._afold_prefill_now
 
     def run_a_folded(self, weights: LoRAModuleWeights, x: torch.Tensor) -> torch.Tensor:
         base, delta = self.run_deferred(weights, x)
