@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import sys
 import threading
 import time
 import traceback
@@ -20,7 +21,6 @@ from typing import Any, Optional
 from sglang.srt.distributed import (
     NVLINK_MULTICAST_OFF,
     RankSpec,
-    destroy_tensor_parallel,
     disable_nvlink_multicast,
     init_tensor_parallel,
 )
@@ -108,6 +108,12 @@ def run_scheduler_process(
             logging.shutdown()
             os._exit(1)
         raise
-    # A clean shutdown (every rank got the same ShutdownReq); after a failure a peer may be gone
-    # and tearing the group down could block, so only here.
-    destroy_tensor_parallel(scheduler.tp_group)
+    # A clean shutdown (every rank got the same ShutdownReq). The ranks of a group leave without
+    # tearing it down: they exit in no fixed order, and a gloo group whose store (hosted by rank 0)
+    # is already gone can abort in its C++ teardown ("terminate called without an active
+    # exception", SIGABRT), which made a rank of a cleanly stopped group look failed.
+    if rank.tp_size > 1:
+        logging.shutdown()
+        for stream in (sys.stdout, sys.stderr):
+            stream.flush()
+        os._exit(0)
