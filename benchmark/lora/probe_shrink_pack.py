@@ -51,6 +51,8 @@ def kernels():
 
 
 def main():
+    if not torch.cuda.is_available():
+        raise SystemExit("probe_shrink_pack needs a CUDA device")
     rows = int(sys.argv[1]) if len(sys.argv) > 1 else 128
     dev, dt = "cuda", torch.bfloat16
     ks = kernels()
