@@ -103,6 +103,14 @@ def test_regex_target_modules_resolve_like_peft(adapters, tmp_path):
     assert load(path).modules == {"qkv_proj"}
 
 
+def test_regex_target_modules_of_one_layer_load(tmp_path):
+    """A PEFT regex may name one layer (here layer 1): it targets q/v there, not nowhere."""
+    path = write_peft_adapter(str(tmp_path / "layer1"), r=4, target_modules=r".*layers\.1\.self_attn\.(q_proj|v_proj)")
+    assert {k.split(".layers.")[1].split(".")[0] for k in peft_tensors(path)} == {"1"}
+    assert LoRAConfig.from_path(path).normalized_target_modules == {"qkv_proj"}
+    assert load(path).modules == {"qkv_proj"}
+
+
 def test_bin_checkpoint_loads(adapters):
     assert not os.path.exists(os.path.join(adapters["bin"], "adapter_model.safetensors"))
     ad = load(adapters["bin"])

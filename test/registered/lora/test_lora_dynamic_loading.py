@@ -156,6 +156,13 @@ def test_unload_waits_for_in_flight_requests(zoo_server, adapter_zoo) -> None:
     assert "cyc" not in model_ids(url)  # gone for new requests at once ...
     refused = post(url, "/generate", {"input_ids": PROMPTS[0], "lora_path": "cyc"})
     assert refused.status_code == 400
+    # Other adapters load meanwhile: the waiting unload holds up no one else. A name with a colon
+    # is selected whole by model="<name>".
+    other = load_adapter(url, "team:b", adapter_zoo["good"])
+    assert other.status_code == 200 and "r" not in unload, other.text
+    chosen = post(url, "/v1/completions", {"model": "team:b", "prompt": PROMPTS[0], "max_tokens": 2,
+                                           "temperature": 0})
+    assert chosen.status_code == 200 and chosen.json()["model"] == "team:b", chosen.text
     # ... while the running request still generates, and the unload waits for it.
     running = json.loads(next(line for line in lines if line.startswith("data: "))[6:])
     assert running["meta_info"]["finish_reason"] is None and "r" not in unload

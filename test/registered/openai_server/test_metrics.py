@@ -156,9 +156,12 @@ def test_counters_and_histograms_follow_the_traffic(server):
     assert after["sglang:lora_slot_load_seconds_count", ()] == after["sglang:lora_slot_loads_total", ()]
 
 
-def test_metrics_need_the_api_key(server):
-    assert requests.get(f"{server[1]}/metrics", timeout=30).status_code == 401
+def test_metrics_are_scraped_without_the_api_key(server):
+    """As in SGLang: Prometheus and the health probes need no key; the API does."""
+    r = requests.get(f"{server[1]}/metrics", timeout=30)
+    assert r.status_code == 200 and "sglang:prompt_tokens" in r.text
     assert requests.get(f"{server[1]}/health", timeout=30).status_code == 200
+    assert requests.get(f"{server[1]}/get_server_info", timeout=30).status_code == 401
 
 
 def test_no_metrics_without_the_flag():

@@ -390,3 +390,32 @@ def test_abort_request_ends_a_running_request(url) -> None:
     assert r.status_code == 200
     meta = r.json()["meta_info"]
     assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] < 1900
+
+
+def test_abort_request_ends_every_sample_of_a_rid(url) -> None:
+    """n > 1 runs rid R as R-0, R-1: /abort_request with R aborts them all."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    body = {"text": "Go on and on", "rid": "to-abort-n",
+            "sampling_params": {"max_new_tokens": 1900, "ignore_eos": True, "n": 2}}
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(post, url, "/generate", body)
+        deadline = time.monotonic() + 10
+        while server_info(url)["num_running_reqs"] < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert post(url, "/abort_request", {"rid": "to-abort-n"}).status_code == 200
+        r = fut.result(timeout=30)
+    assert r.status_code == 200
+    for out in r.json():
+        assert out["meta_info"]["finish_reason"]["type"] == "abort" and out["meta_info"]["completion_tokens"] < 1900
+
+
+def test_models_retrieve_and_the_model_a_reply_names(client, url) -> None:
+    card = client.models.retrieve("demo")
+    assert card.id == "demo" and card.object == "model"
+    with pytest.raises(openai.NotFoundError):
+        client.models.retrieve("no-such-model")
+    # A request naming the base by an alias (or not at all) gets the served name back.
+    r = post(url, "/v1/completions", {"prompt": "hi", "max_tokens": 1})
+    assert r.status_code == 200 and r.json()["model"] == "demo", r.text
+    assert client.completions.create(model="default", prompt="hi", max_tokens=1).model == "demo"

@@ -127,6 +127,10 @@ def generate_cases() -> list[Case]:
         g({"text": "hi", "rid": 5}, "'rid'"),
         g({"text": "hi", "rid": ""}, "'rid'"),
         g({"text": "hi", "rid": ["a"]}, "'rid' must be a string"),
+        g({"text": ["a", "b"], "rid": ["q-1", "q"], "sampling_params": [{}, {"n": 2}]}, "also after n > 1"),
+        g({"text": "hi", "lora_path": ""}, "'lora_path' has an invalid value"),
+        sp({"skip_special_tokens": "no"}, "skip_special_tokens must be a boolean"),
+        sp({"no_stop_trim": "no"}, "no_stop_trim must be a boolean"),
         g({"text": "hi", "stream": "yes"}, "'stream' must be a boolean"),
         g({"text": "hi", "stream": True, "sampling_params": {"top_p": 0}}, "top_p"),
         g({"text": "hi", "priority": 1}, "unknown field"),
@@ -194,6 +198,14 @@ def completion_cases() -> list[Case]:
         c({"logit_bias": {"1": 5}}, "logit_bias"),
         c({"best_of": 3}, "best_of"),
         c({"suffix": "x"}, "suffix"),
+        c({}, "prompt: token id -5 is outside the vocabulary", prompt=[1, -5]),
+        c({}, "outside the vocabulary", prompt=[[1], [2**40]]),
+        c({"min_tokens": 4}, "min_tokens is not supported"),
+        c({"regex": "a+"}, "no constrained decoding"),
+        c({"guided_json": {"type": "object"}}, "no constrained decoding"),
+        c({"response_format": {"type": "json_object"}}, "response_format"),
+        c({"stream_options": {"include_usage": True}}, "only allowed when stream is true"),
+        c({"stream": True, "stream_options": {"continuous_usage_stats": True}}, "continuous_usage_stats"),
         c({"model": 5}, "model"),
         c({"model": "nope"}, "does not exist", 404),
         c({"model": "default:nope"}, "not loaded: nope", 404),
@@ -240,6 +252,12 @@ def chat_cases() -> list[Case]:
         ch({"response_format": {"type": "json_object"}}, "response_format"),
         ch({"lora_path": ["keep"]}, "lora_path must be a string"),
         ch({"chat_template_kwargs": 5}, "chat_template_kwargs"),
+        ch({"chat_template_kwargs": {"messages": []}}, "may not set ['messages']"),
+        ch({"chat_template_kwargs": {"tokenize": True}}, "may not set ['tokenize']"),
+        ch({"max_tokens": 1, "chat_template_kwargs": {"add_generation_prompt": False}}, "", 200),
+        ch({}, "messages[0].content is required", messages=[{"role": "user"}]),
+        ch({"min_tokens": 2}, "min_tokens is not supported"),
+        ch({"json_schema": "{}"}, "no constrained decoding"),
         ch({"cache_salt": ["a"]}, "cache_salt: Input should be a valid string"),
         ch({"cache_salt": "s" * 100_000}, "cache_salt: String should have at most 512 characters"),
         ch({"model": "nope"}, "does not exist", 404),
@@ -258,6 +276,7 @@ def adapter_cases(paths: dict[str, str], tmp: str) -> list[Case]:
             Case(path, {"lora_name": "x"}, 400, "must be provided"),
             Case(path, {"lora_path": paths["good"]}, 400, "must be provided"),
             load("", paths["good"], "non-empty string"),
+            load(" pad ", paths["good"], "must not start or end with white space"),
             load(5, paths["good"], "'lora_name' must be a non-empty string"),
             load("x", 5, "'lora_path' must be a non-empty string"),
             load("x", paths["good"], "'pinned' must be a boolean", pinned="yes"),
@@ -301,17 +320,21 @@ def misc_cases() -> list[Case]:
 
 
 def auth_cases() -> list[Case]:
-    """Against the API-key server: every route but /health needs the key."""
+    """Against the API-key server: every route but the probes (/health, /health_generate) and
+    /metrics needs the key."""
     out = []
     posts = GEN + LOAD + UNLOAD + ("/abort_request", "/flush_cache")
-    gets = ("/get_server_info", "/get_model_info", "/v1/models", "/health_generate")
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"bearer {API_KEY}"},
-                    {"Authorization": API_KEY}):
+    gets = ("/get_server_info", "/get_model_info", "/v1/models", "/v1/models/default")
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": f"Basic {API_KEY}"},
+                    {"Authorization": API_KEY}, {"Authorization": f"Bearer {API_KEY}x"}):
         out += [Case(p, {"text": "hi"}, 401, "API key", headers=headers) for p in posts]
         out += [Case(p, None, 401, "API key", method="GET", headers=headers) for p in gets]
     good = {"Authorization": f"Bearer {API_KEY}"}
     out += [
         Case("/health", None, 200, "", method="GET"),
+        Case("/health_generate", None, 200, "", method="GET"),
+        # The scheme is case-insensitive (RFC 7235).
+        Case("/get_model_info", None, 200, "", method="GET", headers={"Authorization": f"bearer {API_KEY}"}),
         Case("/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": 1}, 200, "", headers=good),
         Case("/v1/completions", {"model": "default", "prompt": "hi", "max_tokens": -1}, 400, "max_tokens", headers=good),
     ]

@@ -11,8 +11,10 @@ from sglang.srt.managers.detokenizer import (
     IncrementalDetokenizer,
     find_stop_string,
     longest_partial_stop,
+    token_bytes,
     visible_text,
 )
+from sglang.srt.entrypoints.openai.serving_completions import top_logprobs_entry
 
 TEXT = "Mira said: héllo wörld, 日本語 and 🙂 emoji; the boats were red."
 
@@ -100,3 +102,25 @@ def test_streamed_prefixes_are_prefixes_of_the_final_text() -> None:
 def test_find_stop_string_prefers_the_earliest() -> None:
     assert find_stop_string("abc stop1 stop2", ["stop2", "stop1"]) == "stop1"
     assert find_stop_string("nothing", ["stop"]) is None
+
+
+def test_token_bytes_are_the_raw_utf8_pieces(tokenizer) -> None:
+    """OpenAI's `bytes` of a logprob entry: a token holding part of a character gives its raw
+    bytes (not U+FFFD's), so the bytes of a text's tokens join to the text's UTF-8."""
+    ids = tokenizer.encode(TEXT, add_special_tokens=False)
+    texts = [tokenizer.decode([t]) for t in ids]
+    assert any(REPLACEMENT_CHAR in t for t in texts)  # the case that matters occurs
+    joined = b"".join(bytes(token_bytes(t, tokenizer.convert_ids_to_tokens(i))) for t, i in zip(texts, ids))
+    assert joined == TEXT.encode("utf-8")
+    # SentencePiece's byte fallback, and a whole token without a vocabulary piece.
+    assert token_bytes(REPLACEMENT_CHAR, "<0xE6>") == [0xE6]
+    assert token_bytes("hé", None) == list("hé".encode())
+
+
+def test_top_logprobs_keep_the_likeliest_of_tokens_with_one_text(tokenizer) -> None:
+    ids = tokenizer.encode("日本", add_special_tokens=False)
+    partial = [i for i in ids if tokenizer.decode([i]) == REPLACEMENT_CHAR][:2]
+    assert len(partial) == 2
+    top = [(-0.25, partial[0], None), (-2.5, partial[1], None), (-3.0, ids[-1], None)]
+    entry = top_logprobs_entry(top, lambda t: tokenizer.decode([t]))
+    assert entry[REPLACEMENT_CHAR] == -0.25

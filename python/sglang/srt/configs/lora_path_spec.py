@@ -43,6 +43,8 @@ class LoRAPathSpec:
         path = str(data["lora_path"])
         if not name or not path:
             raise ValueError(f"--lora-paths: entry {item!r} has an empty name or path")
+        if name != name.strip():
+            raise ValueError(f"--lora-paths: the adapter name {name!r} starts or ends with white space")
         unknown = set(data) - {"lora_name", "lora_path", "pinned"}
         if unknown:
             raise ValueError(

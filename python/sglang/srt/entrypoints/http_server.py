@@ -33,15 +33,16 @@ from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, Comple
 from sglang.srt.entrypoints.openai.serving_base import prime, server_failure, sse, streaming_response
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
-from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError
+from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError, ModelNotFoundError
 from sglang.srt.configs.lora_ref import LoRAUpdateOutput
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-# Routes reachable without the API key (load-balancer probes).
-PUBLIC_PATHS = ("/health",)
+# Routes reachable without the API key: load-balancer probes and the Prometheus scrape (as
+# upstream SGLang and vLLM leave them open).
+PUBLIC_PATHS = ("/health", "/health_generate", "/metrics")
 HEALTH_GENERATE_TIMEOUT_S = 30.0
 
 
@@ -61,12 +62,17 @@ class APIKeyMiddleware:
 
     def __init__(self, app: Any, api_key: str) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
+
+    def _authorized(self, header: bytes) -> bool:
+        scheme, _, token = header.strip().partition(b" ")
+        # The scheme is case-insensitive (RFC 7235); the key is compared in constant time.
+        return hmac.compare_digest(token.strip(), self.expected) and scheme.lower() == b"bearer"
 
     async def __call__(self, scope: dict, receive: Any, send: Any) -> None:
         if scope["type"] == "http" and scope["path"] not in PUBLIC_PATHS and scope["method"] != "OPTIONS":
             given = dict(scope.get("headers") or ()).get(b"authorization", b"")
-            if not hmac.compare_digest(given, self.expected):
+            if not self._authorized(given):
                 response = error_response(
                     "Invalid or missing API key. Send it as 'Authorization: Bearer <key>'.",
                     401, headers={"WWW-Authenticate": "Bearer"},
@@ -159,13 +165,24 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             # The scheduler-side series are read now (managers/metrics.py): one message per scrape.
             return Response(tm.metrics.render(await tm.get_scheduler_info()), media_type=CONTENT_TYPE_LATEST)
 
-    @app.get("/v1/models")
-    async def models() -> dict:
+    def model_cards() -> list[ModelCard]:
         cards = [ModelCard(id=tm.served_model_name, root=tm.config.model_path, max_model_len=tm.context_len)]
         if tm.lora_registry is not None:
             for name, ref in sorted(tm.lora_registry.get_all().items()):
                 cards.append(ModelCard(id=name, root=ref.lora_path, parent=tm.served_model_name))
-        return ModelList(data=cards).model_dump()
+        return cards
+
+    @app.get("/v1/models")
+    async def models() -> dict:
+        return ModelList(data=model_cards()).model_dump()
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str) -> dict:
+        """One model card (the OpenAI client's `models.retrieve`); adapter names may hold '/'."""
+        card = next((c for c in model_cards() if c.id == model_id), None)
+        if card is None:
+            raise ModelNotFoundError(model_id, f"This server serves `{tm.served_model_name}`.")
+        return card.model_dump()
 
     # ------------------------------------------------------------------ generation
     @app.post("/generate")

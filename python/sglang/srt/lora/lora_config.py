@@ -54,6 +54,18 @@ _REPRESENTATIVE_PATHS: dict[str, str] = {
 }
 
 
+# Layer indices a regex `target_modules` is tried at (no supported model is deeper).
+_MAX_LAYERS = 512
+
+
+def _in_every_layer(path: str) -> Iterable[str]:
+    """`path` ("model.layers.0.<module>") at every layer index; a path outside the layers as is."""
+    if ".layers.0." not in path:
+        return (path,)
+    head, tail = path.split(".layers.0.", 1)
+    return (f"{head}.layers.{i}.{tail}" for i in range(_MAX_LAYERS))
+
+
 # PEFT options that change what the adapter computes beyond `scaling * B @ A @ x`; any adapter
 # that sets one is refused rather than served wrongly.
 _UNSUPPORTED_OPTIONS: dict[str, str] = {
@@ -209,7 +221,10 @@ class LoRAConfig:
                 raise ValueError(
                     f"LoRA adapter at {self.path!r}: bad target_modules regex {tm!r}: {e}"
                 ) from None
-            return [name for name, full in _REPRESENTATIVE_PATHS.items() if pattern.fullmatch(full)]
+            # A pattern may name some layers only (r".*layers\.1\.self_attn\.q_proj"): a module
+            # is targeted if the pattern matches it in any layer (the weights say which).
+            return [name for name, full in _REPRESENTATIVE_PATHS.items()
+                    if any(pattern.fullmatch(path) for path in _in_every_layer(full))]
         return list(tm)
 
     def target_projections(self) -> set[str]:

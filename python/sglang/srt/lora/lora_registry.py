@@ -66,13 +66,22 @@ class LoRARegistry:
 
     async def unregister(self, lora_name: str) -> LoRARef:
         """Remove `lora_name` at once (new requests for it fail), then wait for its in-flight ones."""
+        ref = await self.detach(lora_name)
+        await self.drain(ref)
+        return ref
+
+    async def detach(self, lora_name: str) -> LoRARef:
+        """The first half of `unregister`: the name goes at once; its in-flight requests go on."""
         async with self._lock:
             ref = self._by_name.pop(lora_name, None)
             if ref is None:
                 raise ValueError(f"LoRA adapter {lora_name!r} is not loaded. {self._loaded_list()}")
+        return ref
+
+    async def drain(self, ref: LoRARef) -> None:
+        """The second half: wait until no request holds `ref`, then forget its id."""
         await self.wait_for_idle(ref.lora_id)
         self._counts.pop(ref.lora_id, None)
-        return ref
 
     async def wait_for_idle(self, lora_id: str) -> None:
         """Return once no request holds a reference on `lora_id`."""

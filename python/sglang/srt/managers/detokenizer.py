@@ -102,3 +102,36 @@ def find_stop_string(tail_text: str, stops: Sequence[str]) -> Optional[str]:
         if pos != -1 and (best is None or pos < best[0]):
             best = (pos, stop)
     return best[1] if best else None
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The character a byte-level BPE vocabulary (GPT-2's convention, used by Qwen and Llama 3)
+    writes each byte as: printable Latin-1 bytes stand for themselves, every other byte for the
+    next code point from 256 up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+_BYTE_LEVEL = _byte_level_alphabet()
+
+
+def token_bytes(text: str, piece: Optional[str]) -> list[int]:
+    """The UTF-8 bytes a token stands for (OpenAI's `bytes` of a logprob entry). `text` is the
+    token decoded alone; where that is a replacement character (a token holding part of a UTF-8
+    character), the raw bytes come from its vocabulary `piece`: SentencePiece's byte fallback
+    `<0xNN>`, or a byte-level BPE string. Otherwise the text's own bytes."""
+    if REPLACEMENT_CHAR in text and piece:
+        if len(piece) == 6 and piece.startswith("<0x") and piece.endswith(">"):
+            try:
+                return [int(piece[3:5], 16)]
+            except ValueError:
+                pass
+        if all(c in _BYTE_LEVEL for c in piece):
+            return [_BYTE_LEVEL[c] for c in piece]
+    return list(text.encode("utf-8"))

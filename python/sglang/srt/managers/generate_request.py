@@ -71,6 +71,9 @@ class SingleGenerateReq:
     lora_name: Optional[str] = None
     stream: bool = False
     cache_salt: Optional[str] = None
+    # The rid the caller gave for the prompt or the call this request came from (None: none given).
+    # /abort_request with it aborts every sample (`n` > 1) and prompt expanded from it.
+    group_rid: Optional[str] = None
 
 
 def valid_cache_salt(x: Any) -> bool:
@@ -175,16 +178,24 @@ class GenerateReqInput:
         ret_lp = per_prompt("return_logprob", self.return_logprob, lambda x: isinstance(x, bool), False)
         start = per_prompt("logprob_start_len", self.logprob_start_len, lambda x: is_int(x) and x >= -1, -1)
         top = per_prompt("top_logprobs_num", self.top_logprobs_num, lambda x: is_int(x) and x >= 0, 0)
-        loras = per_prompt("lora_path", self.lora_path, lambda x: x is None or isinstance(x, str), None)
+        loras = per_prompt("lora_path", self.lora_path, lambda x: x is None or (isinstance(x, str) and x != ""), None)
         salts = per_prompt("cache_salt", self.cache_salt, valid_cache_salt, None, error=cache_salt_error)
         if self.rid is None:
             rids = [new_rid() for _ in range(num)]
+            groups: list[Optional[str]] = [None] * num
+        elif isinstance(self.rid, str) and is_batch:
+            # One rid for a whole batch names the call: prompt i becomes "<rid>-<i>".
+            if not self.rid:
+                raise InvalidRequestError("'rid' must be a non-empty string", param="rid")
+            rids = [f"{self.rid}-{i}" for i in range(num)]
+            groups = [self.rid] * num
         else:
             rids = per_prompt("rid", self.rid, lambda x: isinstance(x, str) and x != "", None)
             if not is_batch and isinstance(self.rid, list):
                 raise InvalidRequestError("'rid' must be a string for a single prompt", param="rid")
             if len(set(rids)) != len(rids):
                 raise InvalidRequestError("'rid' values must be unique", param="rid")
+            groups = list(rids)
 
         ns = []
         for sp in params:
@@ -226,6 +237,12 @@ class GenerateReqInput:
                         lora_name=loras[i],
                         stream=self.stream,
                         cache_salt=salts[i],
+                        group_rid=groups[i],
                     )
                 )
+        if self.rid is not None and len({r.rid for r in out}) != len(out):
+            # n > 1 turns rid R into, ...: those must not meet another prompt's rid.
+            raise InvalidRequestError(
+                "'rid' values must be unique, also after n > 1 expands a rid R into R-0, R-1, ...", param="rid"
+            )
         return out, is_batch

@@ -2,7 +2,8 @@
 
 A mixin of `TokenizerManager` (kept apart only to keep files small). It uses these attributes of
 the manager: `lora_registry` (None when LoRA is off), `client`, `served_model_name`,
-`base_model_names`, `_lora_waiters`, `_lora_update_lock`, `is_healthy()` and `dead_reason`.
+`base_model_names`, `_lora_waiters`, `_lora_update_lock`, `_unloading`, `is_healthy()` and
+`dead_reason`.
 Everything runs on the manager's event loop.
 """
 
@@ -26,6 +27,9 @@ def _check_adapter_fields(lora_name: Any, lora_path: Any, pinned: Any) -> Option
         return "Both 'lora_name' and 'lora_path' must be provided."
     if not isinstance(lora_name, str) or not lora_name.strip():
         return "'lora_name' must be a non-empty string"
+    if lora_name != lora_name.strip():
+        # model="<base>:<adapter>" strips the adapter part: such a name could never be selected.
+        return f"'lora_name' must not start or end with white space, got {lora_name!r}"
     if not isinstance(lora_path, str) or not lora_path.strip():
         return "'lora_path' must be a non-empty string"
     if not isinstance(pinned, bool):
@@ -42,6 +46,8 @@ class TokenizerLoRAMixin:
             return lora_path
         if not isinstance(model, str):
             raise InvalidRequestError("'model' must be a string", param="model")
+        if self.lora_registry is not None and self.lora_registry.get(model) is not None:
+            return model  # an adapter's own name, even one with a colon in it
         if ":" in model:
             base, adapter = (part.strip() for part in model.split(":", 1))
             if base not in self.base_model_names:
@@ -49,8 +55,6 @@ class TokenizerLoRAMixin:
             return self._check_openai_adapters(model, adapter or lora_path)
         if model in self.base_model_names:
             return self._check_openai_adapters(model, lora_path)
-        if self.lora_registry is not None and self.lora_registry.get(model) is not None:
-            return model
         hint = f"This server serves `{self.served_model_name}`"
         if self.lora_registry is None:
             hint += " (LoRA is not enabled, so no adapters are served)."
@@ -120,6 +124,8 @@ class TokenizerLoRAMixin:
         if problem is not None:
             return self.lora_refusal(problem, 400)
         async def run() -> tuple[LoRAUpdateOutput, int]:
+            while lora_name in self._unloading:  # that unload reaches the scheduler first
+                await asyncio.shield(self._unloading[lora_name])
             async with self._update_lock():
                 if self.lora_registry.get(lora_name) is not None:
                     return self.lora_refusal(
@@ -152,14 +158,29 @@ class TokenizerLoRAMixin:
                     return self.lora_refusal(
                         f"The LoRA adapter {lora_name!r} cannot be found: it is not loaded. "
                         f"{self._loaded_adapters_hint()}", 404)
-                ref = await self.lora_registry.unregister(lora_name)  # waits for in-flight requests
-                out = await self._send_lora_update(UnloadLoRAAdapterReq(lora_ref=ref))
-                if not out.success:  # the two processes disagreed: say so loudly
-                    logger.error("Unloading LoRA adapter %r: %s", lora_name, out.error_message)
-                    return out, 500
-                return out, 200
+                ref = await self.lora_registry.detach(lora_name)  # new requests for it fail from now
+                done = asyncio.get_running_loop().create_future()
+                self._unloading[lora_name] = done
+            try:
+                # The wait for the requests using it holds no lock: other adapters' loads and
+                # unloads go on meanwhile (a load of this very name waits for `done`).
+                await self.lora_registry.drain(ref)
+                async with self._update_lock():
+                    out = await self._send_lora_update(UnloadLoRAAdapterReq(lora_ref=ref))
+            finally:
+                del self._unloading[lora_name]
+                done.set_result(None)
+            if not out.success:  # the two processes disagreed: say so loudly
+                logger.error("Unloading LoRA adapter %r: %s", lora_name, out.error_message)
+                return out, 500
+            return out, 200
 
         return await asyncio.shield(asyncio.ensure_future(run()))
+
+    def response_model_name(self, model: Optional[str]) -> str:
+        """The `model` an OpenAI reply names: the served name where the request named the base
+        model by an alias (or not at all), else what the request asked for."""
+        return self.served_model_name if not model or model in self.base_model_names else model
 
     def _update_lock(self) -> asyncio.Lock:
         if self._lora_update_lock is None:  # created lazily so it belongs to the serving loop

@@ -13,13 +13,14 @@ import asyncio
 import logging
 import math
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Union
 
 from sglang.srt.configs.lora_ref import LoRAUpdateOutput
 from sglang.srt.configs.run_configs import TokenizerManagerConfig
 from sglang.srt.configs.tokenizer import load_tokenizer
 from sglang.srt.lora.lora_registry import LoRARegistry
-from sglang.srt.managers.detokenizer import IncrementalDetokenizer
+from sglang.srt.managers.detokenizer import IncrementalDetokenizer, token_bytes
 from sglang.srt.managers.generate_request import (
     GenerateReqInput,
     InvalidRequestError,
@@ -52,6 +53,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 BASE_MODEL_ALIASES = ("default",)
+# Texts of at least this many characters are tokenised off the event loop (`off_loop`): ~1 ms of
+# tokenising, below which the thread hand-over costs more than it saves.
+OFF_LOOP_CHARS = 16384
 
 
 class TokenizerManager(TokenizerLoRAMixin):
@@ -87,7 +91,10 @@ class TokenizerManager(TokenizerLoRAMixin):
         # One adapter load/unload at a time, so that e.g. "unload X" (waiting for X's in-flight
         # requests) and a following "load X" reach the scheduler in the order they were asked.
         self._lora_update_lock: Optional[asyncio.Lock] = None
+        # Adapters whose unload waits for their requests: name -> done (a load of the name waits).
+        self._unloading: dict[str, asyncio.Future] = {}
         self._token_text_cache: dict[int, str] = {}
+        self._tokenizer_thread: Optional[ThreadPoolExecutor] = None  # off_loop's, made on first use
         # Called (on the loop) when the scheduler dies; the HTTP server uses it to shut down.
         self.on_fatal: Optional[Callable[[], None]] = None
         # generate() calls in progress; when it drops to 0 the idle-time integrity check runs.
@@ -165,7 +172,8 @@ class TokenizerManager(TokenizerLoRAMixin):
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
                             **template_kwargs: Any) -> str:
         if self.tokenizer is None:
-            raise InvalidRequestError("chat requests need a tokenizer; the server runs with --skip-tokenizer-init")
+            raise InvalidRequestError("chat requests need a tokenizer; the server runs with --skip-tokenizer-init",
+                                      param="messages")
         if not getattr(self.tokenizer, "chat_template", None):
             raise InvalidRequestError(
                 "this model's tokenizer has no chat template; use /v1/completions with a plain prompt",
@@ -196,6 +204,30 @@ class TokenizerManager(TokenizerLoRAMixin):
             logger.exception("Tokenizing a prompt of %d characters failed", len(text))
             raise RequestFailedError(f"internal error while tokenizing the prompt: {type(e).__name__}: {e}") from None
 
+    def check_token_ids(self, ids: list[int], param: str) -> None:
+        """A 400 naming the first id outside the vocabulary."""
+        vocab = self.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise InvalidRequestError(f"{param}: token id {bad} is outside the vocabulary [0, {vocab})",
+                                      param=param)
+
+    async def off_loop(self, fn: Callable[[], Any], chars: int) -> Any:
+        """`fn()` (tokenising `chars` characters of text), in the tokenizer's own thread when the
+        text is long: a multi-megabyte prompt takes seconds to tokenise, and on the event loop
+        every other request (and /health) would wait for it. Short texts run inline (cheaper than
+        the hand-over). One thread: the requests' tokenisations stay in arrival order."""
+        if chars < OFF_LOOP_CHARS:
+            return fn()
+        if self._tokenizer_thread is None:
+            self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenizer")
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, fn)
+
+    def token_bytes(self, token_id: int) -> list[int]:
+        """The raw bytes of one token (also of one that holds part of a UTF-8 character)."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id) if self.tokenizer is not None else None
+        return token_bytes(self.token_text(token_id), piece if isinstance(piece, str) else None)
+
     def token_text(self, token_id: int) -> str:
         text = self._token_text_cache.get(token_id)
         if text is None:
@@ -212,7 +244,8 @@ class TokenizerManager(TokenizerLoRAMixin):
         except ValueError as e:
             message = str(e)
             field = message.split(" ", 1)[0].split(".")[-1].strip(":")
-            raise InvalidRequestError(message, param=field if field in SamplingParams.__dataclass_fields__ else None) from None
+            param = field if field in SamplingParams.__dataclass_fields__ else "sampling_params"
+            raise InvalidRequestError(message, param=param) from None
         if not math.isfinite(params.temperature):
             raise InvalidRequestError(f"temperature must be a finite number >= 0, got {params.temperature!r}",
                                       param="temperature")
@@ -224,12 +257,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         n = len(input_ids)
         if n == 0:
             raise InvalidRequestError("the prompt is empty (it tokenises to no tokens)", param="prompt")
-        bad = [t for t in input_ids if not 0 <= t < self.vocab_size]
-        if bad:
-            raise InvalidRequestError(
-                f"input_ids contain token id {bad[0]} outside the vocabulary [0, {self.vocab_size})",
-                param="input_ids",
-            )
+        self.check_token_ids(input_ids, "input_ids")
         if n >= self.context_len:
             raise InvalidRequestError(
                 f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).",
@@ -250,13 +278,13 @@ class TokenizerManager(TokenizerLoRAMixin):
                     f"{n + params.max_new_tokens} tokens: {n} tokens from the input and "
                     f"{params.max_new_tokens} tokens for the completion. Please reduce the number of "
                     "tokens in the input or the completion.",
-                    param="max_tokens",
+                    param="max_new_tokens",
                 )
             params.max_new_tokens = limit - n  # the default budget shrinks to what fits
         if req.top_logprobs_num > self.config.max_top_logprobs:
             raise InvalidRequestError(
                 f"top_logprobs_num must be at most {self.config.max_top_logprobs}, got {req.top_logprobs_num}",
-                param="top_logprobs",
+                param="top_logprobs_num",
             )
         return input_ids, params
 
@@ -282,7 +310,9 @@ class TokenizerManager(TokenizerLoRAMixin):
 
     async def _generate(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Union[dict, list]]:
         reqs, is_batch = obj.normalize()
-        prepared = [self._prepare(r) for r in reqs]  # every prompt is valid before any is queued
+        # Every prompt is valid before any is queued.
+        chars = sum(len(r.text) for r in reqs if r.text is not None)
+        prepared = await self.off_loop(lambda: [self._prepare(r) for r in reqs], chars)
         for r in reqs:
             if r.rid in self.rid_to_state:
                 raise InvalidRequestError(f"a request with rid {r.rid!r} is already running", param="rid")
@@ -391,7 +421,11 @@ class TokenizerManager(TokenizerLoRAMixin):
         return self.integrity_log.record(problems, counts)
 
     def abort(self, rid: str) -> None:
-        self.client.send(AbortReq(rid=rid))
+        """Abort the request `rid`, and every request expanded from a call or prompt given that rid
+        (its `n` > 1 samples R-0, R-1, ..., a batch's prompts)."""
+        rids = [r for r, state in self.rid_to_state.items() if r == rid or state.req.group_rid == rid]
+        for r in rids or [rid]:
+            self.client.send(AbortReq(rid=r))
 
     def model_info(self) -> dict[str, Any]:
         return {

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, AsyncIterator, Optional
+from contextlib import contextmanager
+from typing import Any, AsyncIterator, Iterator, Optional
 
 from fastapi.responses import StreamingResponse
 
@@ -104,8 +105,47 @@ def stop_list(stop: Any) -> Optional[list[str]]:
     return [stop] if isinstance(stop, str) else list(stop)
 
 
+# Extensions that other engines (vLLM, SGLang) honour and that change the output. The request
+# models accept unknown fields (clients send many this server has no use for), so these would be
+# ignored silently without this list.
+UNSUPPORTED_EXTENSIONS = {
+    "min_tokens": "min_tokens is not supported",
+    "min_new_tokens": "min_new_tokens is not supported",
+    **{name: f"{name} is not supported: this server has no constrained decoding"
+       for name in ("regex", "json_schema", "ebnf", "structural_tag", "guided_json", "guided_regex",
+                    "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs")},
+}
+
+
+@contextmanager
+def openai_param_names(names: dict[str, str]) -> Iterator[None]:
+    """Errors raised by the shared request path name the native `/generate` fields
+    (`max_new_tokens`, `input_ids`); on an OpenAI route the `param` names the route's own field."""
+    try:
+        yield
+    except InvalidRequestError as e:
+        e.param = names.get(e.param, e.param) if e.param is not None else None
+        raise
+
+
 def reject_unsupported(request: Any) -> None:
     """Refuse, rather than silently ignore, options that would change the output."""
+    extra = getattr(request, "model_extra", None) or {}
+    for name, message in UNSUPPORTED_EXTENSIONS.items():
+        if extra.get(name) is not None:
+            raise InvalidRequestError(message, param=name)
+    response_format = getattr(request, "response_format", None) or extra.get("response_format")
+    if response_format is not None:
+        kind = response_format.get("type", "text") if isinstance(response_format, dict) else None
+        if kind != "text":
+            raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
+    options = getattr(request, "stream_options", None)
+    if options is not None:
+        if not request.stream:
+            raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
+        if options.continuous_usage_stats:
+            raise InvalidRequestError("stream_options.continuous_usage_stats is not supported",
+                                      param="stream_options")
     if getattr(request, "logit_bias", None):
         raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
     for name in ("presence_penalty", "frequency_penalty"):

@@ -24,6 +24,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 )
 from sglang.srt.entrypoints.openai.serving_base import (
     finish_reason,
+    openai_param_names,
     prime,
     reject_unsupported,
     sse,
@@ -35,6 +36,15 @@ from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 # OpenAI's roles ("developer" is its newer name for "system"); others are refused, not rendered.
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+# apply_chat_template's own arguments, which the server sets: not the template's variables.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "chat_template", "tools", "documents", "return_dict",
+    "return_tensors", "return_assistant_tokens_mask", "tokenizer_kwargs", "padding", "truncation", "max_length",
+    "continue_final_message",
+})
+# The native fields an error of the shared request path may name, as this route calls them.
+CHAT_PARAMS = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs", "input_ids": "messages",
+               "text": "messages", "prompt": "messages"}
 
 
 def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
@@ -45,6 +55,9 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                 f"messages[{i}].role must be one of {list(CHAT_ROLES)}, got {msg.role!r}", param=f"messages[{i}].role"
             )
         content = msg.content
+        if content is None and msg.role != "assistant":  # an assistant turn may carry only tool calls
+            raise InvalidRequestError(f"messages[{i}].content is required for role {msg.role!r}",
+                                      param=f"messages[{i}].content")
         if isinstance(content, list):
             texts = []
             for part in content:
@@ -70,12 +83,10 @@ class OpenAIServingChat:
     def _reported(self, cached: int) -> Optional[int]:
         return cached if self.tm.config.enable_cache_report else None
 
-    def _build(self, req: ChatCompletionRequest) -> GenerateReqInput:
+    async def _build(self, req: ChatCompletionRequest) -> GenerateReqInput:
         reject_unsupported(req)
         if req.tools:
             raise InvalidRequestError("tools / function calling is not supported", param="tools")
-        if req.response_format and req.response_format.get("type", "text") != "text":
-            raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
         if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.top_logprobs is not None and req.top_logprobs > self.tm.config.max_top_logprobs:
@@ -86,13 +97,19 @@ class OpenAIServingChat:
             raise InvalidRequestError("lora_path must be a string for a chat request", param="lora_path")
         adapter = self.tm.adapter_from_model(req.model, req.lora_path)
         kwargs = dict(req.chat_template_kwargs or {})
+        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}: the server sets them",
+                                      param="chat_template_kwargs")
+        # The request's own fields first; the template's kwargs may override add_generation_prompt.
+        kwargs = {"add_generation_prompt": not req.continue_final_message, **kwargs}
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
-        prompt = self.tm.apply_chat_template(
-            _message_dicts(req), add_generation_prompt=not req.continue_final_message, **kwargs
-        )
+        messages = _message_dicts(req)
+        chars = sum(len(m["content"]) for m in messages)
         # The template already holds any BOS token; do not add another.
-        input_ids = self.tm.encode(prompt, add_special_tokens=False)
+        input_ids = await self.tm.off_loop(
+            lambda: self.tm.encode(self.tm.apply_chat_template(messages, **kwargs), add_special_tokens=False), chars)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return GenerateReqInput(
             input_ids=input_ids,
@@ -114,18 +131,21 @@ class OpenAIServingChat:
         for k, (lp, tid, _) in enumerate(meta.get("output_token_logprobs", [])[start:], start=start):
             token = self.tm.token_text(tid)
             top_items = [
-                ChatLogprobTop(token=self.tm.token_text(t), logprob=l, bytes=list(self.tm.token_text(t).encode()))
+                ChatLogprobTop(token=self.tm.token_text(t), logprob=l, bytes=self.tm.token_bytes(t))
                 for l, t, _ in (tops[k] if k < len(tops) and req.top_logprobs else [])
             ]
-            items.append(ChatLogprobItem(token=token, logprob=lp, bytes=list(token.encode()), top_logprobs=top_items))
+            items.append(ChatLogprobItem(token=token, logprob=lp, bytes=self.tm.token_bytes(tid),
+                                         top_logprobs=top_items))
         return ChatLogprobs(content=items)
 
     async def handle(self, req: ChatCompletionRequest, raw_request: Any) -> Response:
-        obj = self._build(req)
-        if req.stream:
-            _, outs = await prime(self.tm.generate(obj, raw_request))
-            return streaming_response(self._stream(req, outs), source=outs)
-        result = await self.tm.generate_one(obj, raw_request)
+        with openai_param_names(CHAT_PARAMS):
+            obj = await self._build(req)
+            req.model = self.tm.response_model_name(req.model)  # what the replies name
+            if req.stream:
+                _, outs = await prime(self.tm.generate(obj, raw_request))
+                return streaming_response(self._stream(req, outs), source=outs)
+            result = await self.tm.generate_one(obj, raw_request)
         results = result if isinstance(result, list) else [result]
         choices = []
         for i, out in enumerate(results):

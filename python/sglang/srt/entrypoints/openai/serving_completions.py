@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, AsyncIterator, Optional
+from typing import Any, AsyncIterator, Callable, Optional
 
 from fastapi.responses import Response
 
@@ -19,6 +19,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 )
 from sglang.srt.entrypoints.openai.serving_base import (
     finish_reason,
+    openai_param_names,
     prime,
     reject_unsupported,
     sse,
@@ -26,6 +27,11 @@ from sglang.srt.entrypoints.openai.serving_base import (
 )
 from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+
+# The native fields an error of the shared request path may name, as this route calls them.
+COMPLETION_PARAMS = {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs", "input_ids": "prompt",
+                     "text": "prompt"}
 
 
 class OpenAIServingCompletion:
@@ -56,6 +62,8 @@ class OpenAIServingCompletion:
             ids = [list(prompt)]
         else:
             ids = [list(p) for p in prompt]
+        for p in ids or ():
+            self.tm.check_token_ids(p, "prompt")  # before decode() below reads them
         num_prompts = len(text if text is not None else ids)
         if isinstance(adapter, list) and len(adapter) != num_prompts:
             raise InvalidRequestError(
@@ -71,7 +79,9 @@ class OpenAIServingCompletion:
             top_logprobs_num=req.logprobs or 0,
             lora_path=adapter,
             stream=req.stream,
-            rid=req.rid if (req.rid and num_prompts == 1 and req.n == 1) else None,
+            # A batch's prompts become "<rid>-<i>" and n > 1 samples "<rid>-<j>": /abort_request
+            # with the rid aborts them all.
+            rid=req.rid or None,
             cache_salt=req.cache_salt,
         )
         if text is not None:
@@ -91,7 +101,7 @@ class OpenAIServingCompletion:
             out.text_offset.append(offset)
             offset += len(token)
             top = tops[k] if tops is not None and k < len(tops) else None
-            out.top_logprobs.append(None if top is None else {self.tm.token_text(t): l for l, t, _ in top})
+            out.top_logprobs.append(None if top is None else top_logprobs_entry(top, self.tm.token_text))
         return out
 
     def _choice_logprobs(self, req: CompletionRequest, out: dict, prompt_text: str, echo_part: bool,
@@ -111,11 +121,13 @@ class OpenAIServingCompletion:
 
     # ------------------------------------------------------------------ handlers
     async def handle(self, req: CompletionRequest, raw_request: Any) -> Response:
-        obj, prompt_texts, num_prompts = self._build(req)
-        if req.stream:
-            _, outs = await prime(self.tm.generate(obj, raw_request))
-            return streaming_response(self._stream(req, outs, prompt_texts), source=outs)
-        result = await self.tm.generate_one(obj, raw_request)
+        with openai_param_names(COMPLETION_PARAMS):
+            obj, prompt_texts, num_prompts = self._build(req)
+            req.model = self.tm.response_model_name(req.model)  # what the replies name
+            if req.stream:
+                _, outs = await prime(self.tm.generate(obj, raw_request))
+                return streaming_response(self._stream(req, outs, prompt_texts), source=outs)
+            result = await self.tm.generate_one(obj, raw_request)
         results = result if isinstance(result, list) else [result]
         choices = []
         for i, out in enumerate(results):
@@ -166,6 +178,16 @@ class OpenAIServingCompletion:
             results = [finals[i] for i in sorted(finals)]
             yield sse(CompletionChunk(id=rid, created=created, model=req.model, choices=[],
                                       usage=_usage(results, req.n, self.tm.config.enable_cache_report)))
+
+
+def top_logprobs_entry(top: list, token_text: Callable[[int], str]) -> dict[str, float]:
+    """One position's `top_logprobs` object ({token text: logprob}) from its (logprob, id, _)
+    entries, likeliest first. Tokens that decode to the same text (e.g. two pieces of UTF-8
+    characters, both U+FFFD alone) share a key: the likeliest keeps it."""
+    entry: dict[str, float] = {}
+    for lp, tid, _ in top:
+        entry.setdefault(token_text(tid), lp)
+    return entry
 
 
 def _usage(results: list[dict], n: int, report_cached: bool) -> UsageInfo:

@@ -1,0 +1,58 @@
+"""TokenizerManager's own machinery, on a real manager over a tiny checkpoint (its scheduler
+client is never started: nothing here reaches a scheduler)."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import pytest
+
+from server_helpers import tiny_checkpoint
+from sglang.srt.managers.generate_request import GenerateReqInput
+from sglang.srt.managers.scheduler_client import SchedulerClient
+from sglang.srt.managers.tokenizer_manager import OFF_LOOP_CHARS, TokenizerManager
+from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_configs import build_run_configs
+
+
+@pytest.fixture(scope="module")
+def tm() -> TokenizerManager:
+    configs = build_run_configs(ServerArgs(model_path=tiny_checkpoint("qwen3"), device="cpu"))
+    client = SchedulerClient(configs.scheduler, configs.tp)
+    return TokenizerManager(configs.tokenizer_manager, client,
+                            {"context_len": 256, "max_total_num_tokens": 512, "vocab_size": 512})
+
+
+def test_long_texts_are_tokenised_off_the_event_loop(tm) -> None:
+    """A long tokenisation must leave the loop free for other requests: here the work waits for
+    a coroutine of the loop, which can only run if the work is elsewhere (inline it would time
+    out and return False)."""
+    async def scenario() -> tuple[bool, str, str]:
+        freed = threading.Event()
+
+        async def other_request() -> None:
+            freed.set()
+
+        asyncio.get_running_loop().create_task(other_request())
+        ran_free = await tm.off_loop(lambda: freed.wait(20), chars=OFF_LOOP_CHARS)
+        long_thread = await tm.off_loop(lambda: threading.current_thread().name, chars=OFF_LOOP_CHARS)
+        short_thread = await tm.off_loop(lambda: threading.current_thread().name, chars=10)
+        return ran_free, long_thread, short_thread
+
+    ran_free, long_thread, short_thread = asyncio.run(scenario())
+    assert ran_free and long_thread.startswith("tokenizer") and short_thread == threading.main_thread().name
+
+
+def test_a_long_prompt_is_refused_with_a_400_and_its_tokens_counted(tm) -> None:
+    """Through the request path: a prompt beyond the context is tokenised (off the loop) and
+    refused with the count."""
+    from sglang.srt.managers.generate_request import InvalidRequestError
+
+    async def scenario() -> None:
+        obj = GenerateReqInput(text="hello world " * (OFF_LOOP_CHARS // 4), sampling_params={"max_new_tokens": 1})
+        async for _ in tm.generate(obj):
+            pass
+
+    with pytest.raises(InvalidRequestError, match="longer than the model's context length"):
+        asyncio.run(scenario())
