@@ -44,6 +44,8 @@ logger = logging.getLogger(__name__)
 # upstream SGLang and vLLM leave them open).
 PUBLIC_PATHS = ("/health", "/health_generate", "/metrics")
 HEALTH_GENERATE_TIMEOUT_S = 30.0
+# On SIGINT/SIGTERM, requests in flight get this long to finish before they end with a 503.
+SHUTDOWN_GRACE_S = 2.0
 
 
 async def _json_body(request: Request) -> Any:
@@ -292,15 +294,28 @@ def launch_server(server_args: ServerArgs) -> None:
     """Start the scheduler, then serve HTTP until SIGINT/SIGTERM; always reaps the scheduler."""
     import uvicorn
 
+    class Server(uvicorn.Server):
+        """uvicorn's server, which also tells the tokenizer manager that the server is stopping."""
+
+        signalled = False
+
+        def handle_exit(self, sig: int, frame: Any) -> None:
+            self.signalled = True
+            if tm.loop is not None:
+                tm.loop.call_soon_threadsafe(tm.begin_shutdown, SHUTDOWN_GRACE_S)
+            super().handle_exit(sig, frame)
+
     t0 = time.time()
     tm = launch_runtime(server_args)
+    signalled = False
     try:
         app = create_app(tm, server_args)
         config = uvicorn.Config(
             app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
-            timeout_keep_alive=5, timeout_graceful_shutdown=3, lifespan="on",
+            # Longer than the grace the requests get: every reply ends before uvicorn cancels it.
+            timeout_keep_alive=5, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 1.5, lifespan="on",
         )
-        server = uvicorn.Server(config)
+        server = Server(config)
 
         def on_scheduler_exit() -> None:
             server.should_exit = True  # nothing can be served any more; let a supervisor restart us
@@ -313,8 +328,13 @@ def launch_server(server_args: ServerArgs) -> None:
             signal.signal(sig, lambda *_: None)
         logger.info("Start-up took %.1f s; starting the HTTP server.", time.time() - t0)
         server.run()
+        signalled = server.signalled
     finally:
         tm.client.shutdown()
         logger.info("The scheduler has exited; bye.")
     if tm.dead_reason is not None:
+        if signalled:
+            # A stop signal to the whole process group reaches the scheduler too: a normal stop.
+            logger.info("The scheduler stopped on the same signal (%s).", tm.dead_reason)
+            return
         raise SystemExit(f"The server stopped because {tm.dead_reason}.")

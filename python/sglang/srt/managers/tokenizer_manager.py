@@ -97,6 +97,8 @@ class TokenizerManager(TokenizerLoRAMixin):
         self._tokenizer_thread: Optional[ThreadPoolExecutor] = None  # off_loop's, made on first use
         # Called (on the loop) when the scheduler dies; the HTTP server uses it to shut down.
         self.on_fatal: Optional[Callable[[], None]] = None
+        # Set when the server is stopping (SIGTERM): new requests get a 503 with it.
+        self.stopping_reason: Optional[str] = None
         # generate() calls in progress; when it drops to 0 the idle-time integrity check runs.
         self.num_active_requests = 0
         self.integrity_log = IntegrityLog(logger, "Tokenizer manager")
@@ -157,8 +159,29 @@ class TokenizerManager(TokenizerLoRAMixin):
                 fut.set_result(value)
                 return
 
+    def begin_shutdown(self, grace: float, reason: str = "the server is shutting down") -> None:
+        """The server is stopping (on the loop): new requests get a 503 at once, and requests still
+        running after `grace` seconds end with a 503 (an error event, then [DONE], on a stream), so
+        none is cut off mid-reply when the HTTP server stops."""
+        if self.stopping_reason is not None:
+            return
+        self.stopping_reason = reason
+        logger.info("Stopping: %d request(s) in flight get %.1f s to finish.", len(self.rid_to_state), grace)
+        asyncio.get_running_loop().call_later(grace, self.fail_in_flight, reason, 503)
+
+    def fail_in_flight(self, reason: str, status_code: int) -> None:
+        """End every unfinished request with an error, and tell the scheduler to drop them."""
+        for rid, state in list(self.rid_to_state.items()):
+            if not state.finished:
+                state.fail(reason, status_code)
+                if self.dead_reason is None:
+                    self.client.send(AbortReq(rid=rid))
+
     def _handle_scheduler_exit(self, reason: str) -> None:
         self.dead_reason = reason
+        if self.stopping_reason is not None:
+            # The scheduler got the stop signal too (a signal to the whole process group).
+            self.fail_in_flight(self.stopping_reason, 503)
         for state in list(self.rid_to_state.values()):
             if not state.finished:
                 state.fail(reason, 500)
@@ -295,6 +318,8 @@ class TokenizerManager(TokenizerLoRAMixin):
         waiting request notice that its client disconnected."""
         if self.dead_reason is not None:
             raise RuntimeError(self.dead_reason)
+        if self.stopping_reason is not None:
+            raise RequestFailedError(self.stopping_reason, 503)
         self.num_active_requests += 1
         inner = self._generate(obj, request)
         try:

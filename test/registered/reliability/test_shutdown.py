@@ -1,0 +1,89 @@
+"""Stopping a server under load (CPU, demo model): SIGTERM to the server, or to its whole process
+group (systemd's control-group stop, Ctrl-C in a terminal), while replies stream.
+
+Every reply in flight must end cleanly: a stream with its finish or an error event naming the
+shutdown, then `data: [DONE]` (never cut off mid-stream); a plain request a JSON body (its reply,
+or a 503 in the error envelope). The server exits with status 0 and leaves no process behind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+
+import pytest
+import requests
+
+from server_helpers import group_alive, kill_server, popen_launch_server, read_log, server_env
+
+LONG = {"max_new_tokens": 1900, "ignore_eos": True}
+
+
+def _stream(url: str, out: dict, k: int, started: threading.Event) -> None:
+    try:
+        r = requests.post(f"{url}/generate", json={"text": f"Stream {k} goes on", "stream": True,
+                                                   "sampling_params": LONG}, stream=True, timeout=60)
+        events = []
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data: "):
+                events.append(line[6:])
+                started.set()
+        out[k] = events
+    except Exception as e:  # noqa: BLE001 - checked below
+        out[k] = e
+
+
+def _plain(url: str, out: dict) -> None:
+    try:
+        out["plain"] = requests.post(f"{url}/generate", json={"text": "Plain goes on", "sampling_params": LONG},
+                                     timeout=60)
+    except Exception as e:  # noqa: BLE001 - checked below
+        out["plain"] = e
+
+
+@pytest.mark.parametrize("whole_group", [False, True], ids=["server", "process-group"])
+def test_sigterm_under_load_ends_every_reply_cleanly(whole_group: bool) -> None:
+    proc, url = popen_launch_server("demo", ["--device", "cpu"], env=server_env())
+    try:
+        out: dict = {}
+        started = threading.Event()
+        threads = [threading.Thread(target=_stream, args=(url, out, k, started)) for k in range(3)]
+        threads.append(threading.Thread(target=_plain, args=(url, out)))
+        for t in threads:
+            t.start()
+        assert started.wait(60), "no stream started"
+        time.sleep(0.5)
+        if whole_group:
+            os.killpg(proc.pid, signal.SIGTERM)
+        else:
+            proc.send_signal(signal.SIGTERM)
+        code = proc.wait(30)
+        for t in threads:
+            t.join(30)
+        log = read_log(proc)
+        assert code == 0, log[-3000:]
+        deadline = time.monotonic() + 10
+        while group_alive(proc) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(proc), "a process of the server outlived it"
+        for k in range(3):
+            events = out[k]
+            assert isinstance(events, list), f"stream {k} broke: {events!r}"
+            assert events and events[-1] == "[DONE]", f"stream {k} was cut off: {events[-2:]}"
+            last = json.loads(events[-2])
+            if "error" in last:
+                # The server's own 503, or (the signal reached the scheduler first) its exit.
+                message = last["error"]["message"]
+                assert last["error"]["code"] in (500, 503) and ("shutting down" in message or "scheduler" in message), last
+            else:
+                assert last["meta_info"]["finish_reason"] is not None, last
+        plain = out["plain"]
+        assert isinstance(plain, requests.Response), f"the plain request broke: {plain!r}"
+        body = plain.json()  # JSON either way
+        assert plain.status_code == 200 or (plain.status_code in (500, 503) and "error" in body), plain.text
+        assert "Exception in ASGI application" not in log, log[-3000:]
+    finally:
+        kill_server(proc)
