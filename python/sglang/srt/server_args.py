@@ -316,6 +316,11 @@ class ServerArgs:
 
     def resolved_attention_backend(self) -> str:
         if self.attention_backend is not None:
+            if (self.attention_backend == "triton" and self.resolved_device() == "cpu"
+                    and os.environ.get("TRITON_INTERPRET") != "1"):
+                # It would start, then fail every request (Triton has no CPU driver).
+                raise ValueError("--attention-backend triton needs a CUDA device, or TRITON_INTERPRET=1 on a CPU; "
+                                 "use --attention-backend torch_native")
             return self.attention_backend
         return "triton" if self.resolved_device() == "cuda" else "torch_native"
 

@@ -48,14 +48,21 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
     g.add_argument("--tokenizer-path", default=None, help="Defaults to --model-path.")
     g.add_argument("--load-format", default=default("load_format"), choices=LOAD_FORMATS,
                    help="'dummy' builds random weights from config.json alone.")
-    g.add_argument("--dtype", default=default("dtype"), choices=DTYPES)
-    g.add_argument("--context-length", type=int, default=None)
-    g.add_argument("--device", default=default("device"), choices=DEVICES)
-    g.add_argument("--random-seed", type=int, default=default("random_seed"))
-    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default=default("dtype"), choices=DTYPES,
+                   help="Weight and activation dtype; auto: the checkpoint's (float32 on a CPU for float16).")
+    g.add_argument("--context-length", type=int, default=None,
+                   help="Longest prompt + output in tokens. Default: the model's max_position_embeddings; "
+                        "more needs SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1.")
+    g.add_argument("--device", default=default("device"), choices=DEVICES,
+                   help="auto: cuda when a CUDA device is available, else cpu.")
+    g.add_argument("--random-seed", type=int, default=default("random_seed"),
+                   help="Seed of the sampling of requests that give none (and of dummy weights).")
+    g.add_argument("--served-model-name", default=None,
+                   help="The model name the OpenAI API reports and accepts (no ':'). Default: --model-path.")
     g.add_argument("--skip-tokenizer-init", action="store_true",
                    help="Accept and return token ids only.")
-    g.add_argument("--trust-remote-code", action="store_true")
+    g.add_argument("--trust-remote-code", action="store_true",
+                   help="Let the tokenizer run code shipped with the checkpoint.")
     g.add_argument("--chat-template", default=None,
                    help="Chat template for /v1/chat/completions: a Jinja file, or a built-in name "
                         "(chatml, llama-3-instruct, mistral). Default: the tokenizer's own.")
@@ -64,8 +71,10 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
     g.add_argument("--mem-fraction-static", type=float, default=default("mem_fraction_static"),
                    help="Fraction of GPU memory for weights + KV cache.")
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens.")
-    g.add_argument("--max-running-requests", type=int, default=None)
-    g.add_argument("--max-prefill-tokens", type=int, default=default("max_prefill_tokens"))
+    g.add_argument("--max-running-requests", type=int, default=None,
+                   help="Most requests decoding at once. Default: from the KV cache size.")
+    g.add_argument("--max-prefill-tokens", type=int, default=default("max_prefill_tokens"),
+                   help="Most new prompt tokens one prefill batch takes.")
     g.add_argument("--chunked-prefill-size", type=int, default=default("chunked_prefill_size"),
                    help="Split prompts longer than this into chunks; -1 turns chunking off.")
     g.add_argument("--disable-radix-cache", action="store_true",
@@ -76,7 +85,8 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                         "fcfs when the queue is long or the cache is off).")
     g.add_argument("--page-size", type=int, default=default("page_size"),
                    help="KV cache tokens per page; only 1 is supported (the pool allocates per token).")
-    g.add_argument("--decode-log-interval", type=int, default=default("decode_log_interval"))
+    g.add_argument("--decode-log-interval", type=int, default=default("decode_log_interval"),
+                   help="Log a decode batch line every this many decode steps.")
     g.add_argument("--enable-overlap-schedule", action="store_true", default=None,
                    help="Launch each decode step before the previous step's tokens reach the host, so the "
                         "scheduler's work between steps overlaps the GPU (one token of wasted work per "
@@ -118,8 +128,10 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
     g.add_argument("--max-loaded-loras", type=int, default=None,
                    help="Adapters kept in host memory (default unlimited).")
     g.add_argument("--lora-eviction-policy", default=default("lora_eviction_policy"),
-                   choices=LORA_EVICTION_POLICIES)
-    g.add_argument("--lora-backend", default=default("lora_backend"), choices=LORA_BACKENDS)
+                   choices=LORA_EVICTION_POLICIES,
+                   help="Which resident adapter leaves a GPU slot first when a new one needs it.")
+    g.add_argument("--lora-backend", default=default("lora_backend"), choices=LORA_BACKENDS,
+                   help="The LoRA kernels; csgmv and triton need a GPU (or TRITON_INTERPRET=1), else torch_native.")
     g.add_argument("--max-lora-chunk-size", type=int, default=default("max_lora_chunk_size"),
                    choices=LORA_CHUNK_SIZES, help="csgmv only.")
     g.add_argument("--lora-fold", default=default("lora_fold"), choices=LORA_FOLD_MODES,
@@ -139,9 +151,12 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
     g.add_argument("--cuda-graph-config", default=None,
                    help='JSON, e.g. {"prefill": {"backend": "breakable", "max_bs": 1024}}.')
     g.add_argument("--cuda-graph-backend-prefill", default=None,
-                   choices=[b.value for b in PREFILL_BACKENDS])
+                   choices=[b.value for b in PREFILL_BACKENDS],
+                   help="How prefills are captured: breakable (attention eager between segments), full, "
+                        "tc_piecewise (base models), disabled.")
     g.add_argument("--cuda-graph-backend-decode", default=None,
-                   choices=[b.value for b in DECODE_BACKENDS])
+                   choices=[b.value for b in DECODE_BACKENDS],
+                   help="How decode steps are captured: full, breakable, disabled.")
     g.add_argument("--cuda-graph-max-bs-prefill", type=int, default=None,
                    help="Largest prefill capture bucket, in tokens.")
     g.add_argument("--cuda-graph-max-bs-decode", type=int, default=None,
@@ -150,15 +165,15 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                    help="Explicit prefill buckets (tokens).")
     g.add_argument("--cuda-graph-bs-decode", type=int, nargs="+", default=None,
                    help="Explicit decode buckets (batch sizes).")
-    g.add_argument("--disable-prefill-cuda-graph", action="store_true")
-    g.add_argument("--disable-decode-cuda-graph", action="store_true")
+    g.add_argument("--disable-prefill-cuda-graph", action="store_true", help="Prefills run eagerly.")
+    g.add_argument("--disable-decode-cuda-graph", action="store_true", help="Decode steps run eagerly.")
     g.add_argument("--disable-cuda-graph", action="store_true", help="Both phases.")
 
     g = parser.add_argument_group("HTTP server")
-    g.add_argument("--host", default=default("host"))
-    g.add_argument("--port", type=int, default=default("port"))
+    g.add_argument("--host", default=default("host"), help="Address the HTTP server listens on.")
+    g.add_argument("--port", type=int, default=default("port"), help="Port the HTTP server listens on.")
     g.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer <key>'.")
-    g.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS)
+    g.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS, help="Logging level.")
     g.add_argument("--log-requests", action="store_true",
                    help="Log one line per finished request: id, adapter, token counts, finish reason, latency.")
     g.add_argument("--log-requests-level", type=int, default=default("log_requests_level"),
@@ -166,9 +181,10 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                    help="With --log-requests: 0 metadata and counts, 1 also sampling parameters, 2 also "
                         "the first and last 64 characters of the prompt and output.")
     g.add_argument("--enable-metrics", action="store_true",
-                   help="Serve Prometheus metrics at /metrics (SGLang's sglang: names; behind --api-key).")
+                   help="Serve Prometheus metrics at /metrics (SGLang's sglang: names; open without --api-key, as upstream).")
     g.add_argument("--enable-cache-report", action="store_true",
                    help="Report usage.prompt_tokens_details.cached_tokens on the OpenAI routes "
                         "(/generate always reports meta_info.cached_tokens).")
-    g.add_argument("--max-top-logprobs", type=int, default=default("max_top_logprobs"))
+    g.add_argument("--max-top-logprobs", type=int, default=default("max_top_logprobs"),
+                   help="Largest logprobs / top_logprobs / top_logprobs_num a request may ask for.")
     g.add_argument("--enable-test-hooks", action="store_true", help=argparse.SUPPRESS)

@@ -42,6 +42,17 @@ BUILTIN_CHAT_TEMPLATES: dict[str, str] = {
 }
 
 
+def _check_syntax(name: str, text: str) -> None:
+    """A template that does not parse is the server's misconfiguration: refuse it at start, not
+    with a 400 on every chat request."""
+    import jinja2
+
+    try:
+        jinja2.Environment(extensions=["jinja2.ext.loopcontrols"]).parse(text)
+    except jinja2.TemplateSyntaxError as e:
+        raise ValueError(f"--chat-template file {name!r}: line {e.lineno}: {e.message}") from None
+
+
 def resolve_chat_template(value: Optional[str]) -> Optional[str]:
     """The template text of `--chat-template` (None: keep the tokenizer's); ValueError if it names
     neither a readable file nor a built-in."""
@@ -54,6 +65,7 @@ def resolve_chat_template(value: Optional[str]) -> Optional[str]:
             text = f.read()
         if not text.strip():
             raise ValueError(f"--chat-template file {value!r} is empty")
+        _check_syntax(value, text)
         return text
     raise ValueError(
         f"--chat-template {value!r} is neither a file nor a built-in template; built-ins: "

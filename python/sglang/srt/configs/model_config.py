@@ -208,6 +208,13 @@ class ModelConfig:
                     "sliding-window attention is not supported"
                 )
             if context_length > max_pos:
+                # As upstream SGLang: a context past what the model was trained for is refused
+                # unless asked for (it also sizes the rotary tables and the request rows).
+                if os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN") != "1":
+                    raise ValueError(
+                        f"--context-length {context_length} exceeds the model's max_position_embeddings "
+                        f"({max_pos}); set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to allow it"
+                    )
                 logger.warning(
                     "--context-length %d exceeds max_position_embeddings %d; quality may degrade.",
                     context_length,

@@ -37,11 +37,11 @@ def load_tokenizer(spec: TokenizerSpec) -> Any:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(spec.path, trust_remote_code=spec.trust_remote_code)
-    except Exception as e:  # a missing or broken tokenizer: say where we looked
-        raise RuntimeError(
-            f"could not load a tokenizer from {spec.path!r} ({e}). Pass --tokenizer-path, or "
-            "--skip-tokenizer-init to serve token ids only."
-        ) from e
+    except Exception as e:  # a missing or broken tokenizer: a configuration to fix, say where we looked
+        raise ValueError(
+            f"could not load a tokenizer from {spec.path!r} ({type(e).__name__}: {e}). Point --tokenizer-path "
+            "at a tokenizer, or pass --skip-tokenizer-init to serve token ids only."
+        ) from None
     template = resolve_chat_template(spec.chat_template)
     if template is not None:
         tokenizer.chat_template = template

@@ -12,6 +12,7 @@ import hmac
 import json
 import logging
 import signal
+import socket
 import time
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator, Optional
@@ -290,10 +291,26 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     return app
 
 
+def check_address(host: str, port: int) -> None:
+    """Fail before anything loads (minutes with a real model) if uvicorn could not listen on
+    host:port: a host that does not resolve, or a port another process holds."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host!r} does not resolve: {e.strerror}") from None
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as e:
+            raise ValueError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
+
+
 def launch_server(server_args: ServerArgs) -> None:
     """Start the scheduler, then serve HTTP until SIGINT/SIGTERM; always reaps the scheduler."""
     import uvicorn
 
+    check_address(server_args.host, server_args.port)
     class Server(uvicorn.Server):
         """uvicorn's server, which also tells the tokenizer manager that the server is stopping."""
 

@@ -71,6 +71,8 @@ class ModelRunner:
         self.device = torch.device(f"cuda:{gpu_id}" if config.device == "cuda" else config.device)
         self.clock = ForwardClock(os.environ.get("SGLANG_FORWARD_TIMES", "0") == "1", self.device)
         if self.device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda: no CUDA device is available on this machine (use --device cpu)")
             torch.cuda.set_device(self.device)
             if config.deterministic:
                 # Reduced-precision split-K reductions let a GEMM's result depend on its M (the

@@ -113,8 +113,11 @@ def safetensors_weights_iterator(files: list[str], progress: bool = True) -> Ite
     holds at most the slice a weight loader reads."""
     total = 0
     for path in files:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            total += len(list(f.keys()))
+        try:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                total += len(list(f.keys()))
+        except Exception as e:  # safetensors' own error type: a truncated or corrupt file
+            raise ValueError(f"cannot read the checkpoint file {path!r}: {e} (truncated or corrupt?)") from None
     with tqdm(total=total, desc="Loading safetensors", unit="tensor", disable=not progress, mininterval=1.0) as bar:
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:

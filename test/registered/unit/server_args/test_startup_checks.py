@@ -1,0 +1,76 @@
+"""Start-up mistakes caught before (or instead of) a long load, each a ValueError that the launcher
+prints as one line (exit status 2) rather than a traceback or a server that fails every request."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+
+import pytest
+
+from server_helpers import tiny_checkpoint
+from sglang.srt.configs.chat_templates import resolve_chat_template
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.configs.tokenizer import TokenizerSpec, load_tokenizer
+from sglang.srt.entrypoints.http_server import check_address
+from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+from sglang.srt.server_args import ServerArgs
+
+
+def test_a_context_past_the_models_needs_the_upstream_opt_in(monkeypatch) -> None:
+    path = tiny_checkpoint("qwen3")
+    max_pos = ModelConfig.from_pretrained(path).context_len
+    monkeypatch.delenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", raising=False)
+    with pytest.raises(ValueError, match="SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1"):
+        ModelConfig.from_pretrained(path, context_length=max_pos * 2)
+    assert ModelConfig.from_pretrained(path, context_length=max_pos // 2).context_len == max_pos // 2
+    monkeypatch.setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
+    assert ModelConfig.from_pretrained(path, context_length=max_pos * 2).context_len == max_pos * 2
+
+
+def test_triton_attention_on_a_cpu_needs_the_interpreter(monkeypatch) -> None:
+    args = ServerArgs(model_path=tiny_checkpoint("qwen3"), device="cpu", attention_backend="triton")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--attention-backend triton needs a CUDA device"):
+        args.resolved_attention_backend()
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert args.resolved_attention_backend() == "triton"
+
+
+def test_a_busy_port_or_an_unknown_host_is_refused_before_loading() -> None:
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        with pytest.raises(ValueError, match=f"cannot listen on --host 127.0.0.1 --port {port}"):
+            check_address("127.0.0.1", port)
+    check_address("127.0.0.1", port)  # free again
+    with pytest.raises(ValueError, match="--host 'no-such-host.invalid' does not resolve"):
+        check_address("no-such-host.invalid", 30000)
+
+
+def test_a_chat_template_that_does_not_parse_is_refused(tmp_path) -> None:
+    bad = tmp_path / "bad.jinja"
+    bad.write_text("{% for m in messages %}{{ m.content }}{% endfor %}\n{{ oops }")
+    with pytest.raises(ValueError, match="line 2"):
+        resolve_chat_template(str(bad))
+    good = tmp_path / "good.jinja"
+    good.write_text("{% for m in messages %}{% if loop.first %}{% continue %}{% endif %}{{ m.content }}{% endfor %}")
+    assert "messages" in resolve_chat_template(str(good))
+
+
+def test_a_missing_tokenizer_is_a_configuration_error(tmp_path) -> None:
+    with pytest.raises(ValueError, match="could not load a tokenizer from .*--tokenizer-path"):
+        load_tokenizer(TokenizerSpec(str(tmp_path / "nowhere")))
+
+
+def test_a_truncated_checkpoint_names_its_file(tmp_path) -> None:
+    src = tiny_checkpoint("qwen3")
+    (weights,) = [f for f in os.listdir(src) if f.endswith(".safetensors")]
+    broken = tmp_path / weights
+    shutil.copy(os.path.join(src, weights), broken)
+    with open(broken, "r+b") as f:
+        f.truncate(100)
+    with pytest.raises(ValueError, match=f"cannot read the checkpoint file .*{weights}.*truncated or corrupt"):
+        list(safetensors_weights_iterator([str(broken)], progress=False))
