@@ -56,6 +56,8 @@ BASE_MODEL_ALIASES = ("default",)
 # Texts of at least this many characters are tokenised off the event loop (`off_loop`): ~1 ms of
 # tokenising, below which the thread hand-over costs more than it saves.
 OFF_LOOP_CHARS = 16384
+# Abandoned requests awaiting the scheduler's last news; past this many the oldest is counted as is.
+MAX_ABANDONED = 4096
 
 
 class TokenizerManager(TokenizerLoRAMixin):
@@ -94,6 +96,8 @@ class TokenizerManager(TokenizerLoRAMixin):
         # Adapters whose unload waits for their requests: name -> done (a load of the name waits).
         self._unloading: dict[str, asyncio.Future] = {}
         self._token_text_cache: dict[int, str] = {}
+        # Requests whose client went away, until the scheduler's news of their end (metrics, logs).
+        self._abandoned: dict[str, ReqState] = {}
         self._tokenizer_thread: Optional[ThreadPoolExecutor] = None  # off_loop's, made on first use
         # Called (on the loop) when the scheduler dies; the HTTP server uses it to shut down.
         self.on_fatal: Optional[Callable[[], None]] = None
@@ -126,6 +130,9 @@ class TokenizerManager(TokenizerLoRAMixin):
         if isinstance(msg, BatchTokenIDOut):
             for i, rid in enumerate(msg.rids):
                 state = self.rid_to_state.get(rid)
+                if state is None and rid in self._abandoned:
+                    self._late_news(rid, msg, i)
+                    continue
                 # A state failed here (below) may still get the scheduler's news of its abort:
                 # the client must see the failure, not a plain abort.
                 if state is None or state.finished:
@@ -159,6 +166,22 @@ class TokenizerManager(TokenizerLoRAMixin):
                 fut.set_result(value)
                 return
 
+    def _late_news(self, rid: str, msg: BatchTokenIDOut, i: int) -> None:
+        """News of a request whose client went away: its token counts (a non-streaming request's
+        tokens were never sent before it ended), and once it has ended there, its account."""
+        state = self._abandoned[rid]
+        state.completion_tokens = msg.completion_tokens[i]
+        state.cached_tokens = msg.cached_tokens[i]
+        if msg.finished_reasons[i] is not None:
+            self._account(self._abandoned.pop(rid))
+
+    def _account(self, state: ReqState) -> None:
+        """Every request's life ends here (finished, failed or abandoned): counted and logged once."""
+        if self.metrics is not None:
+            self.metrics.on_finished(state, time.time())
+        if self.config.log_requests:
+            logger.info(request_log_line(state, self.config.log_requests_level))
+
     def begin_shutdown(self, grace: float, reason: str = "the server is shutting down") -> None:
         """The server is stopping (on the loop): new requests get a 503 at once, and requests still
         running after `grace` seconds end with a 503 (an error event, then [DONE], on a stream), so
@@ -179,6 +202,8 @@ class TokenizerManager(TokenizerLoRAMixin):
 
     def _handle_scheduler_exit(self, reason: str) -> None:
         self.dead_reason = reason
+        for rid in list(self._abandoned):  # no more news will come: count them as they stand
+            self._account(self._abandoned.pop(rid))
         if self.stopping_reason is not None:
             # The scheduler got the stop signal too (a signal to the whole process group).
             self.fail_in_flight(self.stopping_reason, 503)
@@ -369,11 +394,13 @@ class TokenizerManager(TokenizerLoRAMixin):
                     # The caller went away (disconnect, cancellation): free its KV at once.
                     self.client.send(AbortReq(rid=state.req.rid))
                     state.fail("the client went away", 499)
-                # Every request's life ends here (finished, failed or abandoned): counted once.
-                if self.metrics is not None:
-                    self.metrics.on_finished(state, time.time())
-                if self.config.log_requests:
-                    logger.info(request_log_line(state, self.config.log_requests_level))
+                    if (self.metrics is not None or self.config.log_requests) and self.dead_reason is None:
+                        # Counted when the scheduler's news of its end arrives (with its tokens).
+                        self._abandoned[state.req.rid] = state
+                        if len(self._abandoned) > MAX_ABANDONED:
+                            self._account(self._abandoned.pop(next(iter(self._abandoned))))
+                        continue
+                self._account(state)
             await self.release_adapters(lora_ids)
 
     async def generate_one(self, obj: GenerateReqInput, request: Any = None) -> Union[dict, list]:
