@@ -225,6 +225,8 @@ class ServerArgs:
             positive("--chunked-prefill-size (or -1 to turn chunking off)", self.chunked_prefill_size, False)
         if not (0 < self.port < 65536):
             raise ValueError(f"--port must be in 1..65535, got {self.port!r}")
+        if self.served_model_name is not None and not self.served_model_name.strip():
+            raise ValueError("--served-model-name must not be empty")
         if self.served_model_name is not None and ":" in self.served_model_name:
             raise ValueError(
                 "--served-model-name must not contain ':' (requests use 'model=<base>:<adapter>'), "

@@ -121,7 +121,14 @@ def resolve_cuda_graph_flags(
     locked: set[tuple[str, str]] = set()
 
     def put(phase: Phase, key: str, value: Any) -> None:
-        setattr(cfg.phase(phase), key, Backend(value) if key == "backend" else value)
+        if key == "backend":
+            try:
+                value = Backend(value)
+            except ValueError:
+                raise ValueError(f"CUDA graph backend of the {phase.value} phase (--cuda-graph-config / "
+                                 f"--cuda-graph-backend-{phase.value}): {value!r} is not one of "
+                                 f"{[b.value for b in Backend]}") from None
+        setattr(cfg.phase(phase), key, value)
         locked.add((phase.value, key))
 
     for phase in (Phase.DECODE, Phase.PREFILL):

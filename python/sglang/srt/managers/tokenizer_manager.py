@@ -307,8 +307,9 @@ class TokenizerManager(TokenizerLoRAMixin):
             raise InvalidRequestError("the prompt is empty (it tokenises to no tokens)", param="prompt")
         self.check_token_ids(input_ids, "input_ids")
         if n >= self.context_len:
+            what = "is longer than" if n > self.context_len else "fills, leaving no room for output,"
             raise InvalidRequestError(
-                f"The input ({n} tokens) is longer than the model's context length ({self.context_len} tokens).",
+                f"The input ({n} tokens) {what} the model's context length ({self.context_len} tokens).",
                 param="prompt",
             )
         limit, what = self.context_len, "the model's maximum context length"

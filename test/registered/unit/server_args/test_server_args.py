@@ -175,6 +175,8 @@ class TestValidation(unittest.TestCase):
             (dict(chunked_prefill_size=0), "--chunked-prefill-size"),
             (dict(port=70000), "--port"),
             (dict(served_model_name="a:b"), "--served-model-name"),
+            (dict(served_model_name=" "), "--served-model-name must not be empty"),
+            (dict(cuda_graph_config='{"prefill": {"backend": "nonsense"}}'), "--cuda-graph-config"),
             (dict(max_loras_per_batch=0), "--max-loras-per-batch"),
             (dict(enable_lora=True, max_lora_rank=0, lora_target_modules=["all"]), "--max-lora-rank"),
             (dict(enable_lora=True), "--max-lora-rank and --lora-target-modules"),
