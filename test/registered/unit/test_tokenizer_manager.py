@@ -56,3 +56,33 @@ def test_a_long_prompt_is_refused_with_a_400_and_its_tokens_counted(tm) -> None:
 
     with pytest.raises(InvalidRequestError, match="longer than the model's context length"):
         asyncio.run(scenario())
+
+
+def test_the_rid_of_a_request_whose_client_left_stays_taken_until_the_scheduler_ends_it(tm) -> None:
+    """The client goes away: the manager sends the abort, but the scheduler still holds the rid
+    until its news of the end arrives. A new request with that rid meanwhile would be dropped there
+    as a duplicate (and wait forever), so it is refused; after the news it is accepted."""
+    from sglang.srt.managers.generate_request import InvalidRequestError
+    from sglang.srt.managers.io_struct import BatchTokenIDOut
+
+    def request() -> GenerateReqInput:
+        return GenerateReqInput(input_ids=[5, 6, 7], rid="reused", sampling_params={"max_new_tokens": 4})
+
+    async def scenario() -> None:
+        gen = tm.generate(request())
+        waiting = asyncio.ensure_future(gen.__anext__())  # queued; no scheduler ever answers
+        await asyncio.sleep(0.05)
+        waiting.cancel()  # the client goes away
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await gen.aclose()
+        assert "reused" in tm._abandoned and "reused" not in tm.rid_to_state
+        with pytest.raises(InvalidRequestError, match="already running"):
+            async for _ in tm.generate(request()):
+                pass
+        tm._handle_message(BatchTokenIDOut(
+            rids=["reused"], finished_reasons=[{"type": "abort", "message": "aborted"}], output_ids=[[9, 9]],
+            prompt_tokens=[3], completion_tokens=[2], cached_tokens=[0]))
+        assert "reused" not in tm._abandoned
+
+    asyncio.run(scenario())

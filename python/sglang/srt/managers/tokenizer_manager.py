@@ -96,7 +96,8 @@ class TokenizerManager(TokenizerLoRAMixin):
         # Adapters whose unload waits for their requests: name -> done (a load of the name waits).
         self._unloading: dict[str, asyncio.Future] = {}
         self._token_text_cache: dict[int, str] = {}
-        # Requests whose client went away, until the scheduler's news of their end (metrics, logs).
+        # Requests whose client went away, until the scheduler's news of their end: their rids are
+        # still the scheduler's, and their tokens are counted then (metrics, request logs).
         self._abandoned: dict[str, ReqState] = {}
         self._tokenizer_thread: Optional[ThreadPoolExecutor] = None  # off_loop's, made on first use
         # Called (on the loop) when the scheduler dies; the HTTP server uses it to shut down.
@@ -365,7 +366,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         chars = sum(len(r.text) for r in reqs if r.text is not None)
         prepared = await self.off_loop(lambda: [self._prepare(r) for r in reqs], chars)
         for r in reqs:
-            if r.rid in self.rid_to_state:
+            if r.rid in self.rid_to_state or r.rid in self._abandoned:
                 raise InvalidRequestError(f"a request with rid {r.rid!r} is already running", param="rid")
         lora_ids = await self.acquire_adapters([r.lora_name for r in reqs])
         event = asyncio.Event()
@@ -395,8 +396,9 @@ class TokenizerManager(TokenizerLoRAMixin):
                     # The caller went away (disconnect, cancellation): free its KV at once.
                     self.client.send(AbortReq(rid=state.req.rid))
                     state.fail("the client went away", 499)
-                    if (self.metrics is not None or self.config.log_requests) and self.dead_reason is None:
-                        # Counted when the scheduler's news of its end arrives (with its tokens).
+                    if self.dead_reason is None:
+                        # Counted when the scheduler's news of its end arrives (with its tokens);
+                        # until then its rid is still taken there.
                         self._abandoned[state.req.rid] = state
                         if len(self._abandoned) > MAX_ABANDONED:
                             self._account(self._abandoned.pop(next(iter(self._abandoned))))
