@@ -311,6 +311,7 @@ def launch_server(server_args: ServerArgs) -> None:
     import uvicorn
 
     check_address(server_args.host, server_args.port)
+
     class Server(uvicorn.Server):
         """uvicorn's server, which also tells the tokenizer manager that the server is stopping."""
 
