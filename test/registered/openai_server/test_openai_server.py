@@ -116,6 +116,12 @@ def test_echo_with_prompt_logprobs(client) -> None:
     r0 = client.completions.create(model="demo", prompt=prompt, max_tokens=0, echo=True, logprobs=0)
     assert r0.choices[0].text == prompt and r0.usage.completion_tokens == 0
     assert r0.choices[0].logprobs.token_logprobs[1:] == pytest.approx(lp.token_logprobs[1: r0.usage.prompt_tokens], abs=1e-4)
+    # A token-id prompt echoes its decoded text (decoded only where echo or logprobs read it).
+    ids = [12, 40, 77, 101, 5]
+    by_ids = client.completions.create(model="demo", prompt=ids, max_tokens=2, temperature=0, echo=True)
+    plain = client.completions.create(model="demo", prompt=ids, max_tokens=2, temperature=0)
+    assert by_ids.choices[0].text.endswith(plain.choices[0].text)
+    assert len(by_ids.choices[0].text) > len(plain.choices[0].text)
 
 
 def test_chat_logprobs(client) -> None:

@@ -63,7 +63,7 @@ class OpenAIServingCompletion:
         else:
             ids = [list(p) for p in prompt]
         for p in ids or ():
-            self.tm.check_token_ids(p, "prompt")  # before decode() below reads them
+            self.tm.check_token_ids(p, "prompt")  # named as this route calls it, and before decode() below
         num_prompts = len(text if text is not None else ids)
         if isinstance(adapter, list) and len(adapter) != num_prompts:
             raise InvalidRequestError(
@@ -86,8 +86,11 @@ class OpenAIServingCompletion:
         )
         if text is not None:
             prompt_texts = text
+        elif (req.echo or want_lp) and self.tm.tokenizer is not None:
+            # Token-id prompts are decoded only for what reads their text (echo, logprobs' offsets).
+            prompt_texts = [self.tm.tokenizer.decode(p) for p in ids]
         else:
-            prompt_texts = [self.tm.tokenizer.decode(p) if self.tm.tokenizer is not None else "" for p in ids]
+            prompt_texts = [""] * num_prompts
         return obj, prompt_texts, num_prompts
 
     # ------------------------------------------------------------------ logprobs
