@@ -154,6 +154,7 @@ class ServerArgs:
         if not isinstance(self.cuda_graph_config, CudaGraphConfig):
             self._cuda_graph_config_input = self.cuda_graph_config
         self._handle_cuda_graph_config()
+        self._warn_flags_without_effect()
 
     # ------------------------------------------------------------------ validation
     def _normalize_lora_args(self) -> None:
@@ -211,9 +212,11 @@ class ServerArgs:
                 "token per page; use --page-size 1 (the default)"
             )
         choice("--log-requests-level", self.log_requests_level, LOG_REQUESTS_LEVELS)
-        if not (0.0 < self.mem_fraction_static < 1.0):
+        # 1 is allowed (vLLM's gpu_memory_utilization takes it too): the activation reserve is
+        # kept out of the KV cache apart from this fraction.
+        if isinstance(self.mem_fraction_static, bool) or not (0.0 < self.mem_fraction_static <= 1.0):
             raise ValueError(
-                f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static!r}"
+                f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static!r}"
             )
         positive("--context-length", self.context_length)
         positive("--max-total-tokens", self.max_total_tokens)
@@ -336,6 +339,28 @@ class ServerArgs:
         ):
             return "torch_native"
         return self.lora_backend
+
+    def _warn_flags_without_effect(self) -> None:
+        """Flags that size or shape GPU work are accepted on a CPU (a command line moves between
+        machines), but say so instead of doing nothing silently."""
+        if self.resolved_device() != "cpu":
+            return
+        if self.mem_fraction_static != field_defaults()["mem_fraction_static"]:
+            logger.warning("--mem-fraction-static has no effect on a CPU: the KV cache there holds "
+                           "--max-total-tokens tokens (a fixed default when unset).")
+        graph_flags = {
+            "--cuda-graph-config": self._cuda_graph_config_input,
+            "--cuda-graph-backend-prefill": self.cuda_graph_backend_prefill,
+            "--cuda-graph-backend-decode": self.cuda_graph_backend_decode,
+            "--cuda-graph-max-bs-prefill": self.cuda_graph_max_bs_prefill,
+            "--cuda-graph-max-bs-decode": self.cuda_graph_max_bs_decode,
+            "--cuda-graph-bs-prefill": self.cuda_graph_bs_prefill,
+            "--cuda-graph-bs-decode": self.cuda_graph_bs_decode,
+        }
+        given = [flag for flag, value in graph_flags.items() if value is not None]
+        if given:
+            logger.warning("CUDA graphs need a CUDA device; on this CPU every forward runs eagerly and %s %s "
+                           "no effect.", ", ".join(given), "has" if len(given) == 1 else "have")
 
     # ------------------------------------------------------------------ CUDA graph resolution
     def _handle_cuda_graph_config(self) -> None:

@@ -322,8 +322,11 @@ def test_manager_folds_and_logs(caplog):
     assert torch.equal(layer.weight, plain.model.model.layers[0].mlp.gate_up_proj.weight)
     off = make_runner(ckpt, lora_fold="off", **args)
     assert off.lora_manager.pool.fold_modules == [] and off.model.model.layers[0].mlp.gate_up_proj.lora.folded is None
-    native = make_runner(ckpt, **dict(args, lora_backend="torch_native", lora_fold="on"))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
+        native = make_runner(ckpt, **dict(args, lora_backend="torch_native", lora_fold="on"))
     assert native.lora_manager.pool.fold_modules == []  # the reference backend never folds
+    assert "--lora-fold on: the torch_native LoRA backend does not fold" in caplog.text  # and says so
 
 
 # ---- through the model ------------------------------------------------------------------------

@@ -143,6 +143,9 @@ class LoRAManager:
             max_lora_chunk_size=config.chunk_size,
         )
 
+        if config.fold == "on" and not self.lora_backend.supports_fold:
+            logger.warning("--lora-fold on: the %s LoRA backend does not fold; every module runs its base GEMM "
+                           "and the LoRA kernels apart", self.lora_backend.name)
         foldable = (fold_candidates(base_model, target_modules, dtype)
                     if self.lora_backend.supports_fold and config.fold != "off" else [])
         self.pool = LoRAMemoryPool(

@@ -270,12 +270,45 @@ def make_checkpoint(
     model.generation_config = gen_config
     if dtype == "bfloat16":
         model = model.to(torch.bfloat16)
-    kwargs: dict[str, Any] = {}
+    model.save_pretrained(out_dir)
     if shards > 1:
-        total = sum(p.numel() * p.element_size() for p in model.state_dict().values())
-        kwargs["max_shard_size"] = max(1, math.ceil(total / shards))
-    model.save_pretrained(out_dir, **kwargs)
+        _reshard(out_dir, shards)
     return out_dir
+
+
+def _reshard(out_dir: str, shards: int) -> None:
+    """Split the single `model.safetensors` transformers wrote into exactly `shards` files of
+    about equal size, in its tensor order, with the `model.safetensors.index.json` loaders read.
+    (transformers' own `max_shard_size` fills shards greedily, so it may write one file more than
+    asked.)"""
+    from safetensors.torch import load_file, save_file
+
+    single = os.path.join(out_dir, "model.safetensors")
+    tensors = load_file(single)
+    if shards > len(tensors):
+        raise ValueError(f"shards={shards} exceeds the checkpoint's {len(tensors)} tensors")
+    names = list(tensors)
+    sizes = [tensors[n].numel() * tensors[n].element_size() for n in names]
+    total = sum(sizes)
+    # Cut where the running size passes k/shards of the total, keeping every shard non-empty.
+    groups: list[list[str]] = [[] for _ in range(shards)]
+    done = 0
+    shard = 0
+    for i, (name, size) in enumerate(zip(names, sizes)):
+        left_after = len(names) - i - 1
+        if groups[shard] and (done >= total * (shard + 1) / shards or left_after < shards - shard - 1):
+            shard += 1
+        groups[shard].append(name)
+        done += size
+    assert all(groups) and shard == shards - 1, (len(names), shards)
+    weight_map: dict[str, str] = {}
+    for k, group in enumerate(groups):
+        file = f"model-{k + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in group}, os.path.join(out_dir, file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(group, file))
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2, sort_keys=True)
+    os.remove(single)
 
 
 def measure_checkpoint(path: str, seed: int = 0) -> dict[str, float]:
@@ -300,7 +333,7 @@ def main(argv: Optional[list[str]] = None) -> None:
                          help="Also write random weights for a real-shape preset.")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    parser.add_argument("--shards", type=int, default=1, help="Write a sharded checkpoint with N files.")
+    parser.add_argument("--shards", type=int, default=1, help="Write a sharded checkpoint of exactly N files.")
     args = parser.parse_args(argv)
     out = make_checkpoint(args.out, arch=args.arch, preset=args.preset, seed=args.seed,
                           with_weights=args.with_weights, dtype=args.dtype, shards=args.shards)

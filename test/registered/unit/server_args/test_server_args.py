@@ -168,6 +168,8 @@ class TestValidation(unittest.TestCase):
             (dict(lora_eviction_policy="random"), "--lora-eviction-policy"),
             (dict(max_lora_chunk_size=48), "--max-lora-chunk-size"),
             (dict(mem_fraction_static=1.5), "--mem-fraction-static"),
+            (dict(mem_fraction_static=0.0), "--mem-fraction-static must be in (0, 1]"),
+            (dict(mem_fraction_static=1.0), None),
             (dict(context_length=0), "--context-length"),
             (dict(max_total_tokens=-5), "--max-total-tokens"),
             (dict(max_running_requests=0), "--max-running-requests"),
@@ -208,6 +210,24 @@ class TestValidation(unittest.TestCase):
             ServerArgs(model_path="dummy", lora_backend="ascend")
         for allowed in ("csgmv", "triton", "torch_native"):
             self.assertIn(allowed, str(ctx.exception))
+
+
+class TestFlagsWithoutEffectOnCPU(unittest.TestCase):
+    """GPU-only flags are accepted on a CPU, with a warning instead of silence."""
+
+    def _warnings(self, **kwargs) -> str:
+        with self.assertLogs("sglang.srt.server_args", level="WARNING") as logs:
+            ServerArgs(model_path="dummy", device="cpu", **kwargs)
+        return "\n".join(logs.output)
+
+    def test_memory_fraction_and_graph_flags_warn(self):
+        self.assertIn("--mem-fraction-static has no effect on a CPU", self._warnings(mem_fraction_static=0.5))
+        out = self._warnings(cuda_graph_max_bs_decode=64, cuda_graph_bs_prefill=[128])
+        self.assertIn("--cuda-graph-max-bs-decode, --cuda-graph-bs-prefill have no effect", out)
+
+    def test_defaults_and_disabling_flags_say_nothing(self):
+        with self.assertNoLogs("sglang.srt.server_args", level="WARNING"):
+            ServerArgs(model_path="dummy", device="cpu", disable_cuda_graph=True)
 
 
 class TestCli(unittest.TestCase):
