@@ -43,6 +43,41 @@ def _watch_parent(parent_pid: int) -> None:
         time.sleep(0.5)
 
 
+# How long a SIGTERM'd scheduler keeps serving before it exits on its own. A SIGTERM to the whole
+# process group (systemd's stop, `kill -TERM -PGID`) reaches the scheduler together with the server,
+# which gives the requests in flight a grace period and then sends every rank a ShutdownReq: the
+# scheduler must keep running meanwhile. Sent to the scheduler alone, it still stops, after this.
+SIGTERM_EXIT_AFTER_S = 10.0
+
+
+class _DeferredSigterm:
+    """The SIGTERM handler: the first signal arms a timer, which signals the main thread again once
+    SIGTERM_EXIT_AFTER_S has passed; that second delivery leaves the event loop by SystemExit (its
+    `finally` blocks and the interpreter's clean-up run) with the status a SIGTERM death reports."""
+
+    def __init__(self, tp_size: int) -> None:
+        self.tp_size = tp_size
+        self.armed = False
+        self.expired = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        if self.expired:
+            logger.warning("SIGTERM %.0f s ago and no shutdown from the server: exiting.", SIGTERM_EXIT_AFTER_S)
+            if self.tp_size > 1:  # as on a crash: never tear down a group whose peers may wait for us
+                logging.shutdown()
+                os._exit(128 + signal.SIGTERM)
+            raise SystemExit(128 + signal.SIGTERM)
+        if not self.armed:
+            self.armed = True
+            main = threading.main_thread().ident
+            threading.Thread(target=self._expire, args=(main,), name="sigterm-timer", daemon=True).start()
+
+    def _expire(self, main_ident: int) -> None:
+        time.sleep(SIGTERM_EXIT_AFTER_S)
+        self.expired = True
+        signal.pthread_kill(main_ident, signal.SIGTERM)
+
+
 def _start_rank(config: SchedulerConfig, rank: RankSpec, recv_conn: Any, status_conn: Any) -> Any:
     # Here, in the rank process, not at the top: the main process imports this module for the
     # spawn target only and never needs the model code (torch, Triton, the models) behind these.
@@ -70,6 +105,7 @@ def run_scheduler_process(
     disable_nvlink_multicast()
     # Ctrl-C reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _DeferredSigterm(rank.tp_size))
     configure_logger(config.log_level, prefix=" Scheduler" + (f" TP{rank.tp_rank}" if rank.tp_size > 1 else ""))
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     try:
