@@ -47,13 +47,15 @@ def _watch_parent(parent_pid: int) -> None:
 # process group (systemd's stop, `kill -TERM -PGID`) reaches the scheduler together with the server,
 # which gives the requests in flight a grace period and then sends every rank a ShutdownReq: the
 # scheduler must keep running meanwhile. Sent to the scheduler alone, it still stops, after this.
+# (The parent's own last resort, SchedulerRanks.terminate, is a SIGKILL.)
 SIGTERM_EXIT_AFTER_S = 10.0
 
 
 class _DeferredSigterm:
-    """The SIGTERM handler: the first signal arms a timer, which signals the main thread again once
-    SIGTERM_EXIT_AFTER_S has passed; that second delivery leaves the event loop by SystemExit (its
-    `finally` blocks and the interpreter's clean-up run) with the status a SIGTERM death reports."""
+    """The SIGTERM handler. The first signal arms a timer thread, which signals the main thread
+    again once SIGTERM_EXIT_AFTER_S has passed; that delivery leaves the event loop by SystemExit
+    (its `finally` blocks and the interpreter's clean-up run), with the status of a SIGTERM death's
+    shell convention, 143."""
 
     def __init__(self, tp_size: int) -> None:
         self.tp_size = tp_size
@@ -75,7 +77,7 @@ class _DeferredSigterm:
     def _expire(self, main_ident: int) -> None:
         time.sleep(SIGTERM_EXIT_AFTER_S)
         self.expired = True
-        signal.pthread_kill(main_ident, signal.SIGTERM)
+        signal.pthread_kill(main_ident, signal.SIGTERM)  # also interrupts a blocking wait
 
 
 def _start_rank(config: SchedulerConfig, rank: RankSpec, recv_conn: Any, status_conn: Any) -> Any:

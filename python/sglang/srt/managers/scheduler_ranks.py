@@ -249,18 +249,15 @@ class SchedulerRanks:
         for rank in self.ranks:
             rank.proc.join(max(0.0, deadline - time.monotonic()))
 
-    def terminate(self, grace: float = 5.0) -> None:
-        """SIGTERM every rank still alive, then SIGKILL what is left after `grace` seconds."""
+    def terminate(self) -> None:
+        """SIGKILL every rank still alive and reap it. (A rank defers a SIGTERM for the server's
+        shutdown, scheduler_process.SIGTERM_EXIT_AFTER_S; this is the last resort, for ranks that
+        did not stop when asked or must stop now.)"""
         alive = [r for r in self.ranks if r.proc.is_alive()]
         for rank in alive:
-            rank.proc.terminate()
-        deadline = time.monotonic() + grace
+            rank.proc.kill()
         for rank in alive:
-            rank.proc.join(max(0.0, deadline - time.monotonic()))
-        for rank in alive:
-            if rank.proc.is_alive():
-                rank.proc.kill()
-                rank.proc.join(5.0)
+            rank.proc.join(5.0)
 
     def close(self) -> None:
         self.stopping = True
