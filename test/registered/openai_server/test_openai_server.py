@@ -124,6 +124,19 @@ def test_echo_with_prompt_logprobs(client) -> None:
     assert len(by_ids.choices[0].text) > len(plain.choices[0].text)
 
 
+@pytest.mark.parametrize("echo", [False, True])
+def test_streamed_logprobs_and_offsets_equal_non_streamed(client, echo) -> None:
+    """Text held back (a partial UTF-8 character, a possible stop string) must not shift the
+    streamed `text_offset`s: each token's offset is where it starts in the whole reply."""
+    kw = dict(model="demo", prompt="中文测试 😀", max_tokens=12, temperature=0, logprobs=1, echo=echo)
+    full = client.completions.create(**kw).choices[0].logprobs
+    chunks = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)
+              if c.choices and c.choices[0].logprobs]
+    assert sum((c.tokens for c in chunks), []) == full.tokens
+    assert sum((c.text_offset for c in chunks), []) == full.text_offset
+    assert sum((c.token_logprobs for c in chunks), []) == pytest.approx(full.token_logprobs, abs=1e-4)
+
+
 def test_chat_logprobs(client) -> None:
     r = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}], max_tokens=4,
                                        temperature=0, logprobs=True, top_logprobs=3)

@@ -32,12 +32,12 @@ def plain(ckpt):
 
 @pytest.fixture(scope="module")
 def custom(ckpt, tmp_path_factory):
-    """A chat template file, --log-requests-level 2 and --enable-cache-report."""
+    """A chat template file, --log-requests-level 2, --enable-cache-report and --max-top-logprobs 30."""
     path = tmp_path_factory.mktemp("template") / "chat.jinja"
     path.write_text(TEMPLATE)
     proc, url = popen_launch_server(ckpt, [
         "--device", "cpu", "--served-model-name", "m", "--chat-template", str(path), "--log-requests",
-        "--log-requests-level", "2", "--enable-cache-report", "--schedule-policy", "lpm",
+        "--log-requests-level", "2", "--enable-cache-report", "--schedule-policy", "lpm", "--max-top-logprobs", "30",
     ])
     yield proc, url
     kill_server(proc)
@@ -63,6 +63,37 @@ def test_chat_template_file_replaces_the_tokenizers(ckpt, plain, custom):
     ours = prompt_tokens(TEMPLATE)
     assert chat(plain[1], "hello there")["usage"]["prompt_tokens"] == own
     assert chat(custom[1], "hello there")["usage"]["prompt_tokens"] == ours != own
+
+
+def test_add_generation_prompt_is_honoured(ckpt, plain):
+    """vLLM's chat extension: false renders the conversation without the assistant's opening."""
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    messages = [{"role": "user", "content": "hello there"}]
+    body = {"model": "m", "messages": messages, "max_tokens": 1, "temperature": 0}
+    for flag in (True, False):
+        text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=flag)
+        r = requests.post(f"{plain[1]}/v1/chat/completions", json={**body, "add_generation_prompt": flag}, timeout=60)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(tok(text, add_special_tokens=False)["input_ids"])
+
+
+def test_max_top_logprobs_bounds_every_route(plain, custom):
+    """--max-top-logprobs is the bound of chat's top_logprobs, completions' logprobs and
+    /generate's top_logprobs_num alike (20 by default)."""
+    requests_by_route = {
+        "/v1/chat/completions": {"model": "m", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2,
+                                 "logprobs": True, "top_logprobs": 25},
+        "/v1/completions": {"model": "m", "prompt": "hi", "max_tokens": 2, "logprobs": 25},
+        "/generate": {"text": "hi", "sampling_params": {"max_new_tokens": 2}, "return_logprob": True,
+                      "top_logprobs_num": 25},
+    }
+    for path, body in requests_by_route.items():
+        refused = requests.post(f"{plain[1]}{path}", json=body, timeout=60)
+        assert refused.status_code == 400 and "at most 20" in refused.text, (path, refused.text)
+        allowed = requests.post(f"{custom[1]}{path}", json=body, timeout=60)
+        assert allowed.status_code == 200, (path, allowed.text)
+    tops = allowed.json()["meta_info"]["output_top_logprobs"]
+    assert [len(t) for t in tops] == [25, 25]
 
 
 def test_cache_report_only_with_the_flag(plain, custom):

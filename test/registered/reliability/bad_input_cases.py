@@ -141,9 +141,12 @@ def generate_cases() -> list[Case]:
         g({"text": ["a", "b"], "cache_salt": ["s", 7]}, "'cache_salt'"),
         g({"text": ["a", "b"], "cache_salt": ["s"]}, "'cache_salt' has 1 entries"),
         g({"text": "hi", "cache_salt": "s" * 512, "sampling_params": {"max_new_tokens": 1}}, "", 200),
-        # Accepted: beyond-vocabulary top_k means no top-k; huge seeds and starts are clamped.
+        # A seed past 64 bits would alias a smaller one (the sampler keys by 64 bits): refused.
+        g({"text": "hi", "sampling_params": {"seed": -(10**40), "max_new_tokens": 2}}, "64-bit signed integer"),
+        g({"text": "hi", "sampling_params": {"seed": 2**64 + 5, "max_new_tokens": 2}}, "64-bit signed integer"),
+        g({"text": "hi", "sampling_params": {"seed": -(2**63), "max_new_tokens": 2}}, "", 200),
+        # Accepted: beyond-vocabulary top_k means no top-k; huge starts are clamped.
         g({"text": "hi", "sampling_params": {"top_k": 10**30, "max_new_tokens": 2}}, "", 200),
-        g({"text": "hi", "sampling_params": {"seed": -(10**40), "max_new_tokens": 2}}, "", 200),
         g({"text": "hi", "return_logprob": True, "logprob_start_len": 10**12,
            "sampling_params": {"max_new_tokens": 1}}, "", 200),
     ]
@@ -190,6 +193,7 @@ def completion_cases() -> list[Case]:
         c({"stream": 1}, "stream: expected true or false"),
         c({"stream_options": 5}, "stream_options"),
         c({"seed": "3"}, "seed: expected a number"),
+        c({"seed": 2**64}, "seed must be a 64-bit signed integer"),
         c({"stop": 5}, "stop"),
         c({"top_k": 0}, "top_k"),
         c({"min_p": -1}, "min_p"),
@@ -244,7 +248,7 @@ def chat_cases() -> list[Case]:
         ch({"max_tokens": False}, "max_tokens: expected a number, not a boolean"),
         ch({"temperature": INF}, "temperature must be a finite number"),
         ch({"temperature": NAN}, "temperature"),
-        ch({"top_logprobs": 1000, "logprobs": True}, "top_logprobs"),
+        ch({"top_logprobs": 1000, "logprobs": True}, "top_logprobs must be at most 20"),
         ch({"top_logprobs": -1, "logprobs": True}, "top_logprobs"),
         ch({"top_logprobs": 2}, "requires logprobs"),
         ch({"logprobs": 1}, "logprobs: expected true or false"),
@@ -255,6 +259,9 @@ def chat_cases() -> list[Case]:
         ch({"chat_template_kwargs": {"messages": []}}, "may not set ['messages']"),
         ch({"chat_template_kwargs": {"tokenize": True}}, "may not set ['tokenize']"),
         ch({"max_tokens": 1, "chat_template_kwargs": {"add_generation_prompt": False}}, "", 200),
+        ch({"echo": True}, "echo is not supported on chat completions"),
+        ch({"add_generation_prompt": "no"}, "add_generation_prompt: expected true or false"),
+        ch({"add_generation_prompt": True, "continue_final_message": True}, "cannot both be true"),
         ch({}, "messages[0].content is required", messages=[{"role": "user"}]),
         ch({"min_tokens": 2}, "min_tokens is not supported"),
         ch({"json_schema": "{}"}, "no constrained decoding"),

@@ -90,6 +90,9 @@ class SamplingParams:
             raise ValueError(f"n must be a positive integer, got {self.n!r}")
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        if self.seed is not None and not -(2**63) <= self.seed < 2**63:
+            # The sampler keys its generator by 64 bits: a larger seed would alias a smaller one.
+            raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
         for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")

@@ -184,13 +184,14 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: Optional[Int] = Field(None, ge=0)
     max_completion_tokens: Optional[Int] = Field(None, ge=0)
     logprobs: Bool = False
-    top_logprobs: Optional[Int] = Field(None, ge=0, le=20)
+    top_logprobs: Optional[Int] = Field(None, ge=0)  # at most --max-top-logprobs (serving_chat)
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     logit_bias: Optional[dict[str, float]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     continue_final_message: Bool = False
+    add_generation_prompt: Optional[Bool] = None  # vLLM's extension; unset: not continue_final_message
 
 
 class ChatLogprobTop(BaseModel):

@@ -111,6 +111,8 @@ def stop_list(stop: Any) -> Optional[list[str]]:
 UNSUPPORTED_EXTENSIONS = {
     "min_tokens": "min_tokens is not supported",
     "min_new_tokens": "min_new_tokens is not supported",
+    # vLLM's chat `echo` (the last message before the reply); /v1/completions declares its own echo.
+    "echo": "echo is not supported on chat completions",
     **{name: f"{name} is not supported: this server has no constrained decoding"
        for name in ("regex", "json_schema", "ebnf", "structural_tag", "guided_json", "guided_regex",
                     "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs")},

@@ -101,8 +101,13 @@ class OpenAIServingChat:
         if reserved:
             raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}: the server sets them",
                                       param="chat_template_kwargs")
+        if req.continue_final_message and req.add_generation_prompt:
+            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true",
+                                      param="add_generation_prompt")
+        add_generation_prompt = (not req.continue_final_message if req.add_generation_prompt is None
+                                 else req.add_generation_prompt)
         # The request's own fields first; the template's kwargs may override add_generation_prompt.
-        kwargs = {"add_generation_prompt": not req.continue_final_message, **kwargs}
+        kwargs = {"add_generation_prompt": add_generation_prompt, **kwargs}
         if req.continue_final_message:
             kwargs["continue_final_message"] = True
         messages = _message_dicts(req)

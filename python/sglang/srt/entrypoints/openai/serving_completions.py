@@ -152,6 +152,10 @@ class OpenAIServingCompletion:
         created = int(time.time())
         sent_text: dict[int, int] = {}
         sent_lp: dict[int, int] = {}
+        # Each choice's next token offset: the last one's plus its text's length, as the whole
+        # reply counts them (the text sent so far lags it while a stop string or a partial
+        # character is held back).
+        next_offset: dict[int, int] = {}
         finals: dict[int, dict] = {}
         async for out in outs:
             index = out.get("index", 0)
@@ -163,9 +167,11 @@ class OpenAIServingCompletion:
             logprobs = None
             if req.logprobs is not None:
                 prompt_text = prompt_texts[index // req.n]
-                start = 0 if req.echo and first else len(prompt_text) + sent_text.get(index, 0)
+                start = next_offset.get(index, 0 if req.echo else len(prompt_text))
                 logprobs = self._choice_logprobs(req, out, prompt_text, req.echo and first,
                                                  out_start=sent_lp.get(index, 0), text_start=start)
+                if logprobs.tokens:
+                    next_offset[index] = logprobs.text_offset[-1] + len(logprobs.tokens[-1])
             if first and req.echo:
                 delta = prompt_texts[index // req.n] + delta
             sent_text[index] = len(text)
