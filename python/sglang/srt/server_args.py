@@ -94,6 +94,7 @@ class ServerArgs:
     node_rank: int = 0
     dist_init_addr: Optional[str] = None  # HOST:PORT where the ranks meet; needed with nnodes > 1
     dist_timeout: Optional[int] = None  # seconds a collective may wait; None = torch's default
+    watchdog_timeout: float = 300.0  # seconds a scheduler turn may take before its rank counts as hung; 0: never
 
     # LoRA
     enable_lora: Optional[bool] = None
@@ -292,6 +293,9 @@ class ServerArgs:
         positive("--tp-size", self.tp_size, allow_none=False)
         positive("--nnodes", self.nnodes, allow_none=False)
         positive("--dist-timeout", self.dist_timeout)
+        if (isinstance(self.watchdog_timeout, bool) or not isinstance(self.watchdog_timeout, (int, float))
+                or not 0 <= self.watchdog_timeout < float("inf")):
+            raise ValueError(f"--watchdog-timeout must be a number of seconds >= 0 (0: off), got {self.watchdog_timeout!r}")
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), "
                              f"got {self.node_rank!r}")

@@ -111,6 +111,10 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                         "local port. Required with --nnodes > 1.")
     g.add_argument("--dist-timeout", type=int, default=None,
                    help="Seconds a collective may wait before it fails (default: torch's).")
+    g.add_argument("--watchdog-timeout", type=float, default=default("watchdog_timeout"),
+                   help="Seconds one scheduler turn (a forward, a collective, an adapter load) may take "
+                        "before its rank is declared hung: the rank exits with the stack it was stuck "
+                        "in and the server stops (a supervisor restarts it). 0: never.")
 
     g = parser.add_argument_group("LoRA")
     g.add_argument("--enable-lora", action="store_true", default=None,

@@ -103,7 +103,7 @@ def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = No
         disable_radix_cache=args.disable_radix_cache, decode_log_interval=args.decode_log_interval,
         lora_max_wait_turns=args.lora_max_wait_turns, log_level=args.log_level,
         enable_test_hooks=args.enable_test_hooks,
-        overlap_schedule=args.resolved_overlap_schedule(),
+        overlap_schedule=args.resolved_overlap_schedule(), watchdog_timeout=args.watchdog_timeout,
     )
     tokenizer_manager = TokenizerManagerConfig(
         model_path=args.model_path, served_model_name=args.served_model_name or args.model_path,

@@ -93,6 +93,7 @@ class SchedulerConfig:
     log_level: str = "info"
     enable_test_hooks: bool = False
     overlap_schedule: bool = False  # --enable-overlap-schedule (managers/scheduler_overlap.py)
+    watchdog_timeout: float = 300.0  # --watchdog-timeout (scheduler_process._watch_progress); 0: off
 
 
 @dataclass(frozen=True)

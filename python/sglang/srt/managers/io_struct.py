@@ -70,7 +70,7 @@ class FlushCacheReq:
 class FaultInjectionReq:
     """Test-only (--enable-test-hooks): make the next forward containing `rid_substring` raise
     ("forward"; "decode": a decode step of such a request once it has `after_tokens` output
-    tokens). The tokenizer manager keeps "tokenize" / "detokenize" faults to itself. `tp_rank`:
+    tokens; "hang": the forward never returns). The tokenizer manager keeps "tokenize" / "detokenize" faults to itself. `tp_rank`:
     only that tensor-parallel rank fails (None: every rank)."""
 
     rid_substring: str

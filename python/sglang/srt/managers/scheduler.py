@@ -130,6 +130,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         self.last_integrity_check: dict[str, Any] = {}
         self.integrity_log = IntegrityLog(logger, "Scheduler")
         self.was_idle = True
+        self.heartbeat = time.monotonic()  # the start of the current event-loop turn
         self.overlap = config.overlap_schedule and tp_group.size == 1
         if config.overlap_schedule and not self.overlap:
             logger.warning("--enable-overlap-schedule: not under tensor parallelism; decoding step by step")
@@ -144,6 +145,9 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
     def event_loop(self) -> None:
         stalled = False
         while True:
+            # A turn ends within IDLE_POLL_S when idle (every rank's message poll returns): a
+            # heartbeat this old means a turn is stuck (scheduler_process._watch_progress).
+            self.heartbeat = time.monotonic()
             idle = not (self.waiting or self.running or self.chunked_req or self.inflight)
             if idle and not self.was_idle:
                 self.check_integrity()
@@ -311,6 +315,9 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             if any(fault.rid_substring in r.rid and len(r.output_ids) >= fault.after_tokens
                    for r in batch.reqs):
                 self.faults.remove(fault)
+                if fault.where == "hang":  # a forward that never returns (the progress watchdog's case)
+                    while True:
+                        time.sleep(3600)
                 raise RuntimeError(f"injected fault for requests matching {fault.rid_substring!r}")
 
     # ------------------------------------------------------------------ info

@@ -80,6 +80,31 @@ class _DeferredSigterm:
         signal.pthread_kill(main_ident, signal.SIGTERM)  # also interrupts a blocking wait
 
 
+def _watch_progress(scheduler: Any, timeout: float, status_conn: Any, rank: RankSpec) -> None:
+    """--watchdog-timeout: a rank whose event-loop turn has run `timeout` seconds is hung (a
+    collective whose peer stopped, a kernel that never returns): report the stack it is stuck in
+    as a crash and exit, so the parent stops the server instead of leaving it unanswering (a gloo
+    or NCCL collective waits 30 minutes or more by default)."""
+    main_ident = threading.main_thread().ident
+    while True:
+        time.sleep(min(5.0, timeout / 4))
+        stuck_for = time.monotonic() - scheduler.heartbeat
+        if stuck_for < timeout:
+            continue
+        frame = sys._current_frames().get(main_ident)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else "(no stack)\n"
+        error = (f"Stack of the hung scheduler:\n{stack}"
+                 f"the scheduler's turn made no progress for {stuck_for:.0f} s (--watchdog-timeout {timeout:g}): "
+                 "hung in a forward or a collective")
+        logger.error("%s", error)
+        try:
+            status_conn.send(SchedulerFailed(error=error, failed_at=time.time()))
+        except (OSError, ValueError):
+            pass
+        logging.shutdown()
+        os._exit(1)
+
+
 def _start_rank(config: SchedulerConfig, rank: RankSpec, recv_conn: Any, status_conn: Any) -> Any:
     # Here, in the rank process, not at the top: the main process imports this module for the
     # spawn target only and never needs the model code (torch, Triton, the models) behind these.
@@ -108,6 +133,12 @@ def run_scheduler_process(
     # Ctrl-C reaches the whole process group; the parent decides when we stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, _DeferredSigterm(rank.tp_size))
+    # tqdm's default lock (its progress bars: weights, adapters, capture) is a multiprocessing
+    # semaphore, which the resource tracker reports as leaked after a rank's os._exit. Our bars
+    # never cross processes: a thread lock is enough.
+    import tqdm
+
+    tqdm.tqdm.set_lock(threading.RLock())
     configure_logger(config.log_level, prefix=" Scheduler" + (f" TP{rank.tp_rank}" if rank.tp_size > 1 else ""))
     threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watchdog", daemon=True).start()
     try:
@@ -129,6 +160,9 @@ def run_scheduler_process(
     if rank.tp_rank != 0 and config.log_level != "debug":
         # Every rank makes the same decisions: one copy of the batch logs (rank 0's) is enough.
         logging.getLogger().setLevel(logging.WARNING)
+    if config.watchdog_timeout > 0:
+        threading.Thread(target=_watch_progress, args=(scheduler, config.watchdog_timeout, status_conn, rank),
+                         name="progress-watchdog", daemon=True).start()
     try:
         scheduler.event_loop()
     except (EOFError, OSError, BrokenPipeError):

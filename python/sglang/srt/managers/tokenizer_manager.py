@@ -446,18 +446,19 @@ class TokenizerManager(TokenizerLoRAMixin):
     def inject_fault(self, rid_substring: str, where: str = "forward", after_tokens: int = 0,
                      tp_rank: Optional[int] = None) -> None:
         """Test hook: fail the next forward ("forward", or "decode" for a decode step once the
-        request has `after_tokens` output tokens) of a request whose rid contains `rid_substring`
+        request has `after_tokens` output tokens; "hang": one that never returns) of a request whose rid
+        contains `rid_substring`
         (on TP rank `tp_rank` only, if given), the next tokenisation of a text containing it
         ("tokenize"), or the next detokenisation of such a request's output ("detokenize")."""
         if not self.config.enable_test_hooks:
             raise InvalidRequestError("fault injection needs --enable-test-hooks")
         if where in ("tokenize", "detokenize"):
             self.local_faults.append(FaultInjectionReq(rid_substring=rid_substring, where=where))
-        elif where in ("forward", "decode"):
+        elif where in ("forward", "decode", "hang"):
             self.client.send(FaultInjectionReq(rid_substring=rid_substring, where=where, after_tokens=after_tokens,
                                                tp_rank=tp_rank))
         else:
-            raise InvalidRequestError(f"'where' must be one of forward, decode, tokenize, detokenize; got {where!r}",
+            raise InvalidRequestError(f"'where' must be one of forward, decode, hang, tokenize, detokenize; got {where!r}",
                                       param="where")
 
     def _take_local_fault(self, where: str, text: str) -> bool:
