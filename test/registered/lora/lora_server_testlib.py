@@ -49,7 +49,7 @@ def write_adapter_zoo(ckpt: str, root: str, seed: int) -> dict[str, str]:
     """Adapters for load/refusal tests against a pool of rank 16 on POOL_MODULES: the loadable
     `keep` (r8 q/v) and `good` (r16 on the pool's modules), and one adapter per refusal reason:
     rank32, down (a module outside the pool), dora, modules_to_save, rank_pattern, added_tokens,
-    no_config, bad_config, zero_rank, no_weights, truncated, wrong_shape."""
+    no_config, bad_config, zero_rank, nan_alpha, huge_alpha, no_weights, truncated, wrong_shape."""
     import shutil
 
     from lora_testlib import edit_adapter_config
@@ -101,6 +101,8 @@ def write_adapter_zoo(ckpt: str, root: str, seed: int) -> dict[str, str]:
     variant("no_config", lambda p: os.remove(f"{p}/adapter_config.json"))
     variant("bad_config", write_text("adapter_config.json", '{"r": 16,'))
     variant("zero_rank", r=0)
+    variant("nan_alpha", lora_alpha=float("nan"))
+    variant("huge_alpha", lora_alpha=1e300)
     variant("no_weights", lambda p: os.remove(f"{p}/adapter_model.safetensors"))
     variant("truncated", truncate)
     variant("wrong_shape", reshape)

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 import threading
@@ -173,6 +174,35 @@ def test_unload_waits_for_in_flight_requests(zoo_server, adapter_zoo) -> None:
     assert unload["r"].status_code == 200 and unload["r"].json()["success"] is True
     info = lora_info(url)
     assert "cyc" not in info["loaded_adapters"] and "cyc" not in info["resident_adapters"]
+
+
+def test_a_client_that_stops_reading_does_not_hold_an_unload(zoo_server, adapter_zoo) -> None:
+    """The adapter reference goes back when the request ends in the scheduler, not when its
+    client has read the last event: a stalled stream must not keep the adapter loaded."""
+    url = zoo_server[1]
+    host, port = url.rsplit("//", 1)[1].split(":")
+    assert load_adapter(url, "stall", adapter_zoo["good"]).status_code == 200
+    body = json.dumps({"input_ids": PROMPTS[2], "lora_path": "stall", "stream": True,
+                       "sampling_params": {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}})
+    sock = socket.socket()
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # before connecting: a small window
+        sock.connect((host, int(port)))
+        sock.sendall(f"POST /generate HTTP/1.1\r\nHost: {host}\r\nContent-Type: application/json\r\n"
+                     f"Content-Length: {len(body)}\r\n\r\n{body}".encode())
+        assert sock.recv(64).startswith(b"HTTP/1.1 200")  # it runs; from here on nothing is read
+        # Every /generate event repeats the text so far: the socket's buffers fill long before
+        # the end, and the server's writer waits on them while the scheduler finishes the request.
+        deadline = time.monotonic() + 120
+        while requests.get(f"{url}/get_server_info", timeout=30).json()["num_running_reqs"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        t0 = time.monotonic()
+        r = unload_adapter(url, "stall")
+        assert r.status_code == 200 and r.json()["success"] is True, r.text
+        assert time.monotonic() - t0 < 10  # it waited for nobody
+        assert "stall" not in lora_info(url)["loaded_adapters"]
+    finally:
+        sock.close()
 
 
 REFUSALS = [

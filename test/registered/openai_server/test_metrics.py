@@ -234,3 +234,21 @@ def test_a_plain_request_whose_client_leaves_counts_the_tokens_it_generated(serv
     generated = after[("sglang:generation_tokens_total", ())] - before.get(("sglang:generation_tokens_total", ()), 0.0)
     decode_steps = info_after["decode_reqs"] - info_before["decode_reqs"]
     assert generated == decode_steps + 1 and generated > 0, (generated, decode_steps)
+
+
+def test_an_unloaded_adapter_leaves_the_per_adapter_series(server, tmp_path):
+    """A server that loads and unloads many names must not export every name it ever served."""
+    url = server[1]
+    ckpt = tiny_lora_checkpoint("llama")
+    path = write_adapter(ckpt, str(tmp_path / "brief"), r=8, seed=77)
+    r = requests.post(f"{url}/load_lora_adapter", headers=AUTH, json={"lora_name": "brief", "lora_path": path},
+                      timeout=120)
+    assert r.status_code == 200, r.text
+    for adapter in ("brief", "a"):
+        generate(url, {"text": "brief visit", "lora_path": adapter, "sampling_params": {"max_new_tokens": 2}})
+    series = [k for k in scrape(url) if ("lora_name", "brief") in k[1]]
+    assert {k[0] for k in series} >= {"sglang:lora_requests_total", "sglang:lora_generation_tokens_total"}
+    r = requests.post(f"{url}/unload_lora_adapter", headers=AUTH, json={"lora_name": "brief"}, timeout=120)
+    assert r.status_code == 200, r.text
+    assert not [k for k in scrape(url) if ("lora_name", "brief") in k[1]]
+    assert [k for k in scrape(url) if ("lora_name", "a") in k[1]]  # the loaded ones' stay

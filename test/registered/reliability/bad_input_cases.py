@@ -145,6 +145,8 @@ def generate_cases() -> list[Case]:
         g({"text": "hi", "sampling_params": {"seed": -(10**40), "max_new_tokens": 2}}, "64-bit signed integer"),
         g({"text": "hi", "sampling_params": {"seed": 2**64 + 5, "max_new_tokens": 2}}, "64-bit signed integer"),
         g({"text": "hi", "sampling_params": {"seed": -(2**63), "max_new_tokens": 2}}, "", 200),
+        # A rid with a lone surrogate (a "\udcff" escape) is echoed back in a body that still encodes.
+        g({"text": "hi", "rid": "r\udcff", "sampling_params": {"max_new_tokens": 1}}, "", 200),
         # Accepted: beyond-vocabulary top_k means no top-k; huge starts are clamped.
         g({"text": "hi", "sampling_params": {"top_k": 10**30, "max_new_tokens": 2}}, "", 200),
         g({"text": "hi", "return_logprob": True, "logprob_start_len": 10**12,
@@ -284,6 +286,7 @@ def adapter_cases(paths: dict[str, str], tmp: str) -> list[Case]:
             Case(path, {"lora_path": paths["good"]}, 400, "must be provided"),
             load("", paths["good"], "non-empty string"),
             load(" pad ", paths["good"], "must not start or end with white space"),
+            load("x\udcff", paths["good"], "'lora_name' is not valid Unicode text"),
             load(5, paths["good"], "'lora_name' must be a non-empty string"),
             load("x", 5, "'lora_path' must be a non-empty string"),
             load("x", paths["good"], "'pinned' must be a boolean", pinned="yes"),
@@ -295,6 +298,7 @@ def adapter_cases(paths: dict[str, str], tmp: str) -> list[Case]:
         ]
         for variant, needle in [
             ("no_config", "no adapter_config.json"), ("bad_config", "Cannot read"), ("zero_rank", "must be positive"),
+            ("nan_alpha", "lora_alpha must be a finite number"), ("huge_alpha", "fits float32"),
             ("no_weights", "no adapter_model.safetensors"), ("truncated", "truncated or corrupt"),
             ("wrong_shape", "has shape"), ("rank32", "rank 32"), ("down", "down_proj"), ("dora", "DoRA"),
             ("modules_to_save", "modules_to_save"), ("rank_pattern", "per-module"),

@@ -7,6 +7,10 @@ decode_unicode=True)`, which many users' scripts read streams with) treats as li
 client is fine, but a script splitting on those characters receives half an event. A model decodes
 any byte sequence, so over many requests an event text holds one of them. Written as JSON escapes
 (`\\u2028`) they keep the JSON valid and the decoded text identical.
+
+Lone surrogates (U+D800-U+DFFF, which a JSON request can carry as `\\udcff` escapes, e.g. in a rid
+or an adapter name echoed back) have no UTF-8 form: raw, they would fail the body's encoding. They
+are written as JSON escapes too, which decode to the same string.
 """
 
 from __future__ import annotations
@@ -16,14 +20,16 @@ from typing import Any
 
 from fastapi.responses import JSONResponse
 
-_LINE_BREAKERS = {0x85: "\\u0085", 0x2028: "\\u2028", 0x2029: "\\u2029"}  # for str.translate
+# For str.translate: the line breakers, and every surrogate code point.
+_ESCAPES = {c: f"\\u{c:04x}" for c in (0x85, 0x2028, 0x2029, *range(0xD800, 0xE000))}
 
 
 def dumps(payload: Any, allow_nan: bool = True, compact: bool = False) -> str:
-    """`json.dumps` with non-ASCII text kept as is, except the three line-breaking characters."""
+    """`json.dumps` with non-ASCII text kept as is, except the three line-breaking characters and
+    lone surrogates (escaped: the text always encodes as UTF-8)."""
     separators = (",", ":") if compact else None
     text = json.dumps(payload, ensure_ascii=False, allow_nan=allow_nan, separators=separators)
-    return text.translate(_LINE_BREAKERS)
+    return text.translate(_ESCAPES)
 
 
 class JSONBody(JSONResponse):

@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Optional, Union
 
+FLOAT32_MAX = 3.4028234663852886e38  # the kernels' scaling dtype
 # Fused module of the engine -> the PEFT projections it is made of, in output order.
 FUSED_MODULES: dict[str, tuple[str, ...]] = {
     "qkv_proj": ("q_proj", "k_proj", "v_proj"),
@@ -264,6 +265,11 @@ class LoRAConfig:
             raise ValueError(
                 f"{where} trains biases (bias={self.bias!r}, lora_bias={self.lora_bias}), which is not supported"
             )
+        # The kernels scale in float32: a scaling past its range is inf there (NaN outputs), and
+        # a NaN alpha (JSON's NaN) is NaN everywhere.
+        if not (math.isfinite(self.lora_alpha) and abs(self.scaling) <= FLOAT32_MAX):
+            raise ValueError(f"{where}: lora_alpha must be a finite number whose scaling (alpha / r) fits "
+                             f"float32, got lora_alpha={self.lora_alpha!r}")
         odd_ranks = {k: v for k, v in self.rank_pattern.items() if int(v) != self.r}
         odd_alphas = {k: v for k, v in self.alpha_pattern.items() if float(v) != self.lora_alpha}
         if odd_ranks or odd_alphas:

@@ -126,6 +126,10 @@ class LoRARegistry:
 
     async def release(self, ids: Union[str, None, Iterable[Optional[str]]]) -> None:
         """Drop the references `acquire` took (same ids, Nones ignored)."""
+        self.release_now(ids)
+
+    def release_now(self, ids: Union[str, None, Iterable[Optional[str]]]) -> None:
+        """`release` from synchronous code on the event loop (a request's end, as its news arrives)."""
         if ids is None or isinstance(ids, str):
             ids = [ids]
         for lid in ids:

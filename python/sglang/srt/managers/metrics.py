@@ -110,6 +110,16 @@ class ServerMetrics:
         self.lora_prompt_tokens.labels(name, lora).inc(state.prompt_tokens)
         self.lora_generation_tokens.labels(name, lora).inc(state.completion_tokens)
 
+    def forget_adapter(self, lora_name: str) -> None:
+        """Drop an unloaded adapter's series: a server that loads and unloads many names would
+        otherwise export every name it ever served, forever (a reload starts them from 0, which
+        Prometheus reads as a counter reset)."""
+        for counter in (self.lora_requests, self.lora_prompt_tokens, self.lora_generation_tokens):
+            try:
+                counter.remove(self.model_name, lora_name)
+            except KeyError:
+                pass  # it served no request
+
     # ------------------------------------------------------------------ a scrape
     def render(self, live_info: dict[str, Any]) -> bytes:
         """The text exposition, with the scheduler-side series taken from `live_info`."""

@@ -43,6 +43,9 @@ class ReqState:
     output_token_logprobs: list[tuple[Optional[float], int]] = field(default_factory=list)
     output_top_logprobs: list[Any] = field(default_factory=list)
     dirty: bool = False
+    # Called once, when the request ends (its scheduler news, or a failure): the adapter reference
+    # goes back then, not when a slow client has read the last event.
+    on_finish: Optional[Callable[[], None]] = None
     created: float = field(default_factory=time.time)
     last_token_time: Optional[float] = None  # when the latest output token arrived (metrics)
 
@@ -77,11 +80,19 @@ class ReqState:
         self.finished_reason = reason
         self.dirty = True
         self.event.set()
+        if reason is not None:
+            self._ended()
 
     def fail(self, message: str, status_code: int = 500) -> None:
         self.finished_reason = {"type": "abort", "message": message, "status_code": status_code}
         self.dirty = True
         self.event.set()
+        self._ended()
+
+    def _ended(self) -> None:
+        callback, self.on_finish = self.on_finish, None
+        if callback is not None:
+            callback()
 
     # ------------------------------------------------------------------ replies
     def text(self) -> str:

@@ -34,6 +34,11 @@ def _check_adapter_fields(lora_name: Any, lora_path: Any, pinned: Any) -> Option
         return "'lora_path' must be a non-empty string"
     if not isinstance(pinned, bool):
         return "'pinned' must be a boolean"
+    for field, value in (("lora_name", lora_name), ("lora_path", lora_path)):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate (a "\udcff" JSON escape): no name or path has one
+            return f"'{field}' is not valid Unicode text: {value!r}"
     return None
 
 
@@ -84,8 +89,9 @@ class TokenizerLoRAMixin:
     async def acquire_adapters(self, names: list[Optional[str]]) -> list[Optional[str]]:
         """The one place where adapter names become adapter ids.
 
-        Takes an in-flight reference per adapter request (released by `release_adapters` when the
-        request ends), so an unload waits for requests already using the adapter.
+        Takes an in-flight reference per adapter request (released by `release_adapters_now` when
+        the request ends there, not when its client has read the reply), so an unload waits for
+        requests already using the adapter.
         """
         requested = sorted({n for n in names if n is not None})
         if not requested:
@@ -101,9 +107,9 @@ class TokenizerLoRAMixin:
         except ValueError as e:
             raise InvalidRequestError(str(e), param="lora_path") from None
 
-    async def release_adapters(self, ids: list[Optional[str]]) -> None:
+    def release_adapters_now(self, ids: list[Optional[str]]) -> None:
         if self.lora_registry is not None and any(i is not None for i in ids):
-            await self.lora_registry.release(ids)
+            self.lora_registry.release_now(ids)
 
     # ------------------------------------------------------------------ loading and unloading adapters
     async def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False
@@ -173,6 +179,8 @@ class TokenizerLoRAMixin:
             if not out.success:  # the two processes disagreed: say so loudly
                 logger.error("Unloading LoRA adapter %r: %s", lora_name, out.error_message)
                 return out, 500
+            if self.metrics is not None:
+                self.metrics.forget_adapter(lora_name)
             return out, 200
 
         return await asyncio.shield(asyncio.ensure_future(run()))

@@ -10,6 +10,7 @@ Adapter handling (names to ids, OpenAI model names, run-time loads) is in `token
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import math
 import time
@@ -369,15 +370,22 @@ class TokenizerManager(TokenizerLoRAMixin):
             if r.rid in self.rid_to_state or r.rid in self._abandoned:
                 raise InvalidRequestError(f"a request with rid {r.rid!r} is already running", param="rid")
         lora_ids = await self.acquire_adapters([r.lora_name for r in reqs])
+        unowned = list(lora_ids)  # references not yet handed to a request state
         event = asyncio.Event()
         states: list[ReqState] = []
         try:
-            for req, (input_ids, params), lora_id in zip(reqs, prepared, lora_ids):
+            for i, (req, (input_ids, params), lora_id) in enumerate(zip(reqs, prepared, lora_ids)):
                 detok = None
                 if self.tokenizer is not None:
                     detok = IncrementalDetokenizer(self.tokenizer, params.skip_special_tokens)
                 state = ReqState(req=req, input_ids=input_ids, params=params, lora_id=lora_id,
                                  detok=detok, event=event, prompt_tokens=len(input_ids))
+                if lora_id is not None:
+                    # Given back as the request ends (a client that stops reading its stream must
+                    # not hold an unload up), and after any AbortReq: the scheduler sees the abort
+                    # before the unload.
+                    state.on_finish = functools.partial(self.release_adapters_now, [lora_id])
+                    unowned[i] = None
                 self.rid_to_state[req.rid] = state
                 states.append(state)
                 self.client.send(TokenizedGenerateReqInput(
@@ -404,7 +412,7 @@ class TokenizerManager(TokenizerLoRAMixin):
                             self._account(self._abandoned.pop(next(iter(self._abandoned))))
                         continue
                 self._account(state)
-            await self.release_adapters(lora_ids)
+            self.release_adapters_now(unowned)
 
     async def generate_one(self, obj: GenerateReqInput, request: Any = None) -> Union[dict, list]:
         """The non-streaming reply of `obj`."""
