@@ -125,6 +125,38 @@ def test_engine_stream_stopped_early_frees_kv(engine) -> None:
     assert engine.get_server_info()["kv_available_tokens"] == before
 
 
+def test_engine_async_generate(engine) -> None:
+    """As upstream's: awaited from the caller's own loop, concurrent calls batch, a stream is an
+    async iterator, and a cancelled call aborts its request (its KV comes back)."""
+    import asyncio
+
+    params = {"max_new_tokens": 6, "temperature": 0}
+    prompts = ["The boats were", "Once upon a time", "A quiet harbour"]
+    want = [engine.generate(p, params) for p in prompts]
+    before = engine.get_server_info()["kv_available_tokens"]
+
+    async def main() -> None:
+        got = await asyncio.gather(*(engine.async_generate(p, params) for p in prompts))
+        assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
+        chunks = [c async for c in await engine.async_generate(prompts[0], params, stream=True)]
+        assert chunks[-1]["output_ids"] == want[0]["output_ids"] and len(chunks) > 1
+        with pytest.raises(InvalidRequestError, match="not loaded"):
+            await engine.async_generate("x", params, lora_path="no-such-adapter")
+        long = asyncio.ensure_future(engine.async_generate("Tell a long story", {"max_new_tokens": 1000,
+                                                                                 "ignore_eos": True}))
+        await asyncio.sleep(0.5)
+        long.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await long
+
+    asyncio.run(main())
+    deadline = time.monotonic() + 10
+    while engine.get_server_info()["kv_available_tokens"] != before and time.monotonic() < deadline:
+        time.sleep(0.1)
+    info = engine.get_server_info()
+    assert info["kv_available_tokens"] == before and info["num_running_reqs"] == 0
+
+
 def test_engine_exception_inside_with_block_reaps_the_scheduler(monkeypatch) -> None:
     monkeypatch.setenv("SGLANG_CACHE_DIR", cache_dir_for_tests())
     from sglang import Engine

@@ -3,9 +3,11 @@
     from sglang import Engine
     with Engine(model_path="demo", device="cpu") as engine:
         out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+        # in a coroutine: out = await engine.async_generate("Hello", {"max_new_tokens": 8})
 
 The tokenizer manager runs on a private event loop in a background thread; the blocking methods
-submit coroutines to it, so an `Engine` works from plain scripts and from inside other event loops.
+submit coroutines to it, so an `Engine` works from plain scripts and from inside other event loops,
+and `async_generate` awaits its replies from the caller's own loop.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import queue
 import threading
 import time
-from typing import Any, Iterator, Optional, Union
+from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from sglang.srt.configs.tokenizer import start_tokenizer_load
 from sglang.srt.managers.generate_request import GenerateReqInput
@@ -48,6 +50,20 @@ def launch_runtime(server_args: ServerArgs) -> TokenizerManager:
     except BaseException:
         client.shutdown()
         raise
+
+
+def _request(prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: Any, logprob_start_len: Any,
+             top_logprobs_num: Any, lora_path: Any, stream: bool, return_text_in_logprobs: bool, rid: Any,
+             cache_salt: Any) -> GenerateReqInput:
+    """The `/generate` request of `Engine.generate`'s arguments (its defaults: /generate's)."""
+    return GenerateReqInput(
+        text=prompt, input_ids=input_ids, sampling_params=sampling_params,
+        return_logprob=return_logprob,
+        logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+        top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num,
+        return_text_in_logprobs=return_text_in_logprobs, lora_path=lora_path, stream=stream, rid=rid,
+        cache_salt=cache_salt,
+    )
 
 
 class Engine:
@@ -89,17 +105,70 @@ class Engine:
         """Same replies as `POST /generate`: a dict, a list for a batch, or (stream=True) a
         generator of cumulative dicts."""
         self._check_open()
-        obj = GenerateReqInput(
-            text=prompt, input_ids=input_ids, sampling_params=sampling_params,
-            return_logprob=return_logprob,
-            logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
-            top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num,
-            return_text_in_logprobs=return_text_in_logprobs, lora_path=lora_path, stream=stream, rid=rid,
-            cache_salt=cache_salt,
-        )
+        obj = _request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+                       lora_path, stream, return_text_in_logprobs, rid, cache_salt)
         if stream:
             return self._stream(obj)
         return self._run(self.tokenizer_manager.generate_one(obj))
+
+    async def async_generate(
+        self,
+        prompt: Optional[Union[str, list[str]]] = None,
+        sampling_params: Optional[Union[dict, list[dict]]] = None,
+        input_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        return_logprob: Union[bool, list[bool]] = False,
+        logprob_start_len: Optional[Union[int, list[int]]] = None,
+        top_logprobs_num: Optional[Union[int, list[int]]] = None,
+        lora_path: Optional[Union[str, list[Optional[str]]]] = None,
+        stream: bool = False,
+        return_text_in_logprobs: bool = False,
+        rid: Optional[Union[str, list[str]]] = None,
+        cache_salt: Optional[Union[str, list[Optional[str]]]] = None,
+    ) -> Union[dict, list[dict], AsyncIterator[dict]]:
+        """`generate` for a coroutine, as upstream SGLang's: the reply, or (stream=True) an async
+        iterator of cumulative dicts. Many may run at once from the caller's loop (they batch
+        together); cancelling one aborts its request."""
+        self._check_open()
+        obj = _request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len, top_logprobs_num,
+                       lora_path, stream, return_text_in_logprobs, rid, cache_salt)
+        if stream:
+            return self._async_stream(obj)
+        # The request runs on the engine's loop; a cancelled await cancels it there (an abort).
+        return await asyncio.wrap_future(
+            asyncio.run_coroutine_threadsafe(self.tokenizer_manager.generate_one(obj), self.loop))
+
+    async def _async_stream(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        caller = asyncio.get_running_loop()
+        items: "asyncio.Queue[tuple[str, Any]]" = asyncio.Queue()
+
+        def hand_over(kind: str, value: Any) -> None:
+            try:
+                caller.call_soon_threadsafe(items.put_nowait, (kind, value))
+            except RuntimeError:
+                pass  # the caller's loop is closed: nobody reads any more
+
+        async def pump() -> None:
+            try:
+                async for out in self.tokenizer_manager.generate(obj):
+                    hand_over("item", out)
+            except BaseException as e:  # noqa: BLE001 - re-raised in the caller's loop
+                hand_over("error", e)
+            finally:
+                hand_over("end", None)
+
+        fut = asyncio.run_coroutine_threadsafe(pump(), self.loop)
+        try:
+            while True:
+                kind, value = await items.get()
+                if kind == "item":
+                    yield value
+                elif kind == "error":
+                    raise value
+                else:
+                    return
+        finally:
+            if not fut.done():
+                fut.cancel()  # the caller stopped early: the request is aborted, its KV freed
 
     def _stream(self, obj: GenerateReqInput) -> Iterator[dict]:
         items: "queue.Queue[tuple[str, Any]]" = queue.Queue()
