@@ -28,6 +28,7 @@ from sglang.srt.configs.cuda_graph_config import (
 )
 from sglang.srt.server_args_cli import (  # the flags' choices: validated here, offered there
     ATTENTION_BACKENDS,
+    DefaultsHelpFormatter,
     DEVICES,
     DTYPES,
     LOAD_FORMATS,
@@ -452,6 +453,7 @@ def prepare_server_args(argv: list[str]) -> ServerArgs:
     parser = argparse.ArgumentParser(
         prog="python -m sglang.launch_server",
         description="Serve a Hugging Face checkpoint with many LoRA adapters under CUDA graphs.",
+        formatter_class=DefaultsHelpFormatter,
     )
     ServerArgs.add_cli_args(parser)
     return ServerArgs.from_cli_args(parser.parse_args(argv))

@@ -36,6 +36,20 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_REQUESTS_LEVELS = (0, 1, 2)
 
 
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """`--help` shows each flag's default where it has a value to show (not for unset flags,
+    switches that are off, or a help text that already says it)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if (action.help is argparse.SUPPRESS or default in (None, False, argparse.SUPPRESS)
+                or "default" in text.lower() or not action.option_strings):
+            return text
+        shown = " ".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {shown})"
+
+
 def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -> None:
     """Every flag, grouped; `defaults`: ServerArgs' field defaults (server_args.field_defaults)."""
 

@@ -6,7 +6,7 @@
 writes `/tmp/adapters/lora0` ... `lora7` (`adapter_config.json` + `adapter_model.safetensors`, in
 PEFT's layout) and prints one `NAME=PATH` per line, ready for `--lora-paths`. Only the
 checkpoint's `config.json` is read, so a config-only checkpoint for `--load-format dummy` serves
-(`python -m sglang.srt.tools.make_checkpoint --preset qwen3-4b --no-weights`). B is non-zero (PEFT
+(`python -m sglang.srt.tools.make_checkpoint --preset qwen3-4b --out /tmp/qwen3-4b`). B is non-zero (PEFT
 initialises it to zero, which would make every adapter a no-op): benchmarks pay for real work.
 Adapter i uses seed `--seed + i`; the same arguments give byte-identical files.
 """
@@ -53,15 +53,15 @@ def make_adapters(
 
 
 def main(argv: Optional[list[str]] = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m sglang.srt.tools.make_adapter", description=__doc__.split("\n\n")[0])
     p.add_argument("--model-path", required=True, help="checkpoint folder (its config.json is enough)")
     p.add_argument("--out", required=True, help="folder that receives one sub-folder per adapter")
-    p.add_argument("--num", type=int, default=1)
-    p.add_argument("--rank", type=int, default=16)
+    p.add_argument("--num", type=int, default=1, help="how many adapters (default 1)")
+    p.add_argument("--rank", type=int, default=16, help="LoRA rank r (default 16)")
     p.add_argument("--alpha", type=int, default=None, help="lora_alpha (default 2 x rank)")
     p.add_argument("--target-modules", nargs="+", default=["all"],
                    help=f"PEFT projections ({' '.join(PEFT_PROJECTIONS)}) or 'all'")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="adapter i uses seed + i (default 0)")
     p.add_argument("--prefix", default="lora", help="adapter i is named <prefix><i>")
     args = p.parse_args(argv)
     paths = make_adapters(args.model_path, args.out, args.num, args.rank, args.alpha, args.target_modules,
