@@ -80,7 +80,7 @@ class _DeferredSigterm:
         signal.pthread_kill(main_ident, signal.SIGTERM)  # also interrupts a blocking wait
 
 
-def _watch_progress(scheduler: Any, timeout: float, status_conn: Any, rank: RankSpec) -> None:
+def _watch_progress(scheduler: Any, timeout: float, status_conn: Any) -> None:
     """--watchdog-timeout: a rank whose event-loop turn has run `timeout` seconds is hung (a
     collective whose peer stopped, a kernel that never returns): report the stack it is stuck in
     as a crash and exit, so the parent stops the server instead of leaving it unanswering (a gloo
@@ -161,7 +161,7 @@ def run_scheduler_process(
         # Every rank makes the same decisions: one copy of the batch logs (rank 0's) is enough.
         logging.getLogger().setLevel(logging.WARNING)
     if config.watchdog_timeout > 0:
-        threading.Thread(target=_watch_progress, args=(scheduler, config.watchdog_timeout, status_conn, rank),
+        threading.Thread(target=_watch_progress, args=(scheduler, config.watchdog_timeout, status_conn),
                          name="progress-watchdog", daemon=True).start()
     try:
         scheduler.event_loop()

@@ -453,11 +453,11 @@ class TokenizerManager(TokenizerLoRAMixin):
 
     def inject_fault(self, rid_substring: str, where: str = "forward", after_tokens: int = 0,
                      tp_rank: Optional[int] = None) -> None:
-        """Test hook: fail the next forward ("forward", or "decode" for a decode step once the
-        request has `after_tokens` output tokens; "hang": one that never returns) of a request whose rid
-        contains `rid_substring`
-        (on TP rank `tp_rank` only, if given), the next tokenisation of a text containing it
-        ("tokenize"), or the next detokenisation of such a request's output ("detokenize")."""
+        """Test hook: fail the next forward ("forward"; "decode": a decode step once the request
+        has `after_tokens` output tokens; "hang": a forward that never returns) of a request whose
+        rid contains `rid_substring` (on TP rank `tp_rank` only, if given), the next tokenisation
+        of a text containing it ("tokenize"), or the next detokenisation of such a request's output
+        ("detokenize")."""
         if not self.config.enable_test_hooks:
             raise InvalidRequestError("fault injection needs --enable-test-hooks")
         if where in ("tokenize", "detokenize"):
