@@ -195,6 +195,31 @@ def test_unknown_adapter_is_a_not_found_error_listing_the_loaded_ones(client) ->
 
 
 # ---------------------------------------------------------------------------- native /generate
+def test_penalties_bias_and_min_tokens_reach_the_sampler(url, client) -> None:
+    """OpenAI's penalties and logit_bias, and the extensions repetition_penalty and min_tokens, sent
+    by the official client, give what /generate gives with the same parameters (model-level
+    equality with Hugging Face: models/test_penalties_hf.py); a banned token is not chosen."""
+    prompt, n = "The boats were", 10
+    greedy = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+    first = post(url, "/generate", {"text": prompt, "sampling_params": greedy}).json()["output_ids"][0]
+    params = {"frequency_penalty": 1.5, "presence_penalty": -0.5, "repetition_penalty": 1.3,
+              "logit_bias": {str(first): -100}}
+    native = post(url, "/generate", {"text": prompt, "sampling_params": {**greedy, **params}}).json()
+    assert native["output_ids"][0] != first
+    out = client.completions.create(
+        model="demo", prompt=prompt, max_tokens=n, temperature=0, frequency_penalty=1.5, presence_penalty=-0.5,
+        logit_bias={str(first): -100}, extra_body={"repetition_penalty": 1.3, "ignore_eos": True})
+    assert out.choices[0].text == native["text"]
+    # EOS made certain: one token, unless min_tokens holds it back (then it comes right after).
+    eos = server_info(url)["eos_token_ids"][0]
+    msgs = [{"role": "user", "content": "Say something."}]
+    now = client.chat.completions.create(model="demo", messages=msgs, max_tokens=n, logit_bias={str(eos): 100})
+    assert now.usage.completion_tokens == 1 and now.choices[0].finish_reason == "stop"
+    later = client.chat.completions.create(model="demo", messages=msgs, max_tokens=n, logit_bias={str(eos): 100},
+                                           extra_body={"min_tokens": 4})
+    assert later.usage.completion_tokens == 5 and later.choices[0].finish_reason == "stop"
+
+
 def test_generate_batch_and_stream(url) -> None:
     body = {"text": ["The engine reads", "Adapters are"], "sampling_params": {"max_new_tokens": 6, "temperature": 0},
             "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2, "return_text_in_logprobs": True}
@@ -231,7 +256,7 @@ ERROR_CASES = [
     ("/v1/completions", {"model": "demo", "prompt": "hi", "lora_path": "sql"}, 404, "Loaded adapters"),
     ("/v1/chat/completions", {"model": "sql", "messages": [{"role": "user", "content": "hi"}]}, 404,
      "demo-qv-r8"),
-    ("/v1/completions", {"prompt": "hi"} | {"model": "demo", "logit_bias": {"1": 5}}, 400, "logit_bias"),
+    ("/v1/completions", {"prompt": "hi"} | {"model": "demo", "logit_bias": {"1": 500}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      400, "logprobs"),

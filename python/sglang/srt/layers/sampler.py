@@ -6,6 +6,7 @@ filtering of the probabilities, then one draw by the exponential race
 noise from a generator keyed by (seed, step), over the full vocabulary in vocabulary order, so its
 draw at step k is the same whatever batch it is in. Reported logprobs are those of the
 *untempered* distribution (log_softmax of the raw logits), as OpenAI-style APIs report them.
+Penalties and biases (sampling/logit_adjustments.py) change the choice, not the reported logprobs.
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ class Sampler(nn.Module):
     ) -> SamplerOutput:
         """`logits` float32 [B, V]. `sampling_info` None means greedy for every row."""
         logits = logits.float()
+        chosen_from = logits
+        if sampling_info is not None and sampling_info.adjustments is not None:
+            chosen_from = sampling_info.adjustments.apply(logits)  # penalties, biases: not the logprobs
         if sampling_info is None or sampling_info.is_all_greedy:
-            ids = torch.argmax(logits, dim=-1)
+            ids = torch.argmax(chosen_from, dim=-1)
         else:
-            ids = self._sample(logits, sampling_info)
+            ids = self._sample(chosen_from, sampling_info)
         out = SamplerOutput(next_token_ids=ids)
         if return_logprob:
             logprobs = torch.log_softmax(logits, dim=-1)

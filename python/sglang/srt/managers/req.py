@@ -50,6 +50,10 @@ class Req:
         self.extend_len = 0  # tokens of the pass being built (prefill chunk size)
         self.finished_reason: Optional[dict[str, Any]] = None
         self.lora_wait_turns = 0  # turns spent waiting because its adapter did not fit a batch
+        # Its row in the penalties' token-count table, and how many output_ids that row holds
+        # (sampling/token_counts.py); None while it has no row.
+        self.counts_row: Optional[int] = None
+        self.counts_synced = 0
 
         # Logprobs: prompt ones are gathered across chunks and sent once complete.
         self.prompt_logprobs_done = self.logprob_start_len < 0

@@ -7,6 +7,7 @@ gives memory back when a request finishes, is aborted or is retracted.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -20,12 +21,14 @@ from sglang.srt.model_executor.batch_builder import (
     build_extend_batch,
 )
 from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.sampling.logit_adjustments import LogitAdjustments
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.token_counts import TokenCounts
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-__all__ = ["Req", "ScheduleBatch", "release_kv"]
+__all__ = ["LogitContext", "Req", "ScheduleBatch", "release_kv"]
 
 
 def release_kv(req: Req, model_runner: "ModelRunner") -> None:
@@ -55,15 +58,68 @@ def alloc_kv(model_runner: "ModelRunner", n: int, evict: Optional[Callable[[int]
     return model_runner.token_to_kv_pool_allocator.alloc(n)
 
 
-def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int = 0) -> Optional[SamplingBatchInfo]:
-    """The batch's sampling tensors; None when every request is greedy, which the Sampler reads as
-    argmax for every row (what it does with an all-greedy info too) and which costs no tensors and
-    no copies (the CPU measured 168 µs per step at 64 requests for building them). `pending`:
-    tokens each request has sampled that its output_ids do not hold yet (a seeded request's step
-    counts them)."""
+class LogitContext:
+    """What a batch's logit adjustments need besides its requests: the tokens `min_new_tokens`
+    holds back, and the penalties' token-count table (allocated at the first penalised request)."""
+
+    def __init__(self, eos_ids: set[int], vocab_size: int, device: torch.device | str) -> None:
+        self.eos_ids = {t for t in eos_ids if 0 <= t < vocab_size}
+        self.vocab_size = vocab_size
+        self.device = device
+        self._counts: Optional[TokenCounts] = None
+
+    @property
+    def counts(self) -> TokenCounts:
+        if self._counts is None:
+            self._counts = TokenCounts(self.vocab_size, self.device)
+        return self._counts
+
+    def release(self, req: Req) -> None:
+        """The request has ended: its token-count row goes back."""
+        if self._counts is not None:
+            self._counts.release(req)
+
+
+def logit_adjustments_for(reqs: list[Req], ctx: LogitContext, pending: int) -> Optional[LogitAdjustments]:
+    """Penalties, logit biases and min_new_tokens' bans for the batch's rows; None if none applies."""
+    penalties = None
+    penalised = [(i, r) for i, r in enumerate(reqs) if r.sampling_params.needs_token_counts]
+    if penalised:
+        table = ctx.counts
+        index = torch.tensor(table.rows_for([r for _, r in penalised]), dtype=torch.int64).to(ctx.device)
+        params = [r.sampling_params for _, r in penalised]
+        repeats = any(p.repetition_penalty != 1 for p in params)
+        penalties = (
+            [i for i, _ in penalised],
+            table.output_counts.index_select(0, index),
+            table.prompt_seen.index_select(0, index) if repeats else None,
+            [float(p.frequency_penalty) for p in params],
+            [float(p.presence_penalty) for p in params],
+            [float(p.repetition_penalty) for p in params],
+        )
+    biases: list[tuple[int, int, float]] = []
+    for i, r in enumerate(reqs):
+        p = r.sampling_params
+        if p.logit_bias:
+            biases += [(i, t, b) for t, b in p.logit_bias.items()]
+        if len(r.output_ids) + pending < p.min_new_tokens:
+            held_back = set(p.stop_token_ids) | (set() if p.ignore_eos else ctx.eos_ids)
+            biases += [(i, t, -math.inf) for t in sorted(held_back)]
+    return LogitAdjustments.build(penalties, biases, ctx.device)
+
+
+def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int = 0,
+                      logit_ctx: Optional[LogitContext] = None) -> Optional[SamplingBatchInfo]:
+    """The batch's sampling tensors; None when every request is greedy and adjusts no logits,
+    which the Sampler reads as argmax for every row (what it does with an all-greedy info too) and
+    which costs no tensors and no copies (the CPU measured 168 µs per step at 64 requests for
+    building them). `pending`: tokens each request has sampled that its output_ids do not hold
+    yet (a seeded request's step and min_new_tokens count them)."""
     params = [r.sampling_params for r in reqs]
-    if all(p.is_greedy for p in params):
+    adjusting = any(p.adjusts_logits for p in params)
+    if not adjusting and all(p.is_greedy for p in params):
         return None
+    assert logit_ctx is not None or not adjusting, "a request adjusts its logits: the batch needs a LogitContext"
     return SamplingBatchInfo.from_params(
         temperatures=[0.0 if p.is_greedy else float(p.temperature) for p in params],
         top_ps=[float(p.top_p) for p in params],
@@ -72,6 +128,7 @@ def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int 
         seeds=[p.seed for p in params],
         steps=[len(r.output_ids) + pending for r in reqs],
         device=device,
+        adjustments=logit_adjustments_for(reqs, logit_ctx, pending) if adjusting else None,
     )
 
 
@@ -90,10 +147,12 @@ class ScheduleBatch:
     @classmethod
     def prepare_extend(cls, reqs: list[Req], model_runner: "ModelRunner",
                        evict: Optional[Callable[[int], int]] = None,
-                       keep_lora_ids: frozenset = frozenset()) -> "ScheduleBatch":
+                       keep_lora_ids: frozenset = frozenset(),
+                       logit_ctx: Optional[LogitContext] = None) -> "ScheduleBatch":
         """Allocate rows and KV for each request's `extend_len` tokens and build the batch (a
         request admitted with a cached prefix already has its row, holding that prefix).
         `keep_lora_ids`: adapters that stay resident with the batch (ForwardBatch.keep_lora_ids).
+        `logit_ctx`: needed when a request has penalties, a logit bias or min_new_tokens.
 
         Admission already checked that the memory is free or evictable; running out here is a bug.
         """
@@ -127,7 +186,7 @@ class ScheduleBatch:
             req.kv_len = start + n
         fb = build_extend_batch(
             items, pool, model_runner.device,
-            sampling_info=sampling_info_for(reqs, model_runner.device),
+            sampling_info=sampling_info_for(reqs, model_runner.device, logit_ctx=logit_ctx),
             enable_lora=model_runner.lora_manager is not None,
         )
         fb.keep_lora_ids = keep_lora_ids
@@ -136,7 +195,8 @@ class ScheduleBatch:
     @classmethod
     def prepare_decode(cls, reqs: list[Req], model_runner: "ModelRunner",
                        evict: Optional[Callable[[int], int]] = None,
-                       input_ids: Optional[torch.Tensor] = None) -> "ScheduleBatch":
+                       input_ids: Optional[torch.Tensor] = None,
+                       logit_ctx: Optional[LogitContext] = None) -> "ScheduleBatch":
         """One new KV slot per request (the caller made sure there are enough, evictable included).
 
         `input_ids` (device, one per request): the tokens to feed, sampled by a step whose results
@@ -159,9 +219,12 @@ class ScheduleBatch:
             req.kv_len += 1
         fb = build_decode_batch(
             items, model_runner.req_to_token_pool, model_runner.device,
-            sampling_info=sampling_info_for(reqs, model_runner.device, pending),
+            sampling_info=sampling_info_for(reqs, model_runner.device, pending, logit_ctx),
             enable_lora=model_runner.lora_manager is not None,
         )
         if input_ids is not None:
             fb.input_ids.copy_(input_ids)  # queued after the step that samples them
+            adjustments = fb.sampling_info.adjustments if fb.sampling_info is not None else None
+            if adjustments is not None:
+                adjustments.fed_tokens = fb.input_ids.long()  # counted by the penalties, not yet on the host
         return cls(ForwardMode.DECODE, list(reqs), fb)

@@ -40,7 +40,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.prefix_cache import PrefixCache
 from sglang.srt.managers.req import Req
-from sglang.srt.managers.schedule_batch import ScheduleBatch, release_kv
+from sglang.srt.managers.schedule_batch import LogitContext, ScheduleBatch, release_kv
 from sglang.srt.managers.schedule_policy import GroupedLoRAAdmission
 from sglang.srt.managers.scheduler_admission import INIT_NEW_TOKEN_RATIO, SchedulerAdmissionMixin
 from sglang.srt.managers.scheduler_input import receive_messages
@@ -100,6 +100,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         if tokenizer is not None and tokenizer.eos_token_id is not None:
             eos.add(int(tokenizer.eos_token_id))
         self.stop_checker = StopChecker(eos, tokenizer, mr.context_len)
+        self.logit_ctx = LogitContext(eos, mr.model_config.vocab_size, mr.device)
         validate = mr.lora_manager.validate_lora_batch if mr.lora_manager is not None else None
         self.lora_admission = GroupedLoRAAdmission(validate, config.lora_max_wait_turns)
         self.prefix_cache: Optional[PrefixCache] = None if config.disable_radix_cache else PrefixCache(mr)
@@ -257,6 +258,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         if req is self.chunked_req:
             self.chunked_req = None
         self._release(req, insert=reason.get("type") != "abort")
+        self.logit_ctx.release(req)
         self.rid_to_req.pop(req.rid, None)
         self.stats["num_finished"] += 1
         if notify:
@@ -271,9 +273,11 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         and any armed fault applied."""
         if mode.is_extend():
             batch = ScheduleBatch.prepare_extend(reqs, self.model_runner, self._evict,
-                                                 keep_lora_ids=self.keep_resident_for(reqs))
+                                                 keep_lora_ids=self.keep_resident_for(reqs),
+                                                 logit_ctx=self.logit_ctx)
         else:
-            batch = ScheduleBatch.prepare_decode(reqs, self.model_runner, self._evict, input_ids=input_ids)
+            batch = ScheduleBatch.prepare_decode(reqs, self.model_runner, self._evict, input_ids=input_ids,
+                                                 logit_ctx=self.logit_ctx)
         self._prefetch_adapters(reqs)
         self._maybe_inject_fault(batch)
         return batch

@@ -35,7 +35,8 @@ def _top_pairs(top: Optional[TopLogprobs]) -> list[tuple[Optional[float], int]]:
 
 
 class StopChecker:
-    """EOS, `stop_token_ids`, stop strings and `max_new_tokens`, in that order of precedence."""
+    """EOS, `stop_token_ids`, stop strings and `max_new_tokens`, in that order of precedence; only
+    the length before `min_new_tokens` tokens."""
 
     def __init__(self, eos_ids: set[int], tokenizer: Any, context_len: int) -> None:
         self.eos_ids = eos_ids
@@ -45,6 +46,9 @@ class StopChecker:
     def check(self, req: Req) -> Optional[dict[str, Any]]:
         params = req.sampling_params
         token = req.output_ids[-1]
+        if len(req.output_ids) < params.min_new_tokens:
+            # EOS and stop_token_ids were held back from the choice; stop strings wait as well.
+            return self._length_stop(req)
         if token in params.stop_token_ids:
             return {"type": "stop", "matched": token}
         if not params.ignore_eos and token in self.eos_ids:
@@ -53,9 +57,12 @@ class StopChecker:
             matched = find_stop_string(self._tail_text(req), params.stop)
             if matched is not None:
                 return {"type": "stop", "matched": matched}
+        return self._length_stop(req)
+
+    def _length_stop(self, req: Req) -> Optional[dict[str, Any]]:
         if self.stops_by_length(req):
-            if len(req.output_ids) >= params.max_new_tokens:
-                return {"type": "length", "length": params.max_new_tokens}
+            if len(req.output_ids) >= req.sampling_params.max_new_tokens:
+                return {"type": "length", "length": req.sampling_params.max_new_tokens}
             return {"type": "length", "length": len(req.output_ids)}
         return None
 

@@ -7,6 +7,8 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.sampling.logit_adjustments import LogitAdjustments
+
 
 @dataclass
 class SamplingBatchInfo:
@@ -22,6 +24,8 @@ class SamplingBatchInfo:
     # so a seeded request draws the same noise at step k whatever batch it is in.
     seeds: Optional[list[Optional[int]]] = None
     steps: Optional[list[int]] = None
+    # Penalties and biases applied to the logits before the choice (greedy rows included).
+    adjustments: Optional[LogitAdjustments] = None
 
     @classmethod
     def from_params(
@@ -33,6 +37,7 @@ class SamplingBatchInfo:
         seeds: list[Optional[int]],
         steps: list[int],
         device: torch.device | str,
+        adjustments: Optional[LogitAdjustments] = None,
     ) -> "SamplingBatchInfo":
         # Two host->device copies (the float parameters packed, the int ones), not four; from
         # pinned memory on CUDA, so building the batch never waits for the device.
@@ -53,4 +58,5 @@ class SamplingBatchInfo:
             need_min_p_sampling=any(p > 0 for p in min_ps),
             seeds=seeds if any(s is not None for s in seeds) else None,
             steps=steps,
+            adjustments=adjustments,
         )

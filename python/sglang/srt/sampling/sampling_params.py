@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -22,7 +23,13 @@ _FIELDS = {
     "repetition_penalty",
     "no_stop_trim",
     "spaces_between_special_tokens",
+    "min_new_tokens",
+    "logit_bias",
 }
+
+# OpenAI's ranges for the two additive penalties and for a logit bias.
+PENALTY_RANGE = 2.0
+LOGIT_BIAS_RANGE = 100.0
 
 
 def _is_number(x: Any) -> bool:
@@ -31,6 +38,28 @@ def _is_number(x: Any) -> bool:
 
 def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _parse_logit_bias(raw: Any, vocab_size: Optional[int]) -> dict[int, float]:
+    """{token id: bias}; the ids may be strings of integers, as JSON objects (and OpenAI) send them."""
+    if not isinstance(raw, dict):
+        raise ValueError(f"logit_bias must be an object mapping token ids to numbers, got {type(raw).__name__}")
+    out: dict[int, float] = {}
+    for key, bias in raw.items():
+        token: Any = key
+        if isinstance(key, str):
+            try:
+                token = int(key.strip())
+            except ValueError:
+                raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
+        if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
+            where = f"[0, {vocab_size})" if vocab_size is not None else "a non-negative integer"
+            raise ValueError(f"logit_bias: token id {key!r} is outside the vocabulary {where}")
+        if not _is_number(bias) or not math.isfinite(bias) or abs(bias) > LOGIT_BIAS_RANGE:
+            raise ValueError(f"logit_bias: the bias of token {token} must be a number in "
+                             f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {bias!r}")
+        out[token] = float(bias)
+    return out
 
 
 @dataclass
@@ -47,6 +76,16 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     no_stop_trim: bool = False
+    # Logit adjustments (sampling/logit_adjustments.py), applied before temperature and the filters,
+    # to greedy requests too. The additive penalties count the request's generated tokens (OpenAI's
+    # definition); the repetition penalty (HF's) also counts the prompt's.
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    # EOS and stop_token_ids cannot be sampled, and stop strings do not match, before this many tokens.
+    min_new_tokens: int = 0
+    # Token id -> bias added to its logit (OpenAI's logit_bias; -100 in effect bans the token).
+    logit_bias: Optional[dict[int, float]] = None
 
     @classmethod
     def from_dict(cls, data: Optional[dict[str, Any]]) -> "SamplingParams":
@@ -60,16 +99,8 @@ class SamplingParams:
             raise ValueError(f"sampling_params: unknown field(s) {sorted(unknown)}")
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
-            if value is None:
-                continue
-            if key in ("frequency_penalty", "presence_penalty", "repetition_penalty",
-                       "spaces_between_special_tokens"):
-                # Accepted for compatibility; penalties other than the neutral value are refused
-                # below rather than silently ignored.
-                neutral = 1.0 if key == "repetition_penalty" else 0.0
-                if key != "spaces_between_special_tokens" and (not _is_number(value) or value != neutral):
-                    raise ValueError(f"sampling_params.{key} is not supported (only {neutral})")
-                continue
+            if value is None or key == "spaces_between_special_tokens":
+                continue  # accepted for compatibility: detokenisation joins tokens as the tokenizer does
             kwargs[key] = value
         params = cls(**kwargs)
         params.verify()
@@ -109,10 +140,36 @@ class SamplingParams:
             bad = [t for t in self.stop_token_ids if not (0 <= t < vocab_size)]
             if bad:
                 raise ValueError(f"stop_token_ids {bad} are outside the vocabulary [0, {vocab_size})")
+        self._verify_adjustments(vocab_size)
+
+    def _verify_adjustments(self, vocab_size: Optional[int]) -> None:
+        for name in ("frequency_penalty", "presence_penalty"):
+            value = getattr(self, name)
+            if not _is_number(value) or not math.isfinite(value) or abs(value) > PENALTY_RANGE:
+                raise ValueError(f"{name} must be a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value!r}")
+        rp = self.repetition_penalty
+        if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
+            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must not exceed "
+                             f"max_new_tokens ({self.max_new_tokens})")
+        if self.logit_bias is not None:
+            self.logit_bias = _parse_logit_bias(self.logit_bias, vocab_size)
 
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 1e-6 or self.top_k == 1
+
+    @property
+    def needs_token_counts(self) -> bool:
+        """Whether a penalty reads the request's token history (sampling/token_counts.py)."""
+        return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def adjusts_logits(self) -> bool:
+        return self.needs_token_counts or self.min_new_tokens > 0 or bool(self.logit_bias)
 
     def to_dict(self) -> dict[str, Union[int, float, bool, list, None]]:
         return dict(self.__dict__)

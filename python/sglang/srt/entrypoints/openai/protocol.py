@@ -72,6 +72,8 @@ class _SamplingFields(BaseModel):
     top_k: Optional[Int] = None
     min_p: Optional[Num] = Field(None, ge=0.0, le=1.0)
     repetition_penalty: Optional[Num] = None
+    min_tokens: Optional[Int] = Field(None, ge=0)  # vLLM's and SGLang's name for min_new_tokens
+    logit_bias: Optional[dict[str, Num]] = None
     ignore_eos: Bool = False
     stop_token_ids: Optional[list[Int]] = None
     skip_special_tokens: Bool = True
@@ -95,10 +97,12 @@ class _SamplingFields(BaseModel):
         if max_new_tokens is not None:
             params["max_new_tokens"] = max_new_tokens
         for key in ("top_k", "min_p", "stop_token_ids", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty"):
+                    "repetition_penalty", "logit_bias"):
             value = getattr(self, key)
             if value is not None:
                 params[key] = value
+        if self.min_tokens is not None:
+            params["min_new_tokens"] = self.min_tokens
         return params
 
 
@@ -110,7 +114,6 @@ class CompletionRequest(_SamplingFields):
     echo: Bool = False
     best_of: Optional[Int] = Field(None, ge=1)
     suffix: Optional[str] = None
-    logit_bias: Optional[dict[str, float]] = None
 
     @field_validator("prompt", mode="before")
     @classmethod
@@ -188,7 +191,6 @@ class ChatCompletionRequest(_SamplingFields):
     response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
-    logit_bias: Optional[dict[str, float]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     continue_final_message: Bool = False
     add_generation_prompt: Optional[Bool] = None  # vLLM's extension; unset: not continue_final_message

@@ -109,8 +109,7 @@ def stop_list(stop: Any) -> Optional[list[str]]:
 # models accept unknown fields (clients send many this server has no use for), so these would be
 # ignored silently without this list.
 UNSUPPORTED_EXTENSIONS = {
-    "min_tokens": "min_tokens is not supported",
-    "min_new_tokens": "min_new_tokens is not supported",
+    "min_new_tokens": "min_new_tokens is the name on /generate; the OpenAI routes take min_tokens",
     # vLLM's chat `echo` (the last message before the reply); /v1/completions declares its own echo.
     "echo": "echo is not supported on chat completions",
     **{name: f"{name} is not supported: this server has no constrained decoding"
@@ -148,15 +147,6 @@ def reject_unsupported(request: Any) -> None:
         if options.continuous_usage_stats:
             raise InvalidRequestError("stream_options.continuous_usage_stats is not supported",
                                       param="stream_options")
-    if getattr(request, "logit_bias", None):
-        raise InvalidRequestError("logit_bias is not supported", param="logit_bias")
-    for name in ("presence_penalty", "frequency_penalty"):
-        value = getattr(request, name, None)
-        if value not in (None, 0, 0.0):
-            raise InvalidRequestError(f"{name} is not supported (only 0)", param=name)
-    rp = getattr(request, "repetition_penalty", None)
-    if rp not in (None, 1, 1.0):
-        raise InvalidRequestError("repetition_penalty is not supported (only 1.0)", param="repetition_penalty")
     top_k = getattr(request, "top_k", None)
     if top_k is not None and (top_k == 0 or top_k < -1):
         raise InvalidRequestError(f"top_k must be -1 (disabled) or a positive integer, got {top_k}", param="top_k")

@@ -43,7 +43,8 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
     "continue_final_message",
 })
 # The native fields an error of the shared request path may name, as this route calls them.
-CHAT_PARAMS = {"max_new_tokens": "max_tokens", "top_logprobs_num": "top_logprobs", "input_ids": "messages",
+CHAT_PARAMS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+               "top_logprobs_num": "top_logprobs", "input_ids": "messages",
                "text": "messages", "prompt": "messages"}
 
 

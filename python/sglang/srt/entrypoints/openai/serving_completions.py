@@ -30,7 +30,8 @@ from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 
 # The native fields an error of the shared request path may name, as this route calls them.
-COMPLETION_PARAMS = {"max_new_tokens": "max_tokens", "top_logprobs_num": "logprobs", "input_ids": "prompt",
+COMPLETION_PARAMS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
+                     "top_logprobs_num": "logprobs", "input_ids": "prompt",
                      "text": "prompt"}
 
 
