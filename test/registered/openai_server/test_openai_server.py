@@ -220,6 +220,30 @@ def test_penalties_bias_and_min_tokens_reach_the_sampler(url, client) -> None:
     assert later.usage.completion_tokens == 5 and later.choices[0].finish_reason == "stop"
 
 
+def test_tokenize_and_detokenize(url, client) -> None:
+    """/tokenize counts what the server will serve (a completion's and a chat's prompt_tokens),
+    /detokenize reads it back; both under /v1 too (vLLM's paths), with SGLang's and vLLM's fields."""
+    text = "The boats were"
+    r = post(url, "/tokenize", {"prompt": text})
+    assert r.status_code == 200, r.text
+    one = r.json()
+    served = client.completions.create(model="demo", prompt=text, max_tokens=1)
+    assert one["count"] == len(one["tokens"]) == served.usage.prompt_tokens
+    assert one["char_count"] == len(text) and one["max_model_len"] == server_info(url)["context_len"]
+    assert post(url, "/v1/tokenize", {"model": "demo-qv-r8", "prompt": text}).json() == one
+    bare = post(url, "/tokenize", {"prompt": text, "add_special_tokens": False, "return_token_strs": True}).json()
+    assert len(bare["token_strs"]) == bare["count"] <= one["count"]
+    batch = post(url, "/tokenize", {"prompt": [text, "Numbers"]}).json()
+    assert batch["tokens"][0] == one["tokens"] and len(batch["count"]) == 2
+    msgs = [{"role": "user", "content": "Say something."}]
+    chat = post(url, "/v1/tokenize", {"model": "demo", "messages": msgs}).json()
+    assert chat["count"] == client.chat.completions.create(model="demo", messages=msgs, max_tokens=1).usage.prompt_tokens
+    back = post(url, "/detokenize", {"tokens": bare["tokens"]}).json()
+    assert back["text"] == back["prompt"] == text
+    both = post(url, "/v1/detokenize", {"tokens": [bare["tokens"], []]}).json()
+    assert both["text"] == [text, ""]
+
+
 def test_generate_batch_and_stream(url) -> None:
     body = {"text": ["The engine reads", "Adapters are"], "sampling_params": {"max_new_tokens": 6, "temperature": 0},
             "return_logprob": True, "logprob_start_len": 1, "top_logprobs_num": 2, "return_text_in_logprobs": True}
@@ -258,6 +282,16 @@ ERROR_CASES = [
      "demo-qv-r8"),
     ("/v1/completions", {"prompt": "hi"} | {"model": "demo", "logit_bias": {"1": 500}}, 400, "logit_bias"),
     ("/v1/chat/completions", {"model": "demo", "messages": []}, 400, "messages"),
+    ("/tokenize", {"prompt": "hi", "messages": [{"role": "user", "content": "hi"}]}, 400, "exactly one of"),
+    ("/tokenize", {}, 400, "exactly one of"),
+    ("/tokenize", {"prompt": "hi", "tokenize_extra": 1}, 400, "tokenize_extra"),
+    ("/v1/tokenize", {"model": "nope", "prompt": "hi"}, 404, "does not exist"),
+    ("/tokenize", {"prompt": 5}, 400, "prompt"),
+    ("/tokenize", {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "role must be one of"),
+    ("/detokenize", {"tokens": [1, 99999]}, 400, "token id 99999 is outside the vocabulary"),
+    ("/v1/detokenize", {"tokens": "abc"}, 400, "tokens"),
+    ("/detokenize", {"tokens": [[1], 2]}, 400, "tokens"),
+    ("/detokenize", '[1, 2]', 400, "JSON object"),
     ("/v1/chat/completions", {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      400, "logprobs"),
     ("/generate", {"text": "hi", "sampling_params": {"temperature": -1}}, 400, "temperature"),

@@ -30,10 +30,18 @@ from sglang.srt.entrypoints.openai.errors import (
     install_error_handlers,
     sse_error,
 )
-from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, ModelCard, ModelList
+from sglang.srt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+)
 from sglang.srt.entrypoints.openai.serving_base import prime, server_failure, sse, streaming_response
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.entrypoints.openai.serving_tokenize import OpenAIServingTokenize
 from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError, ModelNotFoundError
 from sglang.srt.configs.lora_ref import LoRAUpdateOutput
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
@@ -119,6 +127,7 @@ def _lora_update_response(out: LoRAUpdateOutput, status: int) -> JSONBody:
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     completions = OpenAIServingCompletion(tm)
     chat = OpenAIServingChat(tm)
+    tokens = OpenAIServingTokenize(tm)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
@@ -215,6 +224,17 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def v1_chat(request: Request) -> Response:
         return await chat.handle(_validate(ChatCompletionRequest, await _json_body(request)), request)
+
+    async def tokenize(request: Request) -> Response:
+        return JSONBody(await tokens.tokenize(_validate(TokenizeRequest, await _json_body(request))))
+
+    async def detokenize(request: Request) -> Response:
+        return JSONBody(tokens.detokenize(_validate(DetokenizeRequest, await _json_body(request))))
+
+    # SGLang serves these without the /v1 prefix, vLLM with it (and without): accept both.
+    for prefix in ("", "/v1"):
+        app.add_api_route(f"{prefix}/tokenize", tokenize, methods=["POST"])
+        app.add_api_route(f"{prefix}/detokenize", detokenize, methods=["POST"])
 
     # ------------------------------------------------------------------ adapters
     async def lora_request_body(request: Request, fields: set[str]) -> Any:

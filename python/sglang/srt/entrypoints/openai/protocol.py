@@ -282,3 +282,28 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- tokenize / detokenize
+class TokenizeRequest(BaseModel):
+    """/tokenize (SGLang) and /v1/tokenize (vLLM): a prompt, a list of prompts, or chat messages
+    (then the ids a chat request with the same fields would be served with)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    prompt: Optional[Union[str, list[str]]] = None
+    messages: Optional[list[ChatMessage]] = Field(None, min_length=1)
+    add_special_tokens: Bool = True  # prompts only: a chat template holds its own special tokens
+    add_generation_prompt: Optional[Bool] = None
+    continue_final_message: Bool = False
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    return_token_strs: Bool = False
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    model: Optional[str] = None
+    tokens: Union[list[Int], list[list[Int]]]
+    skip_special_tokens: Bool = True

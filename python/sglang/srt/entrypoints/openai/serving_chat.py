@@ -77,6 +77,31 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+async def chat_prompt_ids(tm: TokenizerManager, req: Any) -> list[int]:
+    """The prompt tokens of a chat request: its messages through the chat template, with
+    `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs` (a
+    ChatCompletionRequest, or /tokenize's request, which has the same fields)."""
+    kwargs = dict(req.chat_template_kwargs or {})
+    reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
+    if reserved:
+        raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}: the server sets them",
+                                  param="chat_template_kwargs")
+    if req.continue_final_message and req.add_generation_prompt:
+        raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true",
+                                  param="add_generation_prompt")
+    add_generation_prompt = (not req.continue_final_message if req.add_generation_prompt is None
+                             else req.add_generation_prompt)
+    # The request's own fields first; the template's kwargs may override add_generation_prompt.
+    kwargs = {"add_generation_prompt": add_generation_prompt, **kwargs}
+    if req.continue_final_message:
+        kwargs["continue_final_message"] = True
+    messages = _message_dicts(req)
+    chars = sum(len(m["content"]) for m in messages)
+    # The template already holds any BOS token; do not add another.
+    return await tm.off_loop(
+        lambda: tm.encode(tm.apply_chat_template(messages, **kwargs), add_special_tokens=False), chars)
+
+
 class OpenAIServingChat:
     def __init__(self, tokenizer_manager: TokenizerManager) -> None:
         self.tm = tokenizer_manager
@@ -97,25 +122,7 @@ class OpenAIServingChat:
         if isinstance(req.lora_path, list):
             raise InvalidRequestError("lora_path must be a string for a chat request", param="lora_path")
         adapter = self.tm.adapter_from_model(req.model, req.lora_path)
-        kwargs = dict(req.chat_template_kwargs or {})
-        reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
-        if reserved:
-            raise InvalidRequestError(f"chat_template_kwargs may not set {reserved}: the server sets them",
-                                      param="chat_template_kwargs")
-        if req.continue_final_message and req.add_generation_prompt:
-            raise InvalidRequestError("add_generation_prompt and continue_final_message cannot both be true",
-                                      param="add_generation_prompt")
-        add_generation_prompt = (not req.continue_final_message if req.add_generation_prompt is None
-                                 else req.add_generation_prompt)
-        # The request's own fields first; the template's kwargs may override add_generation_prompt.
-        kwargs = {"add_generation_prompt": add_generation_prompt, **kwargs}
-        if req.continue_final_message:
-            kwargs["continue_final_message"] = True
-        messages = _message_dicts(req)
-        chars = sum(len(m["content"]) for m in messages)
-        # The template already holds any BOS token; do not add another.
-        input_ids = await self.tm.off_loop(
-            lambda: self.tm.encode(self.tm.apply_chat_template(messages, **kwargs), add_special_tokens=False), chars)
+        input_ids = await chat_prompt_ids(self.tm, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         return GenerateReqInput(
             input_ids=input_ids,
