@@ -54,6 +54,10 @@ class Req:
         # (sampling/token_counts.py); None while it has no row.
         self.counts_row: Optional[int] = None
         self.counts_synced = 0
+        # Its logit_bias and min_new_tokens' held-back tokens as (token ids, values) on the device,
+        # built at its first batch (managers/schedule_batch.py).
+        self.logit_bias_tensors: Optional[tuple[Any, Any]] = None
+        self.held_back_tensors: Optional[tuple[Any, Any]] = None
 
         # Logprobs: prompt ones are gathered across chunks and sent once complete.
         self.prompt_logprobs_done = self.logprob_start_len < 0

@@ -97,15 +97,35 @@ def logit_adjustments_for(reqs: list[Req], ctx: LogitContext, pending: int) -> O
             [float(p.presence_penalty) for p in params],
             [float(p.repetition_penalty) for p in params],
         )
-    biases: list[tuple[int, int, float]] = []
+    # (row, its bias tensors): a request's tensors are built once, so a long logit_bias costs its
+    # length in Python once, not every step.
+    parts: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
     for i, r in enumerate(reqs):
         p = r.sampling_params
         if p.logit_bias:
-            biases += [(i, t, b) for t, b in p.logit_bias.items()]
+            if r.logit_bias_tensors is None:
+                r.logit_bias_tensors = _bias_tensors(sorted(p.logit_bias.items()), ctx.device)
+            parts.append((i, r.logit_bias_tensors))
         if len(r.output_ids) + pending < p.min_new_tokens:
-            held_back = set(p.stop_token_ids) | (set() if p.ignore_eos else ctx.eos_ids)
-            biases += [(i, t, -math.inf) for t in sorted(held_back)]
+            if r.held_back_tensors is None:
+                held_back = set(p.stop_token_ids) | (set() if p.ignore_eos else ctx.eos_ids)
+                r.held_back_tensors = _bias_tensors([(t, -math.inf) for t in sorted(held_back)], ctx.device)
+            if len(r.held_back_tensors[0]):
+                parts.append((i, r.held_back_tensors))
+    biases = None
+    if parts:
+        lengths = torch.tensor([len(t[0]) for _, t in parts], dtype=torch.int64)
+        rows = torch.repeat_interleave(torch.tensor([i for i, _ in parts], dtype=torch.int64), lengths)
+        biases = (rows.to(ctx.device, non_blocking=True), torch.cat([t[0] for _, t in parts]),
+                  torch.cat([t[1] for _, t in parts]))
     return LogitAdjustments.build(penalties, biases, ctx.device)
+
+
+def _bias_tensors(pairs: list[tuple[int, float]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(token ids int64, values float32) on the device."""
+    tokens = torch.tensor([t for t, _ in pairs], dtype=torch.int64).to(device, non_blocking=True)
+    values = torch.tensor([v for _, v in pairs], dtype=torch.float32).to(device, non_blocking=True)
+    return tokens, values
 
 
 def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int = 0,

@@ -47,13 +47,13 @@ class LogitAdjustments:
     def build(
         cls,
         penalties: Optional[tuple[list[int], torch.Tensor, Optional[torch.Tensor], list[float], list[float], list[float]]],
-        biases: list[tuple[int, int, float]],
+        biases: Optional[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
         device: torch.device | str,
     ) -> Optional["LogitAdjustments"]:
         """`penalties`: (rows, their output counts, their prompt presence, frequency, presence,
-        repetition per row), the tables already gathered on the device; `biases`: (row, token,
-        value) triples. None when there is nothing to adjust."""
-        if penalties is None and not biases:
+        repetition per row), the tables already gathered on the device; `biases`: (rows, tokens,
+        values) on the device. None when there is nothing to adjust."""
+        if penalties is None and biases is None:
             return None
         out = cls()
         if penalties is not None:
@@ -67,11 +67,8 @@ class LogitAdjustments:
                 presence=floats[1].unsqueeze(1),
                 repetition=floats[2].unsqueeze(1),
             )
-        if biases:
-            rows_, tokens, values = zip(*biases)
-            index = torch.tensor([rows_, tokens], dtype=torch.int64).to(device, non_blocking=True)
-            out.bias_rows, out.bias_tokens = index[0], index[1]
-            out.bias_values = torch.tensor(values, dtype=torch.float32).to(device, non_blocking=True)
+        if biases is not None:
+            out.bias_rows, out.bias_tokens, out.bias_values = biases
         return out
 
     def apply(self, logits: torch.Tensor) -> torch.Tensor:
