@@ -218,6 +218,8 @@ def test_penalties_bias_and_min_tokens_reach_the_sampler(url, client) -> None:
     later = client.chat.completions.create(model="demo", messages=msgs, max_tokens=n, logit_bias={str(eos): 100},
                                            extra_body={"min_tokens": 4})
     assert later.usage.completion_tokens == 5 and later.choices[0].finish_reason == "stop"
+    check = server_info(url)["last_integrity_check"]
+    assert check["ok"] and check["token_count_rows_used"] == 0, check  # every penalised request gave its row back
 
 
 def test_tokenize_and_detokenize(url, client) -> None:
@@ -348,8 +350,10 @@ def wait_for_free_kv(url: str, expected: int, timeout: float = 20.0) -> dict:
 
 def test_client_disconnect_frees_kv(url) -> None:
     initial = server_info(url)["kv_available_tokens"]
+    # Penalised: its row of the penalties' token-count table must go back with its KV.
     body = {"text": "A long story:", "stream": True,
-            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
+            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0,
+                                "frequency_penalty": 0.5}}
     r = post(url, "/generate", body, stream=True)
     lines = r.iter_lines()
     got = 0
@@ -362,7 +366,7 @@ def test_client_disconnect_frees_kv(url) -> None:
     r.close()  # the client goes away mid-stream
     info = wait_for_free_kv(url, initial)
     assert info["kv_available_tokens"] == initial and info["num_running_reqs"] == 0
-    assert info["last_integrity_check"]["ok"]
+    assert info["last_integrity_check"]["ok"] and info["last_integrity_check"]["token_count_rows_used"] == 0
 
 
 def test_non_streaming_disconnect_frees_kv(url, server) -> None:

@@ -74,6 +74,10 @@ class LogitContext:
             self._counts = TokenCounts(self.vocab_size, self.device)
         return self._counts
 
+    @property
+    def token_counts_if_any(self) -> Optional[TokenCounts]:
+        return self._counts
+
     def release(self, req: Req) -> None:
         """The request has ended: its token-count row goes back."""
         if self._counts is not None:

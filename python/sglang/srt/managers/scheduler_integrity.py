@@ -101,12 +101,22 @@ class SchedulerIntegrityMixin:
             problems.append(("orphaned_requests", f"{len(orphans)} request(s) neither queued nor running: "
                                                   f"{orphans[:5]}"))
 
+        counts_table = self.logit_ctx.token_counts_if_any
+        counts_rows_used = 0
+        if counts_table is not None:
+            # Penalised requests own a row of the token-count table until they finish (a retracted
+            # one keeps it while it waits); any other row in use is a leak.
+            held = [r.counts_row for r in holders + self.waiting if r.counts_row is not None]
+            counts_rows_used = counts_table.rows_in_use
+            if counts_rows_used != len(held) or duplicates(held + counts_table.free_rows):
+                problems.append(("token_count_rows", f"penalty token-count rows: {counts_rows_used} in use, "
+                                                     f"{len(held)} held by queued or running requests"))
         counts: dict[str, Any] = {
             "idle": idle, "kv_free": kv_free, "kv_used": kv_used, "kv_total": kv_total, "kv_cached": kv_cached,
             "kv_evictable": tree.evictable_size if tree is not None else 0,
             "kv_protected": tree.protected_size if tree is not None else 0,
             "rows_free": rows_free, "rows_used": rows_used, "rows_total": self.total_rows,
-            "num_requests": len(self.rid_to_req),
+            "num_requests": len(self.rid_to_req), "token_count_rows_used": counts_rows_used,
         }
         lora = self.model_runner.lora_manager
         if lora is not None:
