@@ -101,6 +101,10 @@ def test_stop_string_is_removed_in_both_modes(client) -> None:
     assert base.startswith(full.text) and base[len(full.text):].startswith(stop)
     streamed = "".join(c.choices[0].text for c in client.completions.create(stop=stop, stream=True, **kw))
     assert streamed == full.text
+    # Kept on request: SGLang's no_stop_trim and vLLM's include_stop_str_in_output.
+    for extra in ({"no_stop_trim": True}, {"include_stop_str_in_output": True}):
+        kept = client.completions.create(stop=[stop], extra_body=extra, **kw).choices[0]
+        assert kept.text == full.text + stop, extra
 
 
 def test_echo_with_prompt_logprobs(client) -> None:

@@ -110,11 +110,27 @@ def stop_list(stop: Any) -> Optional[list[str]]:
 # ignored silently without this list.
 UNSUPPORTED_EXTENSIONS = {
     "min_new_tokens": "min_new_tokens is the name on /generate; the OpenAI routes take min_tokens",
+    # vLLM's sampling extensions this server does not implement.
+    "allowed_token_ids": "allowed_token_ids is not supported (logit_bias can ban tokens)",
+    "bad_words": "bad_words is not supported",
+    "prompt_logprobs": "prompt_logprobs is not supported; on /v1/completions, echo with logprobs returns them",
+    "use_beam_search": "beam search is not supported",
+    "length_penalty": "length_penalty (beam search) is not supported",
+    "truncate_prompt_tokens": "truncate_prompt_tokens is not supported",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not supported",
+    "logits_processors": "logits_processors is not supported",
     # vLLM's chat `echo` (the last message before the reply); /v1/completions declares its own echo.
     "echo": "echo is not supported on chat completions",
     **{name: f"{name} is not supported: this server has no constrained decoding"
        for name in ("regex", "json_schema", "ebnf", "structural_tag", "guided_json", "guided_regex",
                     "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs")},
+}
+
+
+# Values of those extensions that ask for nothing (clients send some by default), so not refused.
+NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],),
+    "return_tokens_as_token_ids": (False,), "logits_processors": ([],),
 }
 
 
@@ -133,7 +149,8 @@ def reject_unsupported(request: Any) -> None:
     """Refuse, rather than silently ignore, options that would change the output."""
     extra = getattr(request, "model_extra", None) or {}
     for name, message in UNSUPPORTED_EXTENSIONS.items():
-        if extra.get(name) is not None:
+        value = extra.get(name)
+        if value is not None and not any(value == v and type(value) is type(v) for v in NEUTRAL_VALUES.get(name, ())):
             raise InvalidRequestError(message, param=name)
     response_format = getattr(request, "response_format", None) or extra.get("response_format")
     if response_format is not None:
