@@ -57,14 +57,20 @@ def prompts(ckpt) -> list[list[int]]:
     return [tok(p).input_ids for p in PROMPTS]
 
 
-@pytest.fixture(scope="module", params=["ordinary", "overlap"])
+# On the GPU: CUDA graphs and the overlap schedule, as a CUDA server runs by default (the
+# adjustments run in the eager tail after the graph replay).
+SETUPS = {"ordinary": dict(device="cpu", enable_overlap_schedule=False),
+          "overlap": dict(device="cpu", enable_overlap_schedule=True),
+          "cuda": dict(device="cuda")}
+
+
+@pytest.fixture(scope="module", params=["ordinary", "overlap", pytest.param("cuda", marks=pytest.mark.gpu)])
 def engine(request, ckpt):
     from sglang import Engine
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("SGLANG_CACHE_DIR", cache_dir_for_tests())
-        eng = Engine(model_path=ckpt, device="cpu", dtype="float32", random_seed=0,
-                     enable_overlap_schedule=request.param == "overlap")
+        eng = Engine(model_path=ckpt, dtype="float32", random_seed=0, **SETUPS[request.param])
     yield eng
     eng.shutdown()
 
