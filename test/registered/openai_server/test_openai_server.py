@@ -65,6 +65,27 @@ def test_completion_streamed_equals_non_streamed(client) -> None:
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == full.choices[0].finish_reason
 
 
+def test_continuous_usage_stats(client) -> None:
+    """vLLM's stream_options.continuous_usage_stats: every chunk carries the usage so far (with
+    include_usage, as there), ending at the final usage chunk's numbers."""
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    kw = dict(model="demo", prompt=["The boats were painted", "Numbers"], n=2, max_tokens=6, temperature=0,
+              stream=True, extra_body={"ignore_eos": True})
+    plain = list(client.completions.create(stream_options={"include_usage": True}, **kw))
+    assert all(c.usage is None for c in plain[:-1])
+    chunks = list(client.completions.create(stream_options=options, **kw))
+    final = chunks[-1].usage
+    assert final == plain[-1].usage and final.completion_tokens == 4 * 6
+    counts = [c.usage.completion_tokens for c in chunks[:-1]]
+    assert all(c.usage is not None for c in chunks) and counts == sorted(counts) and counts[-1] == 24
+    assert chunks[-2].usage == final
+    msgs = [{"role": "user", "content": "Tell me about Mira."}]
+    chat = list(client.chat.completions.create(model="demo", messages=msgs, max_tokens=5, stream=True,
+                                               stream_options=options, extra_body={"ignore_eos": True}))
+    assert chat[0].usage.completion_tokens == 0 and chat[-2].usage == chat[-1].usage
+    assert chat[-1].usage.completion_tokens == 5
+
+
 def test_chat_streamed_equals_non_streamed(client) -> None:
     messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Tell me about Mira."}]
     full = client.chat.completions.create(model="demo", messages=messages, max_completion_tokens=10, temperature=0)

@@ -145,6 +145,13 @@ def openai_param_names(names: dict[str, str]) -> Iterator[None]:
         raise
 
 
+def continuous_usage(request: Any) -> bool:
+    """Whether every streamed chunk carries the usage so far (vLLM's `continuous_usage_stats`,
+    which, as there, takes effect with `include_usage`)."""
+    options = getattr(request, "stream_options", None)
+    return options is not None and options.include_usage and options.continuous_usage_stats
+
+
 def reject_unsupported(request: Any) -> None:
     """Refuse, rather than silently ignore, options that would change the output."""
     extra = getattr(request, "model_extra", None) or {}
@@ -161,9 +168,6 @@ def reject_unsupported(request: Any) -> None:
     if options is not None:
         if not request.stream:
             raise InvalidRequestError("stream_options is only allowed when stream is true", param="stream_options")
-        if options.continuous_usage_stats:
-            raise InvalidRequestError("stream_options.continuous_usage_stats is not supported",
-                                      param="stream_options")
     top_k = getattr(request, "top_k", None)
     if top_k is not None and (top_k == 0 or top_k < -1):
         raise InvalidRequestError(f"top_k must be -1 (disabled) or a positive integer, got {top_k}", param="top_k")

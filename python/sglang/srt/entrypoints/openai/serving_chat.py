@@ -24,6 +24,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 )
 from sglang.srt.entrypoints.openai.serving_base import (
     finish_reason,
+    continuous_usage,
     openai_param_names,
     prime,
     reject_unsupported,
@@ -176,8 +177,13 @@ class OpenAIServingChat:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
+        continuous = continuous_usage(req)
+
         def chunk(choice: ChatStreamChoice) -> str:
-            return sse(ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[choice]))
+            usage = None
+            if continuous:
+                usage = UsageInfo.of(prompt_tokens, sum(completion.values()), self._reported(cached_tokens))
+            return sse(ChatCompletionChunk(id=rid, created=created, model=req.model, choices=[choice], usage=usage))
 
         sent_text: dict[int, int] = {}
         sent_lp: dict[int, int] = {}
@@ -186,17 +192,18 @@ class OpenAIServingChat:
         async for out in outs:
             index = out.get("index", 0)
             reason, matched = finish_reason(out)
+            prompt_tokens = out["meta_info"]["prompt_tokens"]
+            if index == 0:
+                cached_tokens = out["meta_info"]["cached_tokens"]
             if index not in sent_text:
                 sent_text[index] = 0
+                completion[index] = 0
                 yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
             text = out["text"]
             delta = text[sent_text[index]:]
             logprobs = self._logprobs(req, out, start=sent_lp.get(index, 0))
             sent_text[index] = len(text)
             sent_lp[index] = len(out["meta_info"].get("output_token_logprobs", []))
-            prompt_tokens = out["meta_info"]["prompt_tokens"]
-            if index == 0:
-                cached_tokens = out["meta_info"]["cached_tokens"]
             completion[index] = out["meta_info"]["completion_tokens"]
             if not delta and reason is None and not (logprobs and logprobs.content):
                 continue

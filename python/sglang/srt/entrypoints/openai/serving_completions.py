@@ -19,6 +19,7 @@ from sglang.srt.entrypoints.openai.protocol import (
 )
 from sglang.srt.entrypoints.openai.serving_base import (
     finish_reason,
+    continuous_usage,
     openai_param_names,
     prime,
     reject_unsupported,
@@ -158,6 +159,8 @@ class OpenAIServingCompletion:
         # character is held back).
         next_offset: dict[int, int] = {}
         finals: dict[int, dict] = {}
+        latest: dict[int, dict] = {}  # each choice's last news, for continuous usage
+        continuous = continuous_usage(req)
         async for out in outs:
             index = out.get("index", 0)
             reason, matched = finish_reason(out)
@@ -177,11 +180,15 @@ class OpenAIServingCompletion:
                 delta = prompt_texts[index // req.n] + delta
             sent_text[index] = len(text)
             sent_lp[index] = n_lp
+            latest[index] = out
             if not delta and reason is None and not (logprobs and logprobs.tokens):
                 continue
             choice = CompletionChoice(index=index, text=delta, logprobs=logprobs, finish_reason=reason,
                                       matched_stop=matched)
-            yield sse(CompletionChunk(id=rid, created=created, model=req.model, choices=[choice]))
+            usage = None
+            if continuous:
+                usage = _usage(list(latest.values()), 1, self.tm.config.enable_cache_report, prompts_of=req.n)
+            yield sse(CompletionChunk(id=rid, created=created, model=req.model, choices=[choice], usage=usage))
             if reason is not None:
                 finals[index] = out
         if req.stream_options is not None and req.stream_options.include_usage:
@@ -200,9 +207,15 @@ def top_logprobs_entry(top: list, token_text: Callable[[int], str]) -> dict[str,
     return entry
 
 
-def _usage(results: list[dict], n: int, report_cached: bool) -> UsageInfo:
+def _usage(results: list[dict], n: int, report_cached: bool, prompts_of: int = 0) -> UsageInfo:
+    """Usage of `results`, every n-th one starting a prompt; with `prompts_of` = n instead, the
+    results are those of the choices begun so far (any subset), their prompt read from the index."""
     # A prompt sampled n times is counted once, as OpenAI does.
-    prompt = sum(r["meta_info"]["prompt_tokens"] for r in results[::n])
-    cached = sum(r["meta_info"]["cached_tokens"] for r in results[::n])
+    firsts = results[::n]
+    if prompts_of:
+        by_prompt = {r.get("index", 0) // prompts_of: r for r in results}
+        firsts = list(by_prompt.values())
+    prompt = sum(r["meta_info"]["prompt_tokens"] for r in firsts)
+    cached = sum(r["meta_info"]["cached_tokens"] for r in firsts)
     completion = sum(r["meta_info"]["completion_tokens"] for r in results)
     return UsageInfo.of(prompt, completion, cached if report_cached else None)
