@@ -134,3 +134,35 @@ def test_min_new_tokens_holds_back_stop_strings_and_stop_ids(engine, prompts) ->
     held = engine.generate(input_ids=prompts[1], sampling_params={**base, "stop_token_ids": [stop_id],
                                                                   "min_new_tokens": 4})
     assert len(held["output_ids"]) >= 4 and stop_id not in held["output_ids"][:4]
+
+
+def test_min_new_tokens_and_stop_strings(engine, ckpt, prompts) -> None:
+    """A stop string within the text of the first min_new_tokens tokens does not count (it is
+    neither matched nor cut); a later one does, streamed or not (vLLM's semantics)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ckpt)
+    base = {"max_new_tokens": 16, "temperature": 0.0, "ignore_eos": True}
+    checked = 0
+    for prompt in prompts:
+        free = engine.generate(input_ids=prompt, sampling_params=base)
+        ids, text = free["output_ids"], free["text"]
+        for k in range(1, 6):  # a stop string that the k-th token's text completes
+            piece = tok.decode(ids[:k])[-2:]
+            if len(piece.strip()) < 2 or piece not in text:
+                continue
+            cut = text.find(piece)
+            early = engine.generate(input_ids=prompt, sampling_params={**base, "stop": [piece]})
+            assert early["text"] == text[:cut] and early["meta_info"]["finish_reason"]["matched"] == piece
+            params = {**base, "stop": [piece], "min_new_tokens": 8}
+            held = engine.generate(input_ids=prompt, sampling_params=params)
+            protected = len(tok.decode(ids[:8]))
+            later = text.find(piece, max(0, protected - len(piece) + 1))
+            assert held["text"] == (text if later == -1 else text[:later]), (piece, held)
+            assert len(held["output_ids"]) >= 8 and held["output_ids"] == ids[:len(held["output_ids"])]
+            streamed = list(engine.generate(input_ids=prompt, sampling_params=params, stream=True))
+            assert streamed[-1]["text"] == held["text"]
+            assert all(held["text"].startswith(c["text"]) for c in streamed)
+            checked += 1
+            break
+    assert checked >= 2

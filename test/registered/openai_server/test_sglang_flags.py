@@ -32,12 +32,14 @@ def plain(ckpt):
 
 @pytest.fixture(scope="module")
 def custom(ckpt, tmp_path_factory):
-    """A chat template file, --log-requests-level 2, --enable-cache-report and --max-top-logprobs 30."""
+    """A chat template file, --log-requests-level 2, --enable-cache-report, --max-top-logprobs 30 and
+    --decode-log-interval 1."""
     path = tmp_path_factory.mktemp("template") / "chat.jinja"
     path.write_text(TEMPLATE)
     proc, url = popen_launch_server(ckpt, [
         "--device", "cpu", "--served-model-name", "m", "--chat-template", str(path), "--log-requests",
         "--log-requests-level", "2", "--enable-cache-report", "--schedule-policy", "lpm", "--max-top-logprobs", "30",
+        "--decode-log-interval", "1",
     ])
     yield proc, url
     kill_server(proc)
@@ -121,6 +123,25 @@ def test_log_requests_one_line_per_request_and_no_text_below_level_2(plain, cust
     assert SECRET not in line0 and "sampling_params" not in line0
     (line2,) = _finished_lines(custom[0], "log-2")
     assert SECRET in line2 and "'temperature': 0.5" in line2 and "completion_tokens=4" in line2
+    # A setting of 0 is logged (0 == False in Python; it once dropped temperature 0 and seed 0).
+    r = requests.post(f"{custom[1]}/generate", json={"text": "zero", "rid": "log-zero", "sampling_params": {
+        "max_new_tokens": 3, "temperature": 0, "seed": 0, "ignore_eos": True}}, timeout=60)
+    assert r.status_code == 200, r.text
+    (line,) = _finished_lines(custom[0], "log-zero")
+    assert "'temperature': 0" in line and "'seed': 0" in line, line
+
+
+def test_decode_log_lines_describe_the_step_that_ran(custom):
+    """--decode-log-interval 1: each line's #token is the KV of the step it reports, read before
+    the requests that finished in it gave theirs back (the last step once read 0)."""
+    r = requests.post(f"{custom[1]}/generate", json={"text": "count the steps", "sampling_params": {
+        "max_new_tokens": 5, "temperature": 0, "ignore_eos": True}}, timeout=60)
+    assert r.status_code == 200, r.text
+    lines = [ln for ln in read_log(custom[0]).splitlines() if "Decode batch, #running-req: " in ln]
+    assert lines
+    for ln in lines:
+        running, used = map(int, re.search(r"#running-req: (\d+), #token: (\d+)", ln).groups())
+        assert used >= running > 0, ln
 
 
 @pytest.mark.parametrize("argv, needle", [

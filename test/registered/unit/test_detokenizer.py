@@ -86,6 +86,17 @@ def test_visible_text_cuts_and_holds_back() -> None:
     assert visible_text("a STOP b", stops, finished=True, trim_stop=False) == "a STOP b"
 
 
+def test_stop_strings_within_the_protected_text_do_not_count() -> None:
+    """min_new_tokens: a stop string ending in the text of the first tokens does not count; one
+    beginning there and ending after it does, as does a later occurrence."""
+    stops = ["STOP"]
+    assert visible_text("a STOP b STOP c", stops, finished=True, protected=6) == "a STOP b "
+    assert visible_text("a STOP b STOP c", stops, finished=True, protected=5) == "a "  # ends at 6 > 5
+    assert visible_text("a STOP b", stops, finished=True, protected=8) == "a STOP b"
+    assert find_stop_string("xx STOP", stops, protected=7) is None
+    assert find_stop_string("xx STOP", stops, protected=6) == "STOP"
+
+
 def test_streamed_prefixes_are_prefixes_of_the_final_text() -> None:
     stops = ["END!", "xyz"]
     full = "some words then EN and END! trailing"

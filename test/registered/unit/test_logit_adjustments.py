@@ -104,6 +104,22 @@ def test_the_sampler_chooses_from_the_adjusted_logits_and_reports_the_raw_logpro
     torch.testing.assert_close(out.logprobs, want[[0, 1], [1, 0]])
 
 
+def test_a_tiny_repetition_penalty_keeps_the_logits_finite() -> None:
+    """1e-40 (denormal in float32, 1e-46 rounds to 0) would divide positive logits into inf, and
+    a softmax over several infs is NaN, whose argmax could pick a held-back EOS."""
+    torch.manual_seed(3)
+    logits = torch.randn(2, VOCAB) * 5
+    reqs = [req(i, list(range(20)), list(range(20, 30)), repetition_penalty=rp, min_new_tokens=20, temperature=1.0)
+            for i, rp in enumerate((1e-40, 1e-46))]
+    info = sampling_info_for(reqs, "cpu", logit_ctx=ctx())
+    adjusted = info.adjustments.apply(logits)
+    assert torch.isfinite(adjusted[:, [t for t in range(VOCAB) if t != EOS]]).all()
+    assert (adjusted[:, EOS] == -math.inf).all()
+    for _ in range(20):
+        ids = Sampler()(logits, info).next_token_ids
+        assert EOS not in ids.tolist() and all(t < 30 for t in ids.tolist())  # a seen token, boosted
+
+
 def test_fed_tokens_count_as_generated() -> None:
     """Under the overlap schedule a decode step's input token is not in output_ids yet: counting it
     from the device tensor gives what counting it on the host gives."""
@@ -154,8 +170,11 @@ def test_requests_without_adjustments_build_nothing() -> None:
     ({"frequency_penalty": 2.5}, "frequency_penalty must be a number in [-2, 2]"),
     ({"presence_penalty": float("nan")}, "presence_penalty must be a number in [-2, 2]"),
     ({"presence_penalty": True}, "presence_penalty must be a number"),
-    ({"repetition_penalty": 0}, "repetition_penalty must be a finite number > 0"),
-    ({"repetition_penalty": float("inf")}, "repetition_penalty must be a finite number > 0"),
+    ({"repetition_penalty": 0}, "repetition_penalty must be in (0, 2]"),
+    ({"repetition_penalty": float("inf")}, "repetition_penalty must be in (0, 2]"),
+    ({"repetition_penalty": 2.5}, "repetition_penalty must be in (0, 2]"),
+    ({"repetition_penalty": float("nan")}, "repetition_penalty must be in (0, 2]"),
+    ({"min_new_tokens": 200}, "must not exceed max_new_tokens (128, the default when not set)"),
     ({"min_new_tokens": -1}, "min_new_tokens must be a non-negative integer"),
     ({"min_new_tokens": 2.0}, "min_new_tokens must be a non-negative integer"),
     ({"min_new_tokens": 9, "max_new_tokens": 8}, "min_new_tokens (9) must not exceed max_new_tokens (8)"),

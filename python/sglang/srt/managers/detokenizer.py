@@ -40,6 +40,10 @@ class IncrementalDetokenizer:
             return ""
         return self.tokenizer.decode(list(ids), skip_special_tokens=self.skip_special_tokens)
 
+    def decode_prefix(self, n: int) -> str:
+        """The text of the first n tokens, decoded whole."""
+        return self._decode(self.ids[:n])
+
     def add(self, new_ids: Sequence[int], final: bool = False) -> str:
         """Append tokens; return the characters that became final (possibly "")."""
         self.ids.extend(int(t) for t in new_ids)
@@ -76,32 +80,39 @@ def longest_partial_stop(text: str, stops: Sequence[str]) -> int:
     return best
 
 
-def visible_text(text: str, stops: Sequence[str], finished: bool, trim_stop: bool = True) -> str:
-    """The part of `text` a client may see: cut at the first stop string, and while running,
-    without a tail that might still grow into one."""
+def first_stop(text: str, stops: Sequence[str], protected: int = 0) -> Optional[tuple[int, str]]:
+    """(position, stop string) of the first stop string in `text` that ends past its first
+    `protected` characters (the text of `min_new_tokens` tokens, where stop strings do not count;
+    one may begin there and end after it), or None."""
+    best: Optional[tuple[int, str]] = None
+    for stop in stops:
+        pos = text.find(stop, max(0, protected - len(stop) + 1))
+        if pos != -1 and (best is None or pos < best[0]):
+            best = (pos, stop)
+    return best
+
+
+def visible_text(text: str, stops: Sequence[str], finished: bool, trim_stop: bool = True,
+                 protected: int = 0) -> str:
+    """The part of `text` a client may see: cut at the first stop string (one ending within the
+    first `protected` characters does not count), and while running, without a tail that might
+    still grow into one."""
     if not stops or not trim_stop:
         return text
-    cut = -1
-    for stop in stops:
-        pos = text.find(stop)
-        if pos != -1 and (cut == -1 or pos < cut):
-            cut = pos
-    if cut != -1:
-        return text[:cut]
+    found = first_stop(text, stops, protected)
+    if found is not None:
+        return text[:found[0]]
     if finished:
         return text
     hold = longest_partial_stop(text, stops)
     return text[: len(text) - hold] if hold else text
 
 
-def find_stop_string(tail_text: str, stops: Sequence[str]) -> Optional[str]:
-    """The stop string contained in `tail_text` that occurs first, if any (scheduler side)."""
-    best: Optional[tuple[int, str]] = None
-    for stop in stops:
-        pos = tail_text.find(stop)
-        if pos != -1 and (best is None or pos < best[0]):
-            best = (pos, stop)
-    return best[1] if best else None
+def find_stop_string(tail_text: str, stops: Sequence[str], protected: int = 0) -> Optional[str]:
+    """The stop string in `tail_text` that occurs first, ending past its first `protected`
+    characters, if any (scheduler side)."""
+    found = first_stop(tail_text, stops, protected)
+    return found[1] if found else None
 
 
 def _byte_level_alphabet() -> dict[str, int]:

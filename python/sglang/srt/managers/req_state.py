@@ -48,6 +48,9 @@ class ReqState:
     on_finish: Optional[Callable[[], None]] = None
     created: float = field(default_factory=time.time)
     last_token_time: Optional[float] = None  # when the latest output token arrived (metrics)
+    # Characters of text from the first min_new_tokens tokens: a stop string ending within them
+    # does not count (the scheduler's StopChecker agrees).
+    protected_chars: int = 0
 
     @property
     def finished(self) -> bool:
@@ -74,7 +77,12 @@ class ReqState:
             if (reason is not None and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
                     and not self.params.no_stop_trim and text_ids and text_ids[-1] == reason["matched"]):
                 text_ids = text_ids[:-1]  # a matched stop token is not part of the text
+            held = self.params.min_new_tokens - len(self.detok.ids)
             self.detok.add(text_ids)
+            if 0 < held <= len(text_ids):
+                # The text of the first min_new_tokens tokens, where stop strings do not count
+                # (decoded whole, as the scheduler's StopChecker measures it).
+                self.protected_chars = len(self.detok.decode_prefix(self.params.min_new_tokens))
             if reason is not None:
                 self.detok.flush()
         self.finished_reason = reason
@@ -99,7 +107,7 @@ class ReqState:
         if self.detok is None:
             return ""
         return visible_text(self.detok.text, self.params.stop, self.finished,
-                            trim_stop=not self.params.no_stop_trim)
+                            trim_stop=not self.params.no_stop_trim, protected=self.protected_chars)
 
     def to_dict(self, token_text: Callable[[int], str]) -> dict[str, Any]:
         meta: dict[str, Any] = {

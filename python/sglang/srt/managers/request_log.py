@@ -46,7 +46,9 @@ def request_log_line(state: "ReqState", level: int) -> str:
         f"latency={time.time() - state.created:.3f}s",
     ]
     if level >= 1:
-        params = {k: v for k, v in dataclasses.asdict(state.params).items() if v not in (None, [], False)}
+        # Unset fields are left out; a 0 (temperature 0, seed 0) is a setting and stays (0 == False).
+        params = {k: v for k, v in dataclasses.asdict(state.params).items()
+                  if not (v is None or v is False or v == [])}
         parts.append(f"sampling_params={params}")
     if level >= 2:
         parts.append(f"prompt={_edges(req.text) if req.text is not None else f'<{len(state.input_ids)} ids>'}")

@@ -46,15 +46,17 @@ class StopChecker:
     def check(self, req: Req) -> Optional[dict[str, Any]]:
         params = req.sampling_params
         token = req.output_ids[-1]
-        if len(req.output_ids) < params.min_new_tokens:
-            # EOS and stop_token_ids were held back from the choice; stop strings wait as well.
+        if len(req.output_ids) <= params.min_new_tokens:
+            # EOS and stop_token_ids were held back from the choice of the first min_new_tokens
+            # tokens; a stop string must end in text after theirs.
             return self._length_stop(req)
         if token in params.stop_token_ids:
             return {"type": "stop", "matched": token}
         if not params.ignore_eos and token in self.eos_ids:
             return {"type": "stop", "matched": token}
         if params.stop and self.tokenizer is not None:
-            matched = find_stop_string(self._tail_text(req), params.stop)
+            tail, protected = self._tail_text(req)
+            matched = find_stop_string(tail, params.stop, protected)
             if matched is not None:
                 return {"type": "stop", "matched": matched}
         return self._length_stop(req)
@@ -72,12 +74,20 @@ class StopChecker:
         return (len(req.output_ids) + more >= req.sampling_params.max_new_tokens
                 or req.fill_len + more >= self.context_len)
 
-    def _tail_text(self, req: Req) -> str:
+    def _tail_text(self, req: Req) -> tuple[str, int]:
+        """The text of the last tokens, and how many of its characters come from the first
+        min_new_tokens tokens (where a stop string does not count)."""
         # A stop string of c characters spans at most 4c byte-level tokens; one more token keeps
         # a partial character at the window's start from hiding a match.
-        longest = max(len(s) for s in req.sampling_params.stop)
-        tail = req.output_ids[-(4 * longest + 1):]
-        return self.tokenizer.decode(tail, skip_special_tokens=req.sampling_params.skip_special_tokens)
+        params = req.sampling_params
+        longest = max(len(s) for s in params.stop)
+        start = max(0, len(req.output_ids) - (4 * longest + 1))
+        text = self.tokenizer.decode(req.output_ids[start:], skip_special_tokens=params.skip_special_tokens)
+        protected = 0
+        if start < params.min_new_tokens:
+            protected = len(self.tokenizer.decode(req.output_ids[start:params.min_new_tokens],
+                                                  skip_special_tokens=params.skip_special_tokens))
+        return text, protected
 
 
 def record_prompt_logprobs(req: Req, targets: list[int], values: Optional[list[float]],

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any
+from typing import Any, Optional
 
 from sglang.srt.configs.runner_output import ModelRunnerOutput
 from sglang.srt.managers.req import Req
@@ -54,6 +54,9 @@ class SchedulerOutputMixin:
 
     def process_decode(self, batch: ScheduleBatch, out: ModelRunnerOutput) -> None:
         next_ids = out.next_token_ids.tolist()
+        # The log line describes the step that ran: its KV is read before finished requests free theirs.
+        log_now = (self.stats["decode_steps"] + 1) % self.config.decode_log_interval == 0
+        kv_used = self._kv_used() if log_now else 0
         for i, req in enumerate(batch.reqs):
             if not req.finished:  # (overlap schedule) an abort, or a stop found the step before
                 self._append_token(req, out, i, next_ids[i])
@@ -61,8 +64,8 @@ class SchedulerOutputMixin:
         self.stats["decode_steps"] += 1
         self.stats["decode_reqs"] += len(batch.reqs)
         self.decode_tokens_since_log += len(batch.reqs)
-        if self.stats["decode_steps"] % self.config.decode_log_interval == 0:
-            self._log_decode(len(batch.reqs), out.used_cuda_graph)
+        if log_now:
+            self._log_decode(len(batch.reqs), kv_used, out.used_cuda_graph)
 
     def _append_token(self, req: Req, out: Any, i: int, token: int) -> bool:
         """Record row i's sampled token (and logprobs); finish the request if it stops. Returns
@@ -78,8 +81,8 @@ class SchedulerOutputMixin:
         return reason is not None
 
     # ------------------------------------------------------------------ logs
-    def _usage(self) -> float:
-        return self._kv_used() / self.max_total_num_tokens
+    def _usage(self, used: Optional[int] = None) -> float:
+        return (self._kv_used() if used is None else used) / self.max_total_num_tokens
 
     def _log_prefill(self, batch: ScheduleBatch, used_cuda_graph: bool) -> None:
         logger.info(
@@ -90,7 +93,7 @@ class SchedulerOutputMixin:
             self._usage(), len(self.running), len(self.waiting), bool(used_cuda_graph),
         )
 
-    def _log_decode(self, batch_size: int, used_cuda_graph: bool) -> None:
+    def _log_decode(self, batch_size: int, kv_used: int, used_cuda_graph: bool) -> None:
         now = time.monotonic()
         self.last_gen_throughput = self.decode_tokens_since_log / max(now - self.last_decode_log, 1e-9)
         self.decode_tokens_since_log = 0
@@ -98,6 +101,6 @@ class SchedulerOutputMixin:
         logger.info(
             "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, cuda graph: %s, "
             "gen throughput (token/s): %.2f, #queue-req: %d",
-            batch_size, self._kv_used(), self._usage(), bool(used_cuda_graph), self.last_gen_throughput,
+            batch_size, kv_used, self._usage(kv_used), bool(used_cuda_graph), self.last_gen_throughput,
             len(self.waiting),
         )

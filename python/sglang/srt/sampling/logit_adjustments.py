@@ -20,6 +20,11 @@ from typing import Optional
 import torch
 
 
+# A repetition penalty below this acts as this: dividing a float32 logit by less could overflow
+# to inf (and a softmax over several infs is NaN); the order of the logits is the same.
+REPETITION_FLOOR = 1e-6
+
+
 @dataclass
 class PenaltyRows:
     """The batch rows that carry a frequency, presence or repetition penalty."""
@@ -58,6 +63,7 @@ class LogitAdjustments:
         out = cls()
         if penalties is not None:
             rows, counts, seen, freq, pres, rep = penalties
+            rep = [max(r, REPETITION_FLOOR) for r in rep]
             floats = torch.tensor([freq, pres, rep], dtype=torch.float32).to(device, non_blocking=True)
             out.penalties = PenaltyRows(
                 rows=torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True),

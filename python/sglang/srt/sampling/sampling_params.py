@@ -27,9 +27,12 @@ _FIELDS = {
     "logit_bias",
 }
 
-# OpenAI's ranges for the two additive penalties and for a logit bias.
+# OpenAI's ranges for the two additive penalties and for a logit bias; SGLang's (and vLLM's
+# former) upper bound of the repetition penalty.
 PENALTY_RANGE = 2.0
 LOGIT_BIAS_RANGE = 100.0
+REPETITION_MAX = 2.0
+DEFAULT_MAX_NEW_TOKENS = 128
 
 
 def _is_number(x: Any) -> bool:
@@ -53,8 +56,8 @@ def _parse_logit_bias(raw: Any, vocab_size: Optional[int]) -> dict[int, float]:
             except ValueError:
                 raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
         if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
-            where = f"[0, {vocab_size})" if vocab_size is not None else "a non-negative integer"
-            raise ValueError(f"logit_bias: token id {key!r} is outside the vocabulary {where}")
+            where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the vocabulary"
+            raise ValueError(f"logit_bias: token id {key!r} is outside {where}")
         if not _is_number(bias) or not math.isfinite(bias) or abs(bias) > LOGIT_BIAS_RANGE:
             raise ValueError(f"logit_bias: the bias of token {token} must be a number in "
                              f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {bias!r}")
@@ -64,7 +67,7 @@ def _parse_logit_bias(raw: Any, vocab_size: Optional[int]) -> dict[int, float]:
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = 128
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -148,13 +151,14 @@ class SamplingParams:
             if not _is_number(value) or not math.isfinite(value) or abs(value) > PENALTY_RANGE:
                 raise ValueError(f"{name} must be a number in [-{PENALTY_RANGE:g}, {PENALTY_RANGE:g}], got {value!r}")
         rp = self.repetition_penalty
-        if not _is_number(rp) or not math.isfinite(rp) or rp <= 0:
-            raise ValueError(f"repetition_penalty must be a finite number > 0, got {rp!r}")
+        if not _is_number(rp) or not 0 < rp <= REPETITION_MAX:
+            raise ValueError(f"repetition_penalty must be in (0, {REPETITION_MAX:g}] (1 = none), got {rp!r}")
         if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
         if self.min_new_tokens > self.max_new_tokens:
+            default = ", the default when not set" if self.max_new_tokens == DEFAULT_MAX_NEW_TOKENS else ""
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must not exceed "
-                             f"max_new_tokens ({self.max_new_tokens})")
+                             f"max_new_tokens ({self.max_new_tokens}{default})")
         if self.logit_bias is not None:
             self.logit_bias = _parse_logit_bias(self.logit_bias, vocab_size)
 

@@ -16,6 +16,15 @@ from sglang.srt.managers.generate_request import InvalidRequestError
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
 
+def _chars(content: Any) -> int:
+    """Characters of a message's content: a string, or a list of text parts."""
+    if isinstance(content, str):
+        return len(content)
+    if isinstance(content, list):
+        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return 0
+
+
 class OpenAIServingTokenize:
     def __init__(self, tokenizer_manager: TokenizerManager) -> None:
         self.tm = tokenizer_manager
@@ -31,7 +40,7 @@ class OpenAIServingTokenize:
             raise InvalidRequestError("exactly one of 'prompt' and 'messages' is required", param="prompt")
         if req.messages is not None:
             ids = await chat_prompt_ids(self.tm, req)
-            chars = sum(len(m.content) if isinstance(m.content, str) else 0 for m in req.messages)
+            chars = sum(_chars(m.content) for m in req.messages)
             return self._tokens_reply(req, ids, chars)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if not prompts:
