@@ -104,6 +104,10 @@ class ServerArgs:
     max_lora_rank: Optional[int] = None
     lora_target_modules: Optional[list[str]] = None
     max_loaded_loras: Optional[int] = None
+    # A folder of adapters loaded on first use: a request for an adapter that is not loaded, named
+    # N, loads DIR/N (vLLM's filesystem resolver); at --max-loaded-loras the least recently used
+    # idle adapter it loaded is unloaded first.
+    lora_resolver_dir: Optional[str] = None
     lora_eviction_policy: str = "lru"
     lora_backend: str = "csgmv"
     max_lora_chunk_size: int = 16
@@ -176,6 +180,13 @@ class ServerArgs:
             elif self.enable_lora is False:
                 logger.warning("--enable-lora is false; ignoring --lora-paths.")
                 self.lora_paths = None
+        if self.lora_resolver_dir is not None:
+            if not os.path.isdir(self.lora_resolver_dir):
+                raise ValueError(f"--lora-resolver-dir {self.lora_resolver_dir!r} is not a directory")
+            if self.enable_lora is None:
+                self.enable_lora = True
+            elif self.enable_lora is False:
+                raise ValueError("--lora-resolver-dir needs LoRA; drop --enable-lora false")
         self.enable_lora = bool(self.enable_lora)
         if isinstance(self.lora_target_modules, str):
             self.lora_target_modules = [self.lora_target_modules]
@@ -253,8 +264,8 @@ class ServerArgs:
         if self.enable_lora:
             if not self.lora_paths and (self.max_lora_rank is None or not self.lora_target_modules):
                 raise ValueError(
-                    "--enable-lora without --lora-paths requires both --max-lora-rank and "
-                    "--lora-target-modules (the pool is sized from them)"
+                    "--enable-lora (or --lora-resolver-dir) without --lora-paths requires both --max-lora-rank "
+                    "and --lora-target-modules (the pool is sized from them)"
                 )
             if self.max_loaded_loras is not None:
                 if self.max_loras_per_batch is not None and self.max_loaded_loras < self.max_loras_per_batch:

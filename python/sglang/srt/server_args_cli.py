@@ -145,6 +145,10 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                    help="Modules the pool covers; defaults to the union of --lora-paths.")
     g.add_argument("--max-loaded-loras", type=int, default=None,
                    help="Adapters kept in host memory (default unlimited).")
+    g.add_argument("--lora-resolver-dir", default=None, metavar="DIR",
+                   help="Load adapters on first use: a request for adapter N that is not loaded loads "
+                        "DIR/N (as vLLM's filesystem resolver); at --max-loaded-loras the least recently "
+                        "used idle adapter loaded this way is unloaded first. Implies --enable-lora.")
     g.add_argument("--lora-eviction-policy", default=default("lora_eviction_policy"),
                    choices=LORA_EVICTION_POLICIES,
                    help="Which resident adapter leaves a GPU slot first when a new one needs it.")

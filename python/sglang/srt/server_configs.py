@@ -108,6 +108,8 @@ def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = No
     tokenizer_manager = TokenizerManagerConfig(
         model_path=args.model_path, served_model_name=args.served_model_name or args.model_path,
         tokenizer=tokenizer, lora_refs=lora.refs if lora is not None else None,
+        lora_resolver_dir=args.lora_resolver_dir if lora is not None else None,
+        max_loaded_loras=args.max_loaded_loras,
         max_top_logprobs=args.max_top_logprobs, log_requests=args.log_requests,
         log_requests_level=args.log_requests_level, enable_metrics=args.enable_metrics,
         enable_cache_report=args.enable_cache_report, enable_test_hooks=args.enable_test_hooks,

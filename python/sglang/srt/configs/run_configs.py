@@ -104,6 +104,8 @@ class TokenizerManagerConfig:
     served_model_name: str
     tokenizer: Optional[TokenizerSpec]  # None: --skip-tokenizer-init (token ids only)
     lora_refs: Optional[tuple[LoRARef, ...]] = None  # None: LoRA off
+    lora_resolver_dir: Optional[str] = None  # adapters loaded on first use (managers/tokenizer_lora.py)
+    max_loaded_loras: Optional[int] = None
     max_top_logprobs: int = 20
     log_requests: bool = False
     log_requests_level: int = 0

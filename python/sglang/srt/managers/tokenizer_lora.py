@@ -1,9 +1,9 @@
 """The adapter side of the TokenizerManager: names to ids, OpenAI model names, run-time loads.
 
 A mixin of `TokenizerManager` (kept apart only to keep files small). It uses these attributes of
-the manager: `lora_registry` (None when LoRA is off), `client`, `served_model_name`,
-`base_model_names`, `_lora_waiters`, `_lora_update_lock`, `_unloading`, `is_healthy()` and
-`dead_reason`.
+the manager: `config`, `lora_registry` (None when LoRA is off), `client`, `served_model_name`,
+`base_model_names`, `_lora_waiters`, `_lora_update_lock`, `_unloading`, `_resolving`,
+`_resolved_use`, `_resolve_lock`, `metrics`, `is_healthy()` and `dead_reason`.
 Everything runs on the manager's event loop.
 """
 
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import time
 from typing import Any, Optional
 
-from sglang.srt.managers.generate_request import InvalidRequestError, ModelNotFoundError
+from sglang.srt.managers.generate_request import InvalidRequestError, ModelNotFoundError, RequestFailedError
 from sglang.srt.configs.lora_ref import LoRAUpdateOutput
 from sglang.srt.lora.lora_registry import make_dynamic_lora_ref
 from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, UnloadLoRAAdapterReq
@@ -51,7 +53,8 @@ class TokenizerLoRAMixin:
             return lora_path
         if not isinstance(model, str):
             raise InvalidRequestError("'model' must be a string", param="model")
-        if self.lora_registry is not None and self.lora_registry.get(model) is not None:
+        if self.lora_registry is not None and (self.lora_registry.get(model) is not None
+                                               or self.resolver_path(model) is not None):
             return model  # an adapter's own name, even one with a colon in it
         if ":" in model:
             base, adapter = (part.strip() for part in model.split(":", 1))
@@ -73,7 +76,8 @@ class TokenizerLoRAMixin:
         if self.lora_registry is None or adapter is None:
             return adapter
         names = adapter if isinstance(adapter, list) else [adapter]
-        unknown = sorted({n for n in names if isinstance(n, str) and self.lora_registry.get(n) is None})
+        unknown = sorted({n for n in names if isinstance(n, str) and self.lora_registry.get(n) is None
+                          and self.resolver_path(n) is None})
         if unknown:
             raise ModelNotFoundError(
                 model if ":" in model or not isinstance(adapter, str) else f"{model}:{adapter}",
@@ -102,10 +106,84 @@ class TokenizerLoRAMixin:
                 "Start it with --lora-paths (or --enable-lora) to serve adapters.",
                 param="lora_path",
             )
+        await self.resolve_adapters(requested)
         try:
-            return list(await self.lora_registry.acquire(list(names)))
+            ids = list(await self.lora_registry.acquire(list(names)))
         except ValueError as e:
             raise InvalidRequestError(str(e), param="lora_path") from None
+        now = time.monotonic()
+        for name in requested:
+            if name in self._resolved_use:
+                self._resolved_use[name] = now
+        return ids
+
+    # ------------------------------------------------------------------ adapters loaded on first use
+    def resolver_path(self, name: Any) -> Optional[str]:
+        """--lora-resolver-dir/<name> when it holds an adapter (adapter_config.json); None otherwise,
+        also for names that could leave the folder ("..", absolute, empty components)."""
+        root = self.config.lora_resolver_dir
+        if root is None or self.lora_registry is None or not isinstance(name, str) or not name:
+            return None
+        parts = name.split("/")
+        if any(p in ("", ".", "..") for p in parts) or "\\" in name or "\x00" in name:
+            return None
+        path = os.path.join(root, *parts)
+        try:
+            return path if os.path.isfile(os.path.join(path, "adapter_config.json")) else None
+        except (UnicodeEncodeError, ValueError, OSError):  # a name no file system could hold
+            return None
+
+    async def resolve_adapters(self, names: list[str]) -> None:
+        """Load each requested adapter that is not loaded but is in --lora-resolver-dir (one load
+        per name however many requests ask for it at once). A refused load is the request's 400."""
+        for name in names:
+            if self.lora_registry.get(name) is not None:
+                continue
+            path = self.resolver_path(name)
+            if path is None:
+                continue  # acquire() refuses it as unknown
+            load = self._resolving.get(name)
+            if load is None:
+                load = asyncio.ensure_future(self._load_on_first_use(name, path))
+                self._resolving[name] = load
+                load.add_done_callback(lambda _, n=name: self._resolving.pop(n, None))
+            await asyncio.shield(load)
+
+    async def _load_on_first_use(self, name: str, path: str) -> None:
+        if self._resolve_lock is None:
+            self._resolve_lock = asyncio.Lock()
+        async with self._resolve_lock:  # one at a time: each makes room before it loads
+            if self.lora_registry.get(name) is not None:
+                return  # loaded meanwhile (/load_lora_adapter)
+            await self._make_room_for(name)
+            out, _ = await self.load_lora_adapter(name, path)
+            if not out.success:
+                if self.lora_registry.get(name) is not None:
+                    return
+                raise InvalidRequestError(
+                    f"LoRA adapter {name!r} (from --lora-resolver-dir) could not be loaded: {out.error_message}",
+                    param="lora_path")
+            self._resolved_use[name] = time.monotonic()
+            logger.info("Loaded LoRA adapter %r on first use from %s", name, path)
+
+    async def _make_room_for(self, name: str) -> None:
+        """At --max-loaded-loras, unload the least recently used idle adapter loaded on first use."""
+        limit = self.config.max_loaded_loras
+        while limit is not None and len(self.lora_registry.get_all()) >= limit:
+            idle = []
+            for other, used in self._resolved_use.items():
+                ref = self.lora_registry.get(other)
+                if ref is not None and self.lora_registry.num_in_flight(ref.lora_id) == 0:
+                    idle.append((used, other))
+            if not idle:
+                raise RequestFailedError(
+                    f"cannot load LoRA adapter {name!r}: all {limit} loaded adapters (--max-loaded-loras) are "
+                    "in use or were not loaded on first use; retry later", status_code=503)
+            _, victim = min(idle)
+            del self._resolved_use[victim]
+            out, status = await self.unload_lora_adapter(victim)
+            if out.success:
+                logger.info("Unloaded LoRA adapter %r (least recently used) to load %r", victim, name)
 
     def release_adapters_now(self, ids: list[Optional[str]]) -> None:
         if self.lora_registry is not None and any(i is not None for i in ids):

@@ -96,6 +96,11 @@ class TokenizerManager(TokenizerLoRAMixin):
         self._lora_update_lock: Optional[asyncio.Lock] = None
         # Adapters whose unload waits for their requests: name -> done (a load of the name waits).
         self._unloading: dict[str, asyncio.Future] = {}
+        # --lora-resolver-dir: loads on first use in progress (name -> the load), and the adapters
+        # loaded that way with their last use (the least recent idle one makes room at the cap).
+        self._resolving: dict[str, asyncio.Future] = {}
+        self._resolved_use: dict[str, float] = {}
+        self._resolve_lock: Optional[asyncio.Lock] = None
         self._token_text_cache: dict[int, str] = {}
         # Requests whose client went away, until the scheduler's news of their end: their rids are
         # still the scheduler's, and their tokens are counted then (metrics, request logs).

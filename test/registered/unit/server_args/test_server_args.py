@@ -188,6 +188,10 @@ class TestValidation(unittest.TestCase):
             (dict(lora_paths=["a=/x"], max_loaded_loras=2, max_loras_per_batch=8), "--max-loaded-loras"),
             (dict(lora_paths=["a=/x", "b=/y", "c=/z"], max_loaded_loras=8, max_loras_per_batch=8), None),
             (dict(lora_paths=["a=/x", "a=/y"]), "duplicate adapter name"),
+            (dict(lora_resolver_dir="/no/such/folder"), "--lora-resolver-dir '/no/such/folder' is not a directory"),
+            (dict(lora_resolver_dir="/tmp"), "--max-lora-rank and --lora-target-modules"),  # implies --enable-lora
+            (dict(lora_resolver_dir="/tmp", max_lora_rank=8, lora_target_modules=["all"]), None),
+            (dict(lora_resolver_dir="/tmp", enable_lora=False), "--lora-resolver-dir needs LoRA"),
             (dict(lora_paths=['{"lora_name": "a"}']), "lora_path"),
             (dict(lora_paths=['{"lora_path": "/a", "rank": 3}']), "unknown key"),
             (dict(lora_paths=['{"lora_name": "a", "lora_path": "/a", "pinned": true}'], max_loras_per_batch=1), "pinned"),
