@@ -111,6 +111,44 @@ def test_concurrent_first_requests_share_one_load(server) -> None:
     assert read_log(server[0]).count(marker) == before + 1
 
 
+def test_concurrent_first_requests_for_more_adapters_than_the_cap(server) -> None:
+    """Three new adapters at once on a cap of 2: a load never unloads an adapter that another
+    request loaded and has not yet taken (each request is served, or told to retry: 503), never
+    a 400 "not loaded" for an adapter the folder holds."""
+    url = server[1]
+    for _ in range(5):
+        statuses: dict[str, int] = {}
+
+        def ask(name: str) -> None:
+            r = post(url, "/generate", {"input_ids": PROMPTS[0], "lora_path": name,
+                                        "sampling_params": {"max_new_tokens": 1}})
+            statuses[name] = r.status_code
+
+        threads = [threading.Thread(target=ask, args=(n,)) for n in ("a", "b", "c")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert set(statuses.values()) <= {200, 503} and 200 in statuses.values(), statuses
+        for name in loaded(url):
+            unload_adapter(url, name)
+    # One batch wanting more new adapters than the cap: a 503 that says why, not "not loaded".
+    r = post(url, "/generate", {"input_ids": [PROMPTS[0]] * 3, "lora_path": ["a", "b", "c"],
+                                "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 503 and "this request's other adapters" in r.json()["error"]["message"], r.text
+
+
+def test_an_adapter_loaded_explicitly_is_never_unloaded_to_make_room(server, resolver_dir) -> None:
+    url = server[1]
+    greedy(url, PROMPTS[0], "a")  # first use
+    assert unload_adapter(url, "a").status_code == 200
+    r = post(url, "/load_lora_adapter", {"lora_name": "a", "lora_path": f"{resolver_dir}/a"})
+    assert r.status_code == 200, r.text
+    greedy(url, PROMPTS[0], "b")
+    greedy(url, PROMPTS[0], "c")  # room comes from b, the only adapter loaded on first use
+    assert loaded(url) == {"a", "c"}
+
+
 @pytest.mark.parametrize("name, status, needle", [
     ("big", 400, "rank"),  # found, refused by the pool: the load's own message
     ("missing", 400, "not loaded: missing"),

@@ -3,7 +3,7 @@
 A mixin of `TokenizerManager` (kept apart only to keep files small). It uses these attributes of
 the manager: `config`, `lora_registry` (None when LoRA is off), `client`, `served_model_name`,
 `base_model_names`, `_lora_waiters`, `_lora_update_lock`, `_unloading`, `_resolving`,
-`_resolved_use`, `_resolve_lock`, `metrics`, `is_healthy()` and `dead_reason`.
+`_resolved_use`, `_resolve_pending`, `_resolve_lock`, `metrics`, `is_healthy()` and `dead_reason`.
 Everything runs on the manager's event loop.
 """
 
@@ -53,8 +53,9 @@ class TokenizerLoRAMixin:
             return lora_path
         if not isinstance(model, str):
             raise InvalidRequestError("'model' must be a string", param="model")
-        if self.lora_registry is not None and (self.lora_registry.get(model) is not None
-                                               or self.resolver_path(model) is not None):
+        if self.lora_registry is not None and (
+                self.lora_registry.get(model) is not None
+                or (model not in self.base_model_names and self.resolver_path(model) is not None)):
             return model  # an adapter's own name, even one with a colon in it
         if ":" in model:
             base, adapter = (part.strip() for part in model.split(":", 1))
@@ -106,11 +107,20 @@ class TokenizerLoRAMixin:
                 "Start it with --lora-paths (or --enable-lora) to serve adapters.",
                 param="lora_path",
             )
-        await self.resolve_adapters(requested)
+        for name in requested:
+            self._resolve_pending[name] = self._resolve_pending.get(name, 0) + 1
         try:
+            await self.resolve_adapters(requested)
             ids = list(await self.lora_registry.acquire(list(names)))
         except ValueError as e:
             raise InvalidRequestError(str(e), param="lora_path") from None
+        finally:
+            for name in requested:
+                left = self._resolve_pending[name] - 1
+                if left:
+                    self._resolve_pending[name] = left
+                else:
+                    del self._resolve_pending[name]
         now = time.monotonic()
         for name in requested:
             if name in self._resolved_use:
@@ -122,7 +132,8 @@ class TokenizerLoRAMixin:
         """--lora-resolver-dir/<name> when it holds an adapter (adapter_config.json); None otherwise,
         also for names that could leave the folder ("..", absolute, empty components)."""
         root = self.config.lora_resolver_dir
-        if root is None or self.lora_registry is None or not isinstance(name, str) or not name:
+        if (root is None or self.lora_registry is None or not isinstance(name, str) or not name
+                or name in self.base_model_names):  # the base model's name always means the base model
             return None
         parts = name.split("/")
         if any(p in ("", ".", "..") for p in parts) or "\\" in name or "\x00" in name:
@@ -150,6 +161,8 @@ class TokenizerLoRAMixin:
             await asyncio.shield(load)
 
     async def _load_on_first_use(self, name: str, path: str) -> None:
+        while name in self._unloading:  # its unload waits for requests: not while holding the lock
+            await asyncio.shield(self._unloading[name])
         if self._resolve_lock is None:
             self._resolve_lock = asyncio.Lock()
         async with self._resolve_lock:  # one at a time: each makes room before it loads
@@ -169,16 +182,19 @@ class TokenizerLoRAMixin:
     async def _make_room_for(self, name: str) -> None:
         """At --max-loaded-loras, unload the least recently used idle adapter loaded on first use."""
         limit = self.config.max_loaded_loras
-        while limit is not None and len(self.lora_registry.get_all()) >= limit:
+        # An adapter being unloaded holds its place in the scheduler until its requests end.
+        while limit is not None and len(self.lora_registry.get_all()) + len(self._unloading) >= limit:
             idle = []
             for other, used in self._resolved_use.items():
                 ref = self.lora_registry.get(other)
-                if ref is not None and self.lora_registry.num_in_flight(ref.lora_id) == 0:
+                if (ref is not None and not ref.pinned and self.lora_registry.num_in_flight(ref.lora_id) == 0
+                        and other not in self._resolve_pending):
                     idle.append((used, other))
             if not idle:
                 raise RequestFailedError(
                     f"cannot load LoRA adapter {name!r}: all {limit} loaded adapters (--max-loaded-loras) are "
-                    "in use or were not loaded on first use; retry later", status_code=503)
+                    "in use (by running requests or by this request's other adapters), being unloaded, or were "
+                    "not loaded on first use; retry later", status_code=503)
             _, victim = min(idle)
             del self._resolved_use[victim]
             out, status = await self.unload_lora_adapter(victim)
@@ -207,6 +223,9 @@ class TokenizerLoRAMixin:
                        "model=\"<name>\" could not select the adapter; choose another name")
         if problem is not None:
             return self.lora_refusal(problem, 400)
+        # Loaded explicitly, it is never unloaded to make room (a first-use load records it after this).
+        self._resolved_use.pop(lora_name, None)
+
         async def run() -> tuple[LoRAUpdateOutput, int]:
             while lora_name in self._unloading:  # that unload reaches the scheduler first
                 await asyncio.shield(self._unloading[lora_name])
@@ -243,6 +262,7 @@ class TokenizerLoRAMixin:
                         f"The LoRA adapter {lora_name!r} cannot be found: it is not loaded. "
                         f"{self._loaded_adapters_hint()}", 404)
                 ref = await self.lora_registry.detach(lora_name)  # new requests for it fail from now
+                self._resolved_use.pop(lora_name, None)
                 done = asyncio.get_running_loop().create_future()
                 self._unloading[lora_name] = done
             try:

@@ -100,6 +100,9 @@ class TokenizerManager(TokenizerLoRAMixin):
         # loaded that way with their last use (the least recent idle one makes room at the cap).
         self._resolving: dict[str, asyncio.Future] = {}
         self._resolved_use: dict[str, float] = {}
+        # Requests between their first-use loads and their in-flight references, per name: such an
+        # adapter is not idle, whatever the registry counts, so it is never chosen to make room.
+        self._resolve_pending: dict[str, int] = {}
         self._resolve_lock: Optional[asyncio.Lock] = None
         self._token_text_cache: dict[int, str] = {}
         # Requests whose client went away, until the scheduler's news of their end: their rids are
