@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "expand_tiles", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "lora_steps", "penalties", "expand_tiles", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -202,6 +202,16 @@ if [[ " $PARTS " == *" lora_steps "* ]]; then
       --lora "${GPU_SUITE_STEPS_VARIANTS:-none,lora-unfused,lora-segments,lora,lora-rowwise-32}" \
       --decode-bs 1,8,32,64 --decode-adapters 1,8 --rounds 3 ${GPU_SUITE_STEPS_ARGS:-}
   done
+fi
+
+if [[ " $PARTS " == *" penalties "* ]]; then
+  # Sampling penalties, logit_bias and min_new_tokens: the sampling tail of a 64-request decode
+  # step as served, beside the base decode step of the same shape (benchmark/bench_penalties.py, ~1 min).
+  say "== sampling penalties vs the decode step"
+  start=$(date +%s)
+  $PY benchmark/bench_penalties.py --model qwen3-4b --bs 64 --out "$OUT/penalties.md" >"$OUT/penalties.log" 2>&1 || status=1
+  say "penalties: $(( $(date +%s) - start ))s"
+  grep -E "^\| [a-z-]+ \||^Base decode" "$OUT/penalties.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" gemv "* ]]; then
