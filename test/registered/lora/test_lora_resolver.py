@@ -27,6 +27,7 @@ from lora_server_testlib import (
     write_adapter,
 )
 from server_helpers import kill_server, popen_launch_server, read_log
+from sglang.srt.managers.tokenizer_lora import RESOLVER_DELAY_TEST_ENV
 
 
 @pytest.fixture(scope="module")
@@ -35,6 +36,7 @@ def resolver_dir(lora_ckpt, tmp_path_factory) -> str:
     for i, name in enumerate(("a", "b", "c")):
         write_adapter(lora_ckpt, f"{root}/{name}", r=8, target_modules=["q_proj", "v_proj"], seed=70 + i)
     write_adapter(lora_ckpt, f"{root}/org/nested", r=4, target_modules=["o_proj"], seed=80)
+    write_adapter(lora_ckpt, f"{root}/slow", r=8, target_modules=["q_proj"], seed=82)  # loads in 3 s
     write_adapter(lora_ckpt, f"{root}/big", r=32, target_modules=["q_proj"], seed=81)  # above the pool's rank
     return str(root)
 
@@ -44,8 +46,8 @@ def server(lora_ckpt, resolver_dir):
     proc, url = popen_launch_server(lora_ckpt, [
         "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native", "--max-loras-per-batch", "2",
         "--max-lora-rank", "16", "--lora-target-modules", *POOL_MODULES, "--lora-resolver-dir", resolver_dir,
-        "--max-loaded-loras", "2",
-    ])
+        "--max-loaded-loras", "2", "--enable-test-hooks",
+    ], env={RESOLVER_DELAY_TEST_ENV: "slow=3"})
     yield proc, url
     assert kill_server(proc) == 0, read_log(proc)[-3000:]
 
@@ -204,3 +206,33 @@ def test_with_every_loaded_adapter_busy_a_new_one_gets_a_503(server) -> None:
         time.sleep(0.2)
     r = post(url, "/generate", {"text": "hi", "lora_path": "c", "sampling_params": {"max_new_tokens": 1}})
     assert r.status_code == 200, r.text
+
+
+def active_requests(url: str) -> int:
+    check = requests.get(f"{url}/get_server_info", timeout=30).json()["tokenizer_integrity_check"]
+    return (check.get("now") or check)["active_requests"]
+
+
+def test_an_abort_while_the_adapter_loads_ends_the_request_unrun(server) -> None:
+    """A request whose adapter is still loading on first use (a load slowed by the test hook) is
+    aborted by /abort_request once the load ends, before it generates a token; its rid stays taken
+    while it waits."""
+    url = server[1]
+    replies: dict[str, requests.Response] = {}
+    waiter = threading.Thread(target=lambda: replies.__setitem__("r", post(url, "/generate", {
+        "rid": "waits-for-slow", "input_ids": PROMPTS[1], "lora_path": "slow",
+        "sampling_params": {"max_new_tokens": 8, "ignore_eos": True}})))
+    waiter.start()
+    deadline = time.monotonic() + 60
+    while active_requests(url) < 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert active_requests(url) == 1 and "slow" not in loaded(url)  # it waits for the load
+    twin = post(url, "/generate", {"rid": "waits-for-slow", "text": "hi", "sampling_params": {"max_new_tokens": 1}})
+    assert twin.status_code == 400 and "already running" in twin.json()["error"]["message"], twin.text
+    assert post(url, "/abort_request", {"rid": "waits-for-slow"}).status_code == 200
+    waiter.join(120)
+    r = replies["r"]
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 0, meta
+    assert "slow" in loaded(url) and greedy(url, PROMPTS[1], "slow", n=1)["ids"]  # the adapter serves

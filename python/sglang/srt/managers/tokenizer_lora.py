@@ -22,6 +22,9 @@ from sglang.srt.managers.io_struct import LoadLoRAAdapterReq, UnloadLoRAAdapterR
 
 logger = logging.getLogger(__name__)
 
+# Test hook (with --enable-test-hooks only): "name=seconds,..." delays those first-use loads.
+RESOLVER_DELAY_TEST_ENV = "SGLANG_TEST_LORA_RESOLVER_DELAY"
+
 
 def _check_adapter_fields(lora_name: Any, lora_path: Any, pinned: Any) -> Optional[str]:
     """What is wrong with a load request's fields, or None."""
@@ -161,6 +164,11 @@ class TokenizerLoRAMixin:
             await asyncio.shield(load)
 
     async def _load_on_first_use(self, name: str, path: str) -> None:
+        if self.config.enable_test_hooks:  # a slow load, for tests of what happens meanwhile
+            delay = dict(item.split("=", 1) for item in os.environ.get(RESOLVER_DELAY_TEST_ENV, "").split(",")
+                         if "=" in item)
+            if name in delay:
+                await asyncio.sleep(float(delay[name]))
         while name in self._unloading:  # its unload waits for requests: not while holding the lock
             await asyncio.shield(self._unloading[name])
         if self._resolve_lock is None:

@@ -103,6 +103,8 @@ class TokenizerManager(TokenizerLoRAMixin):
         # Requests between their first-use loads and their in-flight references, per name: such an
         # adapter is not idle, whatever the registry counts, so it is never chosen to make room.
         self._resolve_pending: dict[str, int] = {}
+        self._waiting_rids: dict[str, int] = {}  # rid -> requests of it waiting for their adapters
+        self._aborted_waiting: set[str] = set()  # of those, the ones /abort_request named
         self._resolve_lock: Optional[asyncio.Lock] = None
         self._token_text_cache: dict[int, str] = {}
         # Requests whose client went away, until the scheduler's news of their end: their rids are
@@ -375,9 +377,26 @@ class TokenizerManager(TokenizerLoRAMixin):
         chars = sum(len(r.text) for r in reqs if r.text is not None)
         prepared = await self.off_loop(lambda: [self._prepare(r) for r in reqs], chars)
         for r in reqs:
-            if r.rid in self.rid_to_state or r.rid in self._abandoned:
+            if r.rid in self.rid_to_state or r.rid in self._abandoned or r.rid in self._waiting_rids:
                 raise InvalidRequestError(f"a request with rid {r.rid!r} is already running", param="rid")
-        lora_ids = await self.acquire_adapters([r.lora_name for r in reqs])
+        # rids (and call rids) waiting for their adapters (a first-use load can take seconds): an
+        # /abort_request meanwhile is remembered and sent right after the request itself.
+        waiting = {r.rid for r in reqs} | {r.group_rid for r in reqs if r.group_rid is not None}
+        for key in waiting:
+            self._waiting_rids[key] = self._waiting_rids.get(key, 0) + 1
+        try:
+            lora_ids = await self.acquire_adapters([r.lora_name for r in reqs])
+        finally:
+            aborted = set()
+            for key in waiting:
+                if key in self._aborted_waiting:
+                    aborted.add(key)
+                left = self._waiting_rids[key] - 1
+                if left:
+                    self._waiting_rids[key] = left
+                else:
+                    del self._waiting_rids[key]
+                    self._aborted_waiting.discard(key)
         unowned = list(lora_ids)  # references not yet handed to a request state
         event = asyncio.Event()
         states: list[ReqState] = []
@@ -403,6 +422,8 @@ class TokenizerManager(TokenizerLoRAMixin):
                     top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                     lora_id=lora_id, stream=req.stream, cache_salt=req.cache_salt,
                 ))
+                if req.rid in aborted or req.group_rid in aborted:
+                    self.client.send(AbortReq(rid=req.rid))  # aborted while its adapter loaded
             async for out in iterate_states(states, is_batch, obj.stream, request, self.token_text):
                 yield out
         finally:
@@ -496,6 +517,8 @@ class TokenizerManager(TokenizerLoRAMixin):
         """Abort the request `rid`, and every request expanded from a call or prompt given that rid
         (its `n` > 1 samples R-0, R-1, ..., a batch's prompts)."""
         rids = [r for r, state in self.rid_to_state.items() if r == rid or state.req.group_rid == rid]
+        if rid in self._waiting_rids:
+            self._aborted_waiting.add(rid)  # still waiting for its adapters: aborted once sent
         for r in rids or [rid]:
             self.client.send(AbortReq(rid=r))
 
