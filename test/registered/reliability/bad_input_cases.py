@@ -217,6 +217,7 @@ def completion_cases() -> list[Case]:
         c({"min_tokens": 40, "max_tokens": 4}, "must not exceed max_new_tokens"),
         c({"min_new_tokens": 4}, "the OpenAI routes take min_tokens"),
         c({"use_beam_search": True}, "beam search is not supported"),
+        c({"use_beam_search": "false"}, "use_beam_search must be a boolean"),
         c({"use_beam_search": False, "length_penalty": 1.0, "bad_words": []}, "", 200),
         c({"length_penalty": 0.5}, "length_penalty"),
         c({"allowed_token_ids": [1, 2]}, "allowed_token_ids is not supported"),

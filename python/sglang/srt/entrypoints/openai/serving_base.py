@@ -134,6 +134,10 @@ NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
 }
 
 
+# Those of them that are flags: a value of another type is a type error, not a request for the feature.
+BOOLEAN_EXTENSIONS = frozenset({"use_beam_search", "return_tokens_as_token_ids"})
+
+
 @contextmanager
 def openai_param_names(names: dict[str, str]) -> Iterator[None]:
     """Errors raised by the shared request path name the native `/generate` fields
@@ -157,6 +161,8 @@ def reject_unsupported(request: Any) -> None:
     extra = getattr(request, "model_extra", None) or {}
     for name, message in UNSUPPORTED_EXTENSIONS.items():
         value = extra.get(name)
+        if name in BOOLEAN_EXTENSIONS and value is not None and not isinstance(value, bool):
+            raise InvalidRequestError(f"{name} must be a boolean, got {value!r}", param=name)
         if value is not None and not any(value == v and type(value) is type(v) for v in NEUTRAL_VALUES.get(name, ())):
             raise InvalidRequestError(message, param=name)
     response_format = getattr(request, "response_format", None) or extra.get("response_format")
