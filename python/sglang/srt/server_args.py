@@ -183,6 +183,8 @@ class ServerArgs:
         if self.lora_resolver_dir is not None:
             if not os.path.isdir(self.lora_resolver_dir):
                 raise ValueError(f"--lora-resolver-dir {self.lora_resolver_dir!r} is not a directory")
+            # Absolute: what the logs and /get_server_info show, whatever the working directory.
+            self.lora_resolver_dir = os.path.abspath(self.lora_resolver_dir)
             if self.enable_lora is None:
                 self.enable_lora = True
             elif self.enable_lora is False:

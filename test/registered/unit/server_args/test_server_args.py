@@ -209,6 +209,20 @@ class TestValidation(unittest.TestCase):
                     ServerArgs(model_path="dummy", **kwargs)
                 self.assertIn(needle, str(ctx.exception))
 
+    def test_a_relative_resolver_dir_becomes_absolute(self):
+        import os
+        import tempfile
+        with tempfile.TemporaryDirectory() as root:
+            os.mkdir(os.path.join(root, "adapters"))
+            here = os.getcwd()
+            os.chdir(root)
+            try:
+                args = ServerArgs(model_path="dummy", lora_resolver_dir="adapters", max_lora_rank=8,
+                                  lora_target_modules=["all"])
+            finally:
+                os.chdir(here)
+            self.assertEqual(args.lora_resolver_dir, os.path.join(os.path.realpath(root), "adapters"))
+
     def test_choice_errors_list_the_allowed_values(self):
         with self.assertRaises(ValueError) as ctx:
             ServerArgs(model_path="dummy", lora_backend="ascend")
