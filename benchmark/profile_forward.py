@@ -277,6 +277,8 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
         overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
                          disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
     overrides.setdefault("max_running_requests", max(64, *args.decode_bs))
+    if args.max_total_tokens is not None:
+        overrides["max_total_tokens"] = args.max_total_tokens
     fuse_norm, rowwise = LORA_VARIANTS[lora]
     if lora != "none":
         overrides["lora_fuse_norm"] = fuse_norm
@@ -599,6 +601,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     p.add_argument("--hf-tokens", type=_ints, default=[128, 2048])
     p.add_argument("--hf-compile-mode", default="reduce-overhead")
     p.add_argument("--hf-compile-backend", default="inductor", help="'eager' for a quick dry run")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV pool of each runner (default 65536); smaller lets more variants share an 80 GiB card")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--rounds", type=int, default=1,
