@@ -19,7 +19,11 @@ xgr = pytest.importorskip("xgrammar")  # CI installs it (the test extra); the GP
 from sglang.srt.constrained.backends import create_grammar_backend  # noqa: E402
 from sglang.srt.constrained.base import GrammarError  # noqa: E402
 from sglang.srt.constrained.cache import GrammarCache  # noqa: E402
-from sglang.srt.constrained.xgrammar_backend import JSON_MAX_WHITESPACE, clean_error  # noqa: E402
+from sglang.srt.constrained.xgrammar_backend import (  # noqa: E402
+    JSON_MAX_WHITESPACE,
+    bounded_strings_as_patterns,
+    clean_error,
+)
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest  # noqa: E402
 from sglang.srt.entrypoints.openai.structured_outputs import requested_constraint  # noqa: E402
 from sglang.srt.layers.sampler import Sampler  # noqa: E402
@@ -152,6 +156,33 @@ def test_json_schema_bounds_white_space(backend, tokenizer):
     while accepted <= JSON_MAX_WHITESPACE and m.accept_token(space[0]):
         accepted += 1
     assert accepted == JSON_MAX_WHITESPACE
+
+
+def test_bounded_strings_keep_their_bounds_and_json_validity(backend):
+    """xgrammar 0.2.8 lets raw control characters into minLength/maxLength strings (its issue
+    #800); the backend compiles those bounds as patterns, which keep them out."""
+    schema = {"type": "object", "properties": {
+        "name": {"type": "string", "minLength": 2, "maxLength": 5},
+        "tags": {"type": "array", "items": {"type": "string", "maxLength": 3}},
+        "code": {"type": "string", "pattern": "[A-Z]+", "maxLength": 4}}, "required": ["name", "tags"]}
+    compiled = backend.compile(GrammarSpec("json_schema", json.dumps(schema)))
+
+    def accepts(text: str) -> bool:
+        m = xgr.GrammarMatcher(compiled)
+        return m.accept_string(text) and m.is_completed()
+
+    assert accepts('{"name": "ab", "tags": ["xyz"]}') and accepts('{"name": "abcde", "tags": [], "code": "AB"}')
+    # Raw control characters (invalid JSON), and strings too short or too long.
+    for bad in ('{"name": "a\x18b", "tags": []}', '{"name": "ab", "tags": ["a\tb"]}', '{"name": "a", "tags": []}',
+                '{"name": "abcdef", "tags": []}', '{"name": "ab", "tags": ["abcd"]}'):
+        assert not accepts(bad), bad
+    raw = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(backend.tokenizer, vocab_size=VOCAB))
+    m = xgr.GrammarMatcher(raw.compile_json_schema(json.dumps(schema)))
+    assert m.accept_string('{"name": "a\x18b", "tags": []}')  # what xgrammar alone accepts: the bug worked around
+    untouched = {"type": "string", "pattern": "[a-z]+", "maxLength": 3}
+    assert bounded_strings_as_patterns(untouched) == untouched
+    assert bounded_strings_as_patterns({"anyOf": [{"type": "string", "minLength": 1}, {"type": "integer"}]}) == \
+        {"anyOf": [{"type": "string", "pattern": "[\\s\\S]{1,}"}, {"type": "integer"}]}
 
 
 @pytest.mark.parametrize("spec, fragment", [

@@ -8,6 +8,7 @@ keep compiled grammars in their own LRU (constrained/cache.py), which also remem
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import threading
@@ -29,6 +30,51 @@ MAX_ERROR_CHARS = 1000
 # failure of unbounded JSON grammars (vLLM's and SGLang's users meet it with small models). 32 covers a
 # line break and indentation seven levels deep at four spaces; deeper, the JSON is written tighter.
 JSON_MAX_WHITESPACE = 32
+
+
+# Keywords whose value is a subschema, a list of them, or a name -> subschema map.
+_SUBSCHEMA = ("additionalProperties", "items", "not", "if", "then", "else", "contains", "unevaluatedProperties",
+              "unevaluatedItems", "propertyNames")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+
+
+def bounded_strings_as_patterns(schema: Any) -> Any:
+    """`schema` with every string bounded by minLength / maxLength alone rewritten as the same
+    bound on a `pattern`. xgrammar 0.2.8 compiles such a bound to a bare character class that lets
+    raw control characters (U+0000-U+001F but CR and LF) into the string, which is invalid JSON
+    (xgrammar issue #800): a tab in a `maxLength` field breaks `json.loads`. Its `pattern` path
+    reads the regex as a JSON string's characters and never emits them. Other schemas are kept."""
+    if isinstance(schema, list):
+        return [bounded_strings_as_patterns(s) for s in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    for key in _SUBSCHEMA:
+        if isinstance(out.get(key), (dict, list)):
+            out[key] = bounded_strings_as_patterns(out[key])
+    for key in _SUBSCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [bounded_strings_as_patterns(s) for s in out[key]]
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {name: bounded_strings_as_patterns(s) for name, s in out[key].items()}
+    lo, hi = out.get("minLength"), out.get("maxLength")
+    bounds_ok = all(v is None or (isinstance(v, int) and not isinstance(v, bool) and v >= 0) for v in (lo, hi))
+    if (out.get("type") == "string" and (lo is not None or hi is not None) and bounds_ok
+            and "pattern" not in out and "format" not in out and (lo or 0) <= (hi if hi is not None else lo or 0)):
+        out.pop("minLength", None)
+        out.pop("maxLength", None)
+        out["pattern"] = "[\\s\\S]{%d,%s}" % (lo or 0, "" if hi is None else hi)
+    return out
+
+
+def _json_schema_text(text: str) -> str:
+    try:
+        schema = json.loads(text)
+    except ValueError:
+        return text  # xgrammar says what is wrong with it
+    return json.dumps(bounded_strings_as_patterns(schema), ensure_ascii=False)
 
 
 def clean_error(e: BaseException) -> str:
@@ -83,7 +129,8 @@ class XGrammarBackend:
             if spec.kind == "regex":
                 return compiler.compile_regex(spec.value)
             if spec.kind == "json_schema":
-                return compiler.compile_json_schema(spec.value, max_whitespace_cnt=JSON_MAX_WHITESPACE)
+                return compiler.compile_json_schema(_json_schema_text(spec.value),
+                                                    max_whitespace_cnt=JSON_MAX_WHITESPACE)
             return compiler.compile_grammar(spec.value)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
             raise GrammarError(clean_error(e)) from None

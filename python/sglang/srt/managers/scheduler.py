@@ -363,7 +363,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             "prefix_cache": cache.info() if cache is not None else {"enabled": False},
             "max_total_num_tokens": self.max_total_num_tokens,
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
-            "num_waiting_reqs": len(self.waiting),
+            "num_waiting_reqs": len(self.waiting) + len(self.grammar_queue),  # grammar_queue: compiling
             "new_token_ratio": round(self.new_token_ratio, 4),
             "last_gen_throughput": round(self.last_gen_throughput, 2),
             "last_integrity_check": dict(self.last_integrity_check),
