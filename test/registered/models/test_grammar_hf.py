@@ -160,3 +160,20 @@ def test_a_constrained_request_alone_equals_it_in_the_batch(engine, hf, compiler
     params = {"max_new_tokens": MAX_NEW, "temperature": 0.0, "json_schema": json.dumps(SCHEMA)}
     alone = engine.generate(input_ids=prompt, sampling_params=params)
     assert alone["output_ids"] == reference(hf, compiler, prompt, params)[0]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine", ["cuda"], indirect=True)
+def test_cuda_graphs_serve_constrained_steps_step_by_step(engine, hf, compiler, tokenizer):
+    """On the GPU the masks follow graph replays (the eager tail), and a constrained request's steps
+    are not overlapped while an unconstrained request's are."""
+    prompt = tokenizer(PROMPTS[0]).input_ids
+    params = {"max_new_tokens": 24, "temperature": 0.0, "regex": "[a-z ]+"}
+    before = engine.get_server_info()
+    out = engine.generate(input_ids=prompt, sampling_params=params)
+    assert out["output_ids"] == reference(hf, compiler, prompt, params)[0]
+    mid = engine.get_server_info()
+    assert mid["graph_stats"]["decode_graph_replays"] >= before["graph_stats"]["decode_graph_replays"] + 20
+    assert mid["overlapped_decode_steps"] == before["overlapped_decode_steps"]
+    engine.generate(input_ids=prompt, sampling_params={"max_new_tokens": 24, "temperature": 0.0, "ignore_eos": True})
+    assert engine.get_server_info()["overlapped_decode_steps"] > mid["overlapped_decode_steps"]
