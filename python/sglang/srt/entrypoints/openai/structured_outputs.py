@@ -62,8 +62,8 @@ def _response_format(value: Any) -> Optional[GrammarSpec]:
     if kind == "json_schema":
         js = value.get("json_schema")
         if not isinstance(js, dict):
-            raise InvalidRequestError("response_format.json_schema must be an object with the 'schema'",
-                                      param=field)
+            raise InvalidRequestError(
+                "response_format.json_schema must be an object ({'name', 'schema', 'strict'})", param=field)
         schema = js.get("schema")
         if not isinstance(schema, dict):
             raise InvalidRequestError("response_format.json_schema.schema must be an object (a JSON schema)",
