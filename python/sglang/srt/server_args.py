@@ -18,6 +18,8 @@ from typing import Any, Optional
 from sglang.srt import utils
 from sglang.srt.configs.chat_templates import resolve_chat_template
 from sglang.srt.configs.lora_path_spec import LoRAPathSpec  # also importable from here, its old home
+from sglang.srt.constrained.backends import default_grammar_backend
+from sglang.srt.constrained.base import GRAMMAR_BACKENDS, XGRAMMAR_REQUIREMENT, xgrammar_available
 from sglang.srt.configs.cuda_graph_config import (
     DECODE_BACKENDS,
     PREFILL_BACKENDS,
@@ -85,6 +87,9 @@ class ServerArgs:
     enable_overlap_schedule: Optional[bool] = None
     disable_overlap_schedule: bool = False  # upstream's spelling; wins over the enable flag
     enable_deterministic_inference: bool = False
+    # Constrained decoding (regex / json_schema / ebnf, OpenAI's response_format, vLLM's guided_*):
+    # "xgrammar" or "none"; None (the default) resolves to xgrammar where it is installed, else none.
+    grammar_backend: Optional[str] = None
 
     # Kernels
     attention_backend: Optional[str] = None
@@ -227,6 +232,7 @@ class ServerArgs:
                 "token per page; use --page-size 1 (the default)"
             )
         choice("--log-requests-level", self.log_requests_level, LOG_REQUESTS_LEVELS)
+        self._resolve_grammar_backend()
         # 1 is allowed (vLLM's gpu_memory_utilization takes it too): the activation reserve is
         # kept out of the KV cache apart from this fraction.
         if isinstance(self.mem_fraction_static, bool) or not (0.0 < self.mem_fraction_static <= 1.0):
@@ -302,6 +308,17 @@ class ServerArgs:
         ):
             for v in values or []:
                 positive(flag, v, allow_none=False)
+
+    def _resolve_grammar_backend(self) -> None:
+        """None becomes the default backend; an explicit xgrammar must be installed."""
+        if self.grammar_backend is None:
+            self.grammar_backend = default_grammar_backend()
+            return
+        if self.grammar_backend not in GRAMMAR_BACKENDS:
+            raise ValueError(f"--grammar-backend must be one of {list(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
+        if self.grammar_backend == "xgrammar" and not xgrammar_available():
+            raise ValueError(f"--grammar-backend xgrammar: the xgrammar package is not installed "
+                             f"(pip install {XGRAMMAR_REQUIREMENT}); or use --grammar-backend none")
 
     def _validate_parallelism(self, positive: Any) -> None:
         positive("--tp-size", self.tp_size, allow_none=False)

@@ -7,6 +7,7 @@ import argparse
 from typing import Any, Mapping
 
 from sglang.srt.configs.cuda_graph_config import DECODE_BACKENDS, PREFILL_BACKENDS
+from sglang.srt.constrained.base import GRAMMAR_BACKENDS
 
 # The choices each flag offers; ServerArgs validates against the same tuples.
 LOAD_FORMATS = ("auto", "safetensors", "dummy")
@@ -113,6 +114,10 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                         "reductions in cuBLAS GEMMs, so results depend less on batch shape).")
     g.add_argument("--attention-backend", default=None, choices=ATTENTION_BACKENDS,
                    help="Default: triton on CUDA, torch_native on CPU.")
+    g.add_argument("--grammar-backend", default=None, choices=GRAMMAR_BACKENDS,
+                   help="Constrained decoding (structured outputs: regex / json_schema / ebnf, OpenAI's "
+                        "response_format, vLLM's guided_* and structured_outputs): xgrammar, or none to "
+                        "refuse such requests with a 400. Default: xgrammar when it is installed, else none.")
 
     g = parser.add_argument_group("tensor parallelism")
     g.add_argument("--tp-size", "--tensor-parallel-size", type=int, default=default("tp_size"),

@@ -104,6 +104,7 @@ def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = No
         lora_max_wait_turns=args.lora_max_wait_turns, log_level=args.log_level,
         enable_test_hooks=args.enable_test_hooks,
         overlap_schedule=args.resolved_overlap_schedule(), watchdog_timeout=args.watchdog_timeout,
+        grammar_backend=args.grammar_backend,
     )
     tokenizer_manager = TokenizerManagerConfig(
         model_path=args.model_path, served_model_name=args.served_model_name or args.model_path,
@@ -113,7 +114,7 @@ def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = No
         max_top_logprobs=args.max_top_logprobs, log_requests=args.log_requests,
         log_requests_level=args.log_requests_level, enable_metrics=args.enable_metrics,
         enable_cache_report=args.enable_cache_report, enable_test_hooks=args.enable_test_hooks,
-        public_args=args.to_public_dict(),
+        grammar_backend=args.grammar_backend, public_args=args.to_public_dict(),
     )
     tp = TPLayout(size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank, device=device, split=split,
                   dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout)

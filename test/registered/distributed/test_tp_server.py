@@ -132,6 +132,16 @@ def test_ranks_serve_in_lockstep_and_stop_on_sigint(server) -> None:
     assert greedy(url, PROMPTS[1], "b")["input"] != greedy(url, PROMPTS[1], None)["input"]  # b is applied
     assert unload_adapter(url, "a").status_code == 200
     assert greedy(url, PROMPTS[2], "b")["ids"]
+    # Constrained requests: every rank compiles the grammars and admits them at the same turn (rank
+    # 0's GrammarReady), and every rank's matchers accept rank 0's sampled tokens.
+    r = requests.post(f"{url}/generate", json={"text": ["Pick one", "A number", "Free text"], "sampling_params": [
+        {"max_new_tokens": 16, "temperature": 1.0, "seed": 1, "ebnf": 'root ::= "left" | "right" | "up down"'},
+        {"max_new_tokens": 16, "temperature": 0.8, "seed": 2, "regex": "[1-9][0-9]{2}"},
+        {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}]}, timeout=300)
+    assert r.status_code == 200, r.text
+    outs = r.json()
+    assert outs[0]["text"] in ("left", "right", "up down") and re.fullmatch("[1-9][0-9]{2}", outs[1]["text"]), outs
+    assert server_info(url)["grammar_matchers"] == 0
     check = wait_idle_check(url)
     assert check["ok"] and check["tp_ranks_agree"], check
     assert server_info(url)["lora"]["loaded_adapters"] == {"b": adapters["b"]}

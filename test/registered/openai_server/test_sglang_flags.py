@@ -1,6 +1,6 @@
 """Everyday SGLang flags, end to end on real servers (CPU): `--chat-template`, `--log-requests`
-(`--log-requests-level`), `--enable-cache-report`, and the ones refused at start with a message
-(`--page-size` above 1, an unknown chat template)."""
+(`--log-requests-level`), `--enable-cache-report`, `--grammar-backend none`, and the ones refused at
+start with a message (`--page-size` above 1, an unknown chat template)."""
 
 from __future__ import annotations
 
@@ -24,8 +24,9 @@ def ckpt() -> str:
 
 @pytest.fixture(scope="module")
 def plain(ckpt):
-    """--log-requests at level 0, no cache report, the tokenizer's own chat template."""
-    proc, url = popen_launch_server(ckpt, ["--device", "cpu", "--log-requests", "--served-model-name", "m"])
+    """--log-requests at level 0, no cache report, the tokenizer's own chat template, no grammar backend."""
+    proc, url = popen_launch_server(ckpt, ["--device", "cpu", "--log-requests", "--served-model-name", "m",
+                                           "--grammar-backend", "none"])
     yield proc, url
     kill_server(proc)
 
@@ -65,6 +66,25 @@ def test_chat_template_file_replaces_the_tokenizers(ckpt, plain, custom):
     ours = prompt_tokens(TEMPLATE)
     assert chat(plain[1], "hello there")["usage"]["prompt_tokens"] == own
     assert chat(custom[1], "hello there")["usage"]["prompt_tokens"] == ours != own
+
+
+def test_grammar_backend_none_refuses_constraints_saying_how_to_enable(plain):
+    url = plain[1]
+    for path, body, param in [
+        ("/generate", {"text": "hi", "sampling_params": {"regex": "[a-z]+"}}, "regex"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
+                                  "response_format": {"type": "json_object"}}, "response_format"),
+        ("/v1/completions", {"model": "m", "prompt": "hi", "guided_choice": ["a", "b"]}, "guided_choice"),
+    ]:
+        r = requests.post(f"{url}{path}", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["param"] == param and "--grammar-backend none" in error["message"], error
+        assert "--grammar-backend xgrammar" in error["message"] or "pip install xgrammar" in error["message"]
+    info = requests.get(f"{url}/get_server_info", timeout=60).json()
+    assert info["grammar_backend"] == "none"
+    r = requests.post(f"{url}/generate", json={"text": "hi", "sampling_params": {"max_new_tokens": 2}}, timeout=60)
+    assert r.status_code == 200, r.text
 
 
 def test_add_generation_prompt_is_honoured(ckpt, plain):

@@ -8,7 +8,7 @@ a higher one's. Every import counts: at module level, inside functions, and unde
     7  executor      srt/model_executor
     6  lora, models  srt/lora, srt/models (side by side; models never import lora)
     5  layers        srt/layers
-    4  services      srt/distributed, srt/mem_cache, srt/model_loader
+    4  services      srt/distributed, srt/mem_cache, srt/model_loader, srt/constrained
     3  configs       srt/configs, srt/sampling (plain data)
     2  utils         srt/utils, sglang.sse
 
@@ -31,7 +31,7 @@ LAYERS = [  # (layer, module prefixes), top first
     (7, ["sglang.srt.model_executor"]),
     (6, ["sglang.srt.lora", "sglang.srt.models"]),
     (5, ["sglang.srt.layers"]),
-    (4, ["sglang.srt.distributed", "sglang.srt.mem_cache", "sglang.srt.model_loader"]),
+    (4, ["sglang.srt.distributed", "sglang.srt.mem_cache", "sglang.srt.model_loader", "sglang.srt.constrained"]),
     (3, ["sglang.srt.configs", "sglang.srt.sampling"]),
     (2, ["sglang.srt.utils", "sglang.sse"]),
 ]

@@ -94,6 +94,7 @@ class SchedulerConfig:
     enable_test_hooks: bool = False
     overlap_schedule: bool = False  # --enable-overlap-schedule (managers/scheduler_overlap.py)
     watchdog_timeout: float = 300.0  # --watchdog-timeout (scheduler_process._watch_progress); 0: off
+    grammar_backend: str = "none"  # --grammar-backend, resolved: "xgrammar" or "none" (constrained/)
 
 
 @dataclass(frozen=True)
@@ -112,6 +113,7 @@ class TokenizerManagerConfig:
     enable_metrics: bool = False
     enable_cache_report: bool = False
     enable_test_hooks: bool = False
+    grammar_backend: str = "none"  # --grammar-backend, resolved (managers/tokenizer_grammar.py)
     # The server's settings as /get_server_info shows them (no secrets).
     public_args: dict[str, Any] = field(default_factory=dict, compare=False)
 

@@ -6,7 +6,8 @@ filtering of the probabilities, then one draw by the exponential race
 noise from a generator keyed by (seed, step), over the full vocabulary in vocabulary order, so its
 draw at step k is the same whatever batch it is in. Reported logprobs are those of the
 *untempered* distribution (log_softmax of the raw logits), as OpenAI-style APIs report them.
-Penalties and biases (sampling/logit_adjustments.py) change the choice, not the reported logprobs.
+Penalties and biases (sampling/logit_adjustments.py), then the grammar mask of constrained rows
+(sampling/grammar_mask.py), change the choice, not the reported logprobs.
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ class Sampler(nn.Module):
         chosen_from = logits
         if sampling_info is not None and sampling_info.adjustments is not None:
             chosen_from = sampling_info.adjustments.apply(logits)  # penalties, biases: not the logprobs
+        if sampling_info is not None and sampling_info.grammar is not None:
+            chosen_from = sampling_info.grammar.apply(chosen_from, logits)  # constrained rows only
         if sampling_info is None or sampling_info.is_all_greedy:
             ids = torch.argmax(chosen_from, dim=-1)
         else:

@@ -4,7 +4,9 @@ Scheduler (child process), whenever it becomes idle: every KV slot is free, cach
 protected by a running request's lock) or owned by a live request (free + cached + used = total,
 no slot free twice, free and cached at once, or cached twice), the prefix cache's tree agrees with
 its counters and holds no lock once idle, the same accounting for request rows, no finished
-request still holds KV, no request is tracked while nothing waits or runs, and the LoRA pool's
+request still holds KV, no request is tracked while nothing waits or runs, every live grammar
+matcher belongs to a queued or running request and no compile is tracked once idle (constrained
+decoding: `SchedulerGrammarMixin.grammar_problems`), and the LoRA pool's
 slot maps agree both ways with the base slot at rank 0 (`LoRAManager.integrity_report()`), and
 under tensor parallelism every rank's scheduler state matches rank 0's (a collective: ranks check
 together).

@@ -58,6 +58,9 @@ class Req:
         # built at its first batch (managers/schedule_batch.py).
         self.logit_bias_tensors: Optional[tuple[Any, Any]] = None
         self.held_back_tensors: Optional[tuple[Any, Any]] = None
+        # Constrained decoding: its grammar matcher (constrained/base.py GrammarMatcher), given when
+        # its grammar is compiled and dropped when it ends (managers/scheduler_grammar.py).
+        self.grammar: Optional[Any] = None
 
         # Logprobs: prompt ones are gathered across chunks and sent once complete.
         self.prompt_logprobs_done = self.logprob_start_len < 0

@@ -21,6 +21,7 @@ from sglang.srt.model_executor.batch_builder import (
     build_extend_batch,
 )
 from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.sampling.grammar_mask import GrammarMask, new_host_bitmask
 from sglang.srt.sampling.logit_adjustments import LogitAdjustments
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.token_counts import TokenCounts
@@ -132,6 +133,22 @@ def _bias_tensors(pairs: list[tuple[int, float]], device: torch.device | str) ->
     return tokens, values
 
 
+def grammar_mask_for(reqs: list[Req], vocab_size: int, device: torch.device | str) -> Optional[GrammarMask]:
+    """The next-token masks of the constrained requests (their matchers fill them on the host,
+    sampling/grammar_mask.py); None when no request is constrained or every grammar allows every
+    token here."""
+    rows = [i for i, r in enumerate(reqs) if r.grammar is not None]
+    if not rows:
+        return None
+    host = new_host_bitmask(len(rows), vocab_size)
+    kept = [j for j, i in enumerate(rows) if reqs[i].grammar.fill_next_token_bitmask(host, j)]
+    if not kept:
+        return None
+    if len(kept) < len(rows):
+        host = host[kept]
+    return GrammarMask.build([rows[j] for j in kept], host, device)
+
+
 def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int = 0,
                       logit_ctx: Optional[LogitContext] = None) -> Optional[SamplingBatchInfo]:
     """The batch's sampling tensors; None when every request is greedy and adjusts no logits,
@@ -141,9 +158,14 @@ def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int 
     yet (a seeded request's step and min_new_tokens count them)."""
     params = [r.sampling_params for r in reqs]
     adjusting = any(p.adjusts_logits for p in params)
-    if not adjusting and all(p.is_greedy for p in params):
+    constrained = any(r.grammar is not None for r in reqs)
+    if not adjusting and not constrained and all(p.is_greedy for p in params):
         return None
-    assert logit_ctx is not None or not adjusting, "a request adjusts its logits: the batch needs a LogitContext"
+    assert logit_ctx is not None or not (adjusting or constrained), \
+        "a request adjusts its logits: the batch needs a LogitContext"
+    # A grammar's mask is read from its matcher, which has accepted every token on the host: the
+    # overlap schedule never feeds a constrained request a token still on the device.
+    assert not (constrained and pending), "a constrained request in a step launched ahead of its token"
     return SamplingBatchInfo.from_params(
         temperatures=[0.0 if p.is_greedy else float(p.temperature) for p in params],
         top_ps=[float(p.top_p) for p in params],
@@ -153,6 +175,7 @@ def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int 
         steps=[len(r.output_ids) + pending for r in reqs],
         device=device,
         adjustments=logit_adjustments_for(reqs, logit_ctx, pending) if adjusting else None,
+        grammar=grammar_mask_for(reqs, logit_ctx.vocab_size, device) if constrained else None,
     )
 
 

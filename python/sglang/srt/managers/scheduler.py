@@ -43,6 +43,7 @@ from sglang.srt.managers.req import Req
 from sglang.srt.managers.schedule_batch import LogitContext, ScheduleBatch, release_kv
 from sglang.srt.managers.schedule_policy import GroupedLoRAAdmission
 from sglang.srt.managers.scheduler_admission import INIT_NEW_TOKEN_RATIO, SchedulerAdmissionMixin
+from sglang.srt.managers.scheduler_grammar import GRAMMAR_POLL_S, GrammarReady, SchedulerGrammarMixin
 from sglang.srt.managers.scheduler_input import receive_messages
 from sglang.srt.managers.scheduler_integrity import SchedulerIntegrityMixin
 from sglang.srt.managers.scheduler_lora import SchedulerLoRAMixin
@@ -64,11 +65,12 @@ class RankFailure(RuntimeError):
 
 
 class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixin, SchedulerIntegrityMixin,
-                SchedulerOverlapMixin):
+                SchedulerOverlapMixin, SchedulerGrammarMixin):
     """The loop, the message dispatch and the request lifecycle live here; admission and
     retraction (scheduler_admission.py), what a forward's results do (scheduler_output_processor.py),
-    LoRA residency and commands (scheduler_lora.py), the integrity check (scheduler_integrity.py)
-    and the overlap schedule (scheduler_overlap.py) are mixins over the same state."""
+    LoRA residency and commands (scheduler_lora.py), the integrity check (scheduler_integrity.py),
+    the overlap schedule (scheduler_overlap.py) and constrained decoding (scheduler_grammar.py) are
+    mixins over the same state."""
 
     def __init__(
         self,
@@ -110,6 +112,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             logger.info("--schedule-policy lpm with --disable-radix-cache: no prefix to rank, admitting FCFS")
 
         self.waiting: list[Req] = []  # FCFS by arrival
+        self.init_grammar(tokenizer, eos)  # constrained requests wait in grammar_queue for their compile
         self.running: list[Req] = []
         self.chunked_req: Optional[Req] = None
         self.rid_to_req: dict[str, Req] = {}
@@ -149,7 +152,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             # A turn ends within IDLE_POLL_S when idle (every rank's message poll returns): a
             # heartbeat this old means a turn is stuck (scheduler_process._watch_progress).
             self.heartbeat = time.monotonic()
-            idle = not (self.waiting or self.running or self.chunked_req or self.inflight)
+            idle = not (self.waiting or self.running or self.chunked_req or self.inflight or self.grammar_queue)
             if idle and not self.was_idle:
                 self.check_integrity()
                 self.last_decode_log = time.monotonic()
@@ -179,12 +182,21 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
 
     def process_messages(self, block: bool) -> bool:
         """Handle every pending message (the same on every TP rank); False once asked to shut down."""
-        for msg in receive_messages(self.recv_conn, self.tp_group, IDLE_POLL_S if block else 0.0):
+        timeout = (GRAMMAR_POLL_S if self.grammar_queue else IDLE_POLL_S) if block else 0.0
+        # Rank 0's own news goes first, broadcast with the pipe's messages: compiles it saw finish.
+        local = []
+        if self.grammar_queue and self.tp_group.is_first_rank:
+            ready = self.ready_grammar_rids()
+            if ready:
+                local.append(GrammarReady(ready))
+        for msg in receive_messages(self.recv_conn, self.tp_group, timeout, local):
             if self.inflight is not None and not isinstance(msg, (TokenizedGenerateReqInput, AbortReq,
-                                                                   GetServerInfoReq)):
+                                                                   GetServerInfoReq, GrammarReady)):
                 self.drain_inflight()  # adapter loads, flushes, faults, shutdown: with no step in flight
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.add_request(msg)
+            elif isinstance(msg, GrammarReady):
+                self.on_grammar_ready(msg)
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg.rid)
             elif isinstance(msg, GetServerInfoReq):
@@ -210,7 +222,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         req = Req(msg, self.arrivals)
         self.arrivals += 1
         self.rid_to_req[req.rid] = req
-        self.waiting.append(req)
+        self.queue_request(req)
 
     def abort_request(self, rid: str) -> None:
         req = self.rid_to_req.get(rid)
@@ -223,7 +235,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         self.finish(req, {"type": "abort", "message": "the request was aborted"})
 
     def flush_cache(self) -> FlushCacheOut:
-        busy = len(self.running) + len(self.waiting) + (self.chunked_req is not None)
+        busy = len(self.running) + len(self.waiting) + len(self.grammar_queue) + (self.chunked_req is not None)
         if busy:
             return FlushCacheOut(False, f"Cannot flush the cache while {busy} request(s) are running or "
                                         "waiting; try again when the server is idle.")
@@ -259,6 +271,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             self.chunked_req = None
         self._release(req, insert=reason.get("type") != "abort")
         self.logit_ctx.release(req)
+        self.release_grammar(req)
         self.rid_to_req.pop(req.rid, None)
         self.stats["num_finished"] += 1
         if notify:
@@ -350,7 +363,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             "prefix_cache": cache.info() if cache is not None else {"enabled": False},
             "max_total_num_tokens": self.max_total_num_tokens,
             "num_running_reqs": len(self.running) + (self.chunked_req is not None),
-            "num_waiting_reqs": len(self.waiting),
+            "num_waiting_reqs": len(self.waiting) + len(self.grammar_queue),  # grammar_queue: compiling
             "new_token_ratio": round(self.new_token_ratio, 4),
             "last_gen_throughput": round(self.last_gen_throughput, 2),
             "last_integrity_check": dict(self.last_integrity_check),
@@ -358,4 +371,5 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             "forward_seconds": self.model_runner.clock.stats(),  # SGLANG_FORWARD_TIMES=1 (else None)
             **self.stats,
             **self.lora_info(),
+            **self.grammar_info(),
         }

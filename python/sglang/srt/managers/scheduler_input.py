@@ -13,10 +13,15 @@ from typing import Any, Optional
 from sglang.srt.distributed import TensorParallelGroup
 
 
-def receive_messages(recv_conn: Optional[Any], tp_group: TensorParallelGroup, timeout: float) -> list[Any]:
-    """Every pending message (rank 0 waits up to `timeout` for the first one), on every rank."""
-    messages: list[Any] = []
+def receive_messages(recv_conn: Optional[Any], tp_group: TensorParallelGroup, timeout: float,
+                     local: Optional[list[Any]] = None) -> list[Any]:
+    """Every pending message (rank 0 waits up to `timeout` for the first one), on every rank.
+    `local`: rank 0's own messages, put before the pipe's (what it decided alone, such as which
+    grammar compiles are done, reaches every rank at the same turn)."""
+    messages: list[Any] = list(local or ())
     if recv_conn is not None:
+        if messages:
+            timeout = 0.0  # something to do already
         while recv_conn.poll(timeout):
             timeout = 0.0
             messages.append(recv_conn.recv())

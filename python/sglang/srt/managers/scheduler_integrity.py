@@ -27,14 +27,14 @@ class SchedulerIntegrityMixin:
 
     def _recheck_if_idle(self) -> None:
         """Keep the reported idle-time check current after memory moved while idle."""
-        if not (self.waiting or self.running or self.chunked_req):
+        if not (self.waiting or self.running or self.chunked_req or self.grammar_queue):
             self.check_integrity()
 
     def integrity_problems(self) -> tuple[list[Problem], dict[str, Any]]:
         """The bookkeeping against the pools (between turns: nothing is mid-flight)."""
         problems: list[Problem] = []
         holders = self._holders()
-        idle = not (self.waiting or self.running or self.chunked_req)
+        idle = not (self.waiting or self.running or self.chunked_req or self.grammar_queue)
 
         free = self.allocator.free_slots  # int64 on the host; vectorised, as it may hold ~10^6 slots
         kv_total = self.max_total_num_tokens
@@ -83,14 +83,14 @@ class SchedulerIntegrityMixin:
         if shared:
             problems.append(("row_ownership", f"request rows {shared[:8]} are free twice or free and in use"))
 
-        for req in holders + self.waiting:
+        for req in holders + self.waiting + self.grammar_queue:
             if req.finished:
                 problems.append(("finished_holds_kv" if req.req_pool_idx is not None else "finished_queued",
                                  f"finished request {req.rid!r} is still queued or running ({req!r})"))
         for req in self.waiting:
             if req.req_pool_idx is not None or req.kv_len:
                 problems.append(("waiting_holds_kv", f"waiting request {req.rid!r} holds KV ({req!r})"))
-        tracked = set(map(id, holders + self.waiting))
+        tracked = set(map(id, holders + self.waiting + self.grammar_queue))
         orphans = [rid for rid, req in self.rid_to_req.items() if id(req) not in tracked]
         for rid in orphans:
             req = self.rid_to_req[rid]
@@ -111,12 +111,15 @@ class SchedulerIntegrityMixin:
             if counts_rows_used != len(held) or duplicates(held + counts_table.free_rows):
                 problems.append(("token_count_rows", f"penalty token-count rows: {counts_rows_used} in use, "
                                                      f"{len(held)} held by queued or running requests"))
+        grammar_problems, grammar_counts = self.grammar_problems(holders + self.waiting + self.grammar_queue, idle)
+        problems.extend(grammar_problems)
         counts: dict[str, Any] = {
             "idle": idle, "kv_free": kv_free, "kv_used": kv_used, "kv_total": kv_total, "kv_cached": kv_cached,
             "kv_evictable": tree.evictable_size if tree is not None else 0,
             "kv_protected": tree.protected_size if tree is not None else 0,
             "rows_free": rows_free, "rows_used": rows_used, "rows_total": self.total_rows,
             "num_requests": len(self.rid_to_req), "token_count_rows_used": counts_rows_used,
+            **grammar_counts,
         }
         lora = self.model_runner.lora_manager
         if lora is not None:
@@ -138,6 +141,7 @@ class SchedulerIntegrityMixin:
             "arrivals": self.arrivals, "finished": self.stats["num_finished"],
             "decode_steps": self.stats["decode_steps"],
             "waiting": [r.rid for r in self.waiting], "running": [r.rid for r in self._holders()],
+            "grammar_queue": [r.rid for r in self.grammar_queue], "grammar_matchers": self.grammar_matchers,
             "kv_free": counts["kv_free"], "rows_free": counts["rows_free"],
             "lora_slots": None if lora is None else [repr(lora_id) for lora_id in lora.pool.slot_to_lora_id],
         }

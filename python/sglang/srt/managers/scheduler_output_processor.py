@@ -75,7 +75,11 @@ class SchedulerOutputMixin:
             out.next_token_logprobs[i] if out.next_token_logprobs else None,
             out.next_token_top_logprobs[i] if out.next_token_top_logprobs else None,
         )
-        reason = self.stop_checker.check(req)
+        # The grammar first: its matcher must see every token, and its end stops the request even
+        # under ignore_eos or before min_new_tokens (the grammar allowed nothing else).
+        reason = self.grammar_stop(req, token)
+        if reason is None:
+            reason = self.stop_checker.check(req)
         if reason is not None:
             self.finish(req, reason, notify=False)
         return reason is not None

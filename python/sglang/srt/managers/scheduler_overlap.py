@@ -15,8 +15,9 @@ A turn with a step N in flight:
   1. `_continuation`: which of N's requests step N+1 decodes. Those that stop by length after N
      are left out (known before N's tokens); one that stops on EOS or a stop string is not known
      to, so it is decoded once more and that token is thrown away. No continuation (every request
-     stops, a prompt is being prefilled in chunks, KV runs short, a fault is armed): N is finished
-     alone and the next turn is an ordinary one.
+     stops, a prompt is being prefilled in chunks, KV runs short, a fault is armed, a request of N
+     is constrained: its grammar mask needs N's token accepted first): N is finished alone and the
+     next turn is an ordinary one.
   2. `_launch`: step N+1 feeds N's sampled tokens straight from the device (`prepare_decode`'s
      `input_ids`, a copy queued after N's sampling) and is queued behind N.
   3. `_finish`: N's host copies are waited for (N+1 runs meanwhile) and its outputs processed as
@@ -103,6 +104,10 @@ class SchedulerOverlapMixin:
     def _continuation(self, prev: InflightStep) -> Optional[list[Req]]:
         if self.chunked_req is not None or self.faults:
             return None  # an ordinary turn decides (the rest of the prompt first, or the fault's batch)
+        if any(r.grammar is not None for r in prev.batch.reqs):
+            # A constrained request's mask needs the token N samples, on the host and accepted by its
+            # matcher: its batch goes step by step (N finished, then the next step built).
+            return None
         reqs = [r for r in prev.batch.reqs if not r.finished and not self.stop_checker.stops_by_length(r, 1)]
         # One new KV slot each, from the free list: eviction and retraction are the ordinary turn's.
         if not reqs or self.allocator.available_size() < len(reqs):

@@ -42,7 +42,9 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.req_state import ReqState, iterate_states
 from sglang.srt.managers.request_log import request_log_line
 from sglang.srt.managers.scheduler_client import SchedulerClient
+from sglang.srt.managers.tokenizer_grammar import GrammarChecker
 from sglang.srt.managers.tokenizer_lora import TokenizerLoRAMixin
+from sglang.srt.sampling.grammar_spec import GrammarSpec
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.utils import package_version
 
@@ -83,6 +85,9 @@ class TokenizerManager(TokenizerLoRAMixin):
             self.tokenizer = tokenizer.result()  # raises what load_tokenizer raised
         else:
             self.tokenizer = load_tokenizer(config.tokenizer) if config.tokenizer is not None else None
+        # Constrained requests are compiled here before they are queued (tokenizer_grammar.py).
+        self.grammar = GrammarChecker(config.grammar_backend, self.tokenizer, self.vocab_size,
+                                      scheduler_info.get("eos_token_ids", ()))
         # The startup adapters with the ids the scheduler's LoRA manager has (both from the config).
         self.lora_registry = LoRARegistry(config.lora_refs) if config.lora_refs is not None else None
         self.rid_to_state: dict[str, ReqState] = {}
@@ -349,6 +354,10 @@ class TokenizerManager(TokenizerLoRAMixin):
             )
         return input_ids, params
 
+    async def check_grammar(self, spec: GrammarSpec, param: str) -> None:
+        """A 400 naming `param` unless `spec` (a regex, JSON schema or EBNF grammar) compiles here."""
+        await self.grammar.check(spec, param)
+
     # ------------------------------------------------------------------ generation
     async def generate(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Union[dict, list]]:
         """Run a request. Streaming yields one dict per update (with `index` for a batch);
@@ -376,6 +385,8 @@ class TokenizerManager(TokenizerLoRAMixin):
         # Every prompt is valid before any is queued.
         chars = sum(len(r.text) for r in reqs if r.text is not None)
         prepared = await self.off_loop(lambda: [self._prepare(r) for r in reqs], chars)
+        for spec in dict.fromkeys(p.grammar for _, p in prepared if p.grammar is not None):
+            await self.check_grammar(spec, spec.kind)  # n > 1 and batches share their specs' checks
         for r in reqs:
             if r.rid in self.rid_to_state or r.rid in self._abandoned or r.rid in self._waiting_rids:
                 raise InvalidRequestError(f"a request with rid {r.rid!r} is already running", param="rid")

@@ -7,6 +7,7 @@ from typing import Optional
 
 import torch
 
+from sglang.srt.sampling.grammar_mask import GrammarMask
 from sglang.srt.sampling.logit_adjustments import LogitAdjustments
 
 
@@ -26,6 +27,8 @@ class SamplingBatchInfo:
     steps: Optional[list[int]] = None
     # Penalties and biases applied to the logits before the choice (greedy rows included).
     adjustments: Optional[LogitAdjustments] = None
+    # The grammar mask of the constrained rows (constrained decoding), applied after the adjustments.
+    grammar: Optional[GrammarMask] = None
 
     @classmethod
     def from_params(
@@ -38,6 +41,7 @@ class SamplingBatchInfo:
         steps: list[int],
         device: torch.device | str,
         adjustments: Optional[LogitAdjustments] = None,
+        grammar: Optional[GrammarMask] = None,
     ) -> "SamplingBatchInfo":
         # Two host->device copies (the float parameters packed, the int ones), not four; from
         # pinned memory on CUDA, so building the batch never waits for the device.
@@ -59,4 +63,5 @@ class SamplingBatchInfo:
             seeds=seeds if any(s is not None for s in seeds) else None,
             steps=steps,
             adjustments=adjustments,
+            grammar=grammar,
         )

@@ -6,6 +6,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
+from sglang.srt.sampling.grammar_spec import GRAMMAR_KINDS, GrammarSpec, normalize_constraint
+
 _FIELDS = {
     "max_new_tokens",
     "temperature",
@@ -25,7 +27,12 @@ _FIELDS = {
     "spaces_between_special_tokens",
     "min_new_tokens",
     "logit_bias",
+    "regex",
+    "json_schema",
+    "ebnf",
 }
+# SGLang's sampling parameters that this server refuses (rather than ignores), with the reason.
+_REFUSED = {"structural_tag": "structural_tag is not supported; use regex, json_schema or ebnf"}
 
 # OpenAI's ranges for the two additive penalties and for a logit bias; SGLang's (and vLLM's
 # former) upper bound of the repetition penalty.
@@ -89,6 +96,11 @@ class SamplingParams:
     min_new_tokens: int = 0
     # Token id -> bias added to its logit (OpenAI's logit_bias; -100 in effect bans the token).
     logit_bias: Optional[dict[int, float]] = None
+    # Constrained decoding (at most one): the output must match this regex, JSON schema (JSON text)
+    # or EBNF grammar (sglang/srt/constrained/); a request whose grammar is complete stops.
+    regex: Optional[str] = None
+    json_schema: Optional[str] = None
+    ebnf: Optional[str] = None
 
     @classmethod
     def from_dict(cls, data: Optional[dict[str, Any]]) -> "SamplingParams":
@@ -97,7 +109,10 @@ class SamplingParams:
             data = {}
         if not isinstance(data, dict):
             raise ValueError(f"sampling_params must be an object, got {type(data).__name__}")
-        unknown = set(data) - _FIELDS
+        for name, reason in _REFUSED.items():
+            if data.get(name) is not None:
+                raise ValueError(reason)
+        unknown = set(data) - _FIELDS - set(_REFUSED)
         if unknown:
             raise ValueError(f"sampling_params: unknown field(s) {sorted(unknown)}")
         kwargs: dict[str, Any] = {}
@@ -161,6 +176,15 @@ class SamplingParams:
                              f"max_new_tokens ({self.max_new_tokens}{default})")
         if self.logit_bias is not None:
             self.logit_bias = _parse_logit_bias(self.logit_bias, vocab_size)
+        self._verify_constraint()
+
+    def _verify_constraint(self) -> None:
+        for kind in GRAMMAR_KINDS:
+            setattr(self, kind, normalize_constraint(kind, getattr(self, kind)))
+        given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
+        if len(given) > 1:
+            raise ValueError(f"{given[1]}: only one of regex, json_schema and ebnf may be given "
+                             f"(got {' and '.join(given)})")
 
     @property
     def is_greedy(self) -> bool:
@@ -170,6 +194,15 @@ class SamplingParams:
     def needs_token_counts(self) -> bool:
         """Whether a penalty reads the request's token history (sampling/token_counts.py)."""
         return self.frequency_penalty != 0 or self.presence_penalty != 0 or self.repetition_penalty != 1
+
+    @property
+    def grammar(self) -> Optional[GrammarSpec]:
+        """The constraint on the output, if any (verify() left at most one)."""
+        for kind in GRAMMAR_KINDS:
+            value = getattr(self, kind)
+            if value is not None:
+                return GrammarSpec(kind, value)
+        return None
 
     @property
     def adjusts_logits(self) -> bool:

@@ -309,6 +309,21 @@ class TestCli(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "--lora-fuse-norm"):
             ServerArgs(model_path="demo", lora_fuse_norm="sometimes")
 
+    def test_grammar_backend_flag_reaches_both_processes_configs(self):
+        from sglang.srt.constrained.base import xgrammar_available
+        from sglang.srt.server_configs import build_run_configs
+
+        default = "xgrammar" if xgrammar_available() else "none"
+        for flags, backend in (([], default), (["--grammar-backend", "none"], "none")):
+            configs = build_run_configs(prepare_server_args(["--model-path", "demo", "--device", "cpu", *flags]))
+            self.assertEqual(configs.scheduler.grammar_backend, backend, flags)
+            self.assertEqual(configs.tokenizer_manager.grammar_backend, backend, flags)
+            self.assertEqual(configs.tokenizer_manager.public_args["grammar_backend"], backend, flags)
+        with self.assertRaises(SystemExit):  # argparse's choices
+            prepare_server_args(["--grammar-backend", "outlines"])
+        with self.assertRaisesRegex(ValueError, "--grammar-backend must be one of"):
+            ServerArgs(model_path="demo", grammar_backend="outlines")
+
     def test_graph_flags_parse(self):
         args = prepare_server_args([
             "--cuda-graph-backend-prefill", "full", "--cuda-graph-max-bs-prefill", "1024",
@@ -328,6 +343,15 @@ class TestCli(unittest.TestCase):
         parser = argparse.ArgumentParser()
         ServerArgs.add_cli_args(parser)
         self.assertIn("--disable-radix-cache Turn the prefix cache off", " ".join(parser.format_help().split()))
+
+    def test_help_explains_the_grammar_backend(self):
+        import argparse
+
+        parser = argparse.ArgumentParser()
+        ServerArgs.add_cli_args(parser)
+        text = " ".join(parser.format_help().split())
+        self.assertIn("--grammar-backend {xgrammar,none} Constrained decoding (structured outputs", text)
+        self.assertIn("Default: xgrammar when it is installed, else none.", text)
 
 
 def test_resolved_lora_backend_falls_back_only_where_triton_cannot_run(monkeypatch):

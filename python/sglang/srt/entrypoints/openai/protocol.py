@@ -83,6 +83,9 @@ class _SamplingFields(BaseModel):
     rid: Optional[str] = None
     # Prefix-cache isolation (vLLM's field): KV is reused only between requests with the same salt.
     cache_salt: Optional[str] = Field(None, min_length=1, max_length=MAX_CACHE_SALT_CHARS)
+    # Structured outputs (OpenAI's; completions too, as vLLM): read by structured_outputs.py with
+    # SGLang's and vLLM's extra fields for the same purpose.
+    response_format: Optional[Any] = None
 
     def sampling_params(self, max_new_tokens: Optional[int]) -> dict[str, Any]:
         params: dict[str, Any] = {
@@ -189,7 +192,6 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: Optional[Int] = Field(None, ge=0)
     logprobs: Bool = False
     top_logprobs: Optional[Int] = Field(None, ge=0)  # at most --max-top-logprobs (serving_chat)
-    response_format: Optional[dict[str, Any]] = None
     tools: Optional[list[Any]] = None
     tool_choice: Optional[Any] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None

@@ -121,9 +121,7 @@ UNSUPPORTED_EXTENSIONS = {
     "logits_processors": "logits_processors is not supported",
     # vLLM's chat `echo` (the last message before the reply); /v1/completions declares its own echo.
     "echo": "echo is not supported on chat completions",
-    **{name: f"{name} is not supported: this server has no constrained decoding"
-       for name in ("regex", "json_schema", "ebnf", "structural_tag", "guided_json", "guided_regex",
-                    "guided_choice", "guided_grammar", "guided_decoding_backend", "structured_outputs")},
+    # Constrained decoding's fields (response_format, regex, guided_json, ...): structured_outputs.py.
 }
 
 
@@ -165,11 +163,6 @@ def reject_unsupported(request: Any) -> None:
             raise InvalidRequestError(f"{name} must be a boolean, got {value!r}", param=name)
         if value is not None and not any(value == v and type(value) is type(v) for v in NEUTRAL_VALUES.get(name, ())):
             raise InvalidRequestError(message, param=name)
-    response_format = getattr(request, "response_format", None) or extra.get("response_format")
-    if response_format is not None:
-        kind = response_format.get("type", "text") if isinstance(response_format, dict) else None
-        if kind != "text":
-            raise InvalidRequestError("only response_format type 'text' is supported", param="response_format")
     options = getattr(request, "stream_options", None)
     if options is not None:
         if not request.stream:

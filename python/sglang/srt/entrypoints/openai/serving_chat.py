@@ -31,6 +31,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
     sse,
     streaming_response,
 )
+from sglang.srt.entrypoints.openai.structured_outputs import add_constraint
 from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
@@ -123,11 +124,13 @@ class OpenAIServingChat:
         if isinstance(req.lora_path, list):
             raise InvalidRequestError("lora_path must be a string for a chat request", param="lora_path")
         adapter = self.tm.adapter_from_model(req.model, req.lora_path)
-        input_ids = await chat_prompt_ids(self.tm, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
+        sampling_params = req.sampling_params(max_tokens)
+        await add_constraint(self.tm, req, sampling_params)
+        input_ids = await chat_prompt_ids(self.tm, req)
         return GenerateReqInput(
             input_ids=input_ids,
-            sampling_params=req.sampling_params(max_tokens),
+            sampling_params=sampling_params,
             return_logprob=req.logprobs,
             top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
             lora_path=adapter,

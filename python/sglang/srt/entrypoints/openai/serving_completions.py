@@ -26,6 +26,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
     sse,
     streaming_response,
 )
+from sglang.srt.entrypoints.openai.structured_outputs import add_constraint
 from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
@@ -128,6 +129,7 @@ class OpenAIServingCompletion:
     async def handle(self, req: CompletionRequest, raw_request: Any) -> Response:
         with openai_param_names(COMPLETION_PARAMS):
             obj, prompt_texts, num_prompts = self._build(req)
+            await add_constraint(self.tm, req, obj.sampling_params)
             req.model = self.tm.response_model_name(req.model)  # what the replies name
             if req.stream:
                 _, outs = await prime(self.tm.generate(obj, raw_request))

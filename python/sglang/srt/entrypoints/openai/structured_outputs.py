@@ -1,0 +1,159 @@
+"""The OpenAI routes' structured-output fields, read as the native constraint they ask for.
+
+Accepted (at most one per request), as OpenAI, SGLang and vLLM spell them:
+  * `response_format`: `{"type": "text"}` (nothing), `{"type": "json_object"}` (any JSON object),
+    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`;
+  * SGLang's extra fields `regex`, `json_schema` (JSON text or an object), `ebnf`;
+  * vLLM's `guided_json`, `guided_regex`, `guided_choice` (a list of strings), `guided_grammar`
+    (EBNF), and `structured_outputs` `{"json" | "regex" | "choice" | "grammar" | "json_object"}`.
+Refused with a message: two of them at once, `structural_tag` (SGLang's and vLLM's),
+`guided_whitespace_pattern` and `structured_outputs.whitespace_pattern`, and a
+`guided_decoding_backend` other than the one this server runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from sglang.srt.managers.generate_request import InvalidRequestError
+from sglang.srt.sampling.grammar_spec import ANY_JSON_OBJECT, GrammarSpec, choice_grammar, normalize_constraint
+
+# vLLM's guided_decoding_backend values that mean "whatever the server runs".
+AUTO_BACKENDS = ("auto",)
+# structured_outputs' options that ask for nothing when left at these values.
+NEUTRAL_STRUCTURED_OPTIONS = {"disable_fallback": (False, True), "disable_any_whitespace": (False,),
+                              "disable_additional_properties": (False,), "whitespace_pattern": (None,),
+                              "structural_tag": (None,)}
+
+
+@dataclass(frozen=True)
+class Constraint:
+    spec: GrammarSpec  # the native sampling parameter (`spec.kind`) and its value
+    field: str  # the request field that asked for it: errors name it
+
+
+def _text(kind: str, value: Any, field: str) -> str:
+    try:
+        text = normalize_constraint(kind, value)
+    except ValueError:
+        expected = "a JSON schema (an object or its JSON text)" if kind == "json_schema" else "a string"
+        raise InvalidRequestError(f"{field} must be {expected}, got {type(value).__name__}", param=field) from None
+    assert text is not None
+    return text
+
+
+def _choice(value: Any, field: str) -> str:
+    try:
+        return choice_grammar(value, field)
+    except ValueError as e:
+        raise InvalidRequestError(str(e), param=field) from None
+
+
+def _response_format(value: Any) -> Optional[GrammarSpec]:
+    field = "response_format"
+    if not isinstance(value, dict):
+        raise InvalidRequestError("response_format must be an object", param=field)
+    kind = value.get("type", "text")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return GrammarSpec("json_schema", ANY_JSON_OBJECT)
+    if kind == "json_schema":
+        js = value.get("json_schema")
+        if not isinstance(js, dict):
+            raise InvalidRequestError(
+                "response_format.json_schema must be an object ({'name', 'schema', 'strict'})", param=field)
+        schema = js.get("schema")
+        if not isinstance(schema, dict):
+            raise InvalidRequestError("response_format.json_schema.schema must be an object (a JSON schema)",
+                                      param=field)
+        if js.get("name") is not None and not isinstance(js["name"], str):
+            raise InvalidRequestError("response_format.json_schema.name must be a string", param=field)
+        if js.get("strict") is not None and not isinstance(js["strict"], bool):
+            raise InvalidRequestError("response_format.json_schema.strict must be a boolean", param=field)
+        return GrammarSpec("json_schema", _text("json_schema", schema, field))
+    if kind == "structural_tag":
+        raise InvalidRequestError("response_format type 'structural_tag' is not supported", param=field)
+    raise InvalidRequestError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
+                              param=field)
+
+
+def _structured_outputs(value: Any) -> Optional[GrammarSpec]:
+    field = "structured_outputs"
+    if not isinstance(value, dict):
+        raise InvalidRequestError("structured_outputs must be an object", param=field)
+    for key, neutral in NEUTRAL_STRUCTURED_OPTIONS.items():
+        if key in value and not any(value[key] == v and type(value[key]) is type(v) for v in neutral):
+            raise InvalidRequestError(f"structured_outputs.{key} is not supported", param=field)
+    known = {"json", "regex", "choice", "grammar", "json_object", *NEUTRAL_STRUCTURED_OPTIONS}
+    unknown = sorted(set(value) - known)
+    if unknown:
+        raise InvalidRequestError(f"structured_outputs: unknown option(s) {unknown}", param=field)
+    given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if value.get(k) not in (None, False)]
+    if len(given) > 1:
+        raise InvalidRequestError(f"structured_outputs takes one of json, regex, choice, grammar and "
+                                  f"json_object, got {' and '.join(given)}", param=field)
+    if not given:
+        return None
+    key = given[0]
+    sub = f"{field}.{key}"
+    if key == "json":
+        return GrammarSpec("json_schema", _text("json_schema", value[key], sub))
+    if key == "regex":
+        return GrammarSpec("regex", _text("regex", value[key], sub))
+    if key == "choice":
+        return GrammarSpec("ebnf", _choice(value[key], sub))
+    if key == "grammar":
+        return GrammarSpec("ebnf", _text("ebnf", value[key], sub))
+    if value[key] is not True:
+        raise InvalidRequestError("structured_outputs.json_object must be a boolean", param=field)
+    return GrammarSpec("json_schema", ANY_JSON_OBJECT)
+
+
+def requested_constraint(request: Any, backend: str) -> Optional[Constraint]:
+    """The constraint a completions or chat request asks for (None: none); InvalidRequestError
+    for a malformed or unsupported one. `backend`: the server's --grammar-backend."""
+    extra = getattr(request, "model_extra", None) or {}
+    for name in ("structural_tag", "guided_whitespace_pattern"):
+        if extra.get(name) is not None:
+            raise InvalidRequestError(f"{name} is not supported", param=name)
+    wanted = extra.get("guided_decoding_backend")
+    if wanted is not None:
+        if not isinstance(wanted, str):
+            raise InvalidRequestError("guided_decoding_backend must be a string", param="guided_decoding_backend")
+        if wanted not in AUTO_BACKENDS and (backend == "none" or wanted != backend):
+            runs = "no grammar backend" if backend == "none" else f"only {backend}"
+            raise InvalidRequestError(f"guided_decoding_backend {wanted!r} is not available: this server runs {runs}",
+                                      param="guided_decoding_backend")
+    found: list[Constraint] = []
+
+    def add(spec: Optional[GrammarSpec], field: str) -> None:
+        if spec is not None:
+            found.append(Constraint(spec, field))
+
+    add(_response_format(request.response_format) if request.response_format is not None else None,
+        "response_format")
+    for field, kind in (("regex", "regex"), ("json_schema", "json_schema"), ("ebnf", "ebnf"),
+                        ("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "ebnf")):
+        if extra.get(field) is not None:
+            add(GrammarSpec(kind, _text(kind, extra[field], field)), field)
+    if extra.get("guided_choice") is not None:
+        add(GrammarSpec("ebnf", _choice(extra["guided_choice"], "guided_choice")), "guided_choice")
+    if extra.get("structured_outputs") is not None:
+        add(_structured_outputs(extra["structured_outputs"]), "structured_outputs")
+    if len(found) > 1:
+        names = " and ".join(c.field for c in found)
+        raise InvalidRequestError(f"only one structured-output constraint may be given per request, got {names}",
+                                  param=found[1].field)
+    return found[0] if found else None
+
+
+async def add_constraint(tm: Any, request: Any, sampling_params: dict[str, Any]) -> None:
+    """Check the request's constraint at the door (a 400 naming its field unless it compiles on this
+    server: the tokenizer manager's `check_grammar`) and put it into `sampling_params`."""
+    constraint = requested_constraint(request, tm.config.grammar_backend)
+    if constraint is None:
+        return
+    await tm.check_grammar(constraint.spec, constraint.field)
+    sampling_params[constraint.spec.kind] = constraint.spec.value
