@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglang.srt.entrypoints.openai.chat_tools import validate_tools
 from sglang.srt.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from sglang.srt.entrypoints.openai.serving_chat import chat_prompt_ids
 from sglang.srt.managers.generate_request import InvalidRequestError
@@ -38,8 +39,10 @@ class OpenAIServingTokenize:
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("exactly one of 'prompt' and 'messages' is required", param="prompt")
+        if req.tools is not None and req.messages is None:
+            raise InvalidRequestError("tools go with messages", param="tools")
         if req.messages is not None:
-            ids = await chat_prompt_ids(self.tm, req)
+            ids = await chat_prompt_ids(self.tm, req, validate_tools(req.tools) or None)
             chars = sum(_chars(m.content) for m in req.messages)
             return self._tokens_reply(req, ids, chars)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
