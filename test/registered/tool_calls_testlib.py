@@ -61,4 +61,5 @@ def as_streamed(choice: Any) -> dict[str, Any]:
 def same_reply(streamed: dict[str, Any], choice: Any) -> None:
     got = dict(streamed, calls={i: (c["name"], json.loads(c["arguments"])) for i, c in streamed["calls"].items()})
     assert got == as_streamed(choice)
-    assert all(c["id"].startswith("call_") for c in streamed["calls"].values())
+    ids = [c["id"] for c in streamed["calls"].values()]
+    assert all(ids) and len(set(ids)) == len(ids)

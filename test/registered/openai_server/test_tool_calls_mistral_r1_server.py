@@ -41,6 +41,8 @@ def test_reasoning_then_mistral_calls(server, client) -> None:
     assert choice.message.content is None and choice.finish_reason == "tool_calls"
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
         ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})]
+    # Mistral's templates take back only ids of 9 letters and digits.
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
     streamed, _ = ask_streamed(client, body)
     same_reply(streamed[0], choice)
 

@@ -93,7 +93,7 @@ def test_a_tool_call_reply(server, client) -> None:
     assert choice.message.content == "Let me check."
     assert choice.message.reasoning_content is None
     [tc] = choice.message.tool_calls
-    assert tc.type == "function" and tc.id.startswith("call_") and len(tc.id) > 12
+    assert tc.type == "function" and tc.id.startswith("call_") and len(tc.id) == 29
     assert tc.function.name == "get_weather" and json.loads(tc.function.arguments) == {"city": "Paris"}
 
 

@@ -11,7 +11,14 @@ from typing import Any
 import pytest
 
 from sglang.srt.entrypoints.openai.chat_output import OutputSpec, TextPart, ToolCallPart, part_deltas
-from sglang.srt.entrypoints.openai.chat_tools import message_tool_fields, output_spec, plan_tools, validate_tools
+from sglang.srt.entrypoints.openai.chat_tools import (
+    message_tool_fields,
+    needs_special_tokens,
+    output_spec,
+    plan_tools,
+    special_tokens,
+    validate_tools,
+)
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
 from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS
 from sglang.srt.entrypoints.openai.tool_parsers import tool_call_format
@@ -118,6 +125,16 @@ def test_output_spec() -> None:
     s = spec("qwen3", tools=[WEATHER], parallel_tool_calls=False, separate_reasoning=False)
     assert s.tool_names == {"get_weather"} and not s.parallel_tool_calls and not s.separate_reasoning
     assert spec("qwen3", tools=[WEATHER], tool_choice="none").tool_format is None
+
+
+def test_special_markers_keep_special_tokens() -> None:
+    from echo_checkpoint import build_echo_tokenizer  # [TOOL_CALLS], <|python_tag|> special; <tool_call> not
+
+    special = special_tokens(build_echo_tokenizer())
+    assert {"[TOOL_CALLS]", "<|python_tag|>", "<|im_end|>"} <= special and "<tool_call>" not in special
+    for parser, needed in (("mistral", True), ("llama3", True), ("qwen25", False)):
+        assert needs_special_tokens(OutputSpec(tool_format=tool_call_format(parser)), special) is needed
+    assert not needs_special_tokens(OutputSpec(reasoning=REASONING_PARSERS["qwen3"]), special)
 
 
 # ---------------------------------------------------------------------------- reply side

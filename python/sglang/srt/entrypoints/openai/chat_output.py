@@ -8,7 +8,6 @@ a non-streamed reply is one `feed` and `finish`, so it is what the streamed part
 
 from __future__ import annotations
 
-import uuid
 from dataclasses import dataclass, field
 from typing import Optional, Union
 
@@ -61,10 +60,6 @@ class ParsedReply:
     tool_calls: list[ToolCallPart] = field(default_factory=list)
 
 
-def new_tool_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 class ChatOutputParser:
     def __init__(self, spec: OutputSpec) -> None:
         self.spec = spec
@@ -114,7 +109,7 @@ class ChatOutputParser:
             if isinstance(e, str):
                 out.append(TextPart("content", e))
             else:
-                out.append(ToolCallPart(new_tool_call_id(), e.name, e.arguments))
+                out.append(ToolCallPart(self.spec.tool_format.new_call_id(), e.name, e.arguments))
                 self.num_tool_calls += 1
         return out
 

@@ -165,13 +165,18 @@ def output_spec(req: Any, plan: ToolPlan, tool_call_parser: Optional[str],
     )
 
 
-def needs_special_tokens(spec: OutputSpec, tokenizer: Any) -> bool:
-    """Whether a marker the reply is parsed for is a special token of the tokenizer (Mistral's
+def special_tokens(tokenizer: Any) -> frozenset[str]:
+    """The text of every special token of `tokenizer` (None: no tokenizer, no special tokens)."""
+    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
+    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
+    special |= {t.content for t in decoder.values() if getattr(t, "special", False)}
+    return frozenset(special)
+
+
+def needs_special_tokens(spec: OutputSpec, special: frozenset[str]) -> bool:
+    """Whether a marker the reply is parsed for is one of the `special` tokens (Mistral's
     `[TOOL_CALLS]`, Llama's `<|python_tag|>`): skipping special tokens would erase it from the text."""
     markers: list[str] = list(spec.tool_format.start_markers) if spec.tool_format is not None else []
     if spec.reasoning is not None:
         markers += [spec.reasoning.start, spec.reasoning.end]
-    special = set(getattr(tokenizer, "all_special_tokens", ()) or ())
-    decoder = getattr(tokenizer, "added_tokens_decoder", None) or {}
-    special |= {t.content for t in decoder.values() if getattr(t, "special", False)}
     return any(m in special for m in markers)

@@ -11,12 +11,13 @@ from typing import Any, AsyncIterator, Optional
 from fastapi.responses import Response
 
 from sglang.srt.entrypoints.json_text import JSONBody
-from sglang.srt.entrypoints.openai.chat_output import OutputSpec, part_deltas, reply_message
+from sglang.srt.entrypoints.openai.chat_output import ChatOutputParser, OutputSpec, part_deltas, reply_message
 from sglang.srt.entrypoints.openai.chat_tools import (
     message_tool_fields,
     needs_special_tokens,
     output_spec,
     plan_tools,
+    special_tokens,
 )
 from sglang.srt.entrypoints.openai.protocol import (
     ChatChoice,
@@ -124,6 +125,7 @@ class OpenAIServingChat:
         self.tm = tokenizer_manager
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        self._special_tokens: Optional[frozenset[str]] = None  # the tokenizer's, read on first use
 
     def _reported(self, cached: int) -> Optional[int]:
         return cached if self.tm.config.enable_cache_report else None
@@ -144,8 +146,11 @@ class OpenAIServingChat:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         spec = output_spec(req, tools, self.tool_call_parser, self.reasoning_parser)
         params = req.sampling_params(max_tokens)
-        if not spec.plain and needs_special_tokens(spec, self.tm.tokenizer):
-            params["skip_special_tokens"] = False  # the markers the reply is parsed for are special tokens
+        if not spec.plain:
+            if self._special_tokens is None:
+                self._special_tokens = special_tokens(self.tm.tokenizer)
+            if needs_special_tokens(spec, self._special_tokens):
+                params["skip_special_tokens"] = False  # the markers the reply is parsed for are special tokens
         return GenerateReqInput(
             input_ids=input_ids,
             sampling_params=params,
@@ -215,8 +220,8 @@ class OpenAIServingChat:
 
         sent_text: dict[int, int] = {}
         sent_lp: dict[int, int] = {}
-        parsers = {}  # index -> its ChatOutputParser (when the reply is parsed)
-        sent_calls: dict[int, int] = {}
+        parsers: dict[int, ChatOutputParser] = {}  # when the reply is parsed (not spec.plain)
+        sent_calls: dict[int, int] = {}  # the tool calls each choice has streamed
         prompt_tokens = cached_tokens = 0
         completion: dict[int, int] = {}
         async for out in outs:

@@ -9,6 +9,7 @@ JSON reply) and what a section holds (`new_section().scan`); `stream.ToolCallStr
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -54,6 +55,10 @@ class ToolCallFormat:
 
     def new_section(self, names: frozenset[str]) -> SectionScanner:
         raise NotImplementedError
+
+    def new_call_id(self) -> str:
+        """The id of a call in the reply (`call_` and 24 hex digits, as OpenAI's look)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
 
 
 # ---------------------------------------------------------------------------- JSON helpers
@@ -102,9 +107,7 @@ def loads(text: str) -> Any:
     """json.loads, or None for text that is not JSON."""
     try:
         return json.loads(text)
-    except ValueError:  # JSONDecodeError, and RecursionError's cousins for absurd nesting
-        return None
-    except RecursionError:
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion limit
         return None
 
 

@@ -4,10 +4,15 @@
 the text of requests this parser reads (serving_chat). A single object instead of the array is
 taken too. The calls of one array are valid together or not at all. The newer
 `[TOOL_CALLS]name[ARGS]{...}` syntax (tokenizer v11+) is not read: it stays content.
+
+Call ids are 9 letters and digits: Mistral's chat templates refuse any other id when a client
+sends the calls back in the next turn's history (as vLLM's Mistral ids are).
 """
 
 from __future__ import annotations
 
+import secrets
+import string
 from typing import Optional
 
 from sglang.srt.entrypoints.openai.tool_parsers.base import (
@@ -19,6 +24,9 @@ from sglang.srt.entrypoints.openai.tool_parsers.base import (
     loads,
     skip_whitespace,
 )
+
+
+ID_ALPHABET = string.ascii_letters + string.digits
 
 
 class _MistralSection(SectionScanner):
@@ -51,3 +59,6 @@ class MistralFormat(ToolCallFormat):
 
     def new_section(self, names: frozenset[str]) -> SectionScanner:
         return _MistralSection(names)
+
+    def new_call_id(self) -> str:
+        return "".join(secrets.choice(ID_ALPHABET) for _ in range(9))
