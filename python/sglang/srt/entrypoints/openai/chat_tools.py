@@ -2,7 +2,7 @@
 `tool_choice` and the tool fields of messages, what the chat template gets, and what the reply's
 text is parsed for (an OutputSpec).
 
-Decisions (README "Tool calling"):
+Decisions (README, "Tool calling and reasoning"):
 * `tools` with `tool_choice` "auto" (the default with tools) need `--tool-call-parser`; without
   it they are refused (400), not rendered and left unparsed.
 * `tool_choice` "none": the tools are not given to the template and nothing is parsed (SGLang's
