@@ -4,7 +4,7 @@ text is parsed for (an OutputSpec).
 
 Decisions (README, "Tool calling and reasoning"):
 * `tools` with `tool_choice` "auto" (the default with tools) need `--tool-call-parser`; without
-  it they are refused (400), not rendered and left unparsed.
+  it they are refused (400) rather than rendered and left unparsed.
 * `tool_choice` "none": the tools are not given to the template and nothing is parsed (SGLang's
   behaviour; vLLM renders them unless --exclude-tools-when-tool-choice-none). No parser needed.
 * `tool_choice` "required" or a named function, and `strict: true` tools, promise a call (or
