@@ -18,8 +18,6 @@ from typing import Any, Optional
 from sglang.srt import utils
 from sglang.srt.configs.chat_templates import resolve_chat_template
 from sglang.srt.configs.lora_path_spec import LoRAPathSpec  # also importable from here, its old home
-from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS
-from sglang.srt.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from sglang.srt.configs.cuda_graph_config import (
     DECODE_BACKENDS,
     PREFILL_BACKENDS,
@@ -28,6 +26,8 @@ from sglang.srt.configs.cuda_graph_config import (
     Phase,
     resolve_cuda_graph_flags,
 )
+from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS
+from sglang.srt.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from sglang.srt.server_args_cli import (  # the flags' choices: validated here, offered there
     ATTENTION_BACKENDS,
     DefaultsHelpFormatter,

@@ -6,9 +6,9 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
-from sglang.srt.configs.cuda_graph_config import DECODE_BACKENDS, PREFILL_BACKENDS
 from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS
 from sglang.srt.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
+from sglang.srt.configs.cuda_graph_config import DECODE_BACKENDS, PREFILL_BACKENDS
 
 # The choices each flag offers; ServerArgs validates against the same tuples.
 LOAD_FORMATS = ("auto", "safetensors", "dummy")

@@ -274,7 +274,6 @@ def chat_cases() -> list[Case]:
         ch({"top_logprobs": 1000, "logprobs": True}, "top_logprobs must be at most 20"),
         ch({"top_logprobs": -1, "logprobs": True}, "top_logprobs"),
         ch({"top_logprobs": 2}, "requires logprobs"),
-        ch({"logprobs": 1}, "logprobs: expected true or false"),
         # Tool calling (this server has no --tool-call-parser): definitions and tool_choice are
         # checked first, then the missing parser is named; tool_choice "none" needs none.
         ch({"tools": [TOOL]}, "start the server with --tool-call-parser"),
@@ -302,6 +301,8 @@ def chat_cases() -> list[Case]:
         ch({}, "tool_calls is only allowed on assistant messages", messages=[{**MSG[0], "tool_calls": []}]),
         ch({"max_tokens": 1}, "", 200, messages=TOOL_TURN + [{"role": "tool", "content": "18C", "tool_call_id": "c1"}]),
         ch({"separate_reasoning": "no"}, "separate_reasoning: expected true or false"),
+        ch({"logprobs": 1}, "logprobs: expected true or false"),
+        ch({"tools": [{"type": "function"}]}, "tools"),
         ch({"response_format": {"type": "json_object"}}, "response_format"),
         ch({"lora_path": ["keep"]}, "lora_path must be a string"),
         ch({"chat_template_kwargs": 5}, "chat_template_kwargs"),

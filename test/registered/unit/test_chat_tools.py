@@ -17,6 +17,7 @@ from sglang.srt.entrypoints.openai.chat_tools import (
     output_spec,
     plan_tools,
     special_tokens,
+    template_tools,
     validate_tools,
 )
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
@@ -70,11 +71,17 @@ def test_tool_choice(choice: Any, parser: Any, needle: str, param: str) -> None:
 
 
 def test_tool_choice_none_and_auto() -> None:
+    def req(**body: Any) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)
+
     for parser in (None, "qwen25"):  # "none" needs no parser: the tools are not rendered
-        plan = plan_tools([WEATHER], "none", parser)
-        assert plan.template_tools is None and not plan.parse
+        assert not plan_tools([WEATHER], "none", parser).parse
+    assert template_tools(req(tools=[WEATHER], tool_choice="none")) is None
     plan = plan_tools([WEATHER, TIME], None, "qwen25")  # with tools, the default is "auto"
-    assert plan.template_tools == [WEATHER, TIME] and plan.parse and plan.names == {"get_weather", "get_time"}
+    assert plan.parse and plan.names == {"get_weather", "get_time"}
+    assert template_tools(req(tools=[WEATHER, TIME])) == template_tools(req(tools=[WEATHER, TIME], tool_choice="auto"))
+    assert template_tools(req(tools=[WEATHER, TIME])) == [WEATHER, TIME]
+    assert template_tools(req()) is None and template_tools(req(tools=[])) is None
     assert not plan_tools(None, None, None).parse and not plan_tools([], "auto", None).parse
     assert 'tool_choice "required" needs tools' in error(plan_tools, None, "required", "qwen25").message
 
@@ -116,7 +123,7 @@ def test_bad_tool_messages(fields: dict, needle: str, param: str) -> None:
 def test_output_spec() -> None:
     def spec(parser: str, **body: Any) -> OutputSpec:
         req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)
-        return output_spec(req, plan_tools(req.tools, req.tool_choice, "qwen25"), "qwen25", parser)
+        return output_spec(req, "qwen25", parser)
 
     assert spec("qwen3").reasoning is REASONING_PARSERS["qwen3"] and spec("qwen3").tool_format is None
     # Qwen3's enable_thinking=false: the template closed an empty block, nothing to separate.

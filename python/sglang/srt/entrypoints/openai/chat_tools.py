@@ -29,8 +29,7 @@ TOOL_CHOICE_FORMS = '"none", "auto", "required" or {"type": "function", "functio
 
 @dataclass(frozen=True)
 class ToolPlan:
-    template_tools: Optional[list[dict[str, Any]]]  # what the chat template gets (None: nothing)
-    parse: bool  # whether the reply is parsed for tool calls
+    parse: bool  # whether the reply is parsed for tool calls (the template then gets the tools)
     names: frozenset[str]
 
 
@@ -90,7 +89,16 @@ def _tool_choice(choice: Any, names: frozenset[str]) -> str:
     return "named"
 
 
+def template_tools(req: Any) -> Optional[list[dict[str, Any]]]:
+    """The checked tools a request's chat template gets: its `tools`, unless `tool_choice` is
+    "none" (a chat request's; /tokenize's has no tool_choice); None when there are none."""
+    tools = validate_tools(getattr(req, "tools", None))
+    return tools if tools and getattr(req, "tool_choice", None) != "none" else None
+
+
 def plan_tools(tools: Optional[list[Any]], tool_choice: Any, tool_call_parser: Optional[str]) -> ToolPlan:
+    """What a chat request's tools mean: rendered and parsed, or neither (a 400 for the refused
+    combinations; those left render as template_tools() says)."""
     valid = validate_tools(tools)
     names = frozenset(t["function"]["name"] for t in valid)
     choice = _tool_choice(tool_choice, names)
@@ -99,11 +107,11 @@ def plan_tools(tools: Optional[list[Any]], tool_choice: Any, tool_call_parser: O
         _fail(f"{what} needs constrained decoding, which this server does not have; use \"auto\" (the model "
               "decides, and the reply's tool_calls carries what it called)", "tool_choice")
     if choice == "none" or not names:
-        return ToolPlan(template_tools=None, parse=False, names=names)
+        return ToolPlan(parse=False, names=names)
     if tool_call_parser is None:
         _fail("tools need a tool-call parser: start the server with --tool-call-parser "
               "(qwen25, llama3, mistral, ...), or send tool_choice \"none\"", "tools")
-    return ToolPlan(template_tools=valid, parse=True, names=names)
+    return ToolPlan(parse=True, names=names)
 
 
 def message_tool_fields(i: int, msg: Any) -> dict[str, Any]:
@@ -148,9 +156,10 @@ def message_tool_fields(i: int, msg: Any) -> dict[str, Any]:
     return out
 
 
-def output_spec(req: Any, plan: ToolPlan, tool_call_parser: Optional[str],
-                reasoning_parser: Optional[str]) -> OutputSpec:
-    """What the request's reply text is parsed for."""
+def output_spec(req: Any, tool_call_parser: Optional[str], reasoning_parser: Optional[str]) -> OutputSpec:
+    """What a chat request's reply text is parsed for (its tools and tool_choice checked: a 400
+    for what is malformed or refused)."""
+    plan = plan_tools(req.tools, req.tool_choice, tool_call_parser)
     reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     kwargs = req.chat_template_kwargs or {}
     if reasoning is not None and reasoning.honours_enable_thinking and kwargs.get("enable_thinking", True) is False:

@@ -16,8 +16,8 @@ from sglang.srt.entrypoints.openai.chat_tools import (
     message_tool_fields,
     needs_special_tokens,
     output_spec,
-    plan_tools,
     special_tokens,
+    template_tools,
 )
 from sglang.srt.entrypoints.openai.protocol import (
     ChatChoice,
@@ -89,11 +89,11 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
-async def chat_prompt_ids(tm: TokenizerManager, req: Any, tools: Optional[list[dict[str, Any]]] = None) -> list[int]:
+async def chat_prompt_ids(tm: TokenizerManager, req: Any) -> list[int]:
     """The prompt tokens of a chat request: its messages through the chat template, with
-    `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` (a
-    ChatCompletionRequest, or /tokenize's request, which has the same fields) and `tools` (checked
-    tool definitions for the template; None: none)."""
+    `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `tools` (unless
+    `tool_choice` is "none") (a ChatCompletionRequest, or /tokenize's request, which has the same
+    fields)."""
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
     if reserved:
@@ -110,6 +110,7 @@ async def chat_prompt_ids(tm: TokenizerManager, req: Any, tools: Optional[list[d
         kwargs["continue_final_message"] = True
     messages = _message_dicts(req)
     chars = sum(len(m["content"]) for m in messages)
+    tools = template_tools(req)
     if tools:
         kwargs["tools"] = tools
         chars += len(json.dumps(tools))
@@ -132,7 +133,7 @@ class OpenAIServingChat:
 
     async def _build(self, req: ChatCompletionRequest) -> tuple[GenerateReqInput, OutputSpec]:
         reject_unsupported(req)
-        tools = plan_tools(req.tools, req.tool_choice, self.tool_call_parser)
+        spec = output_spec(req, self.tool_call_parser, self.reasoning_parser)  # checks tools, tool_choice
         if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.top_logprobs is not None and req.top_logprobs > self.tm.config.max_top_logprobs:
@@ -142,18 +143,11 @@ class OpenAIServingChat:
         if isinstance(req.lora_path, list):
             raise InvalidRequestError("lora_path must be a string for a chat request", param="lora_path")
         adapter = self.tm.adapter_from_model(req.model, req.lora_path)
-        input_ids = await chat_prompt_ids(self.tm, req, tools.template_tools)
+        input_ids = await chat_prompt_ids(self.tm, req)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-        spec = output_spec(req, tools, self.tool_call_parser, self.reasoning_parser)
-        params = req.sampling_params(max_tokens)
-        if not spec.plain:
-            if self._special_tokens is None:
-                self._special_tokens = special_tokens(self.tm.tokenizer)
-            if needs_special_tokens(spec, self._special_tokens):
-                params["skip_special_tokens"] = False  # the markers the reply is parsed for are special tokens
         return GenerateReqInput(
             input_ids=input_ids,
-            sampling_params=params,
+            sampling_params=req.sampling_params(max_tokens),
             return_logprob=req.logprobs,
             top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
             lora_path=adapter,
@@ -161,6 +155,16 @@ class OpenAIServingChat:
             rid=req.rid if req.n == 1 else None,
             cache_salt=req.cache_salt,
         ), spec
+
+    def _keep_special_markers(self, obj: GenerateReqInput, spec: OutputSpec) -> None:
+        """Detokenise with the special tokens when the markers the reply is parsed for are special
+        tokens (Mistral's [TOOL_CALLS], Llama's <|python_tag|>): skipped, they would vanish."""
+        if spec.plain:
+            return
+        if self._special_tokens is None:
+            self._special_tokens = special_tokens(self.tm.tokenizer)
+        if needs_special_tokens(spec, self._special_tokens):
+            obj.sampling_params["skip_special_tokens"] = False
 
     def _logprobs(self, req: ChatCompletionRequest, out: dict, start: int = 0) -> Optional[ChatLogprobs]:
         if not req.logprobs:
@@ -181,6 +185,7 @@ class OpenAIServingChat:
     async def handle(self, req: ChatCompletionRequest, raw_request: Any) -> Response:
         with openai_param_names(CHAT_PARAMS):
             obj, spec = await self._build(req)
+            self._keep_special_markers(obj, spec)
             req.model = self.tm.response_model_name(req.model)  # what the replies name
             if req.stream:
                 _, outs = await prime(self.tm.generate(obj, raw_request))

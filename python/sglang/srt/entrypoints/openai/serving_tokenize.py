@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from typing import Any
 
-from sglang.srt.entrypoints.openai.chat_tools import validate_tools
 from sglang.srt.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
 from sglang.srt.entrypoints.openai.serving_chat import chat_prompt_ids
 from sglang.srt.managers.generate_request import InvalidRequestError
@@ -42,7 +41,7 @@ class OpenAIServingTokenize:
         if req.tools is not None and req.messages is None:
             raise InvalidRequestError("tools go with messages", param="tools")
         if req.messages is not None:
-            ids = await chat_prompt_ids(self.tm, req, validate_tools(req.tools) or None)
+            ids = await chat_prompt_ids(self.tm, req)
             chars = sum(_chars(m.content) for m in req.messages)
             return self._tokens_reply(req, ids, chars)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
