@@ -28,6 +28,8 @@ from sglang.srt.configs.cuda_graph_config import (
     Phase,
     resolve_cuda_graph_flags,
 )
+from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS
+from sglang.srt.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from sglang.srt.server_args_cli import (  # the flags' choices: validated here, offered there
     ATTENTION_BACKENDS,
     DefaultsHelpFormatter,
@@ -67,6 +69,10 @@ class ServerArgs:
     # A Jinja chat template (a file, or a built-in name: configs/chat_templates.py) that replaces
     # the tokenizer's own for /v1/chat/completions.
     chat_template: Optional[str] = None
+    # How /v1/chat/completions reads tool calls and reasoning out of replies (entrypoints/openai/
+    # tool_parsers, reasoning_parser.py); None: it does not (a request with tools is refused).
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
 
     # Memory and scheduling
     mem_fraction_static: float = 0.85
@@ -225,6 +231,10 @@ class ServerArgs:
             self.lora_fuse_norm = "on" if self.lora_fuse_norm else "off"
         choice("--lora-fuse-norm", self.lora_fuse_norm, LORA_FUSE_NORM_MODES)
         resolve_chat_template(self.chat_template)  # a missing file or unknown name fails at start
+        if self.tool_call_parser is not None:
+            choice("--tool-call-parser", self.tool_call_parser, tuple(TOOL_CALL_PARSERS))
+        if self.reasoning_parser is not None:
+            choice("--reasoning-parser", self.reasoning_parser, tuple(REASONING_PARSERS))
         choice("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES)
         if self.page_size != 1:
             raise ValueError(

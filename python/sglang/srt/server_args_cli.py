@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 from typing import Any, Mapping
 
+from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS
+from sglang.srt.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from sglang.srt.configs.cuda_graph_config import DECODE_BACKENDS, PREFILL_BACKENDS
 from sglang.srt.constrained.base import GRAMMAR_BACKENDS
 
@@ -81,6 +83,13 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
     g.add_argument("--chat-template", default=None,
                    help="Chat template for /v1/chat/completions: a Jinja file, or a built-in name "
                         "(chatml, llama-3-instruct, mistral). Default: the tokenizer's own.")
+    g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
+                   help="Read tool calls out of /v1/chat/completions replies in this model family's format "
+                        "(qwen25/qwen/hermes: <tool_call> JSON, Qwen2.5 and Qwen3; llama3/llama3_json: Llama "
+                        "3.1/3.2 JSON; mistral: [TOOL_CALLS] [...]). Without it, requests with tools are refused.")
+    g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
+                   help="Return a reply's <think>...</think> block as message.reasoning_content (qwen3: when "
+                        "the reply opens one; deepseek-r1, qwen3-thinking: the prompt opened it).")
 
     g = parser.add_argument_group("memory and scheduling")
     g.add_argument("--mem-fraction-static", type=float, default=default("mem_fraction_static"),

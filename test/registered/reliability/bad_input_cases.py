@@ -19,6 +19,9 @@ GEN = ("/generate", "/v1/completions", "/v1/chat/completions")
 LOAD = ("/load_lora_adapter", "/v1/load_lora_adapter")
 UNLOAD = ("/unload_lora_adapter", "/v1/unload_lora_adapter")
 MSG = [{"role": "user", "content": "hi"}]
+TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}
+TOOL_TURN = MSG + [{"role": "assistant", "content": None, "tool_calls": [
+    {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}]
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
          405: "invalid_request_error"}
 
@@ -299,6 +302,33 @@ def chat_cases() -> list[Case]:
         ch({"top_logprobs": 1000, "logprobs": True}, "top_logprobs must be at most 20"),
         ch({"top_logprobs": -1, "logprobs": True}, "top_logprobs"),
         ch({"top_logprobs": 2}, "requires logprobs"),
+        # Tool calling (this server has no --tool-call-parser): definitions and tool_choice are
+        # checked first, then the missing parser is named; tool_choice "none" needs none.
+        ch({"tools": [TOOL]}, "start the server with --tool-call-parser"),
+        ch({"tools": [TOOL], "tool_choice": "auto"}, "start the server with --tool-call-parser"),
+        ch({"tools": [TOOL], "tool_choice": "none", "max_tokens": 1}, "", 200),
+        ch({"tools": [{"type": "function"}]}, "tools[0].function must be an object"),
+        ch({"tools": [{"type": "function", "function": {"description": "x"}}]}, "name must be a non-empty string"),
+        ch({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]},
+           "parameters must be a JSON Schema object"),
+        ch({"tools": [TOOL, TOOL]}, "duplicate tool name 'get_weather'"),
+        ch({"tools": [{"type": "retrieval"}]}, 'tools[0].type must be "function"'),
+        ch({"tools": "get_weather"}, "tools: Input should be a valid list"),
+        ch({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "launch"}}},
+           "'launch', which is not among the request's tools"),
+        ch({"tools": [TOOL], "tool_choice": "always"}, 'tool_choice must be "none", "auto", "required"'),
+        ch({"tools": [TOOL], "tool_choice": "required"}, "needs constrained decoding"),
+        ch({"tool_choice": "required"}, 'tool_choice "required" needs tools'),
+        ch({"tools": [TOOL], "parallel_tool_calls": "no"}, "parallel_tool_calls: expected true or false"),
+        ch({}, "messages[2].tool_call_id is required for role 'tool'", messages=TOOL_TURN + [{"role": "tool", "content": "18C"}]),
+        ch({}, "tool_call_id: Input should be a valid string",
+           messages=TOOL_TURN + [{"role": "tool", "content": "18C", "tool_call_id": 7}]),
+        ch({}, "arguments must be a JSON object encoded as a string", messages=[MSG[0], {
+            "role": "assistant", "tool_calls": [{"id": "c1", "type": "function",
+                                                 "function": {"name": "get_weather", "arguments": "{city: Paris}"}}]}]),
+        ch({}, "tool_calls is only allowed on assistant messages", messages=[{**MSG[0], "tool_calls": []}]),
+        ch({"max_tokens": 1}, "", 200, messages=TOOL_TURN + [{"role": "tool", "content": "18C", "tool_call_id": "c1"}]),
+        ch({"separate_reasoning": "no"}, "separate_reasoning: expected true or false"),
         ch({"logprobs": 1}, "logprobs: expected true or false"),
         ch({"tools": [{"type": "function"}]}, "tools"),
         ch({"response_format": {"type": "json_object"}, "max_tokens": 2}, "", 200),

@@ -9,7 +9,8 @@ adapter, each run alone) must answer identically to the probe taken before the f
 Covered: malformed JSON, non-UTF-8 bodies, deep nesting, non-object bodies, wrong JSON types
 (strings, booleans, NaN, infinities where numbers belong), absurd sizes (`n=10**6`,
 `max_tokens=10**12`, `top_logprobs=1000`, `logprobs=-1`, 5000-prompt batches, prompts beyond the
-context), empty prompts and messages, unknown roles, lone surrogates, unknown adapters, every
+context), empty prompts and messages, unknown roles, lone surrogates, malformed tools, tool_choice
+and tool messages (and tools on a server without --tool-call-parser), unknown adapters, every
 refused adapter load (missing files, truncated safetensors, wrong tensor shapes, rank above the
 pool's, modules outside it, DoRA, modules_to_save, broken config, duplicate name), unloading an
 unknown adapter and one with a request in flight (it waits, then succeeds), and missing or wrong

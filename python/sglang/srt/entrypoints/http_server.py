@@ -126,7 +126,7 @@ def _lora_update_response(out: LoRAUpdateOutput, status: int) -> JSONBody:
 
 def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     completions = OpenAIServingCompletion(tm)
-    chat = OpenAIServingChat(tm)
+    chat = OpenAIServingChat(tm, server_args.tool_call_parser, server_args.reasoning_parser)
     tokens = OpenAIServingTokenize(tm)
 
     @asynccontextmanager

@@ -199,6 +199,9 @@ class TestValidation(unittest.TestCase):
             (dict(cuda_graph_backend_decode="tc_piecewise"), "--cuda-graph-backend-decode"),
             (dict(cuda_graph_max_bs_prefill=0), "--cuda-graph-max-bs-prefill"),
             (dict(cuda_graph_bs_decode=[0]), "--cuda-graph-bs-decode"),
+            (dict(tool_call_parser="gorilla"), "--tool-call-parser must be one of ['qwen25'"),
+            (dict(reasoning_parser="deepseek_r1"), "--reasoning-parser must be one of ['qwen3'"),
+            (dict(tool_call_parser="llama3", reasoning_parser="deepseek-r1"), None),
         ]
         for kwargs, needle in cases:
             with self.subTest(kwargs=kwargs):

@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer
 
+from sglang.srt.entrypoints.openai.protocol_tools import DeltaToolCall, ToolCall
 from sglang.srt.managers.generate_request import MAX_CACHE_SALT_CHARS
 
 
@@ -184,6 +185,10 @@ class ChatMessage(BaseModel):
     role: str
     content: Optional[Union[str, list[dict[str, Any]]]] = None
     name: Optional[str] = None
+    # Tool calling (checked by chat_tools.message_tool_fields).
+    tool_calls: Optional[list[Any]] = None  # an assistant's calls
+    tool_call_id: Optional[str] = None  # a tool result's call
+    reasoning_content: Optional[str] = None  # an assistant's past reasoning (Qwen3's template reads it)
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -197,6 +202,10 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: Optional[dict[str, Any]] = None
     continue_final_message: Bool = False
     add_generation_prompt: Optional[Bool] = None  # vLLM's extension; unset: not continue_final_message
+    # Tool calling and reasoning (chat_tools.py; tools and tool_choice are checked there).
+    parallel_tool_calls: Optional[Bool] = None  # false: the first call only
+    separate_reasoning: Bool = True  # SGLang's: false keeps the reasoning in the content
+    stream_reasoning: Bool = True  # SGLang's: false sends the reasoning in one piece when it ends
 
 
 class ChatLogprobTop(BaseModel):
@@ -216,6 +225,8 @@ class ChatLogprobs(BaseModel):
 class ChatResponseMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
 
 
 class ChatChoice(BaseModel):
@@ -238,6 +249,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[list[DeltaToolCall]] = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: Any) -> dict[str, Any]:
@@ -301,6 +314,7 @@ class TokenizeRequest(BaseModel):
     add_generation_prompt: Optional[Bool] = None
     continue_final_message: Bool = False
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    tools: Optional[list[Any]] = None  # with messages: rendered as a chat request with them renders them
     return_token_strs: Bool = False
 
 

@@ -1,7 +1,9 @@
-"""`POST /v1/chat/completions`: the tokenizer's chat template, `n`, `logprobs`/`top_logprobs`."""
+"""`POST /v1/chat/completions`: the tokenizer's chat template, `n`, `logprobs`/`top_logprobs`, tool
+calls and reasoning (chat_tools.py checks the request's side, chat_output.py parses the reply)."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, AsyncIterator, Optional
@@ -9,6 +11,14 @@ from typing import Any, AsyncIterator, Optional
 from fastapi.responses import Response
 
 from sglang.srt.entrypoints.json_text import JSONBody
+from sglang.srt.entrypoints.openai.chat_output import ChatOutputParser, OutputSpec, part_deltas, reply_message
+from sglang.srt.entrypoints.openai.chat_tools import (
+    message_tool_fields,
+    needs_special_tokens,
+    output_spec,
+    special_tokens,
+    template_tools,
+)
 from sglang.srt.entrypoints.openai.protocol import (
     ChatChoice,
     ChatCompletionChunk,
@@ -75,14 +85,16 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
         item: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
         if msg.name:
             item["name"] = msg.name
+        item.update(message_tool_fields(i, msg))
         out.append(item)
     return out
 
 
 async def chat_prompt_ids(tm: TokenizerManager, req: Any) -> list[int]:
     """The prompt tokens of a chat request: its messages through the chat template, with
-    `add_generation_prompt`, `continue_final_message` and `chat_template_kwargs` (a
-    ChatCompletionRequest, or /tokenize's request, which has the same fields)."""
+    `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `tools` (unless
+    `tool_choice` is "none") (a ChatCompletionRequest, or /tokenize's request, which has the same
+    fields)."""
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
     if reserved:
@@ -99,22 +111,30 @@ async def chat_prompt_ids(tm: TokenizerManager, req: Any) -> list[int]:
         kwargs["continue_final_message"] = True
     messages = _message_dicts(req)
     chars = sum(len(m["content"]) for m in messages)
+    tools = template_tools(req)
+    if tools:
+        kwargs["tools"] = tools
+        chars += len(json.dumps(tools))
     # The template already holds any BOS token; do not add another.
     return await tm.off_loop(
         lambda: tm.encode(tm.apply_chat_template(messages, **kwargs), add_special_tokens=False), chars)
 
 
 class OpenAIServingChat:
-    def __init__(self, tokenizer_manager: TokenizerManager) -> None:
+    def __init__(self, tokenizer_manager: TokenizerManager, tool_call_parser: Optional[str] = None,
+                 reasoning_parser: Optional[str] = None) -> None:
+        """`tool_call_parser`, `reasoning_parser`: the --tool-call-parser and --reasoning-parser names."""
         self.tm = tokenizer_manager
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
+        self._special_tokens: Optional[frozenset[str]] = None  # the tokenizer's, read on first use
 
     def _reported(self, cached: int) -> Optional[int]:
         return cached if self.tm.config.enable_cache_report else None
 
-    async def _build(self, req: ChatCompletionRequest) -> GenerateReqInput:
+    async def _build(self, req: ChatCompletionRequest) -> tuple[GenerateReqInput, OutputSpec]:
         reject_unsupported(req)
-        if req.tools:
-            raise InvalidRequestError("tools / function calling is not supported", param="tools")
+        spec = output_spec(req, self.tool_call_parser, self.reasoning_parser)  # checks tools, tool_choice
         if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.top_logprobs is not None and req.top_logprobs > self.tm.config.max_top_logprobs:
@@ -137,7 +157,17 @@ class OpenAIServingChat:
             stream=req.stream,
             rid=req.rid if req.n == 1 else None,
             cache_salt=req.cache_salt,
-        )
+        ), spec
+
+    def _keep_special_markers(self, obj: GenerateReqInput, spec: OutputSpec) -> None:
+        """Detokenise with the special tokens when the markers the reply is parsed for are special
+        tokens (Mistral's [TOOL_CALLS], Llama's <|python_tag|>): skipped, they would vanish."""
+        if spec.plain:
+            return
+        if self._special_tokens is None:
+            self._special_tokens = special_tokens(self.tm.tokenizer)
+        if needs_special_tokens(spec, self._special_tokens):
+            obj.sampling_params["skip_special_tokens"] = False
 
     def _logprobs(self, req: ChatCompletionRequest, out: dict, start: int = 0) -> Optional[ChatLogprobs]:
         if not req.logprobs:
@@ -157,18 +187,25 @@ class OpenAIServingChat:
 
     async def handle(self, req: ChatCompletionRequest, raw_request: Any) -> Response:
         with openai_param_names(CHAT_PARAMS):
-            obj = await self._build(req)
+            obj, spec = await self._build(req)
+            self._keep_special_markers(obj, spec)
             req.model = self.tm.response_model_name(req.model)  # what the replies name
             if req.stream:
                 _, outs = await prime(self.tm.generate(obj, raw_request))
-                return streaming_response(self._stream(req, outs), source=outs)
+                return streaming_response(self._stream(req, spec, outs), source=outs)
             result = await self.tm.generate_one(obj, raw_request)
         results = result if isinstance(result, list) else [result]
         choices = []
         for i, out in enumerate(results):
             reason, matched = finish_reason(out)
+            message = ChatResponseMessage(content=out["text"])
+            if not spec.plain:
+                parsed = spec.parser().parse(out["text"])
+                message = reply_message(parsed)
+                if parsed.tool_calls and reason == "stop":
+                    reason = "tool_calls"
             choices.append(ChatChoice(
-                index=i, message=ChatResponseMessage(content=out["text"]), logprobs=self._logprobs(req, out),
+                index=i, message=message, logprobs=self._logprobs(req, out),
                 finish_reason=reason, matched_stop=matched,
             ))
         meta = results[0]["meta_info"]
@@ -176,7 +213,8 @@ class OpenAIServingChat:
         usage = UsageInfo.of(meta["prompt_tokens"], completion, self._reported(meta["cached_tokens"]))
         return JSONBody(ChatCompletionResponse(model=req.model, choices=choices, usage=usage).model_dump())
 
-    async def _stream(self, req: ChatCompletionRequest, outs: AsyncIterator[dict]) -> AsyncIterator[str]:
+    async def _stream(self, req: ChatCompletionRequest, spec: OutputSpec,
+                      outs: AsyncIterator[dict]) -> AsyncIterator[str]:
         rid = f"chatcmpl-{uuid.uuid4().hex}"
         created = int(time.time())
 
@@ -190,6 +228,8 @@ class OpenAIServingChat:
 
         sent_text: dict[int, int] = {}
         sent_lp: dict[int, int] = {}
+        parsers: dict[int, ChatOutputParser] = {}  # when the reply is parsed (not spec.plain)
+        sent_calls: dict[int, int] = {}  # the tool calls each choice has streamed
         prompt_tokens = cached_tokens = 0
         completion: dict[int, int] = {}
         async for out in outs:
@@ -201,6 +241,8 @@ class OpenAIServingChat:
             if index not in sent_text:
                 sent_text[index] = 0
                 completion[index] = 0
+                if not spec.plain:
+                    parsers[index], sent_calls[index] = spec.parser(), 0
                 yield chunk(ChatStreamChoice(index=index, delta=DeltaMessage(role="assistant", content="")))
             text = out["text"]
             delta = text[sent_text[index]:]
@@ -208,11 +250,22 @@ class OpenAIServingChat:
             sent_text[index] = len(text)
             sent_lp[index] = len(out["meta_info"].get("output_token_logprobs", []))
             completion[index] = out["meta_info"]["completion_tokens"]
-            if not delta and reason is None and not (logprobs and logprobs.content):
+            if spec.plain:
+                deltas = [DeltaMessage(content=delta)] if delta else []
+            else:  # held-back markup and whole tool calls: what became final in this step
+                parser = parsers[index]
+                parts = (parser.feed(delta) if delta else []) + (parser.finish() if reason is not None else [])
+                deltas = part_deltas(parts, sent_calls[index])
+                sent_calls[index] = parser.num_tool_calls
+                if reason == "stop" and parser.num_tool_calls:
+                    reason = "tool_calls"
+            if not deltas and reason is None and not (logprobs and logprobs.content):
                 continue
+            deltas = deltas or [DeltaMessage()]
+            for d in deltas[:-1]:
+                yield chunk(ChatStreamChoice(index=index, delta=d))
             yield chunk(ChatStreamChoice(
-                index=index, delta=DeltaMessage(content=delta or None),
-                logprobs=logprobs, finish_reason=reason, matched_stop=matched,
+                index=index, delta=deltas[-1], logprobs=logprobs, finish_reason=reason, matched_stop=matched,
             ))
         if req.stream_options is not None and req.stream_options.include_usage:
             usage = UsageInfo.of(prompt_tokens, sum(completion.values()), self._reported(cached_tokens))

@@ -38,6 +38,8 @@ class OpenAIServingTokenize:
         self._check_model(req.model)
         if (req.prompt is None) == (req.messages is None):
             raise InvalidRequestError("exactly one of 'prompt' and 'messages' is required", param="prompt")
+        if req.tools is not None and req.messages is None:
+            raise InvalidRequestError("tools go with messages", param="tools")
         if req.messages is not None:
             ids = await chat_prompt_ids(self.tm, req)
             chars = sum(_chars(m.content) for m in req.messages)

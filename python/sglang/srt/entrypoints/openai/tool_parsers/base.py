@@ -1,0 +1,127 @@
+"""What every tool-call format shares: the parsed call, the section a format scans after its start
+marker, and the JSON helpers the formats use.
+
+A format only says where a call section starts (`start_markers`, or `opens_at_start` for a bare
+JSON reply) and what a section holds (`new_section().scan`); `stream.ToolCallStream` does the rest
+(text around the calls, chunk boundaries, whitespace) the same way for every format.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+from dataclasses import dataclass
+from typing import Any, ClassVar, Optional
+
+
+@dataclass(frozen=True)
+class ParsedCall:
+    name: str
+    arguments: str  # a JSON object, serialised (OpenAI's `function.arguments`)
+
+
+@dataclass(frozen=True)
+class Section:
+    """A scanned call section: its first `consumed` characters (after the marker) are the section;
+    `calls` are the calls they hold, or None when they are not valid calls (a name outside the
+    request's tools, JSON that does not parse): then the section's text stays content, marker and
+    all, as vLLM leaves it."""
+
+    consumed: int
+    calls: Optional[list[ParsedCall]]
+
+
+class SectionScanner:
+    """Scans one call section as its text grows. `scan(text, final)` gets the section's whole text
+    so far (append-only) each time and returns None while the section may still go on, or the
+    Section once it is complete; with `final` (the output ended) it always returns a Section. An
+    implementation keeps its progress so that a long section costs linear time."""
+
+    def scan(self, text: str, final: bool) -> Optional[Section]:
+        raise NotImplementedError
+
+
+class ToolCallFormat:
+    """A model family's tool-call syntax. `names`: the request's tool names (a call to any other
+    name is not a call)."""
+
+    name: ClassVar[str]
+    start_markers: ClassVar[tuple[str, ...]] = ()
+
+    def opens_at_start(self, text: str) -> bool:
+        """Whether a section starts at the very beginning of the content without a marker;
+        `text` is the content so far, past its leading whitespace (at least one character)."""
+        return False
+
+    def new_section(self, names: frozenset[str]) -> SectionScanner:
+        raise NotImplementedError
+
+    def new_call_id(self) -> str:
+        """The id of a call in the reply (`call_` and 24 hex digits, as OpenAI's look)."""
+        return f"call_{uuid.uuid4().hex[:24]}"
+
+
+# ---------------------------------------------------------------------------- JSON helpers
+class JsonSpan:
+    """Where the JSON object or array that opens at `start` closes, over append-only text, in time
+    linear in the text: brackets are counted outside strings. Whether the span is valid JSON is
+    json.loads's to say."""
+
+    def __init__(self, start: int) -> None:
+        self.pos = start
+        self.depth = 0
+        self.in_string = False
+        self.escaped = False
+
+    def end(self, text: str) -> Optional[int]:
+        """The index just past the closing bracket, or None if it has not come yet."""
+        for i in range(self.pos, len(text)):
+            c = text[i]
+            if self.in_string:
+                if self.escaped:
+                    self.escaped = False
+                elif c == "\\":
+                    self.escaped = True
+                elif c == '"':
+                    self.in_string = False
+            elif c == '"':
+                self.in_string = True
+            elif c in "{[":
+                self.depth += 1
+            elif c in "}]":
+                self.depth -= 1
+                if self.depth <= 0:
+                    self.pos = i + 1
+                    return i + 1
+        self.pos = len(text)
+        return None
+
+
+def skip_whitespace(text: str, i: int) -> int:
+    while i < len(text) and text[i].isspace():
+        i += 1
+    return i
+
+
+def loads(text: str) -> Any:
+    """json.loads, or None for text that is not JSON."""
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion limit
+        return None
+
+
+def call_from_object(obj: Any, names: frozenset[str], argument_keys: tuple[str, ...]) -> Optional[ParsedCall]:
+    """The call a decoded `{"name": ..., "<argument key>": {...}}` stands for, or None. Arguments
+    may be an object or a string holding one (some fine-tunes quote them); none means `{}`."""
+    if not isinstance(obj, dict):
+        return None
+    name = obj.get("name")
+    if not isinstance(name, str) or name not in names:
+        return None
+    args: Any = next((obj[k] for k in argument_keys if k in obj), {})
+    if isinstance(args, str):
+        args = loads(args)
+    if not isinstance(args, dict):
+        return None
+    return ParsedCall(name=name, arguments=json.dumps(args, ensure_ascii=False))

@@ -1,0 +1,43 @@
+"""Llama 3.1 JSON tool calls end to end (`--tool-call-parser llama3`) on the echo checkpoint (see
+test_tool_calls_server.py): `<|python_tag|>` (a special token, kept in the text of requests with
+tools) or a bare JSON reply, several calls separated by `;`; a JSON answer that is not a call stays
+content."""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from echo_checkpoint import echo_body, echo_checkpoint
+from server_helpers import kill_server, popen_launch_server, read_log
+from tool_calls_testlib import TOOLS, ask, ask_streamed, same_reply
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = popen_launch_server(echo_checkpoint(), ["--device", "cpu", "--tool-call-parser", "llama3"])
+    yield url
+    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+
+
+@pytest.mark.parametrize("text,calls", [
+    ('<|python_tag|>{"name": "get_weather", "parameters": {"city": "Paris"}}', [("get_weather", {"city": "Paris"})]),
+    ('{"name": "get_weather", "parameters": {"city": "Oslo"}}; {"name": "get_time", "parameters": {"tz": "UTC"}}',
+     [("get_weather", {"city": "Oslo"}), ("get_time", {"tz": "UTC"})]),
+    ('{"answer": 42}', []),
+])
+def test_llama3_calls(server, client, text: str, calls: list) -> None:
+    body = echo_body(server, text, tools=TOOLS)
+    choice = ask(client, body).choices[0]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == calls
+    assert choice.message.content == (None if calls else text)
+    assert choice.finish_reason == ("tool_calls" if calls else "stop")
+    streamed, _ = ask_streamed(client, body)
+    same_reply(streamed[0], choice)

@@ -1,0 +1,68 @@
+"""Tool calling and reasoning end to end with `--tool-call-parser mistral --reasoning-parser
+deepseek-r1`, on the echo checkpoint (see test_tool_calls_server.py). Mistral's `[TOOL_CALLS]` is a
+special token of the tokenizer: the server keeps special tokens in the text of requests it parses
+for calls, and skips them as usual in the others. DeepSeek-R1's template opens the reasoning in the
+prompt (the test template's `open_think`), so the reply starts inside it without a tag.
+"""
+
+from __future__ import annotations
+
+import json
+
+import openai
+import pytest
+
+from echo_checkpoint import echo_body, echo_checkpoint
+from server_helpers import kill_server, popen_launch_server, read_log
+from tool_calls_testlib import TOOLS, ask, ask_streamed, same_reply
+
+CALLS = ('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+         '{"name": "get_time", "arguments": {"tz": "Europe/Paris"}}]')
+R1 = {"chat_template_kwargs": {"open_think": True}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = popen_launch_server(echo_checkpoint(), [
+        "--device", "cpu", "--tool-call-parser", "mistral", "--reasoning-parser", "deepseek-r1"])
+    yield url
+    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+
+
+def test_reasoning_then_mistral_calls(server, client) -> None:
+    body = echo_body(server, "The user wants weather and time.\n</think>\n\n" + CALLS, tools=TOOLS, **R1)
+    choice = ask(client, body).choices[0]
+    assert choice.message.reasoning_content == "The user wants weather and time."
+    assert choice.message.content is None and choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "Europe/Paris"})]
+    # Mistral's templates take back only ids of 9 letters and digits.
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
+    streamed, _ = ask_streamed(client, body)
+    same_reply(streamed[0], choice)
+
+
+def test_without_tools_the_special_marker_is_skipped_as_usual(server, client) -> None:
+    choice = ask(client, echo_body(server, "Done.\n</think>\n\n" + CALLS, **R1)).choices[0]
+    assert choice.message.reasoning_content == "Done."
+    # The marker is gone from the text (and the space after it with the whitespace after the reasoning).
+    assert choice.message.content == CALLS.replace("[TOOL_CALLS] ", "") and choice.finish_reason == "stop"
+
+
+def test_reasoning_that_never_ends(server, client) -> None:
+    body = echo_body(server, "Still thinking about it", tools=TOOLS, **R1)
+    choice = ask(client, body).choices[0]
+    assert choice.message.reasoning_content == "Still thinking about it" and choice.message.content == ""
+    streamed, _ = ask_streamed(client, body)
+    same_reply(streamed[0], choice)
+    body["stream_reasoning"] = False  # SGLang's: the reasoning in one piece
+    streamed, chunks = ask_streamed(client, body)
+    same_reply(streamed[0], choice)
+    pieces = [c.choices[0].delta.reasoning_content for c in chunks
+              if c.choices and getattr(c.choices[0].delta, "reasoning_content", None)]
+    assert pieces == ["Still thinking about it"]

@@ -1,0 +1,223 @@
+"""The chat route's tool calling and reasoning without a server: what a request's tools, tool_choice
+and messages are checked for and turned into (chat_tools.py), and how a reply splits into
+reasoning, content and tool calls when both parsers are on (chat_output.py), whole and streamed.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+
+from sglang.srt.entrypoints.openai.chat_output import OutputSpec, TextPart, ToolCallPart, part_deltas
+from sglang.srt.entrypoints.openai.chat_tools import (
+    message_tool_fields,
+    needs_special_tokens,
+    output_spec,
+    plan_tools,
+    special_tokens,
+    template_tools,
+    validate_tools,
+)
+from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest, ChatMessage
+from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS
+from sglang.srt.entrypoints.openai.tool_parsers import tool_call_format
+from sglang.srt.managers.generate_request import InvalidRequestError
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}
+TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def error(fn: Any, *args: Any) -> InvalidRequestError:
+    with pytest.raises(InvalidRequestError) as e:
+        fn(*args)
+    return e.value
+
+
+# ---------------------------------------------------------------------------- request side
+@pytest.mark.parametrize("tools,needle,param", [
+    (["get_weather"], "tools[0] must be an object", "tools[0]"),
+    ([{"function": {"name": "f"}}], 'tools[0].type must be "function"', "tools[0].type"),
+    ([{"type": "function"}], "tools[0].function must be an object", "tools[0].function"),
+    ([{"type": "function", "function": {"description": "no name"}}], "name must be a non-empty string",
+     "tools[0].function.name"),
+    ([{"type": "function", "function": {"name": " "}}], "name must be a non-empty string", "tools[0].function.name"),
+    ([WEATHER, {"type": "function", "function": {"name": "f", "parameters": "{}"}}],
+     "tools[1].function.parameters must be a JSON Schema object", "tools[1].function.parameters"),
+    ([WEATHER, TIME, WEATHER], "duplicate tool name 'get_weather'", "tools[2].function.name"),
+    ([{"type": "function", "function": {"name": "f", "strict": True}}], "strict: true needs constrained decoding",
+     "tools[0].function.strict"),
+])
+def test_malformed_tools_are_refused(tools: list, needle: str, param: str) -> None:
+    e = error(validate_tools, tools)
+    assert needle in e.message and e.param == param
+
+
+@pytest.mark.parametrize("choice,parser,needle,param", [
+    ("sometimes", "qwen25", 'tool_choice must be "none", "auto", "required"', "tool_choice"),
+    ({"type": "function", "function": {"name": "launch"}}, "qwen25", "'launch', which is not among", "tool_choice"),
+    ({"type": "function"}, "qwen25", "tool_choice must be", "tool_choice"),
+    ("required", "qwen25", 'tool_choice "required" needs constrained decoding', "tool_choice"),
+    ({"type": "function", "function": {"name": "get_time"}}, "qwen25", "naming a function needs constrained decoding",
+     "tool_choice"),
+    ("auto", None, "start the server with --tool-call-parser", "tools"),
+    (None, None, "start the server with --tool-call-parser", "tools"),
+])
+def test_tool_choice(choice: Any, parser: Any, needle: str, param: str) -> None:
+    e = error(plan_tools, [WEATHER, TIME], choice, parser)
+    assert needle in e.message and e.param == param
+
+
+def test_tool_choice_none_and_auto() -> None:
+    def req(**body: Any) -> ChatCompletionRequest:
+        return ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)
+
+    for parser in (None, "qwen25"):  # "none" needs no parser: the tools are not rendered
+        assert not plan_tools([WEATHER], "none", parser).parse
+    assert template_tools(req(tools=[WEATHER], tool_choice="none")) is None
+    plan = plan_tools([WEATHER, TIME], None, "qwen25")  # with tools, the default is "auto"
+    assert plan.parse and plan.names == {"get_weather", "get_time"}
+    assert template_tools(req(tools=[WEATHER, TIME])) == template_tools(req(tools=[WEATHER, TIME], tool_choice="auto"))
+    assert template_tools(req(tools=[WEATHER, TIME])) == [WEATHER, TIME]
+    assert template_tools(req()) is None and template_tools(req(tools=[])) is None
+    assert not plan_tools(None, None, None).parse and not plan_tools([], "auto", None).parse
+    assert 'tool_choice "required" needs tools' in error(plan_tools, None, "required", "qwen25").message
+
+
+def msg(**fields: Any) -> ChatMessage:
+    return ChatMessage(**fields)
+
+
+def test_message_tool_fields() -> None:
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}
+    out = message_tool_fields(1, msg(role="assistant", content=None, tool_calls=[call]))
+    # Templates write `arguments | tojson`: they get the object, not the string.
+    assert out == {"tool_calls": [{"id": "call_1", "type": "function",
+                                   "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]}
+    assert message_tool_fields(2, msg(role="tool", content="18C", tool_call_id="call_1")) == {"tool_call_id": "call_1"}
+    assert message_tool_fields(0, msg(role="user", content="hi")) == {}
+    assert message_tool_fields(0, msg(role="assistant", content="x", reasoning_content="r")) == {"reasoning_content": "r"}
+
+
+@pytest.mark.parametrize("fields,needle,param", [
+    (dict(role="tool", content="18C"), "tool_call_id is required for role 'tool'", "messages[3].tool_call_id"),
+    (dict(role="tool", content="18C", tool_call_id=""), "tool_call_id is required", "messages[3].tool_call_id"),
+    (dict(role="user", content="x", tool_calls=[]), "only allowed on assistant messages", "messages[3].tool_calls"),
+    (dict(role="assistant", tool_calls=[{"type": "function", "function": {"name": "f", "arguments": "{}"}}]),
+     "tool_calls[0].id must be a non-empty string", "messages[3].tool_calls[0].id"),
+    (dict(role="assistant", tool_calls=[{"id": "c", "function": {"arguments": "{}"}}]),
+     "must be an object with a non-empty name", "messages[3].tool_calls[0].function"),
+    (dict(role="assistant", tool_calls=[{"id": "c", "function": {"name": "f", "arguments": "{not json"}}]),
+     "arguments must be a JSON object encoded as a string", "messages[3].tool_calls[0].function.arguments"),
+    (dict(role="assistant", tool_calls=[{"id": "c", "function": {"name": "f", "arguments": "[1, 2]"}}]),
+     "arguments must be a JSON object", "messages[3].tool_calls[0].function.arguments"),
+    (dict(role="assistant", tool_calls=["c"]), "tool_calls[0] must be an object", "messages[3].tool_calls[0]"),
+])
+def test_bad_tool_messages(fields: dict, needle: str, param: str) -> None:
+    e = error(message_tool_fields, 3, msg(**fields))
+    assert needle in e.message and e.param == param
+
+
+def test_output_spec() -> None:
+    def spec(parser: str, **body: Any) -> OutputSpec:
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], **body)
+        return output_spec(req, "qwen25", parser)
+
+    assert spec("qwen3").reasoning is REASONING_PARSERS["qwen3"] and spec("qwen3").tool_format is None
+    # Qwen3's enable_thinking=false: the template closed an empty block, nothing to separate.
+    assert spec("qwen3", chat_template_kwargs={"enable_thinking": False}).reasoning is None
+    assert spec("deepseek-r1", chat_template_kwargs={"enable_thinking": False}).reasoning is not None
+    s = spec("qwen3", tools=[WEATHER], parallel_tool_calls=False, separate_reasoning=False)
+    assert s.tool_names == {"get_weather"} and not s.parallel_tool_calls and not s.separate_reasoning
+    assert spec("qwen3", tools=[WEATHER], tool_choice="none").tool_format is None
+
+
+def test_special_markers_keep_special_tokens() -> None:
+    from echo_checkpoint import build_echo_tokenizer  # [TOOL_CALLS], <|python_tag|> special; <tool_call> not
+
+    special = special_tokens(build_echo_tokenizer())
+    assert {"[TOOL_CALLS]", "<|python_tag|>", "<|im_end|>"} <= special and "<tool_call>" not in special
+    for parser, needed in (("mistral", True), ("llama3", True), ("qwen25", False)):
+        assert needs_special_tokens(OutputSpec(tool_format=tool_call_format(parser)), special) is needed
+    assert not needs_special_tokens(OutputSpec(reasoning=REASONING_PARSERS["qwen3"]), special)
+
+
+# ---------------------------------------------------------------------------- reply side
+BOTH = OutputSpec(reasoning=REASONING_PARSERS["qwen3"], tool_format=tool_call_format("qwen25"),
+                  tool_names=frozenset({"get_weather"}))
+REPLY = ('<think>\nI need the weather. Not <tool_call>{"name": "get_weather", "arguments": {}}</tool_call> yet.\n'
+         '</think>\n\nLet me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>')
+
+
+def streamed(spec: OutputSpec, chunks: list[str]) -> list:
+    parser = spec.parser()
+    parts = [p for c in chunks for p in parser.feed(c)] + parser.finish()
+    merged: list = []
+    for p in parts:
+        if isinstance(p, TextPart) and merged and isinstance(merged[-1], TextPart) and merged[-1].kind == p.kind:
+            merged[-1] = TextPart(p.kind, merged[-1].text + p.text)
+        else:
+            merged.append(p)
+    return [(p.kind, p.text) if isinstance(p, TextPart) else ("call", p.name, p.arguments) for p in merged]
+
+
+def test_reasoning_then_tool_calls() -> None:
+    parsed = BOTH.parser().parse(REPLY)
+    # A call written inside the reasoning is reasoning; calls are read from the content after it.
+    assert parsed.reasoning_content == ('I need the weather. Not <tool_call>{"name": "get_weather", "arguments": {}}'
+                                        '</tool_call> yet.')
+    assert parsed.content == "Let me check."
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [("get_weather", {"city": "Paris"})]
+    assert all(c.id.startswith("call_") and len(c.id) > 10 for c in parsed.tool_calls)
+    whole = streamed(BOTH, [REPLY])
+    assert whole == [("reasoning", parsed.reasoning_content), ("content", "Let me check."),
+                     ("call", "get_weather", '{"city": "Paris"}')]
+    for k in range(len(REPLY) + 1):
+        assert streamed(BOTH, [REPLY[:k], REPLY[k:]]) == whole, k
+    assert streamed(BOTH, list(REPLY)) == whole
+
+
+def test_only_calls_give_null_content() -> None:
+    parsed = BOTH.parser().parse('<tool_call>{"name": "get_weather", "arguments": {"city": "Oslo"}}</tool_call>')
+    assert parsed.content is None and parsed.reasoning_content is None and len(parsed.tool_calls) == 1
+    parsed = BOTH.parser().parse("")  # an empty reply without calls keeps its (empty) content
+    assert parsed.content == "" and parsed.tool_calls == []
+
+
+def test_separate_reasoning_false_keeps_the_reply_verbatim() -> None:
+    spec = OutputSpec(reasoning=REASONING_PARSERS["qwen3"], separate_reasoning=False)
+    text = "<think>\nHmm.\n</think>\n\nAnswer."
+    parsed = spec.parser().parse(text)
+    assert parsed.content == text and parsed.reasoning_content is None
+    for k in range(len(text) + 1):
+        assert streamed(spec, [text[:k], text[k:]]) == [("content", text)]
+    # With tools, the calls after the reasoning are still read.
+    spec = OutputSpec(reasoning=REASONING_PARSERS["qwen3"], separate_reasoning=False,
+                      tool_format=tool_call_format("qwen25"), tool_names=frozenset({"get_weather"}))
+    parsed = spec.parser().parse(REPLY)
+    assert parsed.content == REPLY[:REPLY.index("Let me check.")] + "Let me check." and len(parsed.tool_calls) == 1
+
+
+def test_stream_reasoning_false_sends_the_reasoning_in_one_piece() -> None:
+    spec = OutputSpec(reasoning=REASONING_PARSERS["deepseek-r1"], stream_reasoning=False)
+    parser = spec.parser()
+    assert parser.feed("First, ") == [] and parser.feed("second.\n</th") == []
+    assert parser.feed("ink>\n\nAnswer") == [TextPart("reasoning", "First, second."), TextPart("content", "Answer")]
+    assert parser.finish() == []
+    parser = spec.parser()
+    assert parser.feed("never ends") == [] and parser.finish() == [TextPart("reasoning", "never ends")]
+
+
+def test_part_deltas_number_the_calls_of_a_choice() -> None:
+    parts = [TextPart("reasoning", "r"), TextPart("content", "c"), ToolCallPart("call_a", "f", '{"x": 1}'),
+             ToolCallPart("call_b", "g", "{}")]
+    deltas = [d.model_dump() for d in part_deltas(parts, first_call_index=2)]
+    assert deltas == [
+        {"reasoning_content": "r"}, {"content": "c"},
+        {"tool_calls": [{"index": 2, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": ""}}]},
+        {"tool_calls": [{"index": 2, "function": {"arguments": '{"x": 1}'}}]},
+        {"tool_calls": [{"index": 3, "id": "call_b", "type": "function", "function": {"name": "g", "arguments": ""}}]},
+        {"tool_calls": [{"index": 3, "function": {"arguments": "{}"}}]},
+    ]
