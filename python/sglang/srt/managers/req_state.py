@@ -97,6 +97,14 @@ class ReqState:
         self.event.set()
         self._ended()
 
+    def abort_unsent(self) -> None:
+        """End a request /abort_request named before it reached the scheduler (while its adapter
+        loaded): the same reply as an abort there, with no token generated."""
+        self.finished_reason = {"type": "abort", "message": "the request was aborted"}
+        self.dirty = True
+        self.event.set()
+        self._ended()
+
     def _ended(self) -> None:
         callback, self.on_finish = self.on_finish, None
         if callback is not None:

@@ -391,7 +391,7 @@ class TokenizerManager(TokenizerLoRAMixin):
             if r.rid in self.rid_to_state or r.rid in self._abandoned or r.rid in self._waiting_rids:
                 raise InvalidRequestError(f"a request with rid {r.rid!r} is already running", param="rid")
         # rids (and call rids) waiting for their adapters (a first-use load can take seconds): an
-        # /abort_request meanwhile is remembered and sent right after the request itself.
+        # /abort_request meanwhile is remembered, and such a request is never sent.
         waiting = {r.rid for r in reqs} | {r.group_rid for r in reqs if r.group_rid is not None}
         for key in waiting:
             self._waiting_rids[key] = self._waiting_rids.get(key, 0) + 1
@@ -426,6 +426,10 @@ class TokenizerManager(TokenizerLoRAMixin):
                     unowned[i] = None
                 self.rid_to_state[req.rid] = state
                 states.append(state)
+                if req.rid in aborted or req.group_rid in aborted:
+                    # Aborted while its adapter loaded: never sent, so no step can run it first.
+                    state.abort_unsent()
+                    continue
                 self.client.send(TokenizedGenerateReqInput(
                     rid=req.rid, input_ids=input_ids, sampling_params=params,
                     return_logprob=req.return_logprob,
@@ -433,8 +437,6 @@ class TokenizerManager(TokenizerLoRAMixin):
                     top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                     lora_id=lora_id, stream=req.stream, cache_salt=req.cache_salt,
                 ))
-                if req.rid in aborted or req.group_rid in aborted:
-                    self.client.send(AbortReq(rid=req.rid))  # aborted while its adapter loaded
             async for out in iterate_states(states, is_batch, obj.stream, request, self.token_text):
                 yield out
         finally:
@@ -529,7 +531,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         (its `n` > 1 samples R-0, R-1, ..., a batch's prompts)."""
         rids = [r for r, state in self.rid_to_state.items() if r == rid or state.req.group_rid == rid]
         if rid in self._waiting_rids:
-            self._aborted_waiting.add(rid)  # still waiting for its adapters: aborted once sent
+            self._aborted_waiting.add(rid)  # still waiting for its adapters: never sent
         for r in rids or [rid]:
             self.client.send(AbortReq(rid=r))
 
