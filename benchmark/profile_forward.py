@@ -98,15 +98,14 @@ LORA_VARIANTS = {
     # reads of A at prefill, fewer programs.
     "lora-chunk-32": ("auto", "small"),
     "lora-chunk-64": ("auto", "small"),
-    # The default, the norms / SiLU-and-mul before folded modules writing into x_aug at prefill
-    # (SGLANG_LORA_PACK_IN_PLACE=1: shrink_pack without the copy of x).
+    # The default without the A-fold at prefill (SGLANG_LORA_AFOLD_PREFILL=0): the norms / SiLU-and-mul
+    # before folded modules still write into x_aug (SGLANG_LORA_PACK_IN_PLACE=1).
     "lora-pack-in-place": ("auto", "small"),
+    # Neither (the default until 2026-12-05): shrink_pack copies x at prefill.
+    "lora-copying": ("auto", "small"),
     # The default, RMSNorm releasing its programmatic dependents at its start (a folded module's
     # shrink_pack at prefill starts early).
     "lora-norm-release": ("auto", "small"),
-    # lora-pack-in-place, and csgmv's A-folded o_proj / down_proj as GEMM + expand at prefill too
-    # (SGLANG_LORA_AFOLD_PREFILL=1).
-    "lora-afold-prefill": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -123,11 +122,11 @@ VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {
 # Environment read when a variant's backend is built (backend/token_backend.py, chunked_backend.py):
 # BASE_ENV for every variant (csgmv's prefill unfold off, whatever the caller's environment), then the
 # variant's own; anything else keeps its default.
-BASE_ENV = {"SGLANG_LORA_PREFILL_UNFOLD": "0", "SGLANG_LORA_PACK_IN_PLACE": "0", "SGLANG_LORA_AFOLD_PREFILL": "0"}
+BASE_ENV = {"SGLANG_LORA_PREFILL_UNFOLD": "0", "SGLANG_LORA_PACK_IN_PLACE": "1", "SGLANG_LORA_AFOLD_PREFILL": "1"}
 VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora-no-afold": {"SGLANG_LORA_AFOLD": "0"},
                "lora-no-afold-expand": {"SGLANG_LORA_AFOLD_EXPAND": "0"},
-               "lora-pack-in-place": {"SGLANG_LORA_PACK_IN_PLACE": "1"},
-               "lora-afold-prefill": {"SGLANG_LORA_PACK_IN_PLACE": "1", "SGLANG_LORA_AFOLD_PREFILL": "1"}}
+               "lora-pack-in-place": {"SGLANG_LORA_AFOLD_PREFILL": "0"},
+               "lora-copying": {"SGLANG_LORA_PACK_IN_PLACE": "0", "SGLANG_LORA_AFOLD_PREFILL": "0"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",

@@ -173,7 +173,9 @@ def test_a_folded_o_and_down_past_the_bound_run_the_expand(assets, monkeypatch):
     """SGLANG_LORA_AFOLD_EXPAND=1 (csgmv): past the deferral's bound (rows:2 here, the batch has 4)
     the A-folded modules run their GEMM over [W; A] and the segmented expand of every slot's shrink
     (not shrink_pack and the GEMM over W_aug); the last down_proj, with no fused norm after it, keeps
-    the fold. The decode equals the unfused engine's to float32 rounding."""
+    the fold. The decode equals the unfused engine's to float32 rounding. (The prefill keeps
+    shrink_pack here, SGLANG_LORA_AFOLD_PREFILL=0, so that only decode steps count.)"""
+    monkeypatch.setenv("SGLANG_LORA_AFOLD_PREFILL", "0")
     runner = runner_for(assets, "csgmv", fuse=True, afold="rows:2", afold_expand=True)
     backend_obj = runner.lora_manager.lora_backend
     from sglang.srt.lora.backend import chunked_backend
@@ -248,7 +250,8 @@ def test_a_backend_without_the_kernels_warns_and_runs_apart(assets, caplog):
 def test_no_lora_on_the_norm_fed_modules_nothing_fused(assets, caplog, tmp_path, monkeypatch):
     """An adapter on o_proj / down_proj only: no norm fuses. By default (row-wise o_proj / down_proj
     at small decode batches) the SiLU-and-mul before each down_proj carries down_proj's shrink;
-    with SGLANG_LORA_ROWWISE_DECODE=0 nothing fuses, and the log says why."""
+    with SGLANG_LORA_ROWWISE_DECODE=0 and SGLANG_LORA_PACK_IN_PLACE=0 (by default the SiLU-and-mul
+    writes a folded down_proj's x_aug at prefill) nothing fuses, and the log says why."""
     from sglang.srt.layers.activation import SiluAndMul
 
     ckpt, _ = assets
@@ -264,6 +267,7 @@ def test_no_lora_on_the_norm_fed_modules_nothing_fused(assets, caplog, tmp_path,
     acts = [m for m in runner.model.modules() if isinstance(m, SiluAndMul)]
     assert acts and all(m.fusion is not None for m in acts)
     monkeypatch.setenv("SGLANG_LORA_ROWWISE_DECODE", "0")
+    monkeypatch.setenv("SGLANG_LORA_PACK_IN_PLACE", "0")
     with caplog.at_level(logging.WARNING, logger="sglang.srt.lora"):
         runner = build()
     assert "no norm feeds a LoRA" in caplog.text
@@ -281,7 +285,7 @@ def test_prefill_producers_write_into_x_aug(assets, backend, afold, monkeypatch)
 
     monkeypatch.setenv("SGLANG_LORA_PACK_IN_PLACE", "1")
     in_place = runner_for(assets, backend, fuse=True, afold=afold)
-    monkeypatch.delenv("SGLANG_LORA_PACK_IN_PLACE")
+    monkeypatch.setenv("SGLANG_LORA_PACK_IN_PLACE", "0")
     copying = runner_for(assets, backend, fuse=True, afold=afold)
     backend_obj = in_place.lora_manager.lora_backend
     assert backend_obj.pack_in_place and not copying.lora_manager.lora_backend.pack_in_place
@@ -313,11 +317,10 @@ def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, bound, in_place, 
     from sglang.srt.lora.backend import chunked_backend
 
     monkeypatch.setenv("SGLANG_LORA_AFOLD_PREFILL", bound)
-    if in_place:
-        monkeypatch.setenv("SGLANG_LORA_PACK_IN_PLACE", "1")
+    monkeypatch.setenv("SGLANG_LORA_PACK_IN_PLACE", "1" if in_place else "0")
     runner = runner_for(assets, "csgmv", fuse=True, afold="small", afold_expand=True)
     monkeypatch.delenv("SGLANG_LORA_AFOLD_PREFILL")
-    monkeypatch.delenv("SGLANG_LORA_PACK_IN_PLACE", raising=False)
+    monkeypatch.delenv("SGLANG_LORA_PACK_IN_PLACE")
     backend_obj = runner.lora_manager.lora_backend
     assert backend_obj.afold_prefill_max == (1 << 30 if bound == "1" else 4)
     assert backend_obj.pack_in_place == in_place

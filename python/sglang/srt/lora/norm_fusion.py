@@ -12,7 +12,8 @@ The norm and the module stay what they are; they meet through two seams:
     (same address and shape) and runs only the rest: the GEMM over x_aug, or the base GEMM and the
     expand.
 Anything else (prefill, LoRA off for the batch, a caller that hands the module another tensor)
-takes the unfused path, which computes the same function. With SGLANG_LORA_PACK_IN_PLACE=1 the
+takes the unfused path, which computes the same function. With SGLANG_LORA_PACK_IN_PLACE=1 (the
+default) the
 unfused path before a folded module writes the norm's (or the SiLU-and-mul's) output straight into
 the module's x_aug (`backend.in_place_input`), where shrink_pack would have copied it: the same
 kernel and bits, one write of the rows less.

@@ -78,7 +78,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         # (2*T*S*R*K) outgrow the B fold's (2*T*N*E) at long prefills. Its output is a strided view,
         # which the plain norm after the module reads in place; with SGLANG_LORA_PACK_IN_PLACE that
         # norm also writes the next module's x_aug directly (else that module copies its input).
-        self.afold_prefill_max = rowwise_decode_bound(os.environ.get("SGLANG_LORA_AFOLD_PREFILL", "0"),
+        self.afold_prefill_max = rowwise_decode_bound(os.environ.get("SGLANG_LORA_AFOLD_PREFILL", "1"),
                                                       AFOLD_PREFILL_SMALL_TOKENS, "SGLANG_LORA_AFOLD_PREFILL")
         self._afold_prefill_now = False  # this batch is a prefill the bound admits
 

@@ -188,12 +188,12 @@ class TokenLoRABackend(BaseLoRABackend):
         # batches (SGLANG_LORA_AFOLD: 0, 1, small, rows:N; the pool lays out W_aug for it only when on).
         self.afold_max_rows = rowwise_decode_bound(os.environ.get("SGLANG_LORA_AFOLD", AFOLD_DEFAULT),
                                                    AFOLD_SMALL_ROWS, "SGLANG_LORA_AFOLD")
-        # SGLANG_LORA_PACK_IN_PLACE=1: where no kernel fuses the norm (prefill), the norm before a
+        # SGLANG_LORA_PACK_IN_PLACE (1 by default; 0 copies): where no kernel fuses the norm (prefill), the norm before a
         # folded qkv_proj / gate_up_proj and the SiLU-and-mul before a folded down_proj write their
         # output straight into x_aug's first columns (in_place_input), and shrink_pack only adds
         # the packed shrink: one write of the module's input rows less (T x K elements; at a
         # 8192-token prefill of the Qwen3-4B shape 160 MB per layer for down_proj alone).
-        self.pack_in_place = os.environ.get("SGLANG_LORA_PACK_IN_PLACE", "0") == "1"
+        self.pack_in_place = os.environ.get("SGLANG_LORA_PACK_IN_PLACE", "1") == "1"
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
         self._row_plans: dict[tuple[int, bool], tuple[bool, bool, int]] = {}  # _row_plan_for's
         self._prefill_buckets: list[int] = []  # the prefill graphs' token counts, for prefill_bucket
