@@ -75,6 +75,8 @@ def test_grammar_backend_none_refuses_constraints_saying_how_to_enable(plain):
         ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}],
                                   "response_format": {"type": "json_object"}}, "response_format"),
         ("/v1/completions", {"model": "m", "prompt": "hi", "guided_choice": ["a", "b"]}, "guided_choice"),
+        ("/v1/chat/completions", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "tool_choice": "required",
+                                  "tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),
     ]:
         r = requests.post(f"{url}{path}", json=body, timeout=60)
         assert r.status_code == 400, r.text

@@ -1,6 +1,9 @@
 """The chat route's tool calling and reasoning without a server: what a request's tools, tool_choice
 and messages are checked for and turned into (chat_tools.py), and how a reply splits into
-reasoning, content and tool calls when both parsers are on (chat_output.py), whole and streamed.
+reasoning, content and tool calls when both parsers are on (chat_output.py), whole and streamed;
+tool_choice "required" and named functions: the schema the output is constrained to (compiled by
+xgrammar on a real tokenizer and matched against valid and invalid outputs) and how the
+constrained output becomes tool calls, whole and streamed.
 """
 
 from __future__ import annotations
@@ -10,8 +13,17 @@ from typing import Any
 
 import pytest
 
-from sglang.srt.entrypoints.openai.chat_output import OutputSpec, TextPart, ToolCallPart, part_deltas
+from sglang.srt.entrypoints.openai.chat_output import (
+    ForcedCalls,
+    OutputSpec,
+    TextPart,
+    ToolCallArguments,
+    ToolCallPart,
+    ToolCallStart,
+    part_deltas,
+)
 from sglang.srt.entrypoints.openai.chat_tools import (
+    forced_calls_schema,
     message_tool_fields,
     needs_special_tokens,
     output_spec,
@@ -47,7 +59,7 @@ def error(fn: Any, *args: Any) -> InvalidRequestError:
     ([WEATHER, {"type": "function", "function": {"name": "f", "parameters": "{}"}}],
      "tools[1].function.parameters must be a JSON Schema object", "tools[1].function.parameters"),
     ([WEATHER, TIME, WEATHER], "duplicate tool name 'get_weather'", "tools[2].function.name"),
-    ([{"type": "function", "function": {"name": "f", "strict": True}}], "strict: true needs constrained decoding",
+    ([{"type": "function", "function": {"name": "f", "strict": "yes"}}], "strict must be a boolean",
      "tools[0].function.strict"),
 ])
 def test_malformed_tools_are_refused(tools: list, needle: str, param: str) -> None:
@@ -59,9 +71,6 @@ def test_malformed_tools_are_refused(tools: list, needle: str, param: str) -> No
     ("sometimes", "qwen25", 'tool_choice must be "none", "auto", "required"', "tool_choice"),
     ({"type": "function", "function": {"name": "launch"}}, "qwen25", "'launch', which is not among", "tool_choice"),
     ({"type": "function"}, "qwen25", "tool_choice must be", "tool_choice"),
-    ("required", "qwen25", 'tool_choice "required" needs constrained decoding', "tool_choice"),
-    ({"type": "function", "function": {"name": "get_time"}}, "qwen25", "naming a function needs constrained decoding",
-     "tool_choice"),
     ("auto", None, "start the server with --tool-call-parser", "tools"),
     (None, None, "start the server with --tool-call-parser", "tools"),
 ])
@@ -84,6 +93,136 @@ def test_tool_choice_none_and_auto() -> None:
     assert template_tools(req()) is None and template_tools(req(tools=[])) is None
     assert not plan_tools(None, None, None).parse and not plan_tools([], "auto", None).parse
     assert 'tool_choice "required" needs tools' in error(plan_tools, None, "required", "qwen25").message
+
+
+# ---------------------------------------------------------------------------- forced calls: the request
+STRICT = {"type": "function", "function": {"name": "set_unit", "strict": True, "parameters": {
+    "type": "object", "properties": {"unit": {"enum": ["celsius", "fahrenheit"]}}, "required": ["unit"],
+    "additionalProperties": False}}}
+NAMED_TIME = {"type": "function", "function": {"name": "get_time"}}
+
+
+def test_named_function_is_constrained_to_its_arguments() -> None:
+    plan = plan_tools([WEATHER, TIME], NAMED_TIME, None)  # no parser needed: the output is the JSON itself
+    assert not plan.parse and plan.forced == ForcedCalls(function="get_time")
+    # No parameters: any object. The constraint's errors name the schema's field.
+    assert json.loads(plan.constraint.spec.value) == {"type": "object"} and plan.constraint.spec.kind == "json_schema"
+    assert plan.constraint.field == "tools[1].function.parameters" and "get_time" in plan.constraint.what
+    plan = plan_tools([WEATHER, TIME], {"type": "function", "function": {"name": "get_weather"}}, "qwen25")
+    assert json.loads(plan.constraint.spec.value) == WEATHER["function"]["parameters"]
+    # An object schema without its "type" gets it; another type is not a call's arguments.
+    untyped = {"type": "function", "function": {"name": "f", "parameters": {"properties": {"x": {"type": "integer"}}}}}
+    plan = plan_tools([untyped], {"type": "function", "function": {"name": "f"}}, None)
+    assert json.loads(plan.constraint.spec.value) == {"properties": {"x": {"type": "integer"}}, "type": "object"}
+    listed = {"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}
+    e = error(plan_tools, [WEATHER, listed], {"type": "function", "function": {"name": "f"}}, None)
+    assert "must describe an object" in e.message and e.param == "tools[1].function.parameters"
+
+
+def test_required_is_an_array_of_calls_to_the_tools() -> None:
+    plan = plan_tools([WEATHER, TIME], "required", None)
+    assert not plan.parse and plan.forced == ForcedCalls(function=None)
+    assert plan.constraint.field == "tools" and plan.constraint.what == 'tool_choice "required"'
+    schema = json.loads(plan.constraint.spec.value)
+    assert schema == forced_calls_schema([WEATHER, TIME])
+    assert schema == {
+        "type": "array", "minItems": 1,
+        "items": {"anyOf": [
+            {"type": "object", "properties": {"name": {"enum": ["get_weather"]}, "parameters": {"$ref": "#/$defs/tool0"}},
+             "required": ["name", "parameters"], "additionalProperties": False},
+            {"type": "object", "properties": {"name": {"enum": ["get_time"]}, "parameters": {"$ref": "#/$defs/tool1"}},
+             "required": ["name", "parameters"], "additionalProperties": False}]},
+        # No parameters: any object (said outright: see forced_calls_schema).
+        "$defs": {"tool0": WEATHER["function"]["parameters"], "tool1": {"type": "object", "additionalProperties": True}},
+    }
+    # parallel_tool_calls false: exactly one call.
+    assert json.loads(plan_tools([WEATHER], "required", None, parallel_tool_calls=False).constraint.spec.value)[
+        "maxItems"] == 1
+
+
+def test_required_rebases_each_tools_refs() -> None:
+    params = {"type": "object", "$defs": {"P": {"type": "object", "properties": {"x": {"$ref": "#/$defs/P"}}}},
+              "properties": {"p": {"$ref": "#/$defs/P"}, "self": {"$ref": "#"}, "enum": {"$ref": "#/properties/p"},
+                             "list": {"type": "array", "items": {"$ref": "#/$defs/P"}}},
+              "default": {"$ref": "#/data/is/kept"}}
+    tool = {"type": "function", "function": {"name": "f", "parameters": params}}
+    rebased = forced_calls_schema([WEATHER, tool])["$defs"]["tool1"]
+    assert rebased == {"type": "object",
+                       "$defs": {"P": {"type": "object", "properties": {"x": {"$ref": "#/$defs/tool1/$defs/P"}}}},
+                       "properties": {"p": {"$ref": "#/$defs/tool1/$defs/P"}, "self": {"$ref": "#/$defs/tool1"},
+                                      "enum": {"$ref": "#/$defs/tool1/properties/p"},
+                                      "list": {"type": "array", "items": {"$ref": "#/$defs/tool1/$defs/P"}}},
+                       "default": {"$ref": "#/data/is/kept"}}
+
+
+def test_strict_tools_are_kept_where_the_output_is_constrained() -> None:
+    for choice in ("required", {"type": "function", "function": {"name": "set_unit"}}):
+        assert plan_tools([WEATHER, STRICT], choice, None).forced is not None
+    assert not plan_tools([STRICT], "none", None).parse  # no call is made: nothing to keep
+    for choice in ("auto", None):
+        e = error(plan_tools, [WEATHER, STRICT], choice, "qwen25")
+        assert e.param == "tools[1].function.strict" and "needs a structural tag" in e.message
+        assert 'tool_choice "required" or a named function' in e.message
+    assert template_tools(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[STRICT])) == [STRICT]
+
+
+def test_forced_calls_are_rendered_and_read_without_the_reasoning_parser() -> None:
+    def spec(**body: Any) -> OutputSpec:
+        req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER, TIME], **body)
+        return output_spec(req, "qwen25", "deepseek-r1")
+
+    named = spec(tool_choice={"type": "function", "function": {"name": "get_time"}})
+    assert named.forced == ForcedCalls("get_time") and named.reasoning is None and named.tool_format is None
+    assert not named.plain
+    required = spec(tool_choice="required")
+    assert required.forced == ForcedCalls(None) and required.tool_names == {"get_weather", "get_time"}
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[WEATHER], tool_choice="required")
+    assert template_tools(req) == [WEATHER]
+
+
+@pytest.fixture(scope="module")
+def grammar():
+    """xgrammar's matcher over the echo checkpoint's tokenizer: `accepts(schema, text)`."""
+    xgr = pytest.importorskip("xgrammar")
+    from echo_checkpoint import build_echo_tokenizer
+
+    from sglang.srt.constrained.backends import create_grammar_backend
+    from sglang.srt.sampling.grammar_spec import GrammarSpec
+
+    tok = build_echo_tokenizer()
+    backend = create_grammar_backend("xgrammar", tok, len(tok), [tok.convert_tokens_to_ids("<|im_end|>")])
+
+    def accepts(schema: dict, text: str) -> bool:
+        m = xgr.GrammarMatcher(backend.compile(GrammarSpec("json_schema", json.dumps(schema))))
+        return m.accept_string(text) and m.is_completed()
+
+    return accepts
+
+
+def test_forced_schemas_compile_and_constrain(grammar) -> None:
+    named = json.loads(plan_tools([WEATHER, STRICT], {"type": "function", "function": {"name": "set_unit"}},
+                                  None).constraint.spec.value)
+    assert grammar(named, '{"unit": "celsius"}')
+    for bad in ('{"unit": "kelvin"}', '{}', '{"unit": "celsius", "x": 1}', '[{"unit": "celsius"}]', "celsius"):
+        assert not grammar(named, bad), bad
+    required = forced_calls_schema([WEATHER, STRICT, TIME])
+    assert grammar(required, '[{"name": "get_weather", "parameters": {"city": "Paris"}}, '
+                             '{"name": "set_unit", "parameters": {"unit": "fahrenheit"}}, {"name": "get_time", '
+                             '"parameters": {"any": ["thing"]}}]')
+    for bad in ('[]', '{"name": "get_time", "parameters": {}}', '[{"name": "launch", "parameters": {}}]',
+                '[{"name": "set_unit", "parameters": {"unit": "kelvin"}}]', '[{"name": "get_time"}]',
+                '[{"parameters": {}, "name": "get_time"}]', 'I will call get_time.'):
+        assert not grammar(required, bad), bad
+    one = forced_calls_schema([WEATHER, TIME], parallel_tool_calls=False)
+    assert grammar(one, '[{"name": "get_time", "parameters": {}}]')
+    assert not grammar(one, '[{"name": "get_time", "parameters": {}}, {"name": "get_time", "parameters": {}}]')
+    # A tool's own $defs and recursive refs, rebased under the root's $defs, still resolve.
+    tree = {"type": "function", "function": {"name": "tree", "parameters": {
+        "type": "object", "properties": {"label": {"$ref": "#/$defs/Label"}, "child": {"$ref": "#"}},
+        "required": ["label"], "$defs": {"Label": {"type": "string", "enum": ["a", "b"]}}}}}
+    schema = forced_calls_schema([WEATHER, tree])
+    assert grammar(schema, '[{"name": "tree", "parameters": {"label": "a", "child": {"label": "b"}}}]')
+    assert not grammar(schema, '[{"name": "tree", "parameters": {"label": "a", "child": {"label": "c"}}}]')
 
 
 def msg(**fields: Any) -> ChatMessage:
@@ -221,3 +360,73 @@ def test_part_deltas_number_the_calls_of_a_choice() -> None:
         {"tool_calls": [{"index": 3, "id": "call_b", "type": "function", "function": {"name": "g", "arguments": ""}}]},
         {"tool_calls": [{"index": 3, "function": {"arguments": "{}"}}]},
     ]
+
+
+# ---------------------------------------------------------------------------- forced calls: the reply
+NAMED = OutputSpec(forced=ForcedCalls("get_weather"), tool_names=frozenset({"get_weather", "get_time"}))
+REQUIRED = OutputSpec(forced=ForcedCalls(None), tool_names=frozenset({"get_weather", "get_time"}))
+ARGS = '{"city": "Paris", "days": [1, 2], "note": "a } in a string"}'
+CALLS = ('[{"name": "get_weather", "parameters": {"city": "Paris", "note": "]}, {"}},\n'
+         ' {"name": "get_time", "parameters": {}}]')
+
+
+def calls_of(spec: OutputSpec, chunks: list[str]) -> tuple[list, list]:
+    """The calls the streamed parts add up to (name, arguments) and the parts' kinds."""
+    parser = spec.parser()
+    parts = [p for c in chunks for p in parser.feed(c)] + parser.finish()
+    calls: list = []
+    for p in parts:
+        if isinstance(p, (ToolCallPart, ToolCallStart)):
+            calls.append([p.name, p.arguments if isinstance(p, ToolCallPart) else ""])
+        elif isinstance(p, ToolCallArguments):
+            calls[-1][1] += p.text
+        else:
+            raise AssertionError(f"forced calls give no text: {p}")
+    assert parser.num_tool_calls == len(calls)
+    return [tuple(c) for c in calls], [type(p).__name__ for p in parts]
+
+
+def test_named_output_is_the_calls_arguments() -> None:
+    parsed = NAMED.parser().parse(ARGS)
+    assert parsed.content is None and parsed.reasoning_content is None
+    [call] = parsed.tool_calls
+    assert call.name == "get_weather" and call.arguments == ARGS and call.id.startswith("call_") and len(call.id) == 29
+    for k in range(len(ARGS) + 1):
+        assert calls_of(NAMED, [ARGS[:k], ARGS[k:]])[0] == [("get_weather", ARGS)], k
+    # Streamed: the call first, then its arguments as they come (white space around them dropped).
+    calls, kinds = calls_of(NAMED, ["", " \n", "{", '"city"', ": ", '"Paris"', "}", "\n"])
+    assert calls == [("get_weather", '{"city": "Paris"}')]
+    assert kinds == ["ToolCallStart", "ToolCallArguments"] + ["ToolCallArguments"] * 4
+    # Cut before anything was written: still the one call, without arguments.
+    assert calls_of(NAMED, [""])[0] == [("get_weather", "")]
+
+
+def test_required_output_is_the_arrays_calls() -> None:
+    parsed = REQUIRED.parser().parse(CALLS)
+    assert parsed.content is None
+    assert [(c.name, json.loads(c.arguments)) for c in parsed.tool_calls] == [
+        ("get_weather", {"city": "Paris", "note": "]}, {"}), ("get_time", {})]
+    assert len({c.id for c in parsed.tool_calls}) == 2
+    whole = calls_of(REQUIRED, [CALLS])[0]
+    assert whole == [("get_weather", '{"city": "Paris", "note": "]}, {"}'), ("get_time", "{}")]
+    for k in range(len(CALLS) + 1):
+        assert calls_of(REQUIRED, [CALLS[:k], CALLS[k:]])[0] == whole, k
+    assert calls_of(REQUIRED, list(CALLS))[0] == whole
+    # Each call as soon as its item closes.
+    parser = REQUIRED.parser()
+    first = CALLS.index("},\n") + 2
+    assert [p.name for p in parser.feed(CALLS[:first])] == ["get_weather"] and parser.feed(CALLS[first:-3]) == []
+    assert [p.name for p in parser.feed(CALLS[-3:])] == ["get_time"] and parser.finish() == []
+    # Cut short (max_tokens): the items that closed, not the open one.
+    assert calls_of(REQUIRED, [CALLS[:-5]])[0] == whole[:1]
+    assert REQUIRED.parser().parse("[").tool_calls == [] and REQUIRED.parser().parse("").content == ""
+
+
+def test_part_deltas_of_a_started_call_across_steps() -> None:
+    step1 = [d.model_dump() for d in part_deltas([ToolCallStart("call_a", "f"), ToolCallArguments('{"x"')], 0)]
+    step2 = [d.model_dump() for d in part_deltas([ToolCallArguments(": 1}")], 1)]
+    assert step1 == [
+        {"tool_calls": [{"index": 0, "id": "call_a", "type": "function", "function": {"name": "f", "arguments": ""}}]},
+        {"tool_calls": [{"index": 0, "function": {"arguments": '{"x"'}}]},
+    ]
+    assert step2 == [{"tool_calls": [{"index": 0, "function": {"arguments": ": 1}"}}]}]

@@ -7,9 +7,18 @@ Decisions (README, "Tool calling and reasoning"):
   it they are refused (400) rather than rendered and left unparsed.
 * `tool_choice` "none": the tools are not given to the template and nothing is parsed (SGLang's
   behaviour; vLLM renders them unless --exclude-tools-when-tool-choice-none). No parser needed.
-* `tool_choice` "required" or a named function, and `strict: true` tools, promise a call (or
-  schema-true arguments) that only constrained decoding can keep: refused with a 400 naming the
-  alternative, as this server refuses every option it would have to ignore.
+* `tool_choice` "required" or a named function: the output is constrained (the grammar backend,
+  --grammar-backend) to the calls' JSON, and read as calls without the model family's parser
+  (none is needed): a named function's output is its arguments, a JSON object valid against its
+  `parameters`; "required"'s is a JSON array of one or more `{"name": ..., "parameters": {...}}`,
+  each item one of the tools (vLLM's and SGLang's shape). `forced_calls_schema` builds the schema.
+  The tools are still rendered by the template. Both are one constraint, so response_format, regex
+  and the other structured-output fields are refused beside them (structured_outputs.py).
+* `strict: true` tools are kept to their schemas under "required" and a named function (the same
+  constraint). Under "auto" the model may write text or a call, and keeping only the call to a
+  schema needs a structural tag (a grammar that switches on at the call's marker), which this
+  server does not build: refused there with a 400 naming the alternatives, as this server refuses
+  every option it would have to ignore. Under "none" no call is made, so there is nothing to keep.
 * Tool definitions are checked: type "function", a non-empty unique name, an object of parameters.
 """
 
@@ -19,18 +28,34 @@ import json
 from dataclasses import dataclass
 from typing import Any, Optional
 
-from sglang.srt.entrypoints.openai.chat_output import OutputSpec
+from sglang.srt.entrypoints.openai.chat_output import ForcedCalls, OutputSpec
 from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS
+from sglang.srt.entrypoints.openai.structured_outputs import Constraint
 from sglang.srt.entrypoints.openai.tool_parsers import tool_call_format
 from sglang.srt.managers.generate_request import InvalidRequestError
+from sglang.srt.sampling.grammar_spec import GrammarSpec
 
 TOOL_CHOICE_FORMS = '"none", "auto", "required" or {"type": "function", "function": {"name": ...}}'
 
 
+# JSON Schema keywords whose value is a subschema, a list of them, or a name -> subschema map: where
+# `$ref`s are looked for when a tool's schema moves under another root. The other keywords hold
+# data (enum, const, default, examples, ...) or plain values, and are kept as they are.
+_SUBSCHEMA = ("additionalProperties", "items", "additionalItems", "not", "if", "then", "else", "contains",
+              "unevaluatedProperties", "unevaluatedItems", "propertyNames")
+_SUBSCHEMA_LISTS = ("prefixItems", "anyOf", "oneOf", "allOf")
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+# Keywords that say which members an object may have: an object schema with none of them takes any.
+_MEMBER_KEYWORDS = ("properties", "patternProperties", "additionalProperties", "unevaluatedProperties",
+                    "anyOf", "oneOf", "allOf", "not", "if", "$ref", "propertyNames", "dependentSchemas")
+
+
 @dataclass(frozen=True)
 class ToolPlan:
-    parse: bool  # whether the reply is parsed for tool calls (the template then gets the tools)
+    parse: bool  # whether the reply is parsed for tool calls by the --tool-call-parser
     names: frozenset[str]
+    forced: Optional[ForcedCalls] = None  # tool_choice "required" or a named function
+    constraint: Optional[Constraint] = None  # what the output is constrained to then
 
 
 def _fail(message: str, param: str) -> None:
@@ -63,9 +88,6 @@ def validate_tools(tools: Optional[list[Any]]) -> list[dict[str, Any]]:
         strict = fn.get("strict")
         if strict is not None and not isinstance(strict, bool):
             _fail(f"{where}.function.strict must be a boolean", f"{where}.function.strict")
-        if strict:
-            _fail(f"{where}.function.strict: true needs constrained decoding, which this server does not have; "
-                  "drop it (arguments are then what the model wrote, parsed as JSON)", f"{where}.function.strict")
     return list(tools or [])
 
 
@@ -96,22 +118,99 @@ def template_tools(req: Any) -> Optional[list[dict[str, Any]]]:
     return tools if tools and getattr(req, "tool_choice", None) != "none" else None
 
 
-def plan_tools(tools: Optional[list[Any]], tool_choice: Any, tool_call_parser: Optional[str]) -> ToolPlan:
-    """What a chat request's tools mean: rendered and parsed, or neither (a 400 for the refused
-    combinations; those left render as template_tools() says)."""
+def plan_tools(tools: Optional[list[Any]], tool_choice: Any, tool_call_parser: Optional[str],
+               parallel_tool_calls: bool = True) -> ToolPlan:
+    """What a chat request's tools mean: parsed from the reply by the --tool-call-parser ("auto"),
+    forced by a constraint ("required", a named function), or neither ("none", no tools); a 400
+    for the refused combinations. The template renders them as template_tools() says."""
     valid = validate_tools(tools)
     names = frozenset(t["function"]["name"] for t in valid)
     choice = _tool_choice(tool_choice, names)
-    if choice in ("required", "named"):
-        what = 'tool_choice "required"' if choice == "required" else "tool_choice naming a function"
-        _fail(f"{what} needs constrained decoding, which this server does not have; use \"auto\" (the model "
-              "decides, and the reply's tool_calls carries what it called)", "tool_choice")
+    if choice == "named":
+        name = tool_choice["function"]["name"]
+        i = next(i for i, t in enumerate(valid) if t["function"]["name"] == name)
+        schema = _arguments_schema(valid[i]["function"], f"tools[{i}].function.parameters")
+        constraint = Constraint(GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False)),
+                                f"tools[{i}].function.parameters", f"tool_choice naming the function {name!r}")
+        return ToolPlan(parse=False, names=names, forced=ForcedCalls(function=name), constraint=constraint)
+    if choice == "required":
+        schema = forced_calls_schema(valid, parallel_tool_calls)
+        constraint = Constraint(GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False)), "tools",
+                                'tool_choice "required"')
+        return ToolPlan(parse=False, names=names, forced=ForcedCalls(function=None), constraint=constraint)
     if choice == "none" or not names:
         return ToolPlan(parse=False, names=names)
+    for i, tool in enumerate(valid):
+        if tool["function"].get("strict"):
+            where = f"tools[{i}].function.strict"
+            _fail(f'{where}: true is kept only with tool_choice "required" or a named function, whose output is '
+                  'constrained to the tools\' schemas; under "auto" the model may write text or a call, and '
+                  "constraining only the call needs a structural tag, which this server does not build. Drop "
+                  "strict (the arguments are then what the model wrote, parsed as JSON) or set tool_choice", where)
     if tool_call_parser is None:
         _fail("tools need a tool-call parser: start the server with --tool-call-parser "
-              "(qwen25, llama3, mistral, ...), or send tool_choice \"none\"", "tools")
+              "(qwen25, llama3, mistral, ...), or send tool_choice \"none\", \"required\" or a named function "
+              "(constrained, no parser needed)", "tools")
     return ToolPlan(parse=True, names=names)
+
+
+# ---------------------------------------------------------------------------- forced calls' schemas
+def _arguments_schema(fn: dict[str, Any], where: str) -> dict[str, Any]:
+    """The JSON schema of a call's arguments: the function's `parameters`, which must describe an
+    object (OpenAI's arguments are one); none or `{}` is any object."""
+    params = fn.get("parameters") or {}
+    kind = params.get("type", "object")
+    if kind != "object":
+        _fail(f"{where} must describe an object (the call's arguments are a JSON object), got type {kind!r}",
+              where)
+    return {**params, "type": "object"}
+
+
+def _rebased(schema: Any, base: str) -> Any:
+    """`schema` with its local `$ref`s ("#", "#/$defs/X", "#/properties/y", ...) pointing below
+    `base` (a JSON pointer to where the schema now sits), so that they keep meaning the same."""
+    if not isinstance(schema, dict):
+        return schema
+    out: dict[str, Any] = {}
+    for key, value in schema.items():
+        if key == "$ref" and isinstance(value, str) and value.startswith("#"):
+            out[key] = base + value[1:]
+        elif key in _SUBSCHEMA:
+            out[key] = [_rebased(s, base) for s in value] if isinstance(value, list) else _rebased(value, base)
+        elif key in _SUBSCHEMA_LISTS and isinstance(value, list):
+            out[key] = [_rebased(s, base) for s in value]
+        elif key in _SUBSCHEMA_MAPS and isinstance(value, dict):
+            out[key] = {name: _rebased(s, base) for name, s in value.items()}
+        else:
+            out[key] = value
+    return out
+
+
+def forced_calls_schema(tools: list[dict[str, Any]], parallel_tool_calls: bool = True) -> dict[str, Any]:
+    """The JSON schema of tool_choice "required"'s output: an array of one or more calls (exactly
+    one without parallel_tool_calls), each `{"name": <a tool's name>, "parameters": <its arguments>}`
+    (an anyOf over the `tools`, which must be checked ones). Each tool's arguments schema sits in
+    the root's `$defs` (as `tool<i>`, its own `$ref`s rebased there): xgrammar resolves JSON
+    pointers through objects but not through arrays such as anyOf's."""
+    defs: dict[str, Any] = {}
+    items = []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        key = f"tool{i}"
+        args = _arguments_schema(fn, f"tools[{i}].function.parameters")
+        if not any(k in args for k in _MEMBER_KEYWORDS):
+            # Any object, said outright: xgrammar (0.2.x) reads a bare {"type": "object"} reached
+            # through a $ref as the empty object (its strict mode), though at the root it takes any.
+            args["additionalProperties"] = True
+        defs[key] = _rebased(args, f"#/$defs/{key}")
+        items.append({"type": "object", "properties": {"name": {"enum": [fn["name"]]},
+                                                       "parameters": {"$ref": f"#/$defs/{key}"}},
+                      "required": ["name", "parameters"], "additionalProperties": False})
+    schema: dict[str, Any] = {"type": "array", "minItems": 1, "items": {"anyOf": items}}
+    if not parallel_tool_calls:
+        schema["maxItems"] = 1
+    schema["$defs"] = defs
+    return schema
 
 
 def message_tool_fields(i: int, msg: Any) -> dict[str, Any]:
@@ -156,13 +255,24 @@ def message_tool_fields(i: int, msg: Any) -> dict[str, Any]:
     return out
 
 
-def output_spec(req: Any, tool_call_parser: Optional[str], reasoning_parser: Optional[str]) -> OutputSpec:
+def request_plan(req: Any, tool_call_parser: Optional[str]) -> ToolPlan:
+    """plan_tools for a chat request."""
+    return plan_tools(req.tools, req.tool_choice, tool_call_parser, req.parallel_tool_calls is not False)
+
+
+def output_spec(req: Any, tool_call_parser: Optional[str], reasoning_parser: Optional[str],
+                plan: Optional[ToolPlan] = None) -> OutputSpec:
     """What a chat request's reply text is parsed for (its tools and tool_choice checked: a 400
-    for what is malformed or refused)."""
-    plan = plan_tools(req.tools, req.tool_choice, tool_call_parser)
+    for what is malformed or refused; `plan`: request_plan's, when the caller has it)."""
+    plan = plan if plan is not None else request_plan(req, tool_call_parser)
     reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
     kwargs = req.chat_template_kwargs or {}
     if reasoning is not None and reasoning.honours_enable_thinking and kwargs.get("enable_thinking", True) is False:
+        reasoning = None
+    if plan.forced is not None:
+        # The constraint holds from the first output token: the reply is the calls' JSON, with no
+        # room to think first, and a reasoning parser would only misread it (deepseek-r1's takes a
+        # reply without </think> for reasoning).
         reasoning = None
     return OutputSpec(
         reasoning=reasoning,
@@ -171,6 +281,7 @@ def output_spec(req: Any, tool_call_parser: Optional[str], reasoning_parser: Opt
         tool_format=tool_call_format(tool_call_parser) if plan.parse and tool_call_parser else None,
         tool_names=plan.names,
         parallel_tool_calls=req.parallel_tool_calls is not False,
+        forced=plan.forced,
     )
 
 

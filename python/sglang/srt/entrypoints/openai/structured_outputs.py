@@ -6,9 +6,11 @@ Accepted (at most one per request), as OpenAI, SGLang and vLLM spell them:
   * SGLang's extra fields `regex`, `json_schema` (JSON text or an object), `ebnf`;
   * vLLM's `guided_json`, `guided_regex`, `guided_choice` (a list of strings), `guided_grammar`
     (EBNF), and `structured_outputs` `{"json" | "regex" | "choice" | "grammar" | "json_object"}`.
-Refused with a message: two of them at once, `structural_tag` (SGLang's and vLLM's),
-`guided_whitespace_pattern` and `structured_outputs.whitespace_pattern`, and a
-`guided_decoding_backend` other than the one this server runs.
+Refused with a message: two of them at once, one of them beside a chat request's tool_choice
+"required" or named function (which constrains the output to the calls: chat_tools.py),
+`structural_tag` (SGLang's and vLLM's), `guided_whitespace_pattern` and
+`structured_outputs.whitespace_pattern`, and a `guided_decoding_backend` other than the one this
+server runs.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from sglang.srt.constrained.backends import how_to_enable
 from sglang.srt.managers.generate_request import InvalidRequestError
 from sglang.srt.sampling.grammar_spec import ANY_JSON_OBJECT, GrammarSpec, choice_grammar, normalize_constraint
 
@@ -31,6 +34,7 @@ NEUTRAL_STRUCTURED_OPTIONS = {"disable_fallback": (False, True), "disable_any_wh
 class Constraint:
     spec: GrammarSpec  # the native sampling parameter (`spec.kind`) and its value
     field: str  # the request field that asked for it: errors name it
+    what: str = ""  # how messages call it, where not by its field (a tool choice's)
 
 
 def _text(kind: str, value: Any, field: str) -> str:
@@ -149,10 +153,25 @@ def requested_constraint(request: Any, backend: str) -> Optional[Constraint]:
     return found[0] if found else None
 
 
-async def add_constraint(tm: Any, request: Any, sampling_params: dict[str, Any]) -> None:
+async def add_constraint(tm: Any, request: Any, sampling_params: dict[str, Any],
+                         tool_constraint: Optional[Constraint] = None) -> None:
     """Check the request's constraint at the door (a 400 naming its field unless it compiles on this
-    server: the tokenizer manager's `check_grammar`) and put it into `sampling_params`."""
-    constraint = requested_constraint(request, tm.config.grammar_backend)
+    server: the tokenizer manager's `check_grammar`) and put it into `sampling_params`.
+    `tool_constraint`: a chat request's forced tool calls (chat_tools.ToolPlan.constraint), which
+    take the request's one constraint."""
+    backend = tm.config.grammar_backend
+    constraint = requested_constraint(request, backend)
+    if tool_constraint is not None:
+        if constraint is not None:
+            raise InvalidRequestError(
+                f"{constraint.field} cannot be combined with {tool_constraint.what}: that already constrains the "
+                "output (to the calls' JSON), and a request takes one constraint", param=constraint.field)
+        if backend == "none":
+            # Said here rather than by check_grammar: the client asked for a tool choice, not a schema.
+            raise InvalidRequestError(
+                f"{tool_constraint.what} needs constrained decoding, which is off on this server "
+                f"(--grammar-backend none); to enable it, {how_to_enable()}", param="tool_choice")
+        constraint = tool_constraint
     if constraint is None:
         return
     await tm.check_grammar(constraint.spec, constraint.field)

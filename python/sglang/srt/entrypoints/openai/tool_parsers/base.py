@@ -57,8 +57,13 @@ class ToolCallFormat:
         raise NotImplementedError
 
     def new_call_id(self) -> str:
-        """The id of a call in the reply (`call_` and 24 hex digits, as OpenAI's look)."""
-        return f"call_{uuid.uuid4().hex[:24]}"
+        """The id of a call in the reply."""
+        return new_call_id()
+
+
+def new_call_id() -> str:
+    """A fresh id for a call in a reply (`call_` and 24 hex digits, as OpenAI's look)."""
+    return f"call_{uuid.uuid4().hex[:24]}"
 
 
 # ---------------------------------------------------------------------------- JSON helpers
