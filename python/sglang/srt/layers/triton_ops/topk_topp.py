@@ -11,8 +11,10 @@ largest x with
 when the mass strictly above it is <= top_p while S(v) > top_p). The predicate is monotone in x,
 and non-negative float32 values order like their int32 bit patterns, so the search runs on the
 bits and ends on an exact value of the row. Each pass over the row tests N_CAND candidate bit
-patterns at once (an [BLOCK, N_CAND] compare), which cuts the interval ~N_CAND + 1-fold: about 8
-passes for the 31 bits at N_CAND 16, instead of 31 for plain bisection. A row whose filters are
+patterns at once (an [BLOCK, N_CAND] compare), which cuts the interval ~N_CAND + 1-fold: about 10
+passes for the 31 bits at N_CAND 8, 8 at 16, instead of 31 for plain bisection. The work per
+element and pass grows with N_CAND while the passes shrink only with its log: by a rough count
+(an SM's L2 read rate against its ALU rate) 4 to 8 balance, which the GPU sweep must confirm. A row whose filters are
 off (top_k <= 0 or >= vocab, top_p >= 1) gets t = 0: everything is kept.
 
 One program per row; a 152k-token row (600 KB of float32) stays in the H100's L2 across its
@@ -29,7 +31,7 @@ import triton.language as tl
 
 # Launch defaults; benchmark/bench_sampler.py sweeps them on the GPU.
 BLOCK = 1024
-N_CAND = 16
+N_CAND = 8
 NUM_WARPS = 8
 
 _INF_BITS = 0x7F800000  # +inf: no probability reaches it, so the predicate is false there
