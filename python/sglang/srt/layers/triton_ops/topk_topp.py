@@ -34,7 +34,9 @@ BLOCK = 1024
 N_CAND = 8
 NUM_WARPS = 8
 
-_INF_BITS = 0x7F800000  # +inf: no probability reaches it, so the predicate is false there
+# +inf as int32 bits: no probability reaches it, so the predicate is false there. A constexpr: the
+# compiler refuses plain globals inside a kernel (the interpreter would not notice).
+_INF_BITS: tl.constexpr = tl.constexpr(0x7F800000)
 
 
 @triton.jit
