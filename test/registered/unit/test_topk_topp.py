@@ -69,13 +69,13 @@ def test_kernel_keeps_what_the_sort_keeps(vocab: int, block: int, kind: str) -> 
     assert kernel[torch.arange(len(ROWS)), probs.argmax(-1)].all()  # the argmax always survives
 
 
-@pytest.mark.parametrize("n_cand", [2, 4, 32])
+@pytest.mark.parametrize("n_cand", [1, 4, 32])
 def test_candidates_per_pass_do_not_change_the_threshold(n_cand: int) -> None:
     probs = distribution(len(ROWS), 300, "peaked", seed=7)
     top_ks = torch.tensor([k for k, _ in ROWS])
     top_ps = torch.tensor([p for _, p in ROWS], dtype=torch.float32)
     t = topk_topp_threshold(probs, top_ks, top_ps, block=64, n_cand=n_cand)
-    assert torch.equal(t, topk_topp_threshold(probs, top_ks, top_ps, block=64))
+    assert torch.equal(t, topk_topp_threshold(probs, top_ks, top_ps, block=64, n_cand=8))
 
 
 def test_ties_at_the_cutoff_are_all_kept() -> None:
