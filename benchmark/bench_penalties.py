@@ -16,6 +16,10 @@ wall time of building the step's sampling info (what the scheduler does before t
 the tail is the wall time of build + Sampler with the device synchronised.
 
     python benchmark/bench_penalties.py --model qwen3-4b --bs 64 --out penalties.md
+
+With --filter-compare, bench_sampler.py's table follows at the same batch and vocabulary: the
+top-k / top-p filter through the full sort against the sort-free Triton kernel, side by side (the
+tails above take whichever path SGLANG_FUSED_KERNELS picks: the kernel on CUDA by default).
 """
 
 from __future__ import annotations
@@ -114,6 +118,7 @@ def main(argv: Optional[list[str]] = None) -> None:
     ap.add_argument("--repeats", type=int, default=50)
     ap.add_argument("--configs", default=",".join(CONFIGS))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--filter-compare", action="store_true", help="also bench_sampler.py's sort-vs-kernel table")
     args = ap.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
@@ -148,6 +153,15 @@ def main(argv: Optional[list[str]] = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             f.write(text)
+    if args.filter_compare:
+        import bench_sampler
+
+        extra = ["--bs", str(args.bs), "--vocab", str(vocab)]
+        if device.type != "cuda":
+            extra.append("--cpu-dry-run")  # the interpreter: a tiny shape of its own
+        if args.out:
+            extra += ["--out", os.path.splitext(args.out)[0] + "-filter.md"]
+        bench_sampler.main(extra)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from sglang.srt.layers.attention.triton_ops import decode_attention  # noqa: E402
-from sglang.srt.layers.triton_ops import rmsnorm, rope, silu_and_mul  # noqa: E402
+from sglang.srt.layers.triton_ops import rmsnorm, rope, silu_and_mul, topk_topp  # noqa: E402
 
 TARGET = GPUTarget("cuda", 90, 32)
 
@@ -77,6 +77,14 @@ def main() -> None:
             dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=head_dim, HALF=half, SIN_OFFSET=3 * half,
                  BLOCK_HALF=block_half, PASS=pass_dims, BLOCK_PASS=triton.next_power_of_2(max(pass_dims, 1)),
                  BLOCK_H=max(1, 256 // block_half), QK_NORM=qk_norm, STORE_KV=store, EMULATE_RNE=False),
+        )
+    # The Sampler's top-k / top-p threshold search: its default launch, and the no-write variant.
+    for write_out in (True, False):
+        compile_kernel(
+            topk_topp._topk_topp_threshold_kernel,
+            dict(P="*fp32", TOP_K="*i64", TOP_P="*fp32", T="*fp32", OUT="*fp32", stride_p="i64", stride_o="i64",
+                 n_cols="i32"),
+            dict(BLOCK=topk_topp.BLOCK, N_CAND=topk_topp.N_CAND, WRITE_OUT=write_out),
         )
 
 

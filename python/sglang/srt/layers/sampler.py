@@ -1,13 +1,22 @@
 """Sampler: next-token choice from float32 logits, plus the logprobs of the choice.
 
 Greedy rows (temperature 0) take the argmax. Other rows: temperature, then top-k, top-p and min-p
-filtering of the probabilities, then one draw by the exponential race
+filtering of the probabilities (below), then one draw by the exponential race
 (argmax p_i / E_i with E_i ~ Exp(1) picks i with probability p_i). A seeded request draws its
 noise from a generator keyed by (seed, step), over the full vocabulary in vocabulary order, so its
 draw at step k is the same whatever batch it is in. Reported logprobs are those of the
 *untempered* distribution (log_softmax of the raw logits), as OpenAI-style APIs report them.
 Penalties and biases (sampling/logit_adjustments.py), then the grammar mask of constrained rows
 (sampling/grammar_mask.py), change the choice, not the reported logprobs.
+
+Top-k keeps a row's k most likely tokens; top-p keeps the smallest most-likely prefix whose mass
+reaches top_p (a token is dropped when the mass of the tokens strictly more likely than it already
+exceeds top_p); with both, the intersection; the most likely token always survives. top_k <= 0 or
+>= vocab and top_p >= 1 turn a filter off. Both are applied as one threshold per row: the kept set
+is {i : p_i >= t}, so *every* token equal to the cutoff value is kept (ties are inclusive: a
+top_k 2 over [0.4, 0.2, 0.2, 0.2] keeps all four). On CUDA tensors the threshold comes from a
+sort-free Triton search (layers/triton_ops/topk_topp.py); elsewhere from a full sort of the row,
+the reference, which follows the same tie rule.
 """
 
 from __future__ import annotations
@@ -18,6 +27,8 @@ from typing import Optional
 import torch
 from torch import nn
 
+from sglang.srt.layers.triton_ops.dispatch import use_triton
+from sglang.srt.layers.triton_ops.topk_topp import topk_topp_threshold
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 _MASK64 = (1 << 64) - 1
@@ -95,19 +106,34 @@ def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:
     """Zero the probabilities that top-k, top-p or min-p exclude (rows are not renormalised: the
     exponential race does not need it). The most likely token always survives."""
     if info.need_top_k_sampling or info.need_top_p_sampling:
-        sorted_probs, order = probs.sort(dim=-1, descending=True)
-        vocab = probs.shape[-1]
-        if info.need_top_k_sampling:
-            top_ks = torch.where((info.top_ks > 0) & (info.top_ks < vocab), info.top_ks, vocab)
-            rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
-            sorted_probs = sorted_probs.masked_fill(rank >= top_ks.unsqueeze(1), 0.0)
-        if info.need_top_p_sampling:
-            # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass
-            # strictly before it already exceeds top_p.
-            before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
-            sorted_probs = sorted_probs.masked_fill(before > info.top_ps.unsqueeze(1), 0.0)
-        probs = torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+        # Rows whose filter is off carry top_k <= 0 / top_p >= 1 and get threshold 0 (keep all).
+        if use_triton(probs):
+            out = torch.empty_like(probs)
+            topk_topp_threshold(probs, info.top_ks, info.top_ps, out=out)
+            probs = out
+        else:
+            t = top_k_top_p_threshold_sort(probs, info.top_ks, info.top_ps)
+            probs = probs.masked_fill(probs < t.unsqueeze(1), 0.0)
     if info.need_min_p_sampling:
         threshold = probs.max(dim=-1, keepdim=True).values * info.min_ps.unsqueeze(1)
         probs = probs.masked_fill(probs < threshold, 0.0)
     return probs
+
+
+def top_k_top_p_threshold_sort(probs: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """The reference of triton_ops/topk_topp.py: per-row threshold (float32 [B]) from a full sort.
+    The last kept position of the sorted row gives the cutoff value; comparing against a value
+    (not a rank) keeps every token tied with it, as the kernel does."""
+    sorted_probs, _ = probs.sort(dim=-1, descending=True)
+    vocab = probs.shape[-1]
+    rank = torch.arange(vocab, device=probs.device).unsqueeze(0)
+    top_ks = torch.where((top_ks > 0) & (top_ks < vocab), top_ks, vocab).unsqueeze(1)
+    # Drop a token when the mass strictly before it already exceeds top_p (top_p >= 1: off, even
+    # where the float sum of the row passes 1).
+    before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs
+    top_ps = top_ps.unsqueeze(1)
+    keep = (rank < top_ks) & ((before <= top_ps) | (top_ps >= 1.0))
+    keep[:, 0] = True  # the most likely token always survives
+    # The kept positions are a prefix of the sorted row: its last one holds the cutoff value.
+    last = keep.sum(dim=-1, keepdim=True) - 1
+    return sorted_probs.gather(1, last).squeeze(1).contiguous()
