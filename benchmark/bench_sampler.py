@@ -29,6 +29,11 @@ import torch  # noqa: E402
 
 from bench_util import add_output_args, emit_table, graph_us  # noqa: E402
 from sglang.srt.layers.sampler import Sampler, filter_probs  # noqa: E402
+import sglang.srt.layers.sampler as sampler_module  # noqa: E402
+
+# The kernel path is opt-in in the engine (SGLANG_SAMPLER_THRESHOLD_KERNEL); here fused_kernels()
+# picks the path of each measurement.
+sampler_module.THRESHOLD_KERNEL = True
 from sglang.srt.layers.triton_ops.dispatch import fused_kernels  # noqa: E402
 from sglang.srt.layers.triton_ops.topk_topp import topk_topp_threshold  # noqa: E402
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E402
