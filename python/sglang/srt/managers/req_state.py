@@ -92,15 +92,16 @@ class ReqState:
             self._ended()
 
     def fail(self, message: str, status_code: int = 500) -> None:
-        self.finished_reason = {"type": "abort", "message": message, "status_code": status_code}
-        self.dirty = True
-        self.event.set()
-        self._ended()
+        self._finish({"type": "abort", "message": message, "status_code": status_code})
 
     def abort_unsent(self) -> None:
         """End a request /abort_request named before it reached the scheduler (while its adapter
         loaded): the same reply as an abort there, with no token generated."""
-        self.finished_reason = {"type": "abort", "message": "the request was aborted"}
+        self._finish({"type": "abort", "message": "the request was aborted"})
+
+    def _finish(self, reason: dict[str, Any]) -> None:
+        """End the request here, without news from the scheduler."""
+        self.finished_reason = reason
         self.dirty = True
         self.event.set()
         self._ended()

@@ -532,6 +532,8 @@ class TokenizerManager(TokenizerLoRAMixin):
         rids = [r for r, state in self.rid_to_state.items() if r == rid or state.req.group_rid == rid]
         if rid in self._waiting_rids:
             self._aborted_waiting.add(rid)  # still waiting for its adapters: never sent
+            if not rids:
+                return  # nothing of it reached the scheduler
         for r in rids or [rid]:
             self.client.send(AbortReq(rid=r))
 
