@@ -21,7 +21,14 @@ from sglang.srt.entrypoints.openai.protocol import ChatResponseMessage, DeltaMes
 from sglang.srt.entrypoints.openai.protocol_tools import DeltaFunctionCall, DeltaToolCall, FunctionCall, ToolCall
 from sglang.srt.entrypoints.openai.reasoning_parser import ReasoningFormat, ReasoningStream
 from sglang.srt.entrypoints.openai.tool_parsers import ParsedCall, ToolCallFormat, ToolCallStream
-from sglang.srt.entrypoints.openai.tool_parsers.base import JsonSpan, call_from_object, loads, new_call_id
+from sglang.srt.entrypoints.openai.tool_parsers.base import (
+    CallArguments,
+    CallStart,
+    JsonSpan,
+    call_from_object,
+    loads,
+    new_call_id,
+)
 
 
 @dataclass(frozen=True)
@@ -151,11 +158,16 @@ class ChatOutputParser:
             out += self._content(self.tools.finish())
         return _merged(out)
 
-    def _content(self, events: list[Union[str, ParsedCall]]) -> list[Part]:
+    def _content(self, events: list[Union[str, ParsedCall, CallStart, CallArguments]]) -> list[Part]:
         out: list[Part] = []
         for e in events:
             if isinstance(e, str):
                 out.append(TextPart("content", e))
+            elif isinstance(e, CallStart):  # a format that streams its calls (qwen3_coder)
+                out.append(ToolCallStart(self.spec.tool_format.new_call_id(), e.name))
+                self.num_tool_calls += 1
+            elif isinstance(e, CallArguments):
+                out.append(ToolCallArguments(e.text))
             else:
                 out.append(ToolCallPart(self.spec.tool_format.new_call_id(), e.name, e.arguments))
                 self.num_tool_calls += 1

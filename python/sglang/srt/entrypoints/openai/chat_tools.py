@@ -278,7 +278,7 @@ def output_spec(req: Any, tool_call_parser: Optional[str], reasoning_parser: Opt
         reasoning=reasoning,
         separate_reasoning=req.separate_reasoning,
         stream_reasoning=req.stream_reasoning,
-        tool_format=tool_call_format(tool_call_parser) if plan.parse and tool_call_parser else None,
+        tool_format=tool_call_format(tool_call_parser, req.tools) if plan.parse and tool_call_parser else None,
         tool_names=plan.names,
         parallel_tool_calls=req.parallel_tool_calls is not False,
         forced=plan.forced,

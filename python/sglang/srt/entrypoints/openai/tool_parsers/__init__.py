@@ -6,7 +6,9 @@ Names are SGLang's (`qwen25`, `llama3`, `mistral`) plus vLLM's for the same form
 
 from __future__ import annotations
 
-from sglang.srt.entrypoints.openai.tool_parsers.base import ParsedCall, ToolCallFormat
+from typing import Any, Mapping, Optional, Sequence
+
+from sglang.srt.entrypoints.openai.tool_parsers.base import CallArguments, CallStart, ParsedCall, ToolCallFormat
 from sglang.srt.entrypoints.openai.tool_parsers.hermes import HermesFormat
 from sglang.srt.entrypoints.openai.tool_parsers.llama3 import Llama3Format
 from sglang.srt.entrypoints.openai.tool_parsers.mistral import MistralFormat
@@ -22,9 +24,10 @@ TOOL_CALL_PARSERS: dict[str, type[ToolCallFormat]] = {
 }
 
 
-def tool_call_format(name: str) -> ToolCallFormat:
-    """The format of `--tool-call-parser NAME` (names are checked when the server starts)."""
-    return TOOL_CALL_PARSERS[name]()
+def tool_call_format(name: str, tools: Optional[Sequence[Mapping[str, Any]]] = None) -> ToolCallFormat:
+    """The format of `--tool-call-parser NAME` (names are checked when the server starts), for a
+    request with these (checked) `tools` (for a format that types its arguments by their schemas)."""
+    return TOOL_CALL_PARSERS[name](tools)
 
 
-__all__ = ["TOOL_CALL_PARSERS", "ParsedCall", "ToolCallFormat", "ToolCallStream", "tool_call_format"]
+__all__ = ["TOOL_CALL_PARSERS", "CallArguments", "CallStart", "ParsedCall", "ToolCallFormat", "ToolCallStream", "tool_call_format"]

@@ -4,6 +4,10 @@ marker, and the JSON helpers the formats use.
 A format only says where a call section starts (`start_markers`, or `opens_at_start` for a bare
 JSON reply) and what a section holds (`new_section().scan`); `stream.ToolCallStream` does the rest
 (text around the calls, chunk boundaries, whitespace) the same way for every format.
+
+Most formats give a section's calls whole once it is complete (a JSON call is only known to be one
+when its JSON parses). A format whose calls are committed by their name alone (Qwen3-Coder's XML)
+may stream them instead: its scanner's `progress()` gives a CallStart, then CallArguments pieces.
 """
 
 from __future__ import annotations
@@ -11,13 +15,30 @@ from __future__ import annotations
 import json
 import uuid
 from dataclasses import dataclass
-from typing import Any, ClassVar, Optional
+from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
 
 
 @dataclass(frozen=True)
 class ParsedCall:
     name: str
     arguments: str  # a JSON object, serialised (OpenAI's `function.arguments`)
+
+
+@dataclass(frozen=True)
+class CallStart:
+    """A streamed call's name: the call is certain from here on, its arguments follow."""
+
+    name: str
+
+
+@dataclass(frozen=True)
+class CallArguments:
+    """More of the arguments of the call started last; its pieces add up to a JSON object."""
+
+    text: str
+
+
+CallEvent = Union[ParsedCall, CallStart, CallArguments]
 
 
 @dataclass(frozen=True)
@@ -40,13 +61,25 @@ class SectionScanner:
     def scan(self, text: str, final: bool) -> Optional[Section]:
         raise NotImplementedError
 
+    def progress(self) -> list[CallEvent]:
+        """The streamed calls' parts that the last `scan` made certain (read after every scan).
+        Once a scanner has given a CallStart the section cannot go back to content: it must close
+        the call's arguments and end in a Section whose `calls` are not None. Default: nothing,
+        the section's calls come whole in its Section."""
+        return []
+
 
 class ToolCallFormat:
     """A model family's tool-call syntax. `names`: the request's tool names (a call to any other
-    name is not a call)."""
+    name is not a call). `tools`: the request's tool definitions (OpenAI's shape, checked), for a
+    format whose arguments are untyped text that their JSON schemas type; the others ignore them.
+    One instance serves one request."""
 
     name: ClassVar[str]
     start_markers: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, tools: Optional[Sequence[Mapping[str, Any]]] = None) -> None:
+        self.tools: tuple[Mapping[str, Any], ...] = tuple(tools or ())
 
     def opens_at_start(self, text: str) -> bool:
         """Whether a section starts at the very beginning of the content without a marker;

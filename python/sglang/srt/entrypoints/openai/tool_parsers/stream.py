@@ -6,7 +6,9 @@ so a streamed reply always adds up to the non-streamed one, whatever the chunk b
 * text is emitted as soon as it cannot be the start of a call: a tail that could still become a
   start marker (`<tool_ca`) is held back until the next chunk decides;
 * a call section is held whole until the format says it is complete, then becomes calls, or, when
-  it is not a valid call, goes back to the content verbatim (marker included);
+  it is not a valid call, goes back to the content verbatim (marker included); a format that
+  streams its calls (see base.py) gives each call's name and argument pieces as they become
+  certain instead, and such a call never goes back to content;
 * whitespace next to a call is dropped: whitespace is held back until what follows it is known,
   and dropped if that is a call or (after a call) the end of the reply. So `Let me check.\n<call>`
   gives the content `Let me check.`, calls separated by newlines give none, and text after a call
@@ -17,10 +19,17 @@ from __future__ import annotations
 
 from typing import Optional, Union
 
-from sglang.srt.entrypoints.openai.tool_parsers.base import ParsedCall, SectionScanner, ToolCallFormat
+from sglang.srt.entrypoints.openai.tool_parsers.base import (
+    CallArguments,
+    CallEvent,
+    CallStart,
+    ParsedCall,
+    SectionScanner,
+    ToolCallFormat,
+)
 from sglang.srt.managers.detokenizer import longest_partial_stop
 
-Event = Union[str, ParsedCall]  # content text, or a call
+Event = Union[str, ParsedCall, CallStart, CallArguments]  # content text, a whole call, or a streamed call's part
 
 
 class ToolCallStream:
@@ -37,6 +46,7 @@ class ToolCallStream:
         self.marker = ""  # the start marker of the open section ("" for a bare one)
         self.section_text = ""
         self.num_calls = 0  # calls emitted
+        self.dropping = False  # the streamed call now open is past max_calls: its parts are dropped
         self.finished = False
 
     def feed(self, text: str) -> list[Event]:
@@ -62,6 +72,7 @@ class ToolCallStream:
                 self.section_text += self.pending
                 self.pending = ""
                 found = self.section.scan(self.section_text, final)
+                self._streamed(out, self.section.progress())
                 if found is None:
                     return _merged(out)
                 rest = self.section_text[found.consumed:]
@@ -99,6 +110,20 @@ class ToolCallStream:
             self._text(out, text[:len(text) - keep])
             self.pending = text[len(text) - keep:]
             return _merged(out)
+
+    def _streamed(self, out: list[Event], events: list[CallEvent]) -> None:
+        """A streaming format's call parts, counted against max_calls as whole calls are."""
+        for e in events:
+            if isinstance(e, CallArguments):
+                if not self.dropping:
+                    out.append(e)
+                continue
+            self.held_ws = ""  # it only separated the text before from the call
+            self.after_call = True
+            self.dropping = self.max_calls is not None and self.num_calls >= self.max_calls
+            if not self.dropping:
+                out.append(e)
+                self.num_calls += 1
 
     def _open(self, marker: str, rest: str) -> None:
         self.section = self.fmt.new_section(self.names)
