@@ -48,6 +48,27 @@ def test_reasoning_then_mistral_calls(server, client) -> None:
     same_reply(streamed[0], choice)
 
 
+def test_mistral_v11_calls(server, client) -> None:
+    """Tokenizer v11+'s syntax, a marker per call: `[TOOL_CALLS]name[ARGS]{...}` (`[ARGS]` is
+    plain text in the echo tokenizer; in Mistral's it is special, kept with the marker's tokens)."""
+    calls = '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}'
+    body = echo_body(server, "Two calls.\n</think>\n\nOn it.\n" + calls, tools=TOOLS, **R1)
+    choice = ask(client, body).choices[0]
+    assert choice.message.reasoning_content == "Two calls." and choice.message.content == "On it."
+    assert choice.finish_reason == "tool_calls"
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_time", {"tz": "UTC"})]
+    assert all(len(c.id) == 9 and c.id.isalnum() for c in choice.message.tool_calls)
+    streamed, _ = ask_streamed(client, body)
+    same_reply(streamed[0], choice)
+    # A name outside the tools is not a call: the text stays content, marker and all.
+    body = echo_body(server, "No.\n</think>\n\n[TOOL_CALLS]launch[ARGS]{}", tools=TOOLS, **R1)
+    choice = ask(client, body).choices[0]
+    assert choice.message.content == "[TOOL_CALLS]launch[ARGS]{}" and not choice.message.tool_calls
+    streamed, _ = ask_streamed(client, body)
+    same_reply(streamed[0], choice)
+
+
 def test_without_tools_the_special_marker_is_skipped_as_usual(server, client) -> None:
     choice = ask(client, echo_body(server, "Done.\n</think>\n\n" + CALLS, **R1)).choices[0]
     assert choice.message.reasoning_content == "Done."

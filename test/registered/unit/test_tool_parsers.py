@@ -106,6 +106,20 @@ CASES: list[tuple[str, str, Expected]] = [
     ("mistral", "[TOOL_CALLS] no JSON here", ["[TOOL_CALLS] no JSON here"]),
     ("mistral", '[TOOL_CALLS] [{"name": "get_time", "arguments": {}}', ['[TOOL_CALLS] [{"name": "get_time", "arguments": {}}']),
     ("mistral", "[TOOL_CALLS] []", ["[TOOL_CALLS] []"]),
+    # ---- mistral, tokenizer v11+: [TOOL_CALLS]name[ARGS]{...}, each call with its own marker
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}', [weather("Paris")]),
+    ("mistral", 'Sure.\n[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]get_time[ARGS]{}',
+     ["Sure.", weather("Paris"), TIME]),
+    ("mistral", '[TOOL_CALLS] get_time [ARGS] {} Done.', [TIME, " Done."]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "[TOOL_CALLS]x[ARGS]{"}', [weather("[TOOL_CALLS]x[ARGS]{")]),
+    ("mistral", "[TOOL_CALLS]launch[ARGS]{}", ["[TOOL_CALLS]launch[ARGS]{}"]),  # not one of the tools
+    ("mistral", "[TOOL_CALLS]get_time[ARGS]{", ["[TOOL_CALLS]get_time[ARGS]{"]),  # cut off
+    ("mistral", "[TOOL_CALLS]get_time[ARGS]", ["[TOOL_CALLS]get_time[ARGS]"]),
+    ("mistral", "[TOOL_CALLS]get_time", ["[TOOL_CALLS]get_time"]),
+    ("mistral", "[TOOL_CALLS]get_time[ARGS][1]", ["[TOOL_CALLS]get_time[ARGS][1]"]),
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{"a": ]}', ['[TOOL_CALLS]get_time[ARGS]{"a": ]}']),
+    ("mistral", "[TOOL_CALLS]get_time is a tool", ["[TOOL_CALLS]get_time is a tool"]),
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]rm[ARGS]{}', [TIME, "[TOOL_CALLS]rm[ARGS]{}"]),
 ]
 
 
@@ -114,6 +128,19 @@ def test_whole_and_streamed(parser: str, text: str, expected: Expected) -> None:
     assert parse(parser, [text]) == expected
     for chunks in chunkings(text):
         assert parse(parser, chunks) == expected, chunks
+
+
+@pytest.mark.parametrize("parser,text,expected", CASES, ids=[f"{p}-{i}" for i, (p, _, _) in enumerate(CASES)])
+def test_every_cut_of_a_reply_parses_the_same_streamed(parser: str, text: str, expected: Expected) -> None:
+    """A reply cut anywhere (max_tokens, a broken model) never raises, streamed or not, and its
+    stream adds up to its whole parse."""
+    rng = random.Random(len(text))
+    for end in range(len(text) + 1):
+        cut = text[:end]
+        whole = parse(parser, [cut])
+        assert parse(parser, list(cut)) == whole, cut
+        cuts = sorted(rng.sample(range(1, end), min(end - 1, 4))) if end > 1 else []
+        assert parse(parser, [cut[a:b] for a, b in zip([0] + cuts, cuts + [end])]) == whole, cut
 
 
 @pytest.mark.parametrize("parser", ["qwen25", "llama3", "mistral"])
@@ -136,6 +163,18 @@ def test_text_before_a_call_streams_before_the_call_is_complete() -> None:
     assert stream.feed('_call>\n{"name": "get_weather", "arguments": {"city": "Pa') == []
     assert stream.feed('ris"}}\n</tool_call>') == [weather("Paris")]
     assert stream.finish() == []
+
+
+def test_mistral_named_calls_stream_each_as_it_closes() -> None:
+    stream = ToolCallStream(tool_call_format("mistral"), NAMES)
+    assert stream.feed("Sure.[TOOL_CALLS]get_wea") == ["Sure."]
+    assert stream.feed('ther[ARGS]{"city": "Pa') == []
+    assert stream.feed('ris"}[TOOL_CALLS]get_time[AR') == [weather("Paris")]
+    assert stream.feed("GS]{}") == [TIME]
+    assert stream.finish() == []
+    # Text after the marker that cannot become a tool's name is content at once, not held.
+    stream = ToolCallStream(tool_call_format("mistral"), NAMES)
+    assert stream.feed("[TOOL_CALLS]hello") == ["[TOOL_CALLS]hello"]
 
 
 def test_a_long_call_section_is_scanned_in_linear_time() -> None:

@@ -1,9 +1,14 @@
-"""Mistral (7B-Instruct v0.3, Nemo, Small): `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`.
+"""Mistral's two call syntaxes, told apart by what follows `[TOOL_CALLS]`:
 
-`[TOOL_CALLS]` is a special token of Mistral's tokenizers, so the server keeps special tokens in
-the text of requests this parser reads (serving_chat). A single object instead of the array is
-taken too. The calls of one array are valid together or not at all. The newer
-`[TOOL_CALLS]name[ARGS]{...}` syntax (tokenizer v11+) is not read: it stays content.
+* a JSON array (7B-Instruct v0.3, Nemo, Small up to tokenizer v7):
+  `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`; a single object instead of the array is
+  taken too. The calls of one array are valid together or not at all.
+* a name (tokenizer v11+: Small 3.1/3.2, Magistral, Devstral): `[TOOL_CALLS]name[ARGS]{...}`, one
+  call each, several one after another each with its own `[TOOL_CALLS]`.
+
+`[TOOL_CALLS]` (and `[ARGS]`) are special tokens of Mistral's tokenizers, so the server keeps
+special tokens in the text of requests this parser reads (serving_chat). A section that is not a
+call (a name outside the tools, JSON that does not parse or is cut off) stays content.
 
 Call ids are 9 letters and digits: Mistral's chat templates refuse any other id when a client
 sends the calls back in the next turn's history (as vLLM's Mistral ids are).
@@ -11,12 +16,14 @@ sends the calls back in the next turn's history (as vLLM's Mistral ids are).
 
 from __future__ import annotations
 
+import json
 import secrets
 import string
 from typing import Optional
 
 from sglang.srt.entrypoints.openai.tool_parsers.base import (
     JsonSpan,
+    ParsedCall,
     Section,
     SectionScanner,
     ToolCallFormat,
@@ -24,25 +31,79 @@ from sglang.srt.entrypoints.openai.tool_parsers.base import (
     loads,
     skip_whitespace,
 )
+from sglang.srt.managers.detokenizer import longest_partial_stop
 
 
 ID_ALPHABET = string.ascii_letters + string.digits
+ARGS = "[ARGS]"
 
 
 class _MistralSection(SectionScanner):
+    """Reads the first non-whitespace character after the marker, then hands the section to the
+    syntax it opens: `[` or `{` the JSON array's, anything else the name's."""
+
     def __init__(self, names: frozenset[str]) -> None:
         self.names = names
-        self.span: Optional[JsonSpan] = None
-        self.start = 0
+        self.syntax: Optional[SectionScanner] = None
 
     def scan(self, text: str, final: bool) -> Optional[Section]:
-        if self.span is None:
+        if self.syntax is None:
             j = skip_whitespace(text, 0)
             if j == len(text):
                 return Section(len(text), None) if final else None
-            if text[j] not in "[{":
-                return Section(0, None)  # not a call list: the marker alone was read
-            self.span, self.start = JsonSpan(j), j
+            self.syntax = _ArraySection(self.names, j) if text[j] in "[{" else _NamedSection(self.names, j)
+        return self.syntax.scan(text, final)
+
+
+class _NamedSection(SectionScanner):
+    """`name[ARGS]{...}` from `start`: one call."""
+
+    def __init__(self, names: frozenset[str], start: int) -> None:
+        self.names = names
+        self.start = start
+        self.searched = start  # ARGS is not in text[start:searched]
+        self.name = ""
+        self.span: Optional[JsonSpan] = None
+        self.args_start = 0
+
+    def scan(self, text: str, final: bool) -> Optional[Section]:
+        if self.span is None:
+            i = text.find(ARGS, max(self.start, self.searched - len(ARGS) + 1))
+            if i < 0:
+                self.searched = len(text)
+                # Held only while the text may still become a tool's name and [ARGS]: other text
+                # after the marker goes on as content at once.
+                head = text[self.start:len(text) - longest_partial_stop(text, (ARGS,))].rstrip()
+                if final or not any(n.startswith(head) for n in self.names):
+                    return Section(0, None)
+                return None
+            self.name = text[self.start:i].strip()
+            if self.name not in self.names:
+                return Section(0, None)
+            j = skip_whitespace(text, i + len(ARGS))
+            if j == len(text):
+                return Section(len(text), None) if final else None
+            if text[j] != "{":
+                return Section(0, None)
+            self.span, self.args_start = JsonSpan(j), j
+        end = self.span.end(text)
+        if end is None:
+            return Section(len(text), None) if final else None
+        args = loads(text[self.args_start:end])
+        if not isinstance(args, dict):
+            return Section(end, None)
+        return Section(end, [ParsedCall(self.name, json.dumps(args, ensure_ascii=False))])
+
+
+class _ArraySection(SectionScanner):
+    """`[{"name": ..., "arguments": {...}}, ...]` (or one object) from `start`."""
+
+    def __init__(self, names: frozenset[str], start: int) -> None:
+        self.names = names
+        self.span = JsonSpan(start)
+        self.start = start
+
+    def scan(self, text: str, final: bool) -> Optional[Section]:
         end = self.span.end(text)
         if end is None:
             return Section(len(text), None) if final else None
