@@ -278,7 +278,7 @@ def test_special_markers_keep_special_tokens() -> None:
 
     special = special_tokens(build_echo_tokenizer())
     assert {"[TOOL_CALLS]", "<|python_tag|>", "<|im_end|>"} <= special and "<tool_call>" not in special
-    for parser, needed in (("mistral", True), ("llama3", True), ("qwen25", False)):
+    for parser, needed in (("mistral", True), ("llama3", True), ("qwen25", False), ("qwen3_coder", False)):
         assert needs_special_tokens(OutputSpec(tool_format=tool_call_format(parser)), special) is needed
     assert not needs_special_tokens(OutputSpec(reasoning=REASONING_PARSERS["qwen3"]), special)
 
@@ -347,6 +347,31 @@ def test_stream_reasoning_false_sends_the_reasoning_in_one_piece() -> None:
     assert parser.finish() == []
     parser = spec.parser()
     assert parser.feed("never ends") == [] and parser.finish() == [TextPart("reasoning", "never ends")]
+
+
+def test_qwen3_coder_calls_stream_typed_by_the_requests_tools() -> None:
+    """output_spec gives the format the request's tools, whose schemas type the raw values; the
+    call streams as ToolCallStart, then a ToolCallArguments per parameter, and adds up to the
+    non-streamed reply."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    req = ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=tools)
+    spec = output_spec(req, "qwen3_coder", "qwen3")
+    reply = ("<think>\nEasy.\n</think>\n\nChecking.\n<tool_call>\n<function=get_weather>\n<parameter=city>\n123\n"
+             "</parameter>\n<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>")
+    parsed = spec.parser().parse(reply)
+    assert parsed.reasoning_content == "Easy." and parsed.content == "Checking."
+    [call] = parsed.tool_calls
+    assert call.name == "get_weather" and call.arguments == '{"city": "123", "days": 3}'  # "123": a string by its schema
+    assert call.id.startswith("call_")
+    parser = spec.parser()
+    parts = [p for c in reply for p in parser.feed(c)] + parser.finish()
+    calls = [p for p in parts if not isinstance(p, TextPart)]
+    assert [type(p).__name__ for p in calls] == ["ToolCallStart"] + ["ToolCallArguments"] * 3
+    assert "".join(p.text for p in calls[1:]) == call.arguments and parser.num_tool_calls == 1
+    deltas = [d.model_dump() for d in part_deltas(calls, 0)]
+    assert deltas[0]["tool_calls"][0]["function"] == {"name": "get_weather", "arguments": ""}
+    assert all(d["tool_calls"][0]["index"] == 0 for d in deltas)
 
 
 def test_part_deltas_number_the_calls_of_a_choice() -> None:

@@ -14,9 +14,25 @@ from typing import Optional, Union
 
 import pytest
 
-from sglang.srt.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, ParsedCall, ToolCallStream, tool_call_format
+from sglang.srt.entrypoints.openai.tool_parsers import (
+    TOOL_CALL_PARSERS,
+    CallArguments,
+    CallStart,
+    ParsedCall,
+    ToolCallStream,
+    tool_call_format,
+)
 
 NAMES = frozenset({"get_weather", "get_time"})
+# The request's tools, for the formats that type arguments by their schemas (qwen3_coder).
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+        "city": {"type": "string"}, "days": {"type": "integer"}, "metric": {"type": "boolean"},
+        "ratio": {"type": "number"}, "where": {"type": "object"}, "tags": {"type": "array", "items": {"type": "string"}},
+        "note": {"type": ["string", "null"]}, "code": {"anyOf": [{"type": "integer"}, {"type": "string"}]}}}}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {
+        "tz": {"type": "string"}}}}},
+]
 
 
 def weather(city: str) -> ParsedCall:
@@ -28,17 +44,28 @@ Expected = list[Union[str, ParsedCall]]  # content pieces and calls, in order
 
 
 def parse(parser: str, chunks: list[str], max_calls: Optional[int] = None) -> Expected:
-    stream = ToolCallStream(tool_call_format(parser), NAMES, max_calls)
-    events: Expected = []
+    stream = ToolCallStream(tool_call_format(parser, TOOLS), NAMES, max_calls)
+    events: list = []
     for c in chunks:
         events += stream.feed(c)
     events += stream.finish()
     merged: Expected = []
+    open_call = False  # a streamed call (CallStart) whose arguments are still coming
     for e in events:  # the text of consecutive chunks is one piece of content
         if isinstance(e, str) and merged and isinstance(merged[-1], str):
             merged[-1] += e
+        elif isinstance(e, CallStart):
+            merged.append(ParsedCall(e.name, ""))
+            open_call = True
+        elif isinstance(e, CallArguments):  # a piece of the arguments of the call started last
+            assert open_call and isinstance(merged[-1], ParsedCall), events
+            merged[-1] = ParsedCall(merged[-1].name, merged[-1].arguments + e.text)
         else:
             merged.append(e)
+            open_call = False
+    for e in merged:  # whatever the text, every call's arguments are one JSON object
+        if isinstance(e, ParsedCall):
+            assert isinstance(json.loads(e.arguments), dict), e
     return merged
 
 
@@ -120,6 +147,61 @@ CASES: list[tuple[str, str, Expected]] = [
     ("mistral", '[TOOL_CALLS]get_time[ARGS]{"a": ]}', ['[TOOL_CALLS]get_time[ARGS]{"a": ]}']),
     ("mistral", "[TOOL_CALLS]get_time is a tool", ["[TOOL_CALLS]get_time is a tool"]),
     ("mistral", '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]rm[ARGS]{}', [TIME, "[TOOL_CALLS]rm[ARGS]{}"]),
+    # ---- qwen3_coder (XML, values typed by the tools' schemas; the calls stream)
+    ("qwen3_coder", "Let me check.\n" + "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
+     ["Let me check.", ParsedCall("get_weather", '{"city": "Paris", "days": 3}')]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n"
+     "</tool_call>\n<tool_call>\n<function=get_time>\n</function>\n</tool_call>\n", [weather("Paris"), TIME]),
+    ("qwen3_coder", "<tool_call><function=get_time></function></tool_call>\n\nIt is noon.", [TIME, "\n\nIt is noon."]),
+    # typed by the schema: integer, boolean, number, object, array; a string stays a string
+    # (quotes, digits and all); what does not read as its type stays the string written
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\n 7 \n</parameter>\n"
+     "<parameter=metric>\nTrue\n</parameter>\n<parameter=ratio>\n0.5\n</parameter>\n"
+     '<parameter=where>\n{"lat": 48.9, "lon": 2.3}\n</parameter>\n<parameter=tags>\n["a", "b"]\n</parameter>\n'
+     '<parameter=city>\n007 "x"\n</parameter>\n</function>\n</tool_call>',
+     [ParsedCall("get_weather", json.dumps({"days": 7, "metric": True, "ratio": 0.5, "where": {"lat": 48.9, "lon": 2.3},
+                                            "tags": ["a", "b"], "city": '007 "x"'}))]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=days>\nthree\n</parameter>\n"
+     "<parameter=metric>\nyes\n</parameter>\n<parameter=where>\n{broken\n</parameter>\n"
+     "<parameter=tags>\n{}\n</parameter>\n<parameter=ratio>\nNaN\n</parameter>\n</function>\n</tool_call>",
+     [ParsedCall("get_weather", json.dumps({"days": "three", "metric": "yes", "where": "{broken", "tags": "{}",
+                                            "ratio": "NaN"}))]),
+    # several types (null or a string; an integer or a string); a parameter the schema does not
+    # list: JSON if it is JSON, else the string
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=note>\nnull\n</parameter>\n"
+     "<parameter=code>\n42\n</parameter>\n<parameter=extra>\n[1, 2]\n</parameter>\n"
+     "<parameter=extra2>\nplain text\n</parameter>\n</function>\n</tool_call>",
+     [ParsedCall("get_weather", json.dumps({"note": None, "code": 42, "extra": [1, 2], "extra2": "plain text"}))]),
+    # one newline is stripped at each end, not more; markup and non-ASCII inside a value
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\n\n  Zürich <tool_call> {\n\n"
+     "</parameter>\n</function>\n</tool_call>",
+     [ParsedCall("get_weather", json.dumps({"city": "\n  Zürich <tool_call> {\n"}, ensure_ascii=False))]),
+    # a repeated parameter keeps its first value; several functions in one block
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=city>\nOslo\n</parameter>\n</function>\n<function=get_time>\n</function>\n</tool_call>",
+     [weather("Paris"), TIME]),
+    # lenient: a missing </parameter>, a missing </function>
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n<parameter=days>\n2\n"
+     "</function>\n</tool_call>", [ParsedCall("get_weather", '{"city": "Paris", "days": 2}')]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</tool_call>",
+     [weather("Paris")]),
+    # not a call before the name is known: the text stays content, markup and all
+    ("qwen3_coder", "Hi\n<tool_call>\n<function=launch>\n</function>\n</tool_call>",
+     ["Hi\n<tool_call>\n<function=launch>\n</function>\n</tool_call>"]),
+    ("qwen3_coder", '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>',
+     ['<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>']),
+    ("qwen3_coder", "<tool_call>\n<function=get_wea", ["<tool_call>\n<function=get_wea"]),
+    ("qwen3_coder", "<tool_call>\n", ["<tool_call>\n"]),
+    ("qwen3_coder", "<tool_call>\n<function=get weather>\n</function>", ["<tool_call>\n<function=get weather>\n</function>"]),
+    # cut after the name (max_tokens): the call, with the parameters that closed; a value cut short is dropped
+    ("qwen3_coder", "<tool_call>\n<function=get_time>", [TIME]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
+     "<parameter=days>\n1", [weather("Paris")]),
+    ("qwen3_coder", "<tool_call>\n<function=get_weather>\n<parameter=ci", [ParsedCall("get_weather", "{}")]),
+    # after a call, other text ends the block: it is content
+    ("qwen3_coder", "<tool_call>\n<function=get_time>\n</function>\nthen <function=launch>",
+     [TIME, "\nthen <function=launch>"]),
 ]
 
 
@@ -143,7 +225,7 @@ def test_every_cut_of_a_reply_parses_the_same_streamed(parser: str, text: str, e
         assert parse(parser, [cut[a:b] for a, b in zip([0] + cuts, cuts + [end])]) == whole, cut
 
 
-@pytest.mark.parametrize("parser", ["qwen25", "llama3", "mistral"])
+@pytest.mark.parametrize("parser", ["qwen25", "llama3", "mistral", "qwen3_coder"])
 def test_a_reply_without_calls_is_passed_through(parser: str) -> None:
     for text in ["", "\n", "Plain text, with {braces} and [brackets]; and <tags>.", "  two\n\nparagraphs  \n"]:
         assert "".join(parse(parser, [text])) == text
@@ -165,18 +247,6 @@ def test_text_before_a_call_streams_before_the_call_is_complete() -> None:
     assert stream.finish() == []
 
 
-def test_mistral_named_calls_stream_each_as_it_closes() -> None:
-    stream = ToolCallStream(tool_call_format("mistral"), NAMES)
-    assert stream.feed("Sure.[TOOL_CALLS]get_wea") == ["Sure."]
-    assert stream.feed('ther[ARGS]{"city": "Pa') == []
-    assert stream.feed('ris"}[TOOL_CALLS]get_time[AR') == [weather("Paris")]
-    assert stream.feed("GS]{}") == [TIME]
-    assert stream.finish() == []
-    # Text after the marker that cannot become a tool's name is content at once, not held.
-    stream = ToolCallStream(tool_call_format("mistral"), NAMES)
-    assert stream.feed("[TOOL_CALLS]hello") == ["[TOOL_CALLS]hello"]
-
-
 def test_a_long_call_section_is_scanned_in_linear_time() -> None:
     # 20k one-character chunks of an argument: rescanning the section from its start on every
     # chunk would take ~2e8 steps; this finishes in well under a second.
@@ -191,6 +261,61 @@ def test_a_long_call_section_is_scanned_in_linear_time() -> None:
     assert time.monotonic() - start < 5
 
 
+def test_qwen3_coder_streams_a_call_by_parameter() -> None:
+    """The name as soon as <function=NAME> closes, then each parameter as it closes."""
+    stream = ToolCallStream(tool_call_format("qwen3_coder", TOOLS), NAMES)
+    assert stream.feed("On it.\n<tool_call>\n<function=get_wea") == ["On it."]
+    assert stream.feed("ther>\n<parameter=city>\nPar") == [CallStart("get_weather")]
+    assert stream.feed("is\n</parameter>\n<parameter=days>\n") == [CallArguments('{"city": "Paris"')]
+    assert stream.feed("2\n</parameter>\n") == [CallArguments(', "days": 2')]
+    assert stream.feed("</function>\n</tool_call>") == [CallArguments("}")]
+    assert stream.finish() == []
+
+
+def test_qwen3_coder_without_schemas_reads_json_else_a_string() -> None:
+    stream = ToolCallStream(tool_call_format("qwen3_coder"), NAMES)  # no tools given: no types known
+    text = ("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=days>\n3\n"
+            "</parameter>\n<parameter=metric>\ntrue\n</parameter>\n<parameter=far>\n1e999\n</parameter>\n"
+            "</function>\n</tool_call>")
+    events = stream.feed(text) + stream.finish()
+    assert events[0] == CallStart("get_weather")
+    args = "".join(e.text for e in events[1:])
+    assert args == '{"city": "Paris", "days": 3, "metric": true, "far": "1e999"}'
+
+
+def test_qwen3_coder_parallel_tool_calls_false_keeps_the_first_call() -> None:
+    one = "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>\n</tool_call>"
+    two = "<tool_call>\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>\n</tool_call>"
+    text = "Both.\n" + one + "\n" + two + "\nDone."
+    for chunks in chunkings(text):
+        assert parse("qwen3_coder", chunks, max_calls=1) == ["Both.", weather("Paris"), "\nDone."], chunks
+
+
+def test_mistral_named_calls_stream_each_as_it_closes() -> None:
+    stream = ToolCallStream(tool_call_format("mistral"), NAMES)
+    assert stream.feed("Sure.[TOOL_CALLS]get_wea") == ["Sure."]
+    assert stream.feed('ther[ARGS]{"city": "Pa') == []
+    assert stream.feed('ris"}[TOOL_CALLS]get_time[AR') == [weather("Paris")]
+    assert stream.feed("GS]{}") == [TIME]
+    assert stream.finish() == []
+    # Text after the marker that cannot become a tool's name is content at once, not held.
+    stream = ToolCallStream(tool_call_format("mistral"), NAMES)
+    assert stream.feed("[TOOL_CALLS]hello") == ["[TOOL_CALLS]hello"]
+
+
+def test_a_long_qwen3_coder_value_is_scanned_in_linear_time() -> None:
+    import time
+
+    stream = ToolCallStream(tool_call_format("qwen3_coder", TOOLS), NAMES)
+    start = time.monotonic()
+    assert stream.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\n") == [CallStart("get_weather")]
+    for _ in range(20000):
+        assert stream.feed("a") == []
+    assert stream.feed("\n</parameter>\n</function>\n</tool_call>") == [
+        CallArguments('{"city": "' + "a" * 20000 + '"'), CallArguments("}")]
+    assert time.monotonic() - start < 5
+
+
 def test_parser_names() -> None:
-    assert {"qwen25", "hermes", "llama3", "mistral"} <= set(TOOL_CALL_PARSERS)
+    assert {"qwen25", "hermes", "llama3", "mistral", "qwen3_coder"} <= set(TOOL_CALL_PARSERS)
     assert tool_call_format("qwen25").start_markers == tool_call_format("hermes").start_markers == ("<tool_call>",)

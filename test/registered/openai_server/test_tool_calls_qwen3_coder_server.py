@@ -1,0 +1,82 @@
+"""Qwen3-Coder's XML tool calls end to end (`--tool-call-parser qwen3_coder`) on the echo checkpoint
+(see test_tool_calls_server.py): raw parameter values typed by the request's tool schemas, several
+calls in a row, text before them as content; streamed, a call's name comes before its arguments,
+which come a parameter at a time, and the stream adds up to the non-streamed reply."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from echo_checkpoint import echo_body, echo_checkpoint
+from server_helpers import kill_server, popen_launch_server, read_log
+from tool_calls_testlib import TIME, ask, ask_streamed, same_reply
+
+openai = pytest.importorskip("openai")  # the official client; the GPU machine may lack it
+
+FORECAST = {"type": "function", "function": {
+    "name": "get_weather", "description": "The forecast for a city.",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                                    "metric": {"type": "boolean"}}, "required": ["city"]}}}
+TOOLS = [FORECAST, TIME]
+
+
+def call(name: str, params: dict[str, str]) -> str:
+    body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
+    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+
+
+PARIS = call("get_weather", {"city": "Paris", "days": "3", "metric": "true"})
+TOKYO_TIME = call("get_time", {"tz": "Asia/Tokyo"})
+
+
+@pytest.fixture(scope="module")
+def server():
+    proc, url = popen_launch_server(echo_checkpoint(), ["--device", "cpu", "--tool-call-parser", "qwen3_coder"])
+    yield url
+    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="none")
+
+
+@pytest.mark.parametrize("text,content,calls", [
+    ("Let me check.\n" + PARIS + "\n" + TOKYO_TIME, "Let me check.",
+     [("get_weather", {"city": "Paris", "days": 3, "metric": True}), ("get_time", {"tz": "Asia/Tokyo"})]),
+    # "007" is a string by its schema; an unknown function stays content, markup and all
+    (call("get_weather", {"city": "007"}), None, [("get_weather", {"city": "007"})]),
+    ("Trying.\n" + call("launch_rocket", {}), "Trying.\n" + call("launch_rocket", {}), []),
+])
+def test_qwen3_coder_calls(server, client, text: str, content, calls: list) -> None:
+    body = echo_body(server, text, tools=TOOLS)
+    choice = ask(client, body).choices[0]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == calls
+    assert choice.message.content == content
+    assert choice.finish_reason == ("tool_calls" if calls else "stop")
+    streamed, _ = ask_streamed(client, body)
+    same_reply(streamed[0], choice)
+
+
+def test_a_call_streams_its_name_then_a_parameter_at_a_time(server, client) -> None:
+    body = echo_body(server, "Checking.\n" + PARIS, tools=TOOLS)
+    whole = ask(client, body).choices[0]
+    streamed, chunks = ask_streamed(client, body)
+    same_reply(streamed[0], whole)
+    pieces = [tc.function.arguments for c in chunks if c.choices for tc in c.choices[0].delta.tool_calls or []]
+    # The name's delta (its arguments ""), then one per parameter and the closing brace.
+    assert pieces == ["", '{"city": "Paris"', ', "days": 3', ', "metric": true', "}"]
+    assert "".join(pieces) == whole.message.tool_calls[0].function.arguments
+    for chunk in chunks:  # no markup in the content
+        for choice in chunk.choices:
+            assert "<" not in (choice.delta.content or "")
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call(server, client) -> None:
+    body = echo_body(server, PARIS + "\n" + TOKYO_TIME, tools=TOOLS, parallel_tool_calls=False)
+    whole = ask(client, body).choices[0]
+    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather"]
+    streamed, _ = ask_streamed(client, body)
+    same_reply(streamed[0], whole)
