@@ -85,8 +85,10 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                         "(chatml, llama-3-instruct, mistral). Default: the tokenizer's own.")
     g.add_argument("--tool-call-parser", default=None, choices=list(TOOL_CALL_PARSERS),
                    help="Read tool calls out of /v1/chat/completions replies in this model family's format "
-                        "(qwen25/qwen/hermes: <tool_call> JSON, Qwen2.5 and Qwen3; llama3/llama3_json: Llama "
-                        "3.1/3.2 JSON; mistral: [TOOL_CALLS] [...]). Without it, requests with tools are refused.")
+                        "(qwen25/qwen/hermes: <tool_call> JSON, Qwen2.5 and Qwen3; qwen3_coder: <tool_call> "
+                        "<function=...> XML, Qwen3-Coder; llama3/llama3_json: Llama 3.1/3.2 JSON; mistral: "
+                        "[TOOL_CALLS] [...] or [TOOL_CALLS]name[ARGS]{...}). Without it, requests with tools "
+                        "are refused.")
     g.add_argument("--reasoning-parser", default=None, choices=list(REASONING_PARSERS),
                    help="Return a reply's <think>...</think> block as message.reasoning_content (qwen3: when "
                         "the reply opens one; deepseek-r1, qwen3-thinking: the prompt opened it).")
