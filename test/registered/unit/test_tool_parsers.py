@@ -3,7 +3,9 @@
 Each case is a reply as a model writes it and what the server must make of it: the content and the
 calls, written out by hand. Every reply is also fed in two chunks split at every character (inside
 the markers, inside the JSON, inside whitespace), one character at a time, and in seeded random
-chunkings; the streamed events must add up to the whole reply's parse.
+chunkings; the streamed events (a streamed call's name and argument pieces put together) must add
+up to the whole reply's parse. Every prefix of every reply (a reply cut anywhere) must parse, whole
+and streamed, without raising and to the same result.
 """
 
 from __future__ import annotations

@@ -32,4 +32,5 @@ def tool_call_format(name: str, tools: Optional[Sequence[Mapping[str, Any]]] = N
     return TOOL_CALL_PARSERS[name](tools)
 
 
-__all__ = ["TOOL_CALL_PARSERS", "CallArguments", "CallStart", "ParsedCall", "ToolCallFormat", "ToolCallStream", "tool_call_format"]
+__all__ = ["TOOL_CALL_PARSERS", "CallArguments", "CallStart", "ParsedCall", "ToolCallFormat", "ToolCallStream",
+           "tool_call_format"]
