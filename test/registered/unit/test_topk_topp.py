@@ -98,7 +98,7 @@ def test_ties_at_the_cutoff_are_all_kept() -> None:
 def test_filter_probs_is_the_same_through_either_path(monkeypatch) -> None:
     from sglang.srt.layers import sampler
 
-    monkeypatch.setattr(sampler, "THRESHOLD_KERNEL", True)  # off by default until GPU-tested in place
+    monkeypatch.setattr(sampler, "THRESHOLD_KERNEL", True)  # the default, whatever the environment says
     probs = distribution(len(ROWS), 400, "peaked", seed=3)
     info = SamplingBatchInfo.from_params([0.7] * len(ROWS), [p for _, p in ROWS], [k for k, _ in ROWS],
                                          [0.0, 0.0, 0.05, 0.0, 0.0, 0.0, 0.0, 0.0, 0.2, 0.0],

@@ -27,12 +27,15 @@ import torch
 import triton
 import triton.language as tl
 
-# Launch defaults, from an H100 sweep at 64 x 151936, top_p 0.9 (full-row sort: 1384 µs): the
+# Launch defaults, from H100 sweeps at 64 x 151936, top_p 0.9 (full-row sort: 1340 µs): the
 # search looks bound by one program's loads in flight more than by arithmetic: big tiles, few
 # candidates win. (BLOCK, N_CAND, warps) -> µs: (1024, 8, 8) 981, (2048, 4, 8) 734, (4096, 4, 16)
-# 546, (8192, 2, 16) 478; (8192, 4, 16) 4432 and (4096, 8, 16) 6676 fall off a register cliff.
-BLOCK = 8192
-N_CAND = 2
+# 546, (8192, 2, 16) 477, (16384, 1, 16) 437; 32 warps lose (16384, 1: 503); (8192, 4, 16) 4432,
+# (4096, 8, 16) 6676, (16384, 2, 32) 1511 and (32768, 1, 32) 1305 fall off a register cliff. Chunks
+# of rows as programs of their own (a launch per pass, so all SMs work) measured 383 µs under a
+# CUDA graph but 500-640 eagerly, where the Sampler runs: its 11 launches cost more than they save.
+BLOCK = 16384
+N_CAND = 1
 NUM_WARPS = 16
 
 # +inf as int32 bits: no probability reaches it, so the predicate is false there. A constexpr: the
