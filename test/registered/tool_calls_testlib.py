@@ -64,3 +64,12 @@ def same_reply(streamed: dict[str, Any], choice: Any) -> None:
     assert got == as_streamed(choice)
     ids = [c["id"] for c in streamed["calls"].values()]
     assert all(ids) and len(set(ids)) == len(ids)
+
+
+def assert_first_call_only(client: openai.OpenAI, body: dict[str, Any], name: str) -> None:
+    """With `parallel_tool_calls: false` in `body` (whose script writes two calls), the reply holds
+    only the first call, named `name`, whole and streamed alike."""
+    whole = ask(client, body).choices[0]
+    assert [c.function.name for c in whole.message.tool_calls] == [name]
+    streamed, _ = ask_streamed(client, body)
+    same_reply(streamed[0], whole)

@@ -11,7 +11,7 @@ import pytest
 
 from echo_checkpoint import echo_body, echo_checkpoint
 from server_helpers import kill_server, popen_launch_server, read_log
-from tool_calls_testlib import TIME, ask, ask_streamed, same_reply
+from tool_calls_testlib import assert_first_call_only, TIME, ask, ask_streamed, same_reply
 
 openai = pytest.importorskip("openai")  # the official client; the GPU machine may lack it
 
@@ -75,8 +75,5 @@ def test_a_call_streams_its_name_then_a_parameter_at_a_time(server, client) -> N
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(server, client) -> None:
-    body = echo_body(server, PARIS + "\n" + TOKYO_TIME, tools=TOOLS, parallel_tool_calls=False)
-    whole = ask(client, body).choices[0]
-    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather"]
-    streamed, _ = ask_streamed(client, body)
-    same_reply(streamed[0], whole)
+    assert_first_call_only(client, echo_body(server, PARIS + "\n" + TOKYO_TIME, tools=TOOLS, parallel_tool_calls=False),
+                           "get_weather")

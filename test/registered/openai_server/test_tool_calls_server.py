@@ -19,7 +19,7 @@ import requests
 
 from echo_checkpoint import echo_body, echo_checkpoint
 from server_helpers import kill_server, popen_launch_server, read_log
-from tool_calls_testlib import TOOLS, ask, ask_streamed, same_reply
+from tool_calls_testlib import assert_first_call_only, TOOLS, ask, ask_streamed, same_reply
 
 openai = pytest.importorskip("openai")  # the official client; the GPU machine may lack it
 
@@ -148,11 +148,8 @@ def test_choices_of_n_parse_apart(server, client) -> None:
 
 
 def test_parallel_tool_calls_false_keeps_the_first_call(server, client) -> None:
-    body = echo_body(server, PARIS + "\n" + TOKYO_TIME, tools=TOOLS, parallel_tool_calls=False)
-    whole = ask(client, body).choices[0]
-    assert [c.function.name for c in whole.message.tool_calls] == ["get_weather"]
-    streamed, _ = ask_streamed(client, body)
-    same_reply(streamed[0], whole)
+    assert_first_call_only(client, echo_body(server, PARIS + "\n" + TOKYO_TIME, tools=TOOLS, parallel_tool_calls=False),
+                           "get_weather")
 
 
 def test_tool_choice_none_leaves_the_markup_in_the_content(server, client) -> None:
