@@ -42,6 +42,7 @@ class BatchPlan:
     penalty_rows: Optional[torch.Tensor] = None  # int64 [P]: their batch rows
     penalty_params: Optional[torch.Tensor] = None  # float32 [3, P]: PenaltyRows.params
     with_prompt: bool = False
+    whole_batch: bool = False  # every request is penalised
     table_rows: list[int] = field(default_factory=list)  # the count rows `table_index` holds
     table_index: Optional[torch.Tensor] = None  # int64 [P]
     # Batch row -> its logit_bias tensors, and the rows whose min_new_tokens bans something.
@@ -110,6 +111,7 @@ class LogitContext:
                  [max(float(p.repetition_penalty), REPETITION_FLOOR) for p in params]],
                 torch.float32, self.device)
             plan.with_prompt = any(p.repetition_penalty != 1 for p in params)
+            plan.whole_batch = len(rows) == len(reqs)
         for i, r in enumerate(reqs):
             p = r.sampling_params
             if p.logit_bias:
@@ -155,7 +157,8 @@ def logit_adjustments_for(reqs: list[Req], ctx: LogitContext, pending: int) -> O
         if rows != plan.table_rows:
             plan.table_rows, plan.table_index = rows, to_device(rows, torch.int64, ctx.device)
         penalties = PenaltyRows(rows=plan.penalty_rows, table_rows=plan.table_index, table=table,
-                                version=table.version, params=plan.penalty_params, with_prompt=plan.with_prompt)
+                                version=table.version, params=plan.penalty_params, with_prompt=plan.with_prompt,
+                                whole_batch=plan.whole_batch)
     active = tuple(len(r.output_ids) + pending < r.sampling_params.min_new_tokens for _, r in plan.held_back)
     bias = ctx.bias_entries(plan, active)
     if penalties is None and bias is None:

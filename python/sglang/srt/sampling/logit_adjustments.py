@@ -36,13 +36,14 @@ REPETITION_FLOOR = 1e-6
 class PenaltyRows:
     """The batch rows that carry a frequency, presence or repetition penalty."""
 
-    rows: torch.Tensor  # int64 [P]: rows of the batch
+    rows: torch.Tensor  # int64 [P]: rows of the batch, ascending
     table_rows: torch.Tensor  # int64 [P]: their rows of `table`
     table: TokenCounts  # generated-token counts (as the host knows them) and prompt presence
     version: int  # table.version when built: the table must not have moved when they are applied
     # float32 [3, P]: frequency, presence, repetition (floored at REPETITION_FLOOR) per row.
     params: torch.Tensor
     with_prompt: bool  # some row has a repetition penalty: the prompt's tokens are read too
+    whole_batch: bool = False  # rows is every row of the batch (0..B-1): no gather, no scatter back
 
     @property
     def frequency(self) -> torch.Tensor:  # float32 [P, 1]
@@ -95,8 +96,10 @@ class LogitAdjustments:
 
 
 def penalize_reference(out: torch.Tensor, p: PenaltyRows, fed_tokens: Optional[torch.Tensor]) -> None:
-    """The penalties of the module docstring on `out`'s rows `p.rows`, in place (torch ops)."""
-    sub = out.index_select(0, p.rows)
+    """The penalties of the module docstring on `out`'s rows `p.rows`, in place (torch ops).
+    In place where `sub` is `out` itself (whole_batch): the operations and their order are those
+    of `sub - frequency * counts - presence * generated`, so the bits are too."""
+    sub = out if p.whole_batch else out.index_select(0, p.rows)
     counts = p.table.output_counts.index_select(0, p.table_rows)
     if fed_tokens is not None:
         fed = fed_tokens.index_select(0, p.rows).unsqueeze(1)
@@ -105,6 +108,8 @@ def penalize_reference(out: torch.Tensor, p: PenaltyRows, fed_tokens: Optional[t
     if p.with_prompt:
         seen = generated | p.table.prompt_seen.index_select(0, p.table_rows)
         scaled = torch.where(sub > 0, sub / p.repetition, sub * p.repetition)
-        sub = torch.where(seen, scaled, sub)
-    sub = sub - p.frequency * counts - p.presence * generated
-    out.index_copy_(0, p.rows, sub)
+        torch.where(seen, scaled, sub, out=sub)
+    sub.sub_(p.frequency * counts)
+    sub.sub_(p.presence * generated)
+    if not p.whole_batch:
+        out.index_copy_(0, p.rows, sub)
