@@ -209,3 +209,23 @@ def test_plans_are_few_and_hold_their_requests() -> None:
         sampling_info_for(batch, "cpu", 0, ctx)
     assert len(ctx._plans) == LogitContext.MAX_PLANS
     assert [p.reqs for p in ctx._plans.values()] == batches[-LogitContext.MAX_PLANS:]
+
+
+def test_sampling_tensors_are_built_once_per_batch_and_steps_follow_each_step() -> None:
+    """The parameters' tensors are shared by the steps of one composition; what moves per step
+    (a seeded request's step, with the pending token) does not."""
+    ctx = LogitContext({EOS}, VOCAB, "cpu")
+    reqs = [req(0, [1], [2], temperature=0.7, top_p=0.9, seed=5), req(1, [1], [], temperature=0.0),
+            req(2, [3], [4, 5], temperature=1.2, top_k=8, min_p=0.1, frequency_penalty=0.5)]
+    first = sampling_info_for(reqs, "cpu", 0, ctx)
+    grow(reqs, 0)
+    second = sampling_info_for(reqs, "cpu", 1, ctx)
+    assert second.temperatures is first.temperatures and second.top_ks is first.top_ks
+    assert first.steps == [1, 0, 2] and second.steps == [3, 2, 4]
+    alone = sampling_info_for([reqs[0], reqs[1]], "cpu", 1)  # no context: nothing cached
+    for name in ("temperatures", "top_ps", "top_ks", "min_ps"):
+        assert torch.equal(getattr(second, name)[:2], getattr(alone, name)), name
+    assert (second.seeds, second.need_top_k_sampling, second.need_min_p_sampling) == ([5, None, None], True, True)
+    assert alone.steps == [3, 2] and alone.adjustments is None
+    greedy = [req(3, [1], [2]), req(4, [1], [])]
+    assert sampling_info_for(greedy, "cpu", 0, ctx) is None

@@ -1,11 +1,12 @@
-"""The scheduler's side of the logit adjustments: per step, what a batch's requests ask of the
-logits (penalties, logit_bias, min_new_tokens' bans) as device tensors for the Sampler
-(sampling/logit_adjustments.py).
+"""The scheduler's side of the sampling tensors: per step, what a batch's requests ask of the
+Sampler (temperature and the filters, sampling/sampling_batch_info.py) and of the logits
+(penalties, logit_bias, min_new_tokens' bans: sampling/logit_adjustments.py), as device tensors.
 
 A decode batch keeps the same requests for many steps, and almost all of those tensors follow from
-which requests it holds: their penalty values, their batch rows, their rows of the token-count
-table, their biases. A `BatchPlan` holds them, built once per composition (the requests, in order)
-and reused while the same requests come back in the same order. Each step then only
+which requests it holds: their sampling parameters, their penalty values, their batch rows, their
+rows of the token-count table, their biases. A `BatchPlan` holds them, built once per composition
+(the requests, in order) and reused while the same requests come back in the same order (nothing
+writes those tensors: steps share them). Each step then only
   * brings the count table up to the tokens appended since the last step (token_counts.py), and
     rebuilds the table-row index if a row moved (it does not while the requests run);
   * checks which requests are still under min_new_tokens (with `pending`, the overlap schedule's
@@ -27,6 +28,7 @@ import torch
 from sglang.srt.managers.req import Req
 from sglang.srt.sampling.host_copy import to_device
 from sglang.srt.sampling.logit_adjustments import REPETITION_FLOOR, BiasEntries, LogitAdjustments, PenaltyRows
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.token_counts import TokenCounts
 
 # (token ids int64, values float32) on the device: one request's logit_bias or held-back tokens.
@@ -38,6 +40,11 @@ class BatchPlan:
     """What a batch's composition fixes about its adjustments (see the module docstring)."""
 
     reqs: list[Req]
+    adjusting: bool = False  # some request adjusts its logits
+    all_greedy: bool = False
+    # The sampling parameters' tensors (built at the first step that needs them); a step's info
+    # is this with its own steps, adjustments and grammar mask.
+    base: Optional[SamplingBatchInfo] = None
     penalised: list[Req] = field(default_factory=list)
     penalty_rows: Optional[torch.Tensor] = None  # int64 [P]: their batch rows
     penalty_params: Optional[torch.Tensor] = None  # float32 [3, P]: PenaltyRows.params
@@ -101,6 +108,10 @@ class LogitContext:
 
     def _new_plan(self, reqs: list[Req]) -> BatchPlan:
         plan = BatchPlan(reqs=list(reqs))
+        plan.adjusting = any(r.sampling_params.adjusts_logits for r in reqs)
+        plan.all_greedy = all(r.sampling_params.is_greedy for r in reqs)
+        if not plan.adjusting:
+            return plan
         rows = [i for i, r in enumerate(reqs) if r.sampling_params.needs_token_counts]
         if rows:
             params = [reqs[i].sampling_params for i in rows]
@@ -147,9 +158,11 @@ class LogitContext:
         return bias
 
 
-def logit_adjustments_for(reqs: list[Req], ctx: LogitContext, pending: int) -> Optional[LogitAdjustments]:
-    """Penalties, logit biases and min_new_tokens' bans for the batch's rows; None if none applies."""
-    plan = ctx.plan_for(reqs)
+def logit_adjustments_for(reqs: list[Req], ctx: LogitContext, pending: int,
+                          plan: Optional[BatchPlan] = None) -> Optional[LogitAdjustments]:
+    """Penalties, logit biases and min_new_tokens' bans for the batch's rows; None if none applies.
+    `plan`: ctx.plan_for(reqs), when the caller has it."""
+    plan = plan if plan is not None else ctx.plan_for(reqs)
     penalties = None
     if plan.penalised:
         table = ctx.counts
