@@ -11,11 +11,12 @@ reported logprobs, as OpenAI-style APIs report them):
 Temperature and the top-k / top-p / min-p filters then act on the result, greedy rows take its
 argmax. The adjustments run eagerly after the logits, never inside a CUDA graph.
 
-The penalties read the requests' rows of the token-count table in place (sampling/token_counts.py),
-through the table-row index, with no per-step copy of them. `apply` takes the arithmetic of the
-penalised rows as a function: the torch reference here (`penalize_reference`), or the Sampler's
-fused kernel on CUDA (layers/triton_ops/penalties.py), which does the same float32 operations in
-the same order, so both give the same bits.
+The penalties read the requests' rows of the token-count table when applied, through a table-row
+index, with no copy of them at build time (sampling/token_counts.py: applied after the table moved
+on, they refuse). `apply` takes the arithmetic of the penalised rows as a function: the torch
+reference here (`penalize_reference`), or the Sampler's fused kernel on CUDA when enabled
+(layers/triton_ops/penalties.py), which does the same float32 operations in the same order, so
+both give the same bits.
 """
 
 from __future__ import annotations
