@@ -75,22 +75,24 @@ class TokenCounts:
         # The new tokens as flat positions (row * vocab + token) of the counts: one small copy and
         # one index_add for the whole batch (usually one token per request).
         flat: list[int] = []
+        rows: list[int] = []
         vocab = self.vocab_size
         for req in reqs:
             if req.counts_row is None:
                 self._assign(req)
-            synced, n = req.counts_synced, len(req.output_ids)
+            row, out, synced = req.counts_row, req.output_ids, req.counts_synced
+            rows.append(row)
+            n = len(out)
             if n > synced:
-                base = req.counts_row * vocab
                 if n - synced == 1:
-                    flat.append(base + req.output_ids[-1])
+                    flat.append(row * vocab + out[-1])
                 else:
-                    flat.extend([base + t for t in req.output_ids[synced:]])
+                    flat.extend([row * vocab + t for t in out[synced:]])
                 req.counts_synced = n
         if flat:
             self.output_counts.view(-1).index_add_(0, to_device(flat, torch.int64, self.device), self._ones_of(len(flat)))
             self.version += 1
-        return [req.counts_row for req in reqs]
+        return rows
 
     def _assign(self, req: CountedRequest) -> None:
         if not self.free_rows:
