@@ -31,7 +31,7 @@ from sglang.srt.managers.generate_request import InvalidRequestError  # noqa: E4
 from sglang.srt.managers.tokenizer_grammar import GrammarChecker  # noqa: E402
 from sglang.srt.sampling.grammar_mask import GrammarMask, new_host_bitmask, unpack_bitmask  # noqa: E402
 from sglang.srt.sampling.grammar_spec import ANY_JSON_OBJECT, GrammarSpec, choice_grammar  # noqa: E402
-from sglang.srt.sampling.logit_adjustments import LogitAdjustments  # noqa: E402
+from sglang.srt.sampling.logit_adjustments import BiasEntries, LogitAdjustments  # noqa: E402
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo  # noqa: E402
 from sglang.srt.sampling.sampling_params import SamplingParams  # noqa: E402
 from server_helpers import ROOT, tiny_checkpoint  # noqa: E402
@@ -110,8 +110,9 @@ def test_sampler_under_a_mask_never_leaves_it_and_unconstrained_rows_are_unchang
         return SamplingBatchInfo.from_params(
             temperatures=[0.0, 1.0, 0.9, 1.2], top_ps=[1.0, 0.9, 1.0, 1.0], top_ks=[-1, 20, 5, -1],
             min_ps=[0.0, 0.0, 0.0, 0.1], seeds=[None, 7, 8, 9], steps=[0, 3, 4, 5], device="cpu",
-            adjustments=LogitAdjustments.build(None, (torch.tensor([1, 3]), torch.tensor([10, 11]),
-                                                      torch.tensor([5.0, -5.0])), "cpu"),
+            # +5 on (row 1, token 10), -5 on (row 3, token 11)
+            adjustments=LogitAdjustments(bias=BiasEntries(index=torch.tensor([1 * 64 + 10, 3 * 64 + 11]),
+                                                          values=torch.tensor([5.0, -5.0]), vocab_size=64)),
             grammar=grammar,
         )
 

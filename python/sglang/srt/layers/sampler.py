@@ -7,7 +7,10 @@ noise from a generator keyed by (seed, step), over the full vocabulary in vocabu
 draw at step k is the same whatever batch it is in. Reported logprobs are those of the
 *untempered* distribution (log_softmax of the raw logits), as OpenAI-style APIs report them.
 Penalties and biases (sampling/logit_adjustments.py), then the grammar mask of constrained rows
-(sampling/grammar_mask.py), change the choice, not the reported logprobs.
+(sampling/grammar_mask.py), change the choice, not the reported logprobs. With
+SGLANG_PENALTIES_KERNEL=1, on CUDA tensors, the penalties run as one Triton kernel reading the
+count rows in place (layers/triton_ops/penalties.py: the reference's bits, checked under the
+interpreter); it stays off by default until the GPU suite has run it in the engine.
 
 Top-k keeps a row's k most likely tokens; top-p keeps the smallest most-likely prefix whose mass
 reaches top_p (a token is dropped when the mass of the tokens strictly more likely than it already
@@ -32,11 +35,16 @@ import torch
 from torch import nn
 
 from sglang.srt.layers.triton_ops.dispatch import use_triton
+from sglang.srt.layers.triton_ops.penalties import penalize_fused
 from sglang.srt.layers.triton_ops.topk_topp import topk_topp_threshold
+from sglang.srt.sampling.logit_adjustments import PenaltyRows
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 # The sort-free top-k / top-p search on CUDA (see the module docstring); 0 sorts instead.
 THRESHOLD_KERNEL = os.environ.get("SGLANG_SAMPLER_THRESHOLD_KERNEL", "1") == "1"
+
+# The fused penalties on CUDA (see the module docstring); off until GPU-tested here.
+PENALTIES_KERNEL = os.environ.get("SGLANG_PENALTIES_KERNEL", "0") == "1"
 
 _MASK64 = (1 << 64) - 1
 
@@ -69,7 +77,9 @@ class Sampler(nn.Module):
         logits = logits.float()
         chosen_from = logits
         if sampling_info is not None and sampling_info.adjustments is not None:
-            chosen_from = sampling_info.adjustments.apply(logits)  # penalties, biases: not the logprobs
+            # Penalties, biases: not the logprobs. The penalties' kernel gives the reference's bits.
+            penalize = penalize_with_kernel if PENALTIES_KERNEL and use_triton(logits) else None
+            chosen_from = sampling_info.adjustments.apply(logits, penalize)
         if sampling_info is not None and sampling_info.grammar is not None:
             chosen_from = sampling_info.grammar.apply(chosen_from, logits)  # constrained rows only
         if sampling_info is None or sampling_info.is_all_greedy:
@@ -107,6 +117,12 @@ class Sampler(nn.Module):
                 noise[row].exponential_(generator=gen)
         # Exp(1) can round to 0; a zero would turn a filtered-out (p = 0) token into NaN.
         return noise.clamp_min_(1e-20)
+
+
+def penalize_with_kernel(out: torch.Tensor, p: PenaltyRows, fed_tokens: Optional[torch.Tensor]) -> None:
+    """LogitAdjustments' penalties through layers/triton_ops/penalties.py (the count rows read in place)."""
+    penalize_fused(out, p.rows, p.table_rows, p.table.output_counts, p.table.prompt_seen if p.with_prompt else None,
+                   p.params, fed_tokens)
 
 
 def filter_probs(probs: torch.Tensor, info: SamplingBatchInfo) -> torch.Tensor:

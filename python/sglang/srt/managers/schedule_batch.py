@@ -7,7 +7,7 @@ gives memory back when a request finishes, is aborted or is retracted.
 
 from __future__ import annotations
 
-import math
+import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
@@ -21,10 +21,9 @@ from sglang.srt.model_executor.batch_builder import (
     build_extend_batch,
 )
 from sglang.srt.configs.forward_batch_info import ForwardBatch, ForwardMode
+from sglang.srt.managers.logit_context import LogitContext, logit_adjustments_for
 from sglang.srt.sampling.grammar_mask import GrammarMask, new_host_bitmask
-from sglang.srt.sampling.logit_adjustments import LogitAdjustments
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-from sglang.srt.sampling.token_counts import TokenCounts
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -59,80 +58,6 @@ def alloc_kv(model_runner: "ModelRunner", n: int, evict: Optional[Callable[[int]
     return model_runner.token_to_kv_pool_allocator.alloc(n)
 
 
-class LogitContext:
-    """What a batch's logit adjustments need besides its requests: the tokens `min_new_tokens`
-    holds back, and the penalties' token-count table (allocated at the first penalised request)."""
-
-    def __init__(self, eos_ids: set[int], vocab_size: int, device: torch.device | str) -> None:
-        self.eos_ids = {t for t in eos_ids if 0 <= t < vocab_size}
-        self.vocab_size = vocab_size
-        self.device = device
-        self._counts: Optional[TokenCounts] = None
-
-    @property
-    def counts(self) -> TokenCounts:
-        if self._counts is None:
-            self._counts = TokenCounts(self.vocab_size, self.device)
-        return self._counts
-
-    @property
-    def token_counts_if_any(self) -> Optional[TokenCounts]:
-        return self._counts
-
-    def release(self, req: Req) -> None:
-        """The request has ended: its token-count row goes back."""
-        if self._counts is not None:
-            self._counts.release(req)
-
-
-def logit_adjustments_for(reqs: list[Req], ctx: LogitContext, pending: int) -> Optional[LogitAdjustments]:
-    """Penalties, logit biases and min_new_tokens' bans for the batch's rows; None if none applies."""
-    penalties = None
-    penalised = [(i, r) for i, r in enumerate(reqs) if r.sampling_params.needs_token_counts]
-    if penalised:
-        table = ctx.counts
-        index = torch.tensor(table.rows_for([r for _, r in penalised]), dtype=torch.int64).to(ctx.device)
-        params = [r.sampling_params for _, r in penalised]
-        repeats = any(p.repetition_penalty != 1 for p in params)
-        penalties = (
-            [i for i, _ in penalised],
-            table.output_counts.index_select(0, index),
-            table.prompt_seen.index_select(0, index) if repeats else None,
-            [float(p.frequency_penalty) for p in params],
-            [float(p.presence_penalty) for p in params],
-            [float(p.repetition_penalty) for p in params],
-        )
-    # (row, its bias tensors): a request's tensors are built once, so a long logit_bias costs its
-    # length in Python once, not every step.
-    parts: list[tuple[int, tuple[torch.Tensor, torch.Tensor]]] = []
-    for i, r in enumerate(reqs):
-        p = r.sampling_params
-        if p.logit_bias:
-            if r.logit_bias_tensors is None:
-                r.logit_bias_tensors = _bias_tensors(sorted(p.logit_bias.items()), ctx.device)
-            parts.append((i, r.logit_bias_tensors))
-        if len(r.output_ids) + pending < p.min_new_tokens:
-            if r.held_back_tensors is None:
-                held_back = set(p.stop_token_ids) | (set() if p.ignore_eos else ctx.eos_ids)
-                r.held_back_tensors = _bias_tensors([(t, -math.inf) for t in sorted(held_back)], ctx.device)
-            if len(r.held_back_tensors[0]):
-                parts.append((i, r.held_back_tensors))
-    biases = None
-    if parts:
-        lengths = torch.tensor([len(t[0]) for _, t in parts], dtype=torch.int64)
-        rows = torch.repeat_interleave(torch.tensor([i for i, _ in parts], dtype=torch.int64), lengths)
-        biases = (rows.to(ctx.device, non_blocking=True), torch.cat([t[0] for _, t in parts]),
-                  torch.cat([t[1] for _, t in parts]))
-    return LogitAdjustments.build(penalties, biases, ctx.device)
-
-
-def _bias_tensors(pairs: list[tuple[int, float]], device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """(token ids int64, values float32) on the device."""
-    tokens = torch.tensor([t for t, _ in pairs], dtype=torch.int64).to(device, non_blocking=True)
-    values = torch.tensor([v for _, v in pairs], dtype=torch.float32).to(device, non_blocking=True)
-    return tokens, values
-
-
 def grammar_mask_for(reqs: list[Req], vocab_size: int, device: torch.device | str) -> Optional[GrammarMask]:
     """The next-token masks of the constrained requests (their matchers fill them on the host,
     sampling/grammar_mask.py); None when no request is constrained or every grammar allows every
@@ -155,27 +80,44 @@ def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int 
     which the Sampler reads as argmax for every row (what it does with an all-greedy info too) and
     which costs no tensors and no copies (the CPU measured 168 µs per step at 64 requests for
     building them). `pending`: tokens each request has sampled that its output_ids do not hold
-    yet (a seeded request's step and min_new_tokens count them)."""
-    params = [r.sampling_params for r in reqs]
-    adjusting = any(p.adjusts_logits for p in params)
+    yet (a seeded request's step and min_new_tokens count them). With `logit_ctx` (the
+    scheduler's), what the batch's composition fixes is built once and reused while the same
+    requests come back (managers/logit_context.py)."""
     constrained = any(r.grammar is not None for r in reqs)
-    if not adjusting and not constrained and all(p.is_greedy for p in params):
-        return None
-    assert logit_ctx is not None or not (adjusting or constrained), \
-        "a request adjusts its logits: the batch needs a LogitContext"
     # A grammar's mask is read from its matcher, which has accepted every token on the host: the
     # overlap schedule never feeds a constrained request a token still on the device.
     assert not (constrained and pending), "a constrained request in a step launched ahead of its token"
+    if logit_ctx is None:
+        params = [r.sampling_params for r in reqs]
+        if not constrained and all(p.is_greedy for p in params) and not any(p.adjusts_logits for p in params):
+            return None
+        assert not constrained and not any(p.adjusts_logits for p in params), \
+            "a request adjusts its logits: the batch needs a LogitContext"
+        return dataclasses.replace(_base_info(reqs, device), steps=[len(r.output_ids) + pending for r in reqs])
+    plan = logit_ctx.plan_for(reqs)
+    if not plan.adjusting and not constrained and plan.all_greedy:
+        return None
+    if plan.base is None:
+        plan.base = _base_info(reqs, device)
+    return dataclasses.replace(
+        plan.base,
+        steps=[len(r.output_ids) + pending for r in reqs],
+        adjustments=logit_adjustments_for(reqs, logit_ctx, pending, plan) if plan.adjusting else None,
+        grammar=grammar_mask_for(reqs, logit_ctx.vocab_size, device) if constrained else None,
+    )
+
+
+def _base_info(reqs: list[Req], device: torch.device | str) -> SamplingBatchInfo:
+    """The tensors of the requests' sampling parameters (steps, adjustments, grammar: the step's)."""
+    params = [r.sampling_params for r in reqs]
     return SamplingBatchInfo.from_params(
         temperatures=[0.0 if p.is_greedy else float(p.temperature) for p in params],
         top_ps=[float(p.top_p) for p in params],
         top_ks=[int(p.top_k) for p in params],
         min_ps=[float(p.min_p) for p in params],
         seeds=[p.seed for p in params],
-        steps=[len(r.output_ids) + pending for r in reqs],
+        steps=[],
         device=device,
-        adjustments=logit_adjustments_for(reqs, logit_ctx, pending) if adjusting else None,
-        grammar=grammar_mask_for(reqs, logit_ctx.vocab_size, device) if constrained else None,
     )
 
 

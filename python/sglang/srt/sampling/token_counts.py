@@ -11,6 +11,11 @@ The counts mirror the host's `output_ids` exactly (a retracted request keeps its
 with it). A token sampled by a step whose result has not reached the host yet (the overlap
 schedule) is not in them: the sampler adds it from the step's input tokens (logit_adjustments.py).
 
+The sampler reads the rows in place (no per-step copy of them), so what a step's adjustments see
+is the table as it is when they are applied; `version` counts the table's changes, and a step's
+adjustments check that it has not moved since they were built (the runner samples a batch right
+after building it, in stream order, before the next batch is built).
+
 Requests without penalties cost nothing: the tables are allocated at the first penalised request
 and grow by doubling, so their size follows the most penalised requests running at once.
 """
@@ -20,6 +25,8 @@ from __future__ import annotations
 from typing import Protocol, Sequence
 
 import torch
+
+from sglang.srt.sampling.host_copy import to_device
 
 
 class CountedRequest(Protocol):
@@ -40,6 +47,8 @@ class TokenCounts:
         self.output_counts = torch.zeros(0, vocab_size, dtype=torch.int32, device=self.device)
         self.prompt_seen = torch.zeros(0, vocab_size, dtype=torch.bool, device=self.device)
         self.free_rows: list[int] = []
+        self.version = 0  # bumped by every change to the tables (see the module docstring)
+        self._ones = torch.ones(0, dtype=torch.int32, device=self.device)
 
     @property
     def capacity(self) -> int:
@@ -57,33 +66,50 @@ class TokenCounts:
         counts[:old] = self.output_counts
         seen[:old] = self.prompt_seen
         self.output_counts, self.prompt_seen = counts, seen
+        self.version += 1
         # Lowest rows first, so a small batch touches a compact block.
         self.free_rows = list(range(new - 1, old - 1, -1)) + self.free_rows
 
     def rows_for(self, reqs: Sequence[CountedRequest]) -> list[int]:
         """Each request's row, assigned where missing and brought up to its `output_ids`."""
-        pairs_rows: list[int] = []
-        pairs_tokens: list[int] = []
+        # The new tokens as flat positions (row * vocab + token) of the counts: one small copy and
+        # one index_add for the whole batch (usually one token per request).
+        flat: list[int] = []
+        rows: list[int] = []
+        vocab = self.vocab_size
         for req in reqs:
             if req.counts_row is None:
-                if not self.free_rows:
-                    self._grow()
-                row = self.free_rows.pop()
-                self.output_counts[row].zero_()
-                seen = self.prompt_seen[row]
-                seen.zero_()
-                seen[torch.tensor(req.origin_input_ids, dtype=torch.int64).to(self.device, non_blocking=True)] = True
-                req.counts_row, req.counts_synced = row, 0
-            new = req.output_ids[req.counts_synced:]
-            if new:
-                pairs_rows += [req.counts_row] * len(new)
-                pairs_tokens += new
-                req.counts_synced = len(req.output_ids)
-        if pairs_rows:
-            index = torch.tensor([pairs_rows, pairs_tokens], dtype=torch.int64).to(self.device, non_blocking=True)
-            ones = torch.ones(len(pairs_rows), dtype=torch.int32, device=self.device)
-            self.output_counts.index_put_((index[0], index[1]), ones, accumulate=True)
-        return [req.counts_row for req in reqs]
+                self._assign(req)
+            row, out, synced = req.counts_row, req.output_ids, req.counts_synced
+            rows.append(row)
+            n = len(out)
+            if n > synced:
+                if n - synced == 1:
+                    flat.append(row * vocab + out[-1])
+                else:
+                    flat.extend([row * vocab + t for t in out[synced:]])
+                req.counts_synced = n
+        if flat:
+            self.output_counts.view(-1).index_add_(0, to_device(flat, torch.int64, self.device), self._ones_of(len(flat)))
+            self.version += 1
+        return rows
+
+    def _assign(self, req: CountedRequest) -> None:
+        if not self.free_rows:
+            self._grow()
+        row = self.free_rows.pop()
+        self.output_counts[row].zero_()
+        seen = self.prompt_seen[row]
+        seen.zero_()
+        seen[to_device(req.origin_input_ids, torch.int64, self.device)] = True
+        req.counts_row, req.counts_synced = row, 0
+        self.version += 1
+
+    def _ones_of(self, n: int) -> torch.Tensor:
+        """n int32 ones on the device (a slice of one buffer: only ever read)."""
+        if self._ones.numel() < n:
+            self._ones = torch.ones(max(n, 2 * self._ones.numel(), 64), dtype=torch.int32, device=self.device)
+        return self._ones[:n]
 
     def release(self, req: CountedRequest) -> None:
         """Give the request's row back (idempotent); it is cleared when next assigned."""
