@@ -104,7 +104,7 @@ def test_penalties_through_the_sampler_kernel_and_reference_agree(monkeypatch) -
     """The served path: sampling_info_for on requests, then the Sampler's dispatch either way."""
     from sglang.srt.layers import sampler
 
-    monkeypatch.setattr(sampler, "PENALTIES_KERNEL", True)  # off by default until GPU-tested in place
+    monkeypatch.setattr(sampler, "PENALTIES_KERNEL", True)  # the default, whatever the environment says
     vocab = 96
     torch.manual_seed(7)
     reqs = []

@@ -14,7 +14,7 @@ argmax. The adjustments run eagerly after the logits, never inside a CUDA graph.
 The penalties read the requests' rows of the token-count table when applied, through a table-row
 index, with no copy of them at build time (sampling/token_counts.py: applied after the table moved
 on, they refuse). `apply` takes the arithmetic of the penalised rows as a function: the torch
-reference here (`penalize_reference`), or the Sampler's fused kernel on CUDA when enabled
+reference here (`penalize_reference`), or the Sampler's fused kernel on CUDA (the default there)
 (layers/triton_ops/penalties.py), which does the same float32 operations in the same order, so
 both give the same bits.
 """
