@@ -118,6 +118,10 @@ def test_abort_while_compiling_and_mid_generation_leaves_nothing(ckpt: str) -> N
 def test_constrained_batches_do_not_overlap_their_steps(ckpt: str) -> None:
     ordinary, overlap = GrammarHarness(ckpt), GrammarHarness(ckpt, enable_overlap_schedule=True)
     for h in (ordinary, overlap):
+        # The grammar compiled and cached first: "c" then joins the queue with "u" at once, however
+        # long a compile takes on a loaded machine (else "u" could decode alone, and overlap, first).
+        h.submit("warm", prompt(12, 5), max_new_tokens=2, regex="[a-z]{30}")
+        h.run()
         h.submit("c", prompt(12, 3), max_new_tokens=30, regex="[a-z]{30}")
         h.submit("u", prompt(10, 4), max_new_tokens=10, ignore_eos=True)
         h.run()
