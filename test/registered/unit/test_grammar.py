@@ -230,6 +230,9 @@ def test_clean_error_strips_xgrammars_prefixes():
     e = RuntimeError("[11:50:45] /project/cpp/json_schema_converter.cc:4939: Check failed: (error.empty()) is "
                      "false: Failed to parse JSON: syntax error\n")
     assert clean_error(e) == "Failed to parse JSON: syntax error"
+    e = RuntimeError("[19:48:10] /project/cpp/grammar_compiler.cc:1207: Check failed: (std::holds_alternative<Grammar>"
+                     "(result)) is false: Invalid structural tag error: Structural tag must have a format field\n")
+    assert clean_error(e) == "Structural tag must have a format field"
 
 
 @pytest.mark.parametrize("choices", [["yes", "no"], ['say "hi"', "a\\b\nc\t\x01", "ünï", ""]])

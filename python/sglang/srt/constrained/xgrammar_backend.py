@@ -27,6 +27,8 @@ from sglang.srt.sampling.grammar_spec import GrammarSpec
 # sometimes a failed check's text; what follows is the message meant for the user.
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 _CHECK_PREFIX = re.compile(r"^Check failed: .*? is false: ")
+# The kind of error a structural tag's compile names first, which the caller's message already says.
+_KIND_PREFIX = re.compile(r"^Invalid (structural tag|JSON) error: ")
 MAX_ERROR_CHARS = 1000
 # JSON may have white space between its elements (models write indented JSON), at most this many
 # characters in a row: without a bound a model can loop on white space until max_new_tokens, a known
@@ -109,6 +111,7 @@ def clean_error(e: BaseException) -> str:
     text = str(e).strip()
     text = _LOG_PREFIX.sub("", text)
     text = _CHECK_PREFIX.sub("", text).strip()
+    text = _KIND_PREFIX.sub("", text)
     if len(text) > MAX_ERROR_CHARS:
         text = text[:MAX_ERROR_CHARS] + "..."
     return text or type(e).__name__
