@@ -322,7 +322,7 @@ def chat_cases() -> list[Case]:
            "'launch', which is not among the request's tools"),
         ch({"tools": [TOOL], "tool_choice": "always"}, 'tool_choice must be "none", "auto", "required"'),
         # tool_choice "required" and named functions are constrained (xgrammar), no parser needed;
-        # they take the request's one constraint, and strict tools are kept only under them.
+        # they take the request's one constraint. Strict tools under "auto" need the parser first.
         ch({"tools": [TOOL], "tool_choice": "required", "max_tokens": 2}, "", 200),
         ch({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
             "max_tokens": 2}, "", 200),
@@ -332,7 +332,8 @@ def chat_cases() -> list[Case]:
             "guided_json": {"type": "object"}}, "guided_json cannot be combined with tool_choice naming"),
         ch({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
             "tool_choice": "required"}, "tools[0].function.parameters must describe an object"),
-        ch({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "needs a structural tag"),
+        ch({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+           "start the server with --tool-call-parser"),
         ch({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}], "tool_choice": "required",
             "max_tokens": 2}, "", 200),
         ch({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]}, "strict must be a boolean"),
