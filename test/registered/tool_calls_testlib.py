@@ -15,6 +15,18 @@ WEATHER = {"type": "function", "function": {
 TIME = {"type": "function", "function": {"name": "get_time", "description": "The time now, in a time zone.",
                                          "parameters": {"type": "object", "properties": {"tz": {"type": "string"}}}}}
 TOOLS = [WEATHER, TIME]
+# A strict tool (the strict-under-"auto" tests): its calls are held to this schema, no other argument.
+STRICT_FORECAST = {"type": "function", "function": {
+    "name": "forecast", "description": "The forecast for a city.", "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+                   "required": ["city"], "additionalProperties": False}}}
+
+
+def valid_forecast(arguments: str) -> bool:
+    """Whether a call's `arguments` are valid against STRICT_FORECAST's schema."""
+    args = json.loads(arguments)
+    return (isinstance(args, dict) and set(args) <= {"city", "days"} and isinstance(args.get("city"), str)
+            and (type(args.get("days", 0)) is int))
 
 
 EXTENSIONS = ("separate_reasoning", "stream_reasoning", "chat_template_kwargs")  # SGLang's and vLLM's fields

@@ -1,7 +1,8 @@
 """Llama 3.1 JSON tool calls end to end (`--tool-call-parser llama3`) on the echo checkpoint (see
 test_tool_calls_server.py): `<|python_tag|>` (a special token, kept in the text of requests with
 tools) or a bare JSON reply, several calls separated by `;`; a JSON answer that is not a call stays
-content."""
+content. A `strict` tool under "auto" is a 400 with this parser: its calls have no marker for a
+structural tag to switch on at."""
 
 from __future__ import annotations
 
@@ -42,3 +43,12 @@ def test_llama3_calls(server, client, text: str, calls: list) -> None:
     assert choice.finish_reason == ("tool_calls" if calls else "stop")
     streamed, _ = ask_streamed(client, body)
     same_reply(streamed[0], choice)
+
+
+def test_strict_under_auto_is_refused_saying_why(client) -> None:
+    strict = {"type": "function", "function": {**TOOLS[0]["function"], "strict": True}}
+    with pytest.raises(openai.BadRequestError) as e:
+        client.chat.completions.create(model="default", messages=[{"role": "user", "content": "hi"}],
+                                       tools=[TOOLS[1], strict], max_tokens=4)
+    assert e.value.body["param"] == "tools[1].function.strict"
+    assert "--tool-call-parser llama3" in e.value.body["message"] and "no marker" in e.value.body["message"]

@@ -2,7 +2,8 @@
 deepseek-r1`, on the echo checkpoint (see test_tool_calls_server.py). Mistral's `[TOOL_CALLS]` is a
 special token of the tokenizer: the server keeps special tokens in the text of requests it parses
 for calls, and skips them as usual in the others. DeepSeek-R1's template opens the reasoning in the
-prompt (the test template's `open_think`), so the reply starts inside it without a tag.
+prompt (the test template's `open_think`), so the reply starts inside it without a tag. A `strict`
+tool under "auto" is held to its schema after the reasoning, in either of Mistral's syntaxes.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import pytest
 
 from echo_checkpoint import echo_body, echo_checkpoint
 from server_helpers import kill_server, popen_launch_server, read_log
-from tool_calls_testlib import TOOLS, ask, ask_streamed, same_reply
+from tool_calls_testlib import STRICT_FORECAST, TOOLS, ask, ask_streamed, same_reply, valid_forecast
 
 openai = pytest.importorskip("openai")  # the official client; the GPU machine may lack it
 
@@ -88,3 +89,19 @@ def test_reasoning_that_never_ends(server, client) -> None:
     pieces = [c.choices[0].delta.reasoning_content for c in chunks
               if c.choices and getattr(c.choices[0].delta, "reasoning_content", None)]
     assert pieces == ["Still thinking about it"]
+
+
+@pytest.mark.parametrize("calls", [
+    '[TOOL_CALLS] [{"name": "forecast", "arguments": {"city": "Paris", "hours": 3}}]',
+    '[TOOL_CALLS]forecast[ARGS]{"city": "Paris", "hours": 3}',
+])
+def test_a_strict_tools_call_is_held_to_its_schema_after_the_reasoning(server, client, calls: str) -> None:
+    thought = 'Maybe forecast with {"hours": 3}.'  # the reasoning is free text
+    body = echo_body(server, f"{thought}\n</think>\n\n{calls}", tools=[STRICT_FORECAST], **R1)
+    choice = ask(client, body).choices[0]
+    assert choice.message.reasoning_content == thought and choice.message.content is None
+    assert choice.finish_reason == "tool_calls"
+    [tc] = choice.message.tool_calls
+    assert tc.function.name == "forecast" and valid_forecast(tc.function.arguments), tc.function.arguments
+    streamed, _ = ask_streamed(client, body)
+    same_reply(streamed[0], choice)

@@ -1,7 +1,8 @@
 """Qwen3-Coder's XML tool calls end to end (`--tool-call-parser qwen3_coder`) on the echo checkpoint
 (see test_tool_calls_server.py): raw parameter values typed by the request's tool schemas, several
 calls in a row, text before them as content; streamed, a call's name comes before its arguments,
-which come a parameter at a time, and the stream adds up to the non-streamed reply."""
+which come a parameter at a time, and the stream adds up to the non-streamed reply. A `strict`
+tool under "auto": a wrong-typed parameter the model writes becomes one of the schema's type."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import pytest
 
 from echo_checkpoint import echo_body, echo_checkpoint
 from server_helpers import kill_server, popen_launch_server, read_log
-from tool_calls_testlib import assert_first_call_only, TIME, ask, ask_streamed, same_reply
+from tool_calls_testlib import STRICT_FORECAST, TIME, ask, ask_streamed, assert_first_call_only, same_reply, valid_forecast
 
 openai = pytest.importorskip("openai")  # the official client; the GPU machine may lack it
 
@@ -77,3 +78,19 @@ def test_a_call_streams_its_name_then_a_parameter_at_a_time(server, client) -> N
 def test_parallel_tool_calls_false_keeps_the_first_call(server, client) -> None:
     assert_first_call_only(client, echo_body(server, PARIS + "\n" + TOKYO_TIME, tools=TOOLS, parallel_tool_calls=False),
                            "get_weather")
+
+
+def test_a_strict_tools_parameters_are_held_to_its_schema(server, client) -> None:
+    """The structural tag switches on at <tool_call>; "days" is an integer, and "three" is not."""
+    text = "Checking.\n" + call("forecast", {"city": "Paris", "days": "three"})
+    body = echo_body(server, text, tools=[STRICT_FORECAST, TIME])
+    choice = ask(client, body).choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content == "Checking."
+    [tc] = choice.message.tool_calls
+    assert tc.function.name == "forecast" and valid_forecast(tc.function.arguments), tc.function.arguments
+    assert set(json.loads(tc.function.arguments)) == {"city", "days"}
+    streamed, _ = ask_streamed(client, body)
+    same_reply(streamed[0], choice)
+    loose = {"type": "function", "function": {k: v for k, v in STRICT_FORECAST["function"].items() if k != "strict"}}
+    choice = ask(client, echo_body(server, text, tools=[loose, TIME])).choices[0]
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris", "days": "three"}

@@ -130,10 +130,14 @@ def generate_cases() -> list[Case]:
         sp({"json_schema": ["x"]}, "json_schema must be a JSON string or an object"),
         sp({"ebnf": "root ::="}, "Invalid EBNF grammar in 'ebnf'"),
         sp({"ebnf": 'start ::= "a"'}, 'root rule with name "root" is not found'),
-        sp({"regex": "a", "json_schema": "{}"}, "only one of regex, json_schema and ebnf"),
-        sp({"structural_tag": "{}"}, "structural_tag is not supported"),
+        sp({"regex": "a", "json_schema": "{}"}, "only one of regex, json_schema, ebnf and structural_tag"),
+        sp({"structural_tag": "{}"}, "Invalid structural tag in 'structural_tag': Structural tag must have a format"),
+        sp({"structural_tag": {"type": "structural_tag", "format": {"type": "foo"}}}, "Format type not recognized"),
+        sp({"structural_tag": 5}, "structural_tag must be a JSON string or an object"),
         g({"text": "hi", "sampling_params": {"regex": "[0-9]{2}", "max_new_tokens": 4}}, "", 200),
         g({"text": "hi", "sampling_params": {"json_schema": {"type": "object"}, "max_new_tokens": 2}}, "", 200),
+        g({"text": "hi", "sampling_params": {"max_new_tokens": 2, "structural_tag": {
+            "type": "structural_tag", "format": {"type": "const_string", "value": "ok"}}}}, "", 200),
         g({"text": "hi", "return_logprob": "yes"}, "return_logprob"),
         g({"text": "hi", "logprob_start_len": -5}, "logprob_start_len"),
         g({"text": "hi", "logprob_start_len": "0"}, "logprob_start_len"),
@@ -318,7 +322,7 @@ def chat_cases() -> list[Case]:
            "'launch', which is not among the request's tools"),
         ch({"tools": [TOOL], "tool_choice": "always"}, 'tool_choice must be "none", "auto", "required"'),
         # tool_choice "required" and named functions are constrained (xgrammar), no parser needed;
-        # they take the request's one constraint, and strict tools are kept only under them.
+        # they take the request's one constraint. Strict tools under "auto" need the parser first.
         ch({"tools": [TOOL], "tool_choice": "required", "max_tokens": 2}, "", 200),
         ch({"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
             "max_tokens": 2}, "", 200),
@@ -328,7 +332,8 @@ def chat_cases() -> list[Case]:
             "guided_json": {"type": "object"}}, "guided_json cannot be combined with tool_choice naming"),
         ch({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "array"}}}],
             "tool_choice": "required"}, "tools[0].function.parameters must describe an object"),
-        ch({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]}, "needs a structural tag"),
+        ch({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}]},
+           "start the server with --tool-call-parser"),
         ch({"tools": [{"type": "function", "function": {"name": "f", "strict": True}}], "tool_choice": "required",
             "max_tokens": 2}, "", 200),
         ch({"tools": [{"type": "function", "function": {"name": "f", "strict": 1}}]}, "strict must be a boolean"),

@@ -159,10 +159,17 @@ def test_strict_tools_are_kept_where_the_output_is_constrained() -> None:
     for choice in ("required", {"type": "function", "function": {"name": "set_unit"}}):
         assert plan_tools([WEATHER, STRICT], choice, None).forced is not None
     assert not plan_tools([STRICT], "none", None).parse  # no call is made: nothing to keep
-    for choice in ("auto", None):
-        e = error(plan_tools, [WEATHER, STRICT], choice, "qwen25")
-        assert e.param == "tools[1].function.strict" and "needs a structural tag" in e.message
+    for choice in ("auto", None):  # parsed as without strict, and constrained by a structural tag
+        plan = plan_tools([WEATHER, STRICT], choice, "qwen25")
+        assert plan.parse and plan.forced is None and plan.constraint.spec.kind == "structural_tag"
+        assert plan.constraint.field == "tools[1].function.parameters"  # the one strict tool's schema
+        assert plan.constraint.asked_by == "tools[1].function.strict"
+        # Still a 400 where the parser's calls cannot be held (llama3's have no marker), saying why.
+        e = error(plan_tools, [WEATHER, STRICT], choice, "llama3")
+        assert e.param == "tools[1].function.strict" and "no marker of their own" in e.message
         assert 'tool_choice "required" or a named function' in e.message
+        # Without a parser the tools are refused as without strict.
+        assert "--tool-call-parser" in error(plan_tools, [WEATHER, STRICT], choice, None).message
     assert template_tools(ChatCompletionRequest(messages=[{"role": "user", "content": "hi"}], tools=[STRICT])) == [STRICT]
 
 

@@ -186,12 +186,39 @@ def test_bounded_strings_keep_their_bounds_and_json_validity(backend):
         {"anyOf": [{"type": "string", "pattern": "[\\s\\S]{1,}"}, {"type": "integer"}]}
 
 
+def test_a_structural_tags_json_schemas_get_what_a_json_schema_gets(backend, tokenizer):
+    """Inside a structural tag too, JSON white space is bounded and minLength / maxLength strings
+    keep raw control characters out; a user's own max_whitespace_cnt is kept."""
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 5}}}
+
+    def tag(**node) -> GrammarSpec:
+        fmt = {"type": "tag", "begin": "<x>", "content": {"type": "json_schema", "json_schema": schema, **node},
+               "end": "</x>"}
+        return GrammarSpec("structural_tag", json.dumps({"type": "structural_tag", "format": fmt}))
+
+    def accepts(spec: GrammarSpec, text: str) -> bool:
+        m = xgr.GrammarMatcher(backend.compile(spec))
+        return m.accept_string(text) and m.is_completed()
+
+    assert accepts(tag(), '<x>{"name": "ab"}</x>')
+    assert not accepts(tag(), '<x>{"name": "a\tb"}</x>')
+    assert accepts(tag(), "<x>{" + " " * JSON_MAX_WHITESPACE + "}</x>")
+    assert not accepts(tag(), "<x>{" + " " * (JSON_MAX_WHITESPACE + 1) + "}</x>")
+    assert not accepts(tag(max_whitespace_cnt=2), "<x>{   }</x>")
+
+
 @pytest.mark.parametrize("spec, fragment", [
     (GrammarSpec("regex", "[a-"), "Unclosed '['"),
     (GrammarSpec("json_schema", '{"type":'), "Failed to parse JSON"),
     (GrammarSpec("json_schema", '{"type": "foo"}'), 'Unsupported type "foo"'),
     (GrammarSpec("ebnf", 'root ::= "a" |'), "EBNF parser error"),
     (GrammarSpec("ebnf", 'other ::= "a"'), 'root rule with name "root" is not found'),
+    (GrammarSpec("structural_tag", "{}"), "Structural tag must have a format field"),
+    (GrammarSpec("structural_tag", "[1"), "Failed to parse JSON"),
+    (GrammarSpec("structural_tag", '{"type": "structural_tag", "format": {"type": "foo"}}'),
+     "Format type not recognized: foo"),
+    (GrammarSpec("structural_tag", '{"type": "structural_tag", "format": {"type": "json_schema", "json_schema": '
+                                   '{"type": "foo"}}}'), 'Unsupported type "foo"'),
 ])
 def test_bad_specs_raise_grammar_errors_without_log_prefixes(backend, spec, fragment):
     with pytest.raises(GrammarError) as e:
@@ -204,6 +231,9 @@ def test_clean_error_strips_xgrammars_prefixes():
     e = RuntimeError("[11:50:45] /project/cpp/json_schema_converter.cc:4939: Check failed: (error.empty()) is "
                      "false: Failed to parse JSON: syntax error\n")
     assert clean_error(e) == "Failed to parse JSON: syntax error"
+    e = RuntimeError("[19:48:10] /project/cpp/grammar_compiler.cc:1207: Check failed: (std::holds_alternative<Grammar>"
+                     "(result)) is false: Invalid structural tag error: Structural tag must have a format field\n")
+    assert clean_error(e) == "Structural tag must have a format field"
 
 
 @pytest.mark.parametrize("choices", [["yes", "no"], ['say "hi"', "a\\b\nc\t\x01", "ünï", ""]])
@@ -245,12 +275,18 @@ def test_sampling_params_take_one_constraint():
     assert p.grammar == GrammarSpec("json_schema", '{"type": "object", "properties": {"é": {"type": "string"}}}')
     assert SamplingParams.from_dict({"regex": "a+"}).grammar == GrammarSpec("regex", "a+")
     assert SamplingParams.from_dict({}).grammar is None
-    with pytest.raises(ValueError, match="ebnf: only one of regex, json_schema and ebnf"):
+    with pytest.raises(ValueError, match="ebnf: only one of regex, json_schema, ebnf and structural_tag"):
         SamplingParams.from_dict({"regex": "a", "ebnf": 'root ::= "a"'})
     with pytest.raises(ValueError, match="regex must be a string"):
         SamplingParams.from_dict({"regex": 5})
-    with pytest.raises(ValueError, match="structural_tag is not supported"):
-        SamplingParams.from_dict({"structural_tag": "{}"})
+    # A structural tag (xgrammar's JSON) is a constraint like the others: JSON text, or an object.
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "é"}}
+    assert SamplingParams.from_dict({"structural_tag": tag}).grammar == GrammarSpec("structural_tag", json.dumps(
+        tag, ensure_ascii=False))
+    with pytest.raises(ValueError, match="structural_tag: only one of"):
+        SamplingParams.from_dict({"regex": "a", "structural_tag": "{}"})
+    with pytest.raises(ValueError, match="structural_tag must be a JSON string or an object"):
+        SamplingParams.from_dict({"structural_tag": 5})
 
 
 def _chat(**extra) -> ChatCompletionRequest:

@@ -1,6 +1,9 @@
 """The xgrammar grammar backend (xgrammar's public API only: TokenizerInfo, GrammarCompiler,
 GrammarMatcher). Imported only by `create_grammar_backend("xgrammar", ...)`.
 
+A structural tag's JSON schemas get what a JSON schema gets (bounded white space, bounded strings as
+patterns) before it is compiled, so a schema means the same alone and inside a structural tag.
+
 The tokenizer's vocabulary is read once, at the first compile (a large vocabulary takes a while,
 and a server that never constrains never pays it). xgrammar's own compile cache is off: the callers
 keep compiled grammars in their own LRU (constrained/cache.py), which also remembers refusals.
@@ -24,6 +27,8 @@ from sglang.srt.sampling.grammar_spec import GrammarSpec
 # sometimes a failed check's text; what follows is the message meant for the user.
 _LOG_PREFIX = re.compile(r"^\[\d\d:\d\d:\d\d\] \S+:\d+: ")
 _CHECK_PREFIX = re.compile(r"^Check failed: .*? is false: ")
+# The kind of error a structural tag's compile names first, which the caller's message already says.
+_KIND_PREFIX = re.compile(r"^Invalid (structural tag|JSON) error: ")
 MAX_ERROR_CHARS = 1000
 # JSON may have white space between its elements (models write indented JSON), at most this many
 # characters in a row: without a bound a model can loop on white space until max_new_tokens, a known
@@ -77,10 +82,36 @@ def _json_schema_text(text: str) -> str:
     return json.dumps(bounded_strings_as_patterns(schema), ensure_ascii=False)
 
 
+def _structural_format(fmt: Any) -> Any:
+    """A structural tag's format tree with every JSON-style `json_schema` node given the same
+    treatment as a JSON schema constraint; other nodes (and other styles: Qwen's XML parameters
+    hold raw text, not JSON strings) are kept."""
+    if isinstance(fmt, list):
+        return [_structural_format(f) for f in fmt]
+    if not isinstance(fmt, dict):
+        return fmt
+    out = {key: _structural_format(value) for key, value in fmt.items() if key != "json_schema"}
+    if "json_schema" in fmt:
+        out["json_schema"] = fmt["json_schema"]
+    if fmt.get("type") == "json_schema" and fmt.get("style", "json") == "json":
+        out["json_schema"] = bounded_strings_as_patterns(fmt.get("json_schema"))
+        out.setdefault("max_whitespace_cnt", JSON_MAX_WHITESPACE)
+    return out
+
+
+def _structural_tag_text(text: str) -> str:
+    try:
+        tag = json.loads(text)
+    except ValueError:
+        return text  # xgrammar says what is wrong with it
+    return json.dumps(_structural_format(tag), ensure_ascii=False)
+
+
 def clean_error(e: BaseException) -> str:
     text = str(e).strip()
     text = _LOG_PREFIX.sub("", text)
     text = _CHECK_PREFIX.sub("", text).strip()
+    text = _KIND_PREFIX.sub("", text)
     if len(text) > MAX_ERROR_CHARS:
         text = text[:MAX_ERROR_CHARS] + "..."
     return text or type(e).__name__
@@ -131,6 +162,8 @@ class XGrammarBackend:
             if spec.kind == "json_schema":
                 return compiler.compile_json_schema(_json_schema_text(spec.value),
                                                     max_whitespace_cnt=JSON_MAX_WHITESPACE)
+            if spec.kind == "structural_tag":
+                return compiler.compile_structural_tag(_structural_tag_text(spec.value))
             return compiler.compile_grammar(spec.value)
         except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
             raise GrammarError(clean_error(e)) from None

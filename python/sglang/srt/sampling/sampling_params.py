@@ -30,9 +30,8 @@ _FIELDS = {
     "regex",
     "json_schema",
     "ebnf",
+    "structural_tag",
 }
-# SGLang's sampling parameters that this server refuses (rather than ignores), with the reason.
-_REFUSED = {"structural_tag": "structural_tag is not supported; use regex, json_schema or ebnf"}
 
 # OpenAI's ranges for the two additive penalties and for a logit bias; SGLang's (and vLLM's
 # former) upper bound of the repetition penalty.
@@ -96,11 +95,13 @@ class SamplingParams:
     min_new_tokens: int = 0
     # Token id -> bias added to its logit (OpenAI's logit_bias; -100 in effect bans the token).
     logit_bias: Optional[dict[int, float]] = None
-    # Constrained decoding (at most one): the output must match this regex, JSON schema (JSON text)
-    # or EBNF grammar (sglang/srt/constrained/); a request whose grammar is complete stops.
+    # Constrained decoding (at most one): the output must match this regex, JSON schema (JSON text),
+    # EBNF grammar or structural tag (xgrammar's, JSON text) (sglang/srt/constrained/); a request
+    # whose grammar is complete stops.
     regex: Optional[str] = None
     json_schema: Optional[str] = None
     ebnf: Optional[str] = None
+    structural_tag: Optional[str] = None
 
     @classmethod
     def from_dict(cls, data: Optional[dict[str, Any]]) -> "SamplingParams":
@@ -109,10 +110,7 @@ class SamplingParams:
             data = {}
         if not isinstance(data, dict):
             raise ValueError(f"sampling_params must be an object, got {type(data).__name__}")
-        for name, reason in _REFUSED.items():
-            if data.get(name) is not None:
-                raise ValueError(reason)
-        unknown = set(data) - _FIELDS - set(_REFUSED)
+        unknown = set(data) - _FIELDS
         if unknown:
             raise ValueError(f"sampling_params: unknown field(s) {sorted(unknown)}")
         kwargs: dict[str, Any] = {}
@@ -183,7 +181,7 @@ class SamplingParams:
             setattr(self, kind, normalize_constraint(kind, getattr(self, kind)))
         given = [kind for kind in GRAMMAR_KINDS if getattr(self, kind) is not None]
         if len(given) > 1:
-            raise ValueError(f"{given[1]}: only one of regex, json_schema and ebnf may be given "
+            raise ValueError(f"{given[1]}: only one of regex, json_schema, ebnf and structural_tag may be given "
                              f"(got {' and '.join(given)})")
 
     @property

@@ -15,10 +15,12 @@ Decisions (README, "Tool calling and reasoning"):
   The tools are still rendered by the template. Both are one constraint, so response_format, regex
   and the other structured-output fields are refused beside them (structured_outputs.py).
 * `strict: true` tools are kept to their schemas under "required" and a named function (the same
-  constraint). Under "auto" the model may write text or a call, and keeping only the call to a
-  schema needs a structural tag (a grammar that switches on at the call's marker), which this
-  server does not build: refused there with a 400 naming the alternatives, as this server refuses
-  every option it would have to ignore. Under "none" no call is made, so there is nothing to keep.
+  constraint). Under "auto" the model may write text or a call: the output is constrained by a
+  structural tag (strict_tools.py), free text until the --tool-call-parser's call marker, then a
+  call held to its tool's schema (a tool without strict: any object of arguments), and the reply
+  is parsed as without strict. It is the request's one constraint, as a forced choice's is. A
+  parser whose calls a structural tag cannot hold (llama3's have no marker) keeps the 400, saying
+  why. Under "none" no call is made, so there is nothing to keep.
 * Tool definitions are checked: type "function", a non-empty unique name, an object of parameters.
 """
 
@@ -29,9 +31,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from sglang.srt.entrypoints.openai.chat_output import ForcedCalls, OutputSpec
-from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS
+from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS, ReasoningFormat
+from sglang.srt.entrypoints.openai.strict_tools import ANY_OBJECT, ToolGrammar, strict_tools_tag
 from sglang.srt.entrypoints.openai.structured_outputs import Constraint
-from sglang.srt.entrypoints.openai.tool_parsers import tool_call_format
+from sglang.srt.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, tool_call_format
 from sglang.srt.managers.generate_request import InvalidRequestError
 from sglang.srt.sampling.grammar_spec import GrammarSpec
 
@@ -55,7 +58,8 @@ class ToolPlan:
     parse: bool  # whether the reply is parsed for tool calls by the --tool-call-parser
     names: frozenset[str]
     forced: Optional[ForcedCalls] = None  # tool_choice "required" or a named function
-    constraint: Optional[Constraint] = None  # what the output is constrained to then
+    # What the output is constrained to: the forced calls, or strict tools' calls under "auto".
+    constraint: Optional[Constraint] = None
 
 
 def _fail(message: str, param: str) -> None:
@@ -119,10 +123,12 @@ def template_tools(req: Any) -> Optional[list[dict[str, Any]]]:
 
 
 def plan_tools(tools: Optional[list[Any]], tool_choice: Any, tool_call_parser: Optional[str],
-               parallel_tool_calls: bool = True) -> ToolPlan:
-    """What a chat request's tools mean: parsed from the reply by the --tool-call-parser ("auto"),
-    forced by a constraint ("required", a named function), or neither ("none", no tools); a 400
-    for the refused combinations. The template renders them as template_tools() says."""
+               parallel_tool_calls: bool = True, reasoning: Optional[ReasoningFormat] = None) -> ToolPlan:
+    """What a chat request's tools mean: parsed from the reply by the --tool-call-parser ("auto",
+    its strict tools' calls constrained), forced by a constraint ("required", a named function),
+    or neither ("none", no tools); a 400 for the refused combinations. `reasoning`: the reply's
+    reasoning format, whose block the strict tools' constraint leaves free. The template renders
+    the tools as template_tools() says."""
     valid = validate_tools(tools)
     names = frozenset(t["function"]["name"] for t in valid)
     choice = _tool_choice(tool_choice, names)
@@ -140,18 +146,43 @@ def plan_tools(tools: Optional[list[Any]], tool_choice: Any, tool_call_parser: O
         return ToolPlan(parse=False, names=names, forced=ForcedCalls(function=None), constraint=constraint)
     if choice == "none" or not names:
         return ToolPlan(parse=False, names=names)
-    for i, tool in enumerate(valid):
-        if tool["function"].get("strict"):
-            where = f"tools[{i}].function.strict"
-            _fail(f'{where}: true is kept only with tool_choice "required" or a named function, whose output is '
-                  'constrained to the tools\' schemas; under "auto" the model may write text or a call, and '
-                  "constraining only the call needs a structural tag, which this server does not build. Drop "
-                  "strict (the arguments are then what the model wrote, parsed as JSON) or set tool_choice", where)
     if tool_call_parser is None:
         _fail("tools need a tool-call parser: start the server with --tool-call-parser "
               "(qwen25, llama3, mistral, ...), or send tool_choice \"none\", \"required\" or a named function "
               "(constrained, no parser needed)", "tools")
-    return ToolPlan(parse=True, names=names)
+    constraint = (_strict_calls_constraint(valid, tool_call_parser, parallel_tool_calls, reasoning)
+                  if any(t["function"].get("strict") for t in valid) else None)
+    return ToolPlan(parse=True, names=names, constraint=constraint)
+
+
+def _strict_calls_constraint(tools: list[dict[str, Any]], tool_call_parser: str, parallel_tool_calls: bool,
+                             reasoning: Optional[ReasoningFormat]) -> Constraint:
+    """tool_choice "auto" with strict tools among the checked `tools`: the structural tag holding
+    the calls the parser reads to their tools' schemas."""
+    where = f"tools[{next(i for i, t in enumerate(tools) if t['function'].get('strict'))}].function.strict"
+    grammars = []
+    parts = []
+    for i, tool in enumerate(tools):
+        fn = tool["function"]
+        if not fn.get("strict"):
+            grammars.append(ToolGrammar(fn["name"], ANY_OBJECT))
+            continue
+        field = f"tools[{i}].function.parameters"
+        schema = _arguments_schema(fn, field)
+        grammars.append(ToolGrammar(fn["name"], schema))
+        # Checked alone first, so that a schema xgrammar refuses is named as one, in its own field.
+        parts.append((GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False)), field))
+    fmt = TOOL_CALL_PARSERS[tool_call_parser].name
+    try:
+        tag = strict_tools_tag(fmt, grammars, parallel_tool_calls, reasoning)
+    except ValueError as e:
+        _fail(f'{where}: true under tool_choice "auto" cannot be kept with --tool-call-parser {tool_call_parser}: '
+              f'{e}. Drop strict (the arguments are then what the model wrote, parsed as JSON), or set tool_choice '
+              '"required" or a named function (the output is then constrained to the calls\' JSON)', where)
+    field = parts[0][1] if len(parts) == 1 else "tools"
+    return Constraint(GrammarSpec("structural_tag", json.dumps(tag, ensure_ascii=False)), field,
+                      what='tool_choice "auto" with strict tools', holds="its tool calls, to their tools' schemas",
+                      asked_by=where, parts=tuple(parts))
 
 
 # ---------------------------------------------------------------------------- forced calls' schemas
@@ -255,20 +286,28 @@ def message_tool_fields(i: int, msg: Any) -> dict[str, Any]:
     return out
 
 
-def request_plan(req: Any, tool_call_parser: Optional[str]) -> ToolPlan:
+def request_reasoning(req: Any, reasoning_parser: Optional[str]) -> Optional[ReasoningFormat]:
+    """The reasoning format a chat request's reply is read with (None: none), forced calls aside:
+    the --reasoning-parser's, unless the request turns thinking off for a parser that honours it."""
+    reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
+    kwargs = req.chat_template_kwargs or {}
+    if reasoning is not None and reasoning.honours_enable_thinking and kwargs.get("enable_thinking", True) is False:
+        return None
+    return reasoning
+
+
+def request_plan(req: Any, tool_call_parser: Optional[str], reasoning_parser: Optional[str] = None) -> ToolPlan:
     """plan_tools for a chat request."""
-    return plan_tools(req.tools, req.tool_choice, tool_call_parser, req.parallel_tool_calls is not False)
+    return plan_tools(req.tools, req.tool_choice, tool_call_parser, req.parallel_tool_calls is not False,
+                      request_reasoning(req, reasoning_parser))
 
 
 def output_spec(req: Any, tool_call_parser: Optional[str], reasoning_parser: Optional[str],
                 plan: Optional[ToolPlan] = None) -> OutputSpec:
     """What a chat request's reply text is parsed for (its tools and tool_choice checked: a 400
     for what is malformed or refused; `plan`: request_plan's, when the caller has it)."""
-    plan = plan if plan is not None else request_plan(req, tool_call_parser)
-    reasoning = REASONING_PARSERS[reasoning_parser] if reasoning_parser else None
-    kwargs = req.chat_template_kwargs or {}
-    if reasoning is not None and reasoning.honours_enable_thinking and kwargs.get("enable_thinking", True) is False:
-        reasoning = None
+    plan = plan if plan is not None else request_plan(req, tool_call_parser, reasoning_parser)
+    reasoning = request_reasoning(req, reasoning_parser)
     if plan.forced is not None:
         # The constraint holds from the first output token: the reply is the calls' JSON, with no
         # room to think first, and a reasoning parser would only misread it (deepseek-r1's takes a

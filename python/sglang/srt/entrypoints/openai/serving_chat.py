@@ -135,7 +135,7 @@ class OpenAIServingChat:
 
     async def _build(self, req: ChatCompletionRequest) -> tuple[GenerateReqInput, OutputSpec]:
         reject_unsupported(req)
-        plan = request_plan(req, self.tool_call_parser)  # checks tools, tool_choice
+        plan = request_plan(req, self.tool_call_parser, self.reasoning_parser)  # checks tools, tool_choice
         spec = output_spec(req, self.tool_call_parser, self.reasoning_parser, plan)
         if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
@@ -148,7 +148,7 @@ class OpenAIServingChat:
         adapter = self.tm.adapter_from_model(req.model, req.lora_path)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sampling_params = req.sampling_params(max_tokens)
-        await add_constraint(self.tm, req, sampling_params, plan.constraint)  # tool_choice's, or the request's
+        await add_constraint(self.tm, req, sampling_params, plan.constraint)  # the tools', or the request's
         input_ids = await chat_prompt_ids(self.tm, req)
         return GenerateReqInput(
             input_ids=input_ids,

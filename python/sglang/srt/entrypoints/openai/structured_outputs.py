@@ -7,7 +7,8 @@ Accepted (at most one per request), as OpenAI, SGLang and vLLM spell them:
   * vLLM's `guided_json`, `guided_regex`, `guided_choice` (a list of strings), `guided_grammar`
     (EBNF), and `structured_outputs` `{"json" | "regex" | "choice" | "grammar" | "json_object"}`.
 Refused with a message: two of them at once, one of them beside a chat request's tool_choice
-"required" or named function (which constrains the output to the calls: chat_tools.py),
+"required" or named function (which constrains the output to the calls: chat_tools.py) or beside
+`strict` tools under tool_choice "auto" (which constrain the calls: strict_tools.py),
 `structural_tag` (SGLang's and vLLM's), `guided_whitespace_pattern` and
 `structured_outputs.whitespace_pattern`, and a `guided_decoding_backend` other than the one this
 server runs.
@@ -34,7 +35,13 @@ NEUTRAL_STRUCTURED_OPTIONS = {"disable_fallback": (False, True), "disable_any_wh
 class Constraint:
     spec: GrammarSpec  # the native sampling parameter (`spec.kind`) and its value
     field: str  # the request field that asked for it: errors name it
-    what: str = ""  # how messages call it, where not by its field (a tool choice's)
+    # The tools' constraints (chat_tools.py) only: how messages call it, where not by its field;
+    # what it holds the output to; the request field whose option needs constrained decoding.
+    what: str = ""
+    holds: str = "to the calls' JSON"
+    asked_by: str = "tool_choice"
+    # Specs inside `spec`, checked first each under its own field, so that a bad one is named there.
+    parts: tuple[tuple[GrammarSpec, str], ...] = ()
 
 
 def _text(kind: str, value: Any, field: str) -> str:
@@ -157,22 +164,24 @@ async def add_constraint(tm: Any, request: Any, sampling_params: dict[str, Any],
                          tool_constraint: Optional[Constraint] = None) -> None:
     """Check the request's constraint at the door (a 400 naming its field unless it compiles on this
     server: the tokenizer manager's `check_grammar`) and put it into `sampling_params`.
-    `tool_constraint`: a chat request's forced tool calls (chat_tools.ToolPlan.constraint), which
-    take the request's one constraint."""
+    `tool_constraint`: a chat request's forced tool calls, or its strict tools' calls under "auto"
+    (chat_tools.ToolPlan.constraint), which take the request's one constraint."""
     backend = tm.config.grammar_backend
     constraint = requested_constraint(request, backend)
     if tool_constraint is not None:
         if constraint is not None:
             raise InvalidRequestError(
                 f"{constraint.field} cannot be combined with {tool_constraint.what}: that already constrains the "
-                "output (to the calls' JSON), and a request takes one constraint", param=constraint.field)
+                f"output ({tool_constraint.holds}), and a request takes one constraint", param=constraint.field)
         if backend == "none":
-            # Said here rather than by check_grammar: the client asked for a tool choice, not a schema.
+            # Said here rather than by check_grammar: the client asked for a tool option, not a schema.
             raise InvalidRequestError(
                 f"{tool_constraint.what} needs constrained decoding, which is off on this server "
-                f"(--grammar-backend none); to enable it, {how_to_enable()}", param="tool_choice")
+                f"(--grammar-backend none); to enable it, {how_to_enable()}", param=tool_constraint.asked_by)
         constraint = tool_constraint
     if constraint is None:
         return
+    for spec, field in constraint.parts:
+        await tm.check_grammar(spec, field)
     await tm.check_grammar(constraint.spec, constraint.field)
     sampling_params[constraint.spec.kind] = constraint.spec.value
