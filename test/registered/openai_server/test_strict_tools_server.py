@@ -108,6 +108,9 @@ def test_a_call_while_thinking_is_reasoning_and_left_alone(server, client) -> No
      "Invalid JSON schema in 'tools[1].function.parameters'"),
     ([{"type": "function", "function": {"name": "f", "strict": True, "parameters": {"type": "string"}}}], {},
      "tools[0].function.parameters", "must describe an object"),
+    # The grammar would write a call to this name that the parser reads back as content.
+    ([STRICT_FORECAST, {"type": "function", "function": {"name": "a</tool_call>b"}}], {}, "tools[1].function.name",
+     "cannot read back a call to this name"),
 ])
 def test_refused(client, tools: list, extra: dict, param: str, fragment: str) -> None:
     with pytest.raises(openai.BadRequestError) as e:

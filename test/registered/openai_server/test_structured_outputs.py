@@ -277,6 +277,39 @@ def test_abort_mid_grammar_leaves_no_state(url) -> None:
     assert info["grammar_matchers"] == 0 and info["last_integrity_check"]["grammar_matchers"] == 0
 
 
+def test_abort_while_the_grammar_is_checked_at_the_door(url) -> None:
+    """A request whose schema takes seconds to compile (arrays nested 350 deep; a fresh description,
+    so no cached check) is aborted by /abort_request while the tokenizer manager checks it: it ends
+    unrun, and its rid is taken meanwhile (the abort was dropped, and the request ran in full)."""
+    schema: dict[str, Any] = {"type": "string", "description": f"door-{time.time()}"}
+    for _ in range(350):
+        schema = {"type": "array", "items": schema}
+    body = {"text": "hi", "rid": "door-abort",
+            "sampling_params": {"max_new_tokens": 16, "ignore_eos": True, "json_schema": json.dumps(schema)}}
+    replies: dict[str, requests.Response] = {}
+    waiter = threading.Thread(target=lambda: replies.__setitem__("r", requests.post(
+        f"{url}/generate", json=body, timeout=120)))
+    waiter.start()
+
+    def active() -> int:
+        check = server_info(url)["tokenizer_integrity_check"]
+        return (check.get("now") or check)["active_requests"]
+
+    deadline = time.monotonic() + 60
+    while active() < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    twin = requests.post(f"{url}/generate", json={"text": "hi", "rid": "door-abort",
+                                                   "sampling_params": {"max_new_tokens": 1}}, timeout=60)
+    assert twin.status_code == 400 and "already running" in twin.json()["error"]["message"], twin.text
+    assert requests.post(f"{url}/abort_request", json={"rid": "door-abort"}, timeout=30).status_code == 200
+    waiter.join(120)
+    r = replies["r"]
+    assert r.status_code == 200, r.text
+    meta = r.json()["meta_info"]
+    assert meta["finish_reason"]["type"] == "abort" and meta["completion_tokens"] == 0, meta
+    assert_no_leaks(wait_idle(url))
+
+
 def test_retraction_under_kv_pressure_keeps_every_grammar(client, url) -> None:
     # Decode steps lower the share of a running request's budget that admission reserves (to its
     # floor after ~400): the burst below is then admitted whole and outgrows the small KV cache.

@@ -22,7 +22,7 @@ from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS
 from sglang.srt.entrypoints.openai.strict_tools import ANY_OBJECT, ToolGrammar, strict_tools_tag
 from sglang.srt.entrypoints.openai.structured_outputs import add_constraint
-from sglang.srt.entrypoints.openai.tool_parsers import tool_call_format
+from sglang.srt.entrypoints.openai.tool_parsers import CallStart, ParsedCall, ToolCallStream, tool_call_format
 from sglang.srt.managers.generate_request import InvalidRequestError
 from sglang.srt.sampling.grammar_spec import GrammarSpec
 
@@ -236,3 +236,51 @@ def test_refused_beside_another_constraint_and_without_a_backend(backend: str, e
     with pytest.raises(InvalidRequestError) as e:
         constrain(FakeTM(backend), [FORECAST, NOTE], **extra)
     assert e.value.param == param and fragment in e.value.message, e.value.message
+
+
+def _spelled(parser: str, name: str) -> list[str]:
+    """A call to `name` with no arguments, as each of the parser's tags spells it."""
+    if parser == "qwen25":
+        return [hermes(name, {})]
+    if parser == "qwen3_coder":
+        return [coder(name, {})]
+    return [mistral_array((name, {})), mistral_named(name, {})]
+
+
+def _reads_back(parser: str, name: str, tools: list, text: str) -> bool:
+    """Whether the parser reads `text` as one call to `name`, whole and streamed a character at a time."""
+    names = frozenset(t["function"]["name"] for t in tools)
+    whole = OutputSpec(tool_format=tool_call_format(parser, tools), tool_names=names).parser().parse(text)
+    stream = ToolCallStream(tool_call_format(parser, tools), names)
+    events = [e for c in text for e in stream.feed(c)] + stream.finish()
+    streamed = [e.name for e in events if isinstance(e, (ParsedCall, CallStart))]
+    return [c.name for c in whole.tool_calls] == [name] and streamed == [name]
+
+
+@pytest.mark.parametrize("parser, name", [
+    ("qwen25", "a</tool_call>b"),  # the parser ends the call at the first </tool_call>
+    ("qwen3_coder", "a>b"), ("qwen3_coder", "a\nb"), ("qwen3_coder", " f"),  # read up to ">", stripped
+    ("mistral", "a[ARGS]b"), ("mistral", "f "), ("mistral", "[f]"),  # up to [ARGS], stripped; "[" opens an array
+])
+def test_a_tool_name_the_parser_cannot_read_back_is_refused(parser: str, name: str) -> None:
+    """Under strict the grammar makes the model write the call, tool name and all; a name the parser
+    cannot read back would come out as content (marker and all), so it is a 400 naming the tool."""
+    odd = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    # Why it is refused: a spelling the grammar allows is not read back as the call.
+    assert not all(_reads_back(parser, name, [FORECAST, odd], text) for text in _spelled(parser, name))
+    with pytest.raises(InvalidRequestError) as e:
+        plan_tools([FORECAST, odd], "auto", parser)
+    assert e.value.param == "tools[1].function.name" and "cannot read back" in e.value.message, e.value.message
+    # Without strict nothing is constrained: the tools are taken as before.
+    plan_tools([{"type": "function", "function": {**FORECAST["function"], "strict": False}}, odd], "auto", parser)
+
+
+@pytest.mark.parametrize("parser, name", [
+    ("qwen25", "天気 <b>"), ("qwen25", 'a"b\n'), ("qwen3_coder", "天気"), ("qwen3_coder", "a b"),
+    ("mistral", "x y"), ("mistral", "f]"),
+])
+def test_odd_tool_names_the_parser_reads_back_are_kept(parser: str, name: str) -> None:
+    odd = {"type": "function", "function": {"name": name, "parameters": {"type": "object"}}}
+    for text in _spelled(parser, name):
+        assert _reads_back(parser, name, [FORECAST, odd], text), text
+    assert plan_tools([FORECAST, odd], "auto", parser).constraint is not None

@@ -109,6 +109,11 @@ CASES: list[tuple[str, str, Expected]] = [
     ("qwen25", '<tool_call>{"name": "get_weather", "arguments": {"city": "<tool_call> \\"}\\" ["}}</tool_call>',
      [ParsedCall("get_weather", json.dumps({"city": '<tool_call> "}" ['}, ensure_ascii=False))]),
     ("qwen25", "A partial marker at the end: <tool_ca", ["A partial marker at the end: <tool_ca"]),
+    # NaN and the infinities are not JSON (json.dumps would write them into the arguments): content
+    ("qwen25", '<tool_call>{"name": "get_weather", "arguments": {"city": NaN}}</tool_call>',
+     ['<tool_call>{"name": "get_weather", "arguments": {"city": NaN}}</tool_call>']),
+    ("qwen25", '<tool_call>{"name": "get_weather", "arguments": {"city": [1e999]}}</tool_call>',
+     ['<tool_call>{"name": "get_weather", "arguments": {"city": [1e999]}}</tool_call>']),
     ("qwen25", "<tool_call", ["<tool_call"]),
     # ---- llama3 (Llama 3.1 / 3.2 JSON)
     ("llama3", '{"name": "get_weather", "parameters": {"city": "Paris"}}', [weather("Paris")]),
@@ -146,6 +151,8 @@ CASES: list[tuple[str, str, Expected]] = [
     ("mistral", "[TOOL_CALLS]get_time[ARGS]", ["[TOOL_CALLS]get_time[ARGS]"]),
     ("mistral", "[TOOL_CALLS]get_time", ["[TOOL_CALLS]get_time"]),
     ("mistral", "[TOOL_CALLS]get_time[ARGS][1]", ["[TOOL_CALLS]get_time[ARGS][1]"]),
+    ("mistral", '[TOOL_CALLS]get_time[ARGS]{"a": -Infinity}', ['[TOOL_CALLS]get_time[ARGS]{"a": -Infinity}']),
+    ("llama3", '{"name": "get_time", "parameters": {"a": NaN}}', ['{"name": "get_time", "parameters": {"a": NaN}}']),
     ("mistral", '[TOOL_CALLS]get_time[ARGS]{"a": ]}', ['[TOOL_CALLS]get_time[ARGS]{"a": ]}']),
     ("mistral", "[TOOL_CALLS]get_time is a tool", ["[TOOL_CALLS]get_time is a tool"]),
     ("mistral", '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]rm[ARGS]{}', [TIME, "[TOOL_CALLS]rm[ARGS]{}"]),

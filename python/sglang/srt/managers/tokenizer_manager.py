@@ -385,17 +385,18 @@ class TokenizerManager(TokenizerLoRAMixin):
         # Every prompt is valid before any is queued.
         chars = sum(len(r.text) for r in reqs if r.text is not None)
         prepared = await self.off_loop(lambda: [self._prepare(r) for r in reqs], chars)
-        for spec in dict.fromkeys(p.grammar for _, p in prepared if p.grammar is not None):
-            await self.check_grammar(spec, spec.kind)  # n > 1 and batches share their specs' checks
         for r in reqs:
             if r.rid in self.rid_to_state or r.rid in self._abandoned or r.rid in self._waiting_rids:
                 raise InvalidRequestError(f"a request with rid {r.rid!r} is already running", param="rid")
-        # rids (and call rids) waiting for their adapters (a first-use load can take seconds): an
-        # /abort_request meanwhile is remembered, and such a request is never sent.
+        # rids (and call rids) waiting for their grammar's check or their adapters (a compile or a
+        # first-use load can take seconds): an /abort_request meanwhile is remembered, and such a
+        # request is never sent.
         waiting = {r.rid for r in reqs} | {r.group_rid for r in reqs if r.group_rid is not None}
         for key in waiting:
             self._waiting_rids[key] = self._waiting_rids.get(key, 0) + 1
         try:
+            for spec in dict.fromkeys(p.grammar for _, p in prepared if p.grammar is not None):
+                await self.check_grammar(spec, spec.kind)  # n > 1 and batches share their specs' checks
             lora_ids = await self.acquire_adapters([r.lora_name for r in reqs])
         finally:
             aborted = set()
@@ -531,7 +532,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         (its `n` > 1 samples R-0, R-1, ..., a batch's prompts)."""
         rids = [r for r, state in self.rid_to_state.items() if r == rid or state.req.group_rid == rid]
         if rid in self._waiting_rids:
-            self._aborted_waiting.add(rid)  # still waiting for its adapters: never sent
+            self._aborted_waiting.add(rid)  # still waiting for its grammar check or adapters: never sent
             if not rids:
                 return  # nothing of it reached the scheduler
         for r in rids or [rid]:

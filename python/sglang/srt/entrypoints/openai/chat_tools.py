@@ -32,7 +32,7 @@ from typing import Any, Optional
 
 from sglang.srt.entrypoints.openai.chat_output import ForcedCalls, OutputSpec
 from sglang.srt.entrypoints.openai.reasoning_parser import REASONING_PARSERS, ReasoningFormat
-from sglang.srt.entrypoints.openai.strict_tools import ANY_OBJECT, ToolGrammar, strict_tools_tag
+from sglang.srt.entrypoints.openai.strict_tools import ANY_OBJECT, ToolGrammar, strict_tools_tag, unreadable_name
 from sglang.srt.entrypoints.openai.structured_outputs import Constraint
 from sglang.srt.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS, tool_call_format
 from sglang.srt.managers.generate_request import InvalidRequestError
@@ -162,8 +162,15 @@ def _strict_calls_constraint(tools: list[dict[str, Any]], tool_call_parser: str,
     where = f"tools[{next(i for i, t in enumerate(tools) if t['function'].get('strict'))}].function.strict"
     grammars = []
     parts = []
+    fmt = TOOL_CALL_PARSERS[tool_call_parser].name
     for i, tool in enumerate(tools):
         fn = tool["function"]
+        # Every tool has a tag, so a call to any of them is one the grammar may make the model write.
+        why = unreadable_name(fmt, fn["name"])
+        if why is not None:
+            _fail(f'tools[{i}].function.name {fn["name"]!r}: --tool-call-parser {tool_call_parser} cannot read back '
+                  f'a call to this name ({why}), so the strict tools\' constraint under tool_choice "auto" cannot '
+                  'hold it. Rename the tool, or drop strict', f"tools[{i}].function.name")
         if not fn.get("strict"):
             grammars.append(ToolGrammar(fn["name"], ANY_OBJECT))
             continue
@@ -172,7 +179,6 @@ def _strict_calls_constraint(tools: list[dict[str, Any]], tool_call_parser: str,
         grammars.append(ToolGrammar(fn["name"], schema))
         # Checked alone first, so that a schema xgrammar refuses is named as one, in its own field.
         parts.append((GrammarSpec("json_schema", json.dumps(schema, ensure_ascii=False)), field))
-    fmt = TOOL_CALL_PARSERS[tool_call_parser].name
     try:
         tag = strict_tools_tag(fmt, grammars, parallel_tool_calls, reasoning)
     except ValueError as e:

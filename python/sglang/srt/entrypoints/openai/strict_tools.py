@@ -106,6 +106,21 @@ def _mistral(tools: list[ToolGrammar], parallel: bool) -> Format:
 BUILDERS = {"hermes": _hermes, "qwen3_coder": _qwen3_coder, "mistral": _mistral}
 
 
+def unreadable_name(parser: str, name: str) -> Optional[str]:
+    """Why the tool-call format `parser` could not read back a call to a tool named `name` as its
+    tag spells it (the grammar would make the model write a call that comes out as content), or
+    None. Names are otherwise free: OpenAI's own are letters, digits, "_" and "-"."""
+    if parser == "hermes" and "</tool_call>" in name:
+        return "the parser ends a call at the first </tool_call>"
+    if parser == "qwen3_coder" and (">" in name or "\n" in name or name != name.strip()):
+        return ("the parser reads a name up to the first \">\" on its line, without the white space at its "
+                "ends")
+    if parser == "mistral" and ("[ARGS]" in name or name != name.strip() or name[:1] in ("[", "{")):
+        return ("the parser reads [TOOL_CALLS]NAME[ARGS] up to the first [ARGS], without the white space at "
+                "the name's ends, and a name opening with \"[\" or \"{\" as the JSON array of calls")
+    return None
+
+
 def _after_reasoning(body: Format, reasoning: ReasoningFormat) -> Format:
     """`body` after the reasoning block, which is free text, as the reasoning parser reads it: a
     block closed by its end tag, or one that never closes (all reasoning); one the template opened

@@ -13,6 +13,7 @@ may stream them instead: its scanner's `progress()` gives a CallStart, then Call
 from __future__ import annotations
 
 import json
+import math
 import uuid
 from dataclasses import dataclass
 from typing import Any, ClassVar, Mapping, Optional, Sequence, Union
@@ -142,11 +143,24 @@ def skip_whitespace(text: str, i: int) -> int:
 
 
 def loads(text: str) -> Any:
-    """json.loads, or None for text that is not JSON."""
+    """json.loads, or None for text that is not JSON. NaN and the infinities (`NaN`, `Infinity`,
+    `1e999`), which Python's json reads, are refused at any depth: json.dumps would write them back
+    into a call's arguments, which would then not be JSON for the client."""
     try:
-        return json.loads(text)
+        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
     except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion limit
         return None
+
+
+def _reject_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not JSON")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"{text} is not a finite number")
+    return value
 
 
 def call_from_object(obj: Any, names: frozenset[str], argument_keys: tuple[str, ...]) -> Optional[ParsedCall]:
