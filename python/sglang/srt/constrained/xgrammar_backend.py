@@ -15,7 +15,7 @@ import json
 import os
 import re
 import threading
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 import xgrammar as xgr
@@ -74,12 +74,18 @@ def bounded_strings_as_patterns(schema: Any) -> Any:
     return out
 
 
-def _json_schema_text(text: str) -> str:
+def _rewritten_json(text: str, rewrite: Callable[[Any], Any]) -> str:
+    """`text` parsed, rewritten and serialised again; as it is when it is not JSON (xgrammar then
+    says what is wrong with it)."""
     try:
-        schema = json.loads(text)
+        value = json.loads(text)
     except ValueError:
-        return text  # xgrammar says what is wrong with it
-    return json.dumps(bounded_strings_as_patterns(schema), ensure_ascii=False)
+        return text
+    return json.dumps(rewrite(value), ensure_ascii=False)
+
+
+def _json_schema_text(text: str) -> str:
+    return _rewritten_json(text, bounded_strings_as_patterns)
 
 
 def _structural_format(fmt: Any) -> Any:
@@ -100,11 +106,7 @@ def _structural_format(fmt: Any) -> Any:
 
 
 def _structural_tag_text(text: str) -> str:
-    try:
-        tag = json.loads(text)
-    except ValueError:
-        return text  # xgrammar says what is wrong with it
-    return json.dumps(_structural_format(tag), ensure_ascii=False)
+    return _rewritten_json(text, _structural_format)
 
 
 def clean_error(e: BaseException) -> str:
