@@ -10,12 +10,13 @@ Adapter handling (names to ids, OpenAI model names, run-time loads) is in `token
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import math
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Iterator, Optional, Union
 
 from sglang.srt.configs.lora_ref import LoRAUpdateOutput
 from sglang.srt.configs.run_configs import TokenizerManagerConfig
@@ -110,6 +111,9 @@ class TokenizerManager(TokenizerLoRAMixin):
         self._resolve_pending: dict[str, int] = {}
         self._waiting_rids: dict[str, int] = {}  # rid -> requests of it waiting for their adapters
         self._aborted_waiting: set[str] = set()  # of those, the ones /abort_request named
+        # rids an /abort_request named while an OpenAI route checked their request (door()), for
+        # generate() to end unsent.
+        self._aborted_at_door: set[str] = set()
         self._resolve_lock: Optional[asyncio.Lock] = None
         self._token_text_cache: dict[int, str] = {}
         # Requests whose client went away, until the scheduler's news of their end: their rids are
@@ -380,14 +384,58 @@ class TokenizerManager(TokenizerLoRAMixin):
             if self.num_active_requests == 0:
                 self.check_integrity()
 
+    def _check_rid_free(self, rid: str) -> None:
+        if rid in self.rid_to_state or rid in self._abandoned or rid in self._waiting_rids:
+            raise InvalidRequestError(f"a request with rid {rid!r} is already running", param="rid")
+
+    def _leave_waiting(self, key: str) -> bool:
+        """One request of rid `key` stops waiting; whether /abort_request named it meanwhile."""
+        aborted = key in self._aborted_waiting
+        left = self._waiting_rids[key] - 1
+        if left:
+            self._waiting_rids[key] = left
+        else:
+            del self._waiting_rids[key]
+            self._aborted_waiting.discard(key)
+        return aborted
+
+    @contextlib.contextmanager
+    def door(self, rid: Optional[str]) -> Iterator[Callable[[], None]]:
+        """An OpenAI route's request from its checks to its generate(). Those routes check the
+        request's grammar before generate() (a compile can take seconds): meanwhile its rid counts
+        as waiting, so a twin rid is a 400 and an /abort_request is kept. The route calls the
+        yielded `admit()` right before generate(), which then ends an aborted request unsent."""
+        if rid is None:
+            yield lambda: None
+            return
+        self._check_rid_free(rid)
+        self._waiting_rids[rid] = self._waiting_rids.get(rid, 0) + 1
+        self.num_active_requests += 1  # in progress from here, as generate() counts its own
+        held = True
+
+        def admit() -> None:
+            nonlocal held
+            if held:
+                held = False
+                if self._leave_waiting(rid):
+                    self._aborted_at_door.add(rid)
+
+        try:
+            yield admit
+        finally:
+            admit()
+            self._aborted_at_door.discard(rid)  # generate() took it, or never came
+            self.num_active_requests -= 1
+            if self.num_active_requests == 0:
+                self.check_integrity()
+
     async def _generate(self, obj: GenerateReqInput, request: Any) -> AsyncIterator[Union[dict, list]]:
         reqs, is_batch = obj.normalize()
         # Every prompt is valid before any is queued.
         chars = sum(len(r.text) for r in reqs if r.text is not None)
         prepared = await self.off_loop(lambda: [self._prepare(r) for r in reqs], chars)
         for r in reqs:
-            if r.rid in self.rid_to_state or r.rid in self._abandoned or r.rid in self._waiting_rids:
-                raise InvalidRequestError(f"a request with rid {r.rid!r} is already running", param="rid")
+            self._check_rid_free(r.rid)
         # rids (and call rids) waiting for their grammar's check or their adapters (a compile or a
         # first-use load can take seconds): an /abort_request meanwhile is remembered, and such a
         # request is never sent.
@@ -399,16 +447,8 @@ class TokenizerManager(TokenizerLoRAMixin):
                 await self.check_grammar(spec, spec.kind)  # n > 1 and batches share their specs' checks
             lora_ids = await self.acquire_adapters([r.lora_name for r in reqs])
         finally:
-            aborted = set()
-            for key in waiting:
-                if key in self._aborted_waiting:
-                    aborted.add(key)
-                left = self._waiting_rids[key] - 1
-                if left:
-                    self._waiting_rids[key] = left
-                else:
-                    del self._waiting_rids[key]
-                    self._aborted_waiting.discard(key)
+            aborted = {key for key in waiting if self._leave_waiting(key)} | (waiting & self._aborted_at_door)
+            self._aborted_at_door -= waiting
         unowned = list(lora_ids)  # references not yet handed to a request state
         event = asyncio.Event()
         states: list[ReqState] = []

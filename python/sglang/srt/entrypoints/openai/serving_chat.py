@@ -188,10 +188,12 @@ class OpenAIServingChat:
         return ChatLogprobs(content=items)
 
     async def handle(self, req: ChatCompletionRequest, raw_request: Any) -> Response:
-        with openai_param_names(CHAT_PARAMS):
+        # The rid waits from before the grammar's check: an /abort_request during a slow compile holds.
+        with openai_param_names(CHAT_PARAMS), self.tm.door(req.rid if req.n == 1 else None) as admit:
             obj, spec = await self._build(req)
             self._keep_special_markers(obj, spec)
             req.model = self.tm.response_model_name(req.model)  # what the replies name
+            admit()
             if req.stream:
                 _, outs = await prime(self.tm.generate(obj, raw_request))
                 return streaming_response(self._stream(req, spec, outs), source=outs)

@@ -127,10 +127,12 @@ class OpenAIServingCompletion:
 
     # ------------------------------------------------------------------ handlers
     async def handle(self, req: CompletionRequest, raw_request: Any) -> Response:
-        with openai_param_names(COMPLETION_PARAMS):
+        # The rid waits from before the grammar's check: an /abort_request during a slow compile holds.
+        with openai_param_names(COMPLETION_PARAMS), self.tm.door(req.rid or None) as admit:
             obj, prompt_texts, num_prompts = self._build(req)
             await add_constraint(self.tm, req, obj.sampling_params)
             req.model = self.tm.response_model_name(req.model)  # what the replies name
+            admit()
             if req.stream:
                 _, outs = await prime(self.tm.generate(obj, raw_request))
                 return streaming_response(self._stream(req, outs, prompt_texts), source=outs)
