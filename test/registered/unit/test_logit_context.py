@@ -59,7 +59,7 @@ def expected(logits: torch.Tensor, reqs: list[Req], pending: int = 0,
 
 def adjusted(reqs: list[Req], ctx: LogitContext, logits: torch.Tensor, pending: int = 0,
              fed: Optional[list[int]] = None) -> torch.Tensor:
-    info = sampling_info_for(reqs, "cpu", pending, ctx)
+    info = sampling_info_for(reqs, "cpu", pending, logit_ctx=ctx)
     adj = info.adjustments if info is not None else None
     if adj is None:
         return logits.clone()
@@ -167,7 +167,7 @@ def test_min_new_tokens_bans_lift_per_request_as_outputs_reach_it() -> None:
     # Past every min_new_tokens, only the logit_bias rows adjust anything.
     assert ctx.plan_for(reqs).bias.index.numel() == 2
     plain = [req(9, [1], [1, 2], min_new_tokens=2)]
-    assert sampling_info_for(plain, "cpu", 0, ctx).adjustments is None
+    assert sampling_info_for(plain, "cpu", 0, logit_ctx=ctx).adjustments is None
 
 
 def test_penalties_of_a_retracted_request_keep_its_row_when_it_returns() -> None:
@@ -195,9 +195,9 @@ def test_penalties_built_for_a_step_are_refused_after_the_table_moved() -> None:
     synced its tokens would count them; they assert instead of answering wrong."""
     ctx = LogitContext({EOS}, VOCAB, "cpu")
     reqs = [req(0, [1], [2], frequency_penalty=1.0)]
-    stale = sampling_info_for(reqs, "cpu", 0, ctx).adjustments
+    stale = sampling_info_for(reqs, "cpu", 0, logit_ctx=ctx).adjustments
     grow(reqs, 0)
-    sampling_info_for(reqs, "cpu", 0, ctx)
+    sampling_info_for(reqs, "cpu", 0, logit_ctx=ctx)
     with pytest.raises(AssertionError, match="token counts changed"):
         stale.apply(torch.zeros(1, VOCAB))
 
@@ -206,7 +206,7 @@ def test_plans_are_few_and_hold_their_requests() -> None:
     ctx = LogitContext({EOS}, VOCAB, "cpu")
     batches = [[req(10 * k + i, [1], [2], logit_bias={"4": 1.0}) for i in range(2)] for k in range(6)]
     for batch in batches:
-        sampling_info_for(batch, "cpu", 0, ctx)
+        sampling_info_for(batch, "cpu", 0, logit_ctx=ctx)
     assert len(ctx._plans) == LogitContext.MAX_PLANS
     assert [p.reqs for p in ctx._plans.values()] == batches[-LogitContext.MAX_PLANS:]
 
@@ -217,15 +217,15 @@ def test_sampling_tensors_are_built_once_per_batch_and_steps_follow_each_step() 
     ctx = LogitContext({EOS}, VOCAB, "cpu")
     reqs = [req(0, [1], [2], temperature=0.7, top_p=0.9, seed=5), req(1, [1], [], temperature=0.0),
             req(2, [3], [4, 5], temperature=1.2, top_k=8, min_p=0.1, frequency_penalty=0.5)]
-    first = sampling_info_for(reqs, "cpu", 0, ctx)
+    first = sampling_info_for(reqs, "cpu", 0, logit_ctx=ctx)
     grow(reqs, 0)
-    second = sampling_info_for(reqs, "cpu", 1, ctx)
+    second = sampling_info_for(reqs, "cpu", 1, logit_ctx=ctx)
     assert second.temperatures is first.temperatures and second.top_ks is first.top_ks
     assert first.steps == [1, 0, 2] and second.steps == [3, 2, 4]
-    alone = sampling_info_for([reqs[0], reqs[1]], "cpu", 1)  # no context: nothing cached
+    alone = sampling_info_for([reqs[0], reqs[1]], "cpu", 1, logit_ctx=LogitContext({EOS}, VOCAB, "cpu"))  # nothing cached
     for name in ("temperatures", "top_ps", "top_ks", "min_ps"):
         assert torch.equal(getattr(second, name)[:2], getattr(alone, name)), name
     assert (second.seeds, second.need_top_k_sampling, second.need_min_p_sampling) == ([5, None, None], True, True)
     assert alone.steps == [3, 2] and alone.adjustments is None
     greedy = [req(3, [1], [2]), req(4, [1], [])]
-    assert sampling_info_for(greedy, "cpu", 0, ctx) is None
+    assert sampling_info_for(greedy, "cpu", 0, logit_ctx=ctx) is None

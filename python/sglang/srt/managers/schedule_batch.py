@@ -74,26 +74,19 @@ def grammar_mask_for(reqs: list[Req], vocab_size: int, device: torch.device | st
     return GrammarMask.build([rows[j] for j in kept], host, device)
 
 
-def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int = 0,
-                      logit_ctx: Optional[LogitContext] = None) -> Optional[SamplingBatchInfo]:
+def sampling_info_for(reqs: list[Req], device: torch.device | str, pending: int = 0, *,
+                      logit_ctx: LogitContext) -> Optional[SamplingBatchInfo]:
     """The batch's sampling tensors; None when every request is greedy and adjusts no logits,
     which the Sampler reads as argmax for every row (what it does with an all-greedy info too) and
     which costs no tensors and no copies (the CPU measured 168 µs per step at 64 requests for
     building them). `pending`: tokens each request has sampled that its output_ids do not hold
-    yet (a seeded request's step and min_new_tokens count them). With `logit_ctx` (the
-    scheduler's), what the batch's composition fixes is built once and reused while the same
-    requests come back (managers/logit_context.py)."""
+    yet (a seeded request's step and min_new_tokens count them). `logit_ctx` (the scheduler's):
+    what the batch's composition fixes is built once and reused while the same requests come back
+    (managers/logit_context.py)."""
     constrained = any(r.grammar is not None for r in reqs)
     # A grammar's mask is read from its matcher, which has accepted every token on the host: the
     # overlap schedule never feeds a constrained request a token still on the device.
     assert not (constrained and pending), "a constrained request in a step launched ahead of its token"
-    if logit_ctx is None:
-        params = [r.sampling_params for r in reqs]
-        if not constrained and all(p.is_greedy for p in params) and not any(p.adjusts_logits for p in params):
-            return None
-        assert not constrained and not any(p.adjusts_logits for p in params), \
-            "a request adjusts its logits: the batch needs a LogitContext"
-        return dataclasses.replace(_base_info(reqs, device), steps=[len(r.output_ids) + pending for r in reqs])
     plan = logit_ctx.plan_for(reqs)
     if not plan.adjusting and not constrained and plan.all_greedy:
         return None
@@ -136,12 +129,12 @@ class ScheduleBatch:
     @classmethod
     def prepare_extend(cls, reqs: list[Req], model_runner: "ModelRunner",
                        evict: Optional[Callable[[int], int]] = None,
-                       keep_lora_ids: frozenset = frozenset(),
-                       logit_ctx: Optional[LogitContext] = None) -> "ScheduleBatch":
+                       keep_lora_ids: frozenset = frozenset(), *,
+                       logit_ctx: LogitContext) -> "ScheduleBatch":
         """Allocate rows and KV for each request's `extend_len` tokens and build the batch (a
         request admitted with a cached prefix already has its row, holding that prefix).
         `keep_lora_ids`: adapters that stay resident with the batch (ForwardBatch.keep_lora_ids).
-        `logit_ctx`: needed when a request has penalties, a logit bias or min_new_tokens.
+        `logit_ctx`: the scheduler's (the penalties' token counts, the batch compositions' plans).
 
         Admission already checked that the memory is free or evictable; running out here is a bug.
         """
@@ -184,8 +177,8 @@ class ScheduleBatch:
     @classmethod
     def prepare_decode(cls, reqs: list[Req], model_runner: "ModelRunner",
                        evict: Optional[Callable[[int], int]] = None,
-                       input_ids: Optional[torch.Tensor] = None,
-                       logit_ctx: Optional[LogitContext] = None) -> "ScheduleBatch":
+                       input_ids: Optional[torch.Tensor] = None, *,
+                       logit_ctx: LogitContext) -> "ScheduleBatch":
         """One new KV slot per request (the caller made sure there are enough, evictable included).
 
         `input_ids` (device, one per request): the tokens to feed, sampled by a step whose results
@@ -208,7 +201,7 @@ class ScheduleBatch:
             req.kv_len += 1
         fb = build_decode_batch(
             items, model_runner.req_to_token_pool, model_runner.device,
-            sampling_info=sampling_info_for(reqs, model_runner.device, pending, logit_ctx),
+            sampling_info=sampling_info_for(reqs, model_runner.device, pending, logit_ctx=logit_ctx),
             enable_lora=model_runner.lora_manager is not None,
         )
         if input_ids is not None:

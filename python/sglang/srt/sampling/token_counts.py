@@ -84,10 +84,7 @@ class TokenCounts:
             rows.append(row)
             n = len(out)
             if n > synced:
-                if n - synced == 1:
-                    flat.append(row * vocab + out[-1])
-                else:
-                    flat.extend([row * vocab + t for t in out[synced:]])
+                flat.extend([row * vocab + t for t in out[synced:]])
                 req.counts_synced = n
         if flat:
             self.output_counts.view(-1).index_add_(0, to_device(flat, torch.int64, self.device), self._ones_of(len(flat)))

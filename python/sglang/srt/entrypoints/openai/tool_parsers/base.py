@@ -142,13 +142,18 @@ def skip_whitespace(text: str, i: int) -> int:
     return i
 
 
+def strict_json(text: str) -> Any:
+    """json.loads, refusing (ValueError) NaN and the infinities (`NaN`, `Infinity`, `1e999`) at any
+    depth: Python's json reads them, and json.dumps would write them back into a call's arguments,
+    which would then not be JSON for the client. RecursionError past Python's nesting limit."""
+    return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+
+
 def loads(text: str) -> Any:
-    """json.loads, or None for text that is not JSON. NaN and the infinities (`NaN`, `Infinity`,
-    `1e999`), which Python's json reads, are refused at any depth: json.dumps would write them back
-    into a call's arguments, which would then not be JSON for the client."""
+    """strict_json, or None for text that is not JSON (or nested past Python's recursion limit)."""
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
-    except (ValueError, RecursionError):  # not JSON, or nested past Python's recursion limit
+        return strict_json(text)
+    except (ValueError, RecursionError):
         return None
 
 

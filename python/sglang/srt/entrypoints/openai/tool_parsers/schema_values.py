@@ -9,9 +9,9 @@ parameter, or one without `type`), a value that is JSON is taken as JSON, any ot
 
 from __future__ import annotations
 
-import json
-import math
 from typing import Any, Mapping, Optional, Sequence
+
+from sglang.srt.entrypoints.openai.tool_parsers.base import strict_json
 
 _NOT = object()  # "does not read as this type"
 
@@ -80,21 +80,9 @@ def _as_type(raw: str, kind: str) -> Any:
     return _NOT
 
 
-def _reject_constant(name: str) -> Any:
-    raise ValueError(name)
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):  # 1e999
-        raise ValueError(text)
-    return value
-
-
 def _json(text: str) -> Any:
-    """json.loads of `text`, or _NOT. NaN and infinities, at any depth, are refused: json.dumps
-    would write them as `NaN` / `Infinity`, which are not JSON, into the call's arguments."""
+    """base.strict_json of `text` (NaN and infinities refused), or _NOT (a JSON null is None)."""
     try:
-        return json.loads(text, parse_constant=_reject_constant, parse_float=_finite_float)
+        return strict_json(text)
     except (ValueError, RecursionError):
         return _NOT
