@@ -107,7 +107,7 @@ def test_an_all_greedy_batch_builds_no_sampling_tensors() -> None:
     for the whole batch, its greedy rows still greedy."""
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
     from sglang.srt.managers.req import Req
-    from sglang.srt.managers.schedule_batch import sampling_info_for
+    from sglang.srt.managers.schedule_batch import LogitContext, sampling_info_for
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     def req(i: int, **params) -> Req:
@@ -115,8 +115,9 @@ def test_an_all_greedy_batch_builds_no_sampling_tensors() -> None:
         return Req(TokenizedGenerateReqInput(rid=f"r{i}", input_ids=[1, 2], sampling_params=sp), i)
 
     greedy = [req(0, temperature=0.0), req(1, temperature=0.7, top_k=1)]
-    assert sampling_info_for(greedy, "cpu") is None
-    mixed = sampling_info_for(greedy + [req(2, temperature=0.7, top_p=0.9)], "cpu")
+    ctx = LogitContext(set(), 50, "cpu")
+    assert sampling_info_for(greedy, "cpu", logit_ctx=ctx) is None
+    mixed = sampling_info_for(greedy + [req(2, temperature=0.7, top_p=0.9)], "cpu", logit_ctx=ctx)
     assert mixed is not None and not mixed.is_all_greedy and mixed.need_top_p_sampling
     assert mixed.temperatures.view(-1).tolist()[:2] == [0.0, 0.0]
     torch.manual_seed(0)
