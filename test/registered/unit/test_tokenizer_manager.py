@@ -86,3 +86,46 @@ def test_the_rid_of_a_request_whose_client_left_stays_taken_until_the_scheduler_
         assert "reused" not in tm._abandoned
 
     asyncio.run(scenario())
+
+
+def test_the_requests_of_one_call_reach_the_scheduler_in_one_message(tm) -> None:
+    """A batch's prompts (and `n` > 1 samples) go out as one message, so the scheduler takes them
+    at the same turn: sent one by one, a turn could start between two of them, and the batch's
+    shape (with its rows' float sums) would hang on the timing."""
+    from sglang.srt.managers.io_struct import (AbortReq, BatchTokenIDOut, TokenizedBatchReqInput,
+                                               TokenizedGenerateReqInput)
+
+    def drain() -> list:
+        sent = []
+        while not tm.client._outbox.empty():
+            sent.append(tm.client._outbox.get())
+        return [m for m in sent if not isinstance(m, AbortReq)]
+
+    async def send(obj: GenerateReqInput) -> list:
+        gen = tm.generate(obj)
+        waiting = asyncio.ensure_future(gen.__anext__())  # queued; no scheduler ever answers
+        await asyncio.sleep(0.05)
+        sent = drain()
+        waiting.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiting
+        await gen.aclose()
+        for m in sent:  # the scheduler's news of their end (they were never run)
+            for r in (m.reqs if isinstance(m, TokenizedBatchReqInput) else [m]):
+                tm._handle_message(BatchTokenIDOut(
+                    rids=[r.rid], finished_reasons=[{"type": "abort", "message": "aborted"}], output_ids=[[]],
+                    prompt_tokens=[len(r.input_ids)], completion_tokens=[0], cached_tokens=[0]))
+        return sent
+
+    async def scenario() -> None:
+        drain()
+        batch = await send(GenerateReqInput(input_ids=[[5, 6], [7, 8, 9], [4]], sampling_params={"max_new_tokens": 2}))
+        assert len(batch) == 1 and isinstance(batch[0], TokenizedBatchReqInput), batch
+        assert [r.input_ids for r in batch[0].reqs] == [[5, 6], [7, 8, 9], [4]]
+        samples = await send(GenerateReqInput(input_ids=[5, 6], sampling_params={"max_new_tokens": 2, "n": 3,
+                                                                                 "temperature": 1.0}))
+        assert len(samples) == 1 and len(samples[0].reqs) == 3, samples
+        single = await send(GenerateReqInput(input_ids=[5, 6], sampling_params={"max_new_tokens": 2}))
+        assert len(single) == 1 and isinstance(single[0], TokenizedGenerateReqInput), single
+
+    asyncio.run(scenario())

@@ -42,6 +42,16 @@ class TokenizedGenerateReqInput:
 
 
 @dataclass
+class TokenizedBatchReqInput:
+    """The requests of one call (a batch's prompts, `n` > 1 samples) in one message: the scheduler
+    receives them at the same turn, so a batch's rows are scheduled together whatever the timing
+    (sent one by one, a turn could start between them, and the batch's shape, with its rows' float
+    sums, would depend on the timing)."""
+
+    reqs: list[TokenizedGenerateReqInput]
+
+
+@dataclass
 class AbortReq:
     rid: str
 

@@ -35,6 +35,7 @@ from sglang.srt.managers.io_struct import (
     GetServerInfoReq,
     LoadLoRAAdapterReq,
     ShutdownReq,
+    TokenizedBatchReqInput,
     TokenizedGenerateReqInput,
     UnloadLoRAAdapterReq,
 )
@@ -190,11 +191,14 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             if ready:
                 local.append(GrammarReady(ready))
         for msg in receive_messages(self.recv_conn, self.tp_group, timeout, local):
-            if self.inflight is not None and not isinstance(msg, (TokenizedGenerateReqInput, AbortReq,
+            if self.inflight is not None and not isinstance(msg, (TokenizedGenerateReqInput, TokenizedBatchReqInput, AbortReq,
                                                                    GetServerInfoReq, GrammarReady)):
                 self.drain_inflight()  # adapter loads, flushes, faults, shutdown: with no step in flight
             if isinstance(msg, TokenizedGenerateReqInput):
                 self.add_request(msg)
+            elif isinstance(msg, TokenizedBatchReqInput):
+                for req in msg.reqs:
+                    self.add_request(req)
             elif isinstance(msg, GrammarReady):
                 self.on_grammar_ready(msg)
             elif isinstance(msg, AbortReq):

@@ -38,6 +38,7 @@ from sglang.srt.managers.io_struct import (
     FlushCacheReq,
     GetServerInfoOut,
     GetServerInfoReq,
+    TokenizedBatchReqInput,
     TokenizedGenerateReqInput,
 )
 from sglang.srt.managers.req_state import ReqState, iterate_states
@@ -452,6 +453,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         unowned = list(lora_ids)  # references not yet handed to a request state
         event = asyncio.Event()
         states: list[ReqState] = []
+        outgoing: list[TokenizedGenerateReqInput] = []  # sent together, after every state is registered
         try:
             for i, (req, (input_ids, params), lora_id) in enumerate(zip(reqs, prepared, lora_ids)):
                 detok = None
@@ -471,13 +473,17 @@ class TokenizerManager(TokenizerLoRAMixin):
                     # Aborted while its adapter loaded: never sent, so no step can run it first.
                     state.abort_unsent()
                     continue
-                self.client.send(TokenizedGenerateReqInput(
+                outgoing.append(TokenizedGenerateReqInput(
                     rid=req.rid, input_ids=input_ids, sampling_params=params,
                     return_logprob=req.return_logprob,
                     logprob_start_len=req.logprob_start_len if req.return_logprob else -1,
                     top_logprobs_num=req.top_logprobs_num if req.return_logprob else 0,
                     lora_id=lora_id, stream=req.stream, cache_salt=req.cache_salt,
                 ))
+            if len(outgoing) == 1:
+                self.client.send(outgoing[0])
+            elif outgoing:
+                self.client.send(TokenizedBatchReqInput(outgoing))
             async for out in iterate_states(states, is_batch, obj.stream, request, self.token_text):
                 yield out
         finally:
