@@ -106,6 +106,10 @@ LORA_VARIANTS = {
     # The default, RMSNorm releasing its programmatic dependents at its start (a folded module's
     # shrink_pack at prefill starts early).
     "lora-norm-release": ("auto", "small"),
+    # The default, folded modules' shrink at prefill as one GEMM over every slot's A and a pack
+    # (SGLANG_LORA_GEMM_SHRINK: 1 every prefill, 1024 from buckets of 1,024 tokens).
+    "lora-gemm-shrink": ("auto", "small"),
+    "lora-gemm-shrink-1024": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -126,11 +130,13 @@ BASE_ENV = {"SGLANG_LORA_PREFILL_UNFOLD": "0", "SGLANG_LORA_PACK_IN_PLACE": "1",
 VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora-no-afold": {"SGLANG_LORA_AFOLD": "0"},
                "lora-no-afold-expand": {"SGLANG_LORA_AFOLD_EXPAND": "0"},
                "lora-pack-in-place": {"SGLANG_LORA_AFOLD_PREFILL": "0"},
-               "lora-copying": {"SGLANG_LORA_PACK_IN_PLACE": "0", "SGLANG_LORA_AFOLD_PREFILL": "0"}}
+               "lora-copying": {"SGLANG_LORA_PACK_IN_PLACE": "0", "SGLANG_LORA_AFOLD_PREFILL": "0"},
+               "lora-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "1"},
+               "lora-gemm-shrink-1024": {"SGLANG_LORA_GEMM_SHRINK": "tokens:1024"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",
-                "_segment_expand_kernel", "_norm_shrink_pack_kernel")
+                "_segment_expand_kernel", "_norm_shrink_pack_kernel", "_pack_all_slots_kernel")
 
 
 @dataclass

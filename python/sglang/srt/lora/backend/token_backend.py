@@ -46,6 +46,8 @@ from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend._staging import StagedCopy, to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
+from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, gemm_shrink_fits, gemm_shrink_pack,
+                                                     gemm_shrink_width)
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack, silu_shrink, silu_shrink_pack
 from sglang.srt.lora.triton_ops.token_lora import (
@@ -102,6 +104,22 @@ def rowwise_decode_bound(value: str, small: int = ROWWISE_SMALL_ROWS,
     raise ValueError(f"{name}={value!r}: use 0, 1, small or rows:N (N > 0)")
 
 
+# SGLANG_LORA_GEMM_SHRINK: at prefills whose graph bucket holds at least this many tokens, a folded
+# module whose norm (or SiLU-and-mul) wrote its input into x_aug (SGLANG_LORA_PACK_IN_PLACE) takes
+# its shrink as one GEMM over every slot's A and a pack (triton_ops/gemm_shrink.py) in place of
+# shrink_pack. "0" never, "1" every prefill, "tokens:T" from T tokens.
+GEMM_SHRINK_DEFAULT = "0"
+
+
+def gemm_shrink_bound(value: str) -> Optional[int]:
+    """SGLANG_LORA_GEMM_SHRINK's least bucket (None: never)."""
+    if value in ("0", "1"):
+        return None if value == "0" else 0
+    if value.startswith("tokens:") and value[7:].isdigit():
+        return int(value[7:])
+    raise ValueError(f"SGLANG_LORA_GEMM_SHRINK={value!r}: use 0, 1 or tokens:T (T >= 0)")
+
+
 @dataclass
 class _Scratch:
     """Per-call buffers for batches of up to `rows` rows (shared by every layer and module kind:
@@ -111,9 +129,14 @@ class _Scratch:
     flat: torch.Tensor  # x_aug of a folded module / shrink output of an unfolded one, row-major
     workspace: torch.Tensor  # fp32 split-K partials
     counters: torch.Tensor  # int32 tickets; zero between launches (each launch re-arms its own)
+    gemm_y: Optional[torch.Tensor] = None  # the GEMM shrink's every-slot shrink (SGLANG_LORA_GEMM_SHRINK)
 
     def matrix(self, rows: int, width: int) -> torch.Tensor:
         return self.flat[: rows * width].view(rows, width)
+
+    def gemm_shrink_out(self, rows: int, width: int) -> torch.Tensor:
+        assert self.gemm_y is not None and rows * width <= self.gemm_y.numel(), (rows, width)
+        return self.gemm_y[: rows * width].view(rows, width)
 
 
 @dataclass
@@ -194,6 +217,8 @@ class TokenLoRABackend(BaseLoRABackend):
         # the packed shrink: one write of the module's input rows less (T x K elements; at a
         # 8192-token prefill of the Qwen3-4B shape 160 MB per layer for down_proj alone).
         self.pack_in_place = os.environ.get("SGLANG_LORA_PACK_IN_PLACE", "1") == "1"
+        self.gemm_shrink_min_tokens = gemm_shrink_bound(os.environ.get("SGLANG_LORA_GEMM_SHRINK", GEMM_SHRINK_DEFAULT))
+        self._gemm_shrink_now = False  # this batch is a prefill the bound admits
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
         self._row_plans: dict[tuple[int, bool], tuple[bool, bool, int]] = {}  # _row_plan_for's
         self._prefill_buckets: list[int] = []  # the prefill graphs' token counts, for prefill_bucket
@@ -237,12 +262,21 @@ class TokenLoRABackend(BaseLoRABackend):
                 workspace = max(workspace, plan.workspace_numel(rows))
                 counters = max(counters, plan.num_counters(self.segment_capacity(rows)))
         dev = self.device
+        gemm_cols = max((self._gemm_shrink_cols(s) for s in self.specs.values()), default=0)
         return _Scratch(
             rows,
             torch.empty(rows * width, dtype=self.dtype, device=dev),
             torch.empty(workspace, dtype=torch.float32, device=dev),
             torch.zeros(counters, dtype=torch.int32, device=dev),
+            torch.empty(rows * gemm_cols, dtype=self.dtype, device=dev) if gemm_cols else None,
         )
+
+    def _gemm_shrink_cols(self, spec: LoRAModuleSpec) -> int:
+        """y's width where `spec` may take the GEMM shrink (SGLANG_LORA_GEMM_SHRINK), else 0."""
+        if self.gemm_shrink_min_tokens is None or not spec.folded or not self.pack_in_place:
+            return 0
+        cols = gemm_shrink_width(self._slot_ranks.numel() - 1, spec.stack, spec.max_rank)
+        return cols if cols <= GEMM_SHRINK_MAX_COLS else 0
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         """Whether an unfolded module runs the token-major shrink/expand (subclasses may not)."""
@@ -307,6 +341,8 @@ class TokenLoRABackend(BaseLoRABackend):
         fused = self.fuse_norm and not extend
         assert not fused or num_rows == bs, (num_rows, bs)
         rowwise, defer, capacity = self._row_plan_for(num_rows, fused)
+        bound = self.gemm_shrink_min_tokens
+        self._gemm_shrink_now = bound is not None and extend and self.prefill_bucket(num_rows) >= bound
         if path.is_graph:
             meta = self._decode if path is ForwardPath.DECODE_GRAPH else self._prefill
             assert meta is not None, "init_*_cuda_graph_batch_info must run before a graph batch"
@@ -519,7 +555,15 @@ class TokenLoRABackend(BaseLoRABackend):
     def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: torch.nn.Module) -> torch.Tensor:
         if prepared.x_aug is not None:
             if prepared.pack_pending:  # the rows are in place: shrink_pack adds only the shrink
-                info, scratch = self.batch_info, self._scratch
+                info, scratch, spec = self.batch_info, self._scratch, weights.spec
+                cols = self._gemm_shrink_cols(spec)
+                if self._gemm_shrink_now and cols and gemm_shrink_fits(weights.A):
+                    gemm_shrink_pack(prepared.x_aug, spec.in_dim, weights.A,
+                                     scratch.gemm_shrink_out(prepared.x_aug.shape[0], cols), info.permutation,
+                                     info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
+                                     spec.stack, spec.max_rank, self._slot_ranks.numel() - 1, info.bs,
+                                     self.segment_rows)
+                    return F.linear(prepared.x_aug, weights.folded, weights.bias)
                 self._launches[weights.spec.name].pack_in_place(
                     prepared.normed, weights.A, prepared.x_aug, scratch.workspace, scratch.counters,
                     info.permutation, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings)
