@@ -30,8 +30,9 @@ import triton.language as tl
 from sglang.srt.lora.triton_ops._token_rows import segment_rows
 
 # Widest y (S*c*R columns) the GEMM shrink takes: 8 slots of rank 16 on qkv are 384, 16 slots 768;
-# past it the GEMM's S-fold FLOPs outgrow what shrink_pack's latency costs.
-GEMM_SHRINK_MAX_COLS = 1024
+# past it the GEMM's S-fold FLOPs may outgrow what shrink_pack's latency costs (not measured yet:
+# 64 slots' down_proj, 1,024 columns, keeps shrink_pack).
+GEMM_SHRINK_MAX_COLS = 768
 
 
 @triton.jit
