@@ -202,6 +202,54 @@ def test_folded_modules_apart_at_prefill_graph_equals_eager(prefill):
 
 
 @functools.lru_cache(maxsize=None)
+def gemm_shrink_runner(lora_backend: str, prefill: str, dtype: str = "bfloat16", gemm_shrink: str = "1"):
+    """SGLANG_LORA_GEMM_SHRINK=`gemm_shrink`: folded modules' shrink at every prefill as one GEMM
+    over every slot's A and a pack (lora/triton_ops/gemm_shrink.py)."""
+    ckpt, adapters = assets()
+    graphs = dict(disable_cuda_graph=True) if prefill == "disabled" else dict(
+        disable_cuda_graph=False, cuda_graph_backend_prefill=prefill, cuda_graph_backend_decode="full",
+        cuda_graph_bs_prefill=PREFILL_BUCKETS, cuda_graph_bs_decode=DECODE_BUCKETS,
+    )
+    os.environ["SGLANG_LORA_GEMM_SHRINK"] = gemm_shrink  # read when the backend is built
+    try:
+        return make_runner(
+            ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
+            max_running_requests=64, lora_paths=[f"{n}={p}" for n, p in adapters.items()],
+            max_loras_per_batch=3, lora_backend=lora_backend, **graphs,
+        )
+    finally:
+        del os.environ["SGLANG_LORA_GEMM_SHRINK"]
+
+
+@pytest.mark.parametrize("lora_backend,prefill", [("csgmv", "breakable"), ("triton", "full")])
+def test_gemm_shrink_prefill_graph_matches_eager(lora_backend, prefill, monkeypatch):
+    """The GEMM shrink under the prefill graphs: prompt logprobs of adapter, base and mixed batches
+    (and 40 requests) match eager's with it (bf16, TOL) and the graph really ran it; in float32
+    the engine with it matches the engine with shrink_pack."""
+    from sglang.srt.lora.backend import token_backend
+
+    calls = []
+    original = token_backend.gemm_shrink_pack
+    monkeypatch.setattr(token_backend, "gemm_shrink_pack", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    g, e = gemm_shrink_runner(lora_backend, prefill), gemm_shrink_runner(lora_backend, "disabled")
+    for prompts, names in ((MIXED, ["a", None, "b", None]), (PROMPTS[:1], ["a"]), (MANY, ["a", "b"] * 20)):
+        graph, used = prompt_logprobs(g, prompts, names)
+        # (The full graph holds 16 requests: 40 run eagerly there.)
+        assert used or (prefill == "full" and len(prompts) > 16), "the prefill graph did not serve the batch"
+        eager, _ = prompt_logprobs(e, prompts, names)
+        diff = max_diff(graph, eager)
+        print(f"gemm shrink {lora_backend}/{prefill}: max |graph - eager| = {diff:.2e}")
+        assert diff < TOL, diff
+    assert calls, "no prefill took the GEMM shrink"
+    apart = gemm_shrink_runner(lora_backend, "disabled", "float32", "1")
+    ref = gemm_shrink_runner(lora_backend, "disabled", "float32", "0")
+    for prompts, names in ((MIXED, ["a", None, "b", None]), (BIG_THEN_SMALL[0], ["a", "b", None, "a", "b", None])):
+        diff = max_diff(prompt_logprobs(apart, prompts, names)[0], prompt_logprobs(ref, prompts, names)[0])
+        print(f"gemm shrink {lora_backend}: float32 max |gemm shrink - shrink_pack| = {diff:.2e}")
+        assert diff < 1e-3, diff
+
+
+@functools.lru_cache(maxsize=None)
 def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = False, fold: str = "auto",
                       fuse: str = "on", dtype: str = "bfloat16", afold: str = "small"):
     ckpt, adapters = assets()
