@@ -106,10 +106,12 @@ LORA_VARIANTS = {
     # The default, RMSNorm releasing its programmatic dependents at its start (a folded module's
     # shrink_pack at prefill starts early).
     "lora-norm-release": ("auto", "small"),
-    # The default, folded modules' shrink at prefill as one GEMM over every slot's A and a pack
-    # (SGLANG_LORA_GEMM_SHRINK: 1 every prefill, 1024 from buckets of 1,024 tokens).
+    # Folded modules' shrink at prefill as one GEMM over every slot's A and a pack
+    # (SGLANG_LORA_GEMM_SHRINK): at every prefill, from buckets of 1,024 tokens (the default since
+    # 2026-12-05), never (shrink_pack, the default before).
     "lora-gemm-shrink": ("auto", "small"),
     "lora-gemm-shrink-1024": ("auto", "small"),
+    "lora-no-gemm-shrink": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -132,7 +134,8 @@ VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora
                "lora-pack-in-place": {"SGLANG_LORA_AFOLD_PREFILL": "0"},
                "lora-copying": {"SGLANG_LORA_PACK_IN_PLACE": "0", "SGLANG_LORA_AFOLD_PREFILL": "0"},
                "lora-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "1"},
-               "lora-gemm-shrink-1024": {"SGLANG_LORA_GEMM_SHRINK": "tokens:1024"}}
+               "lora-gemm-shrink-1024": {"SGLANG_LORA_GEMM_SHRINK": "tokens:1024"},
+               "lora-no-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "0"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",

@@ -116,7 +116,7 @@ def assets(tmp_path_factory):
     }
 
 
-def _run(assets, backend: str, gemm_shrink: str, monkeypatch) -> tuple[list, torch.Tensor, int]:
+def _run(assets, backend: str, gemm_shrink: str, monkeypatch, **overrides) -> tuple[list, torch.Tensor, int]:
     """Prefill the prompts on adapters a, base, b, a, then three greedy decode steps: the tokens,
     the decode logprobs and how many GEMM shrinks ran."""
     from helpers import EngineDriver, make_runner
@@ -126,7 +126,7 @@ def _run(assets, backend: str, gemm_shrink: str, monkeypatch) -> tuple[list, tor
     ckpt, paths = assets
     monkeypatch.setenv("SGLANG_LORA_GEMM_SHRINK", gemm_shrink)
     runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
-                         max_lora_rank=8)
+                         max_lora_rank=8, **overrides)
     monkeypatch.delenv("SGLANG_LORA_GEMM_SHRINK")
     calls = []
     original = token_backend.gemm_shrink_pack
@@ -160,4 +160,12 @@ def test_prefills_take_the_gemm_shrink_and_decode_the_same(assets, backend, monk
 
 def test_a_bound_past_the_prefill_keeps_shrink_pack(assets, monkeypatch):
     _, _, calls = _run(assets, "csgmv", "tokens:64", monkeypatch)  # the prefill holds 19 tokens
+    assert calls == 0
+
+
+def test_more_slots_than_the_bound_keep_shrink_pack(assets, monkeypatch):
+    """The GEMM does every slot's work: past GEMM_SHRINK_MAX_SLOTS adapter slots it stays off."""
+    from sglang.srt.lora.triton_ops.gemm_shrink import GEMM_SHRINK_MAX_SLOTS
+
+    _, _, calls = _run(assets, "csgmv", "1", monkeypatch, max_loras_per_batch=GEMM_SHRINK_MAX_SLOTS + 1)
     assert calls == 0

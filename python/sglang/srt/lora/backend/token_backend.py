@@ -46,8 +46,8 @@ from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend._staging import StagedCopy, to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
-from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, gemm_shrink_fits, gemm_shrink_pack,
-                                                     gemm_shrink_width)
+from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, GEMM_SHRINK_MAX_SLOTS, gemm_shrink_fits,
+                                                     gemm_shrink_pack, gemm_shrink_width)
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack, silu_shrink, silu_shrink_pack
 from sglang.srt.lora.triton_ops.token_lora import (
@@ -107,8 +107,13 @@ def rowwise_decode_bound(value: str, small: int = ROWWISE_SMALL_ROWS,
 # SGLANG_LORA_GEMM_SHRINK: at prefills whose graph bucket holds at least this many tokens, a folded
 # module whose norm (or SiLU-and-mul) wrote its input into x_aug (SGLANG_LORA_PACK_IN_PLACE) takes
 # its shrink as one GEMM over every slot's A and a pack (triton_ops/gemm_shrink.py) in place of
-# shrink_pack. "0" never, "1" every prefill, "tokens:T" from T tokens.
-GEMM_SHRINK_DEFAULT = "0"
+# shrink_pack. "0" never, "1" every prefill, "tokens:T" from T tokens. H100, 9 slots of rank 16
+# (bench_gemm_shrink.py, µs shrink_pack -> GEMM + pack): Qwen3-4B qkv_proj 10.3 -> 10.3 at 512
+# rows, 15.1 -> 11.1 at 1,024, 75.2 -> 34.1 at 8,192; gate_up_proj 7.3 -> 9.0 at 512, 9.4 -> 9.8
+# at 1,024, 44.4 -> 26.7 at 8,192; rank 64 wins from 512 rows. Whole prefill steps with 8 adapters:
+# 4x512 LoRA / base 1.16 -> 1.14 (GPU busy 1.20 -> 1.15), 16x512 1.15 -> 1.14; at 128 tokens it
+# loses (1.16 -> 1.19). Hence from buckets of 1,024 tokens.
+GEMM_SHRINK_DEFAULT = "tokens:1024"
 
 
 def gemm_shrink_bound(value: str) -> Optional[int]:
@@ -275,8 +280,9 @@ class TokenLoRABackend(BaseLoRABackend):
         """y's width where `spec` may take the GEMM shrink (SGLANG_LORA_GEMM_SHRINK), else 0."""
         if self.gemm_shrink_min_tokens is None or not spec.folded or not self.pack_in_place:
             return 0
-        cols = gemm_shrink_width(self._slot_ranks.numel() - 1, spec.stack, spec.max_rank)
-        return cols if cols <= GEMM_SHRINK_MAX_COLS else 0
+        slots = self._slot_ranks.numel() - 1
+        cols = gemm_shrink_width(slots, spec.stack, spec.max_rank)
+        return cols if cols <= GEMM_SHRINK_MAX_COLS and slots <= GEMM_SHRINK_MAX_SLOTS else 0
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         """Whether an unfolded module runs the token-major shrink/expand (subclasses may not)."""

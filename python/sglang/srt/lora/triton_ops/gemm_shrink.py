@@ -29,10 +29,14 @@ import triton.language as tl
 
 from sglang.srt.lora.triton_ops._token_rows import segment_rows
 
-# Widest y (S*c*R columns) the GEMM shrink takes: 8 slots of rank 16 on qkv are 384, 16 slots 768;
-# past it the GEMM's S-fold FLOPs may outgrow what shrink_pack's latency costs (not measured yet:
-# 64 slots' down_proj, 1,024 columns, keeps shrink_pack).
-GEMM_SHRINK_MAX_COLS = 768
+# Widest y (S*c*R columns) the GEMM shrink takes: 8 slots of rank 16 on qkv are 384, 16 slots 768,
+# 8 slots of rank 64 1,536 (the widest measured: there it still halves shrink_pack's time from
+# 1,024 rows on, H100); past it the GEMM's S-fold FLOPs may outgrow shrink_pack's latency.
+GEMM_SHRINK_MAX_COLS = 1536
+# Most adapter slots: the GEMM does S times the shrink's work, shrink_pack its own slot's only (17
+# slots, S = 16, measured a win at every module from 1,024 rows; 64 slots' down_proj, 1,024
+# columns of a K = 9,728 GEMM, would cost about twice shrink_pack by the same table's rates).
+GEMM_SHRINK_MAX_SLOTS = 16
 
 
 @triton.jit
