@@ -18,10 +18,14 @@ class InvalidRequestError(ValueError):
 
     status_code = 400
 
-    def __init__(self, message: str, param: Optional[str] = None, status_code: Optional[int] = None) -> None:
+    def __init__(self, message: str, param: Optional[str] = None, status_code: Optional[int] = None,
+                 route_terms: bool = False) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
+        # True: raised by an OpenAI route in its own field names (else the shared request path's,
+        # which name /generate's fields and which the route renames: serving_base.openai_param_names).
+        self.route_terms = route_terms
         if status_code is not None:
             self.status_code = status_code
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import re
 from contextlib import contextmanager
 from typing import Any, AsyncIterator, Iterator, Optional
 
@@ -139,11 +140,20 @@ BOOLEAN_EXTENSIONS = frozenset({"use_beam_search", "return_tokens_as_token_ids"}
 @contextmanager
 def openai_param_names(names: dict[str, str]) -> Iterator[None]:
     """Errors raised by the shared request path name the native `/generate` fields
-    (`max_new_tokens`, `input_ids`); on an OpenAI route the `param` names the route's own field."""
+    (`max_new_tokens`, `input_ids`); on an OpenAI route the `param`, and the message where it
+    names such a field, name the route's own (`max_tokens`, `prompt`). Only the snake_case names
+    are rewritten in the message: `text` is also a plain word there."""
     try:
         yield
     except InvalidRequestError as e:
+        if e.route_terms:
+            raise
         e.param = names.get(e.param, e.param) if e.param is not None else None
+        fields = [native for native in names if "_" in native]
+        if fields:
+            pattern = re.compile(r"\b(" + "|".join(map(re.escape, fields)) + r")\b")
+            e.message = pattern.sub(lambda m: names[m.group(1)], e.message)
+            e.args = (e.message,)
         raise
 
 
@@ -162,7 +172,7 @@ def reject_unsupported(request: Any) -> None:
         if name in BOOLEAN_EXTENSIONS and value is not None and not isinstance(value, bool):
             raise InvalidRequestError(f"{name} must be a boolean, got {value!r}", param=name)
         if value is not None and not any(value == v and type(value) is type(v) for v in NEUTRAL_VALUES.get(name, ())):
-            raise InvalidRequestError(message, param=name)
+            raise InvalidRequestError(message, param=name, route_terms=True)
     options = getattr(request, "stream_options", None)
     if options is not None:
         if not request.stream:
