@@ -28,6 +28,7 @@ if "--cpu-dry-run" in sys.argv:
 
 import torch  # noqa: E402
 
+from bench_lora_kernels import gpu_time_us  # noqa: E402
 from bench_util import emit_table  # noqa: E402
 from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
 from sglang.srt.lora.segments import segment_capacity  # noqa: E402
@@ -39,21 +40,6 @@ MODELS = {"qwen3-4b": {"qkv": (2560, 3), "gate_up": (2560, 2), "down": (9728, 1)
           "llama-3.1-8b": {"qkv": (4096, 3), "gate_up": (4096, 2), "down": (14336, 1)}}
 TINY = {"qkv": (64, 3), "gate_up": (64, 2), "down": (96, 1)}
 BLOCK_S = 16  # csgmv's segment rows (--max-lora-chunk-size)
-
-
-def gpu_time_us(fn, reps: int = 10) -> float:
-    import triton
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=25) * 1e3 / reps
 
 
 def case(K: int, c: int, R: int, slots: int, rows: int, dtype, device: str, timed: bool) -> list[str]:

@@ -99,3 +99,16 @@ def peft_tensors(path: str) -> dict[str, torch.Tensor]:
 def peft_weight(tensors: dict[str, torch.Tensor], layer: int, proj: str, ab: str) -> torch.Tensor:
     parent = "mlp" if proj in ("gate_proj", "up_proj", "down_proj") else "self_attn"
     return tensors[f"base_model.model.model.layers.{layer}.{parent}.{proj}.lora_{ab}.weight"]
+
+
+def two_adapter_assets(root) -> tuple[str, dict[str, str]]:
+    """A small Qwen3 checkpoint and two PEFT adapters on it: `a` (rank 8, every module) and `b`
+    (rank 4, q/v/up only), the fixtures of the fused-norm and GEMM-shrink tests."""
+    from helpers import hf_model, tiny_checkpoint
+
+    ckpt = tiny_checkpoint("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    return ckpt, {
+        "a": write_peft_adapter(str(root / "a"), r=8, base_model=hf_model(ckpt), seed=7),
+        "b": write_peft_adapter(str(root / "b"), r=4, target_modules=["q_proj", "v_proj", "up_proj"],
+                                base_model=hf_model(ckpt), seed=8),
+    }

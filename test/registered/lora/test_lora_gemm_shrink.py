@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lora_testlib import write_peft_adapter
-from helpers import hf_model, tiny_checkpoint
+from lora_testlib import two_adapter_assets
 from sglang.srt.lora.fold import fold_extra_columns
 from sglang.srt.lora.segments import segment_capacity
 from sglang.srt.lora.triton_ops.gemm_shrink import gemm_shrink_pack, gemm_shrink_width
@@ -107,13 +106,7 @@ PROMPTS = [[5, 9, 13, 200, 7, 3, 99], [11, 4, 250], [17, 18, 19, 20, 21], [300, 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("gemm-shrink")
-    ckpt = tiny_checkpoint("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
-    return ckpt, {
-        "a": write_peft_adapter(str(root / "a"), r=8, base_model=hf_model(ckpt), seed=7),
-        "b": write_peft_adapter(str(root / "b"), r=4, target_modules=["q_proj", "v_proj", "up_proj"],
-                                base_model=hf_model(ckpt), seed=8),
-    }
+    return two_adapter_assets(tmp_path_factory.mktemp("gemm-shrink"))
 
 
 def _run(assets, backend: str, gemm_shrink: str, monkeypatch, **overrides) -> tuple[list, torch.Tensor, int]:

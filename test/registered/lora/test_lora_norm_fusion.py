@@ -13,8 +13,8 @@ import os
 import pytest
 import torch
 
-from helpers import EngineDriver, hf_model, make_runner, tiny_checkpoint
-from lora_testlib import write_peft_adapter
+from helpers import EngineDriver, hf_model, make_runner
+from lora_testlib import two_adapter_assets, write_peft_adapter
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.lora.norm_fusion import NormShrinkFusion
 
@@ -23,13 +23,7 @@ PROMPTS = [[5, 9, 13, 200, 7, 3, 99], [11, 4, 250], [17, 18, 19, 20, 21], [300, 
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory):
-    root = tmp_path_factory.mktemp("norm-fusion")
-    ckpt = tiny_checkpoint("qwen3", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
-    return ckpt, {
-        "a": write_peft_adapter(str(root / "a"), r=8, base_model=hf_model(ckpt), seed=7),
-        "b": write_peft_adapter(str(root / "b"), r=4, target_modules=["q_proj", "v_proj", "up_proj"],
-                                base_model=hf_model(ckpt), seed=8),
-    }
+    return two_adapter_assets(tmp_path_factory.mktemp("norm-fusion"))
 
 
 def runner_for(assets, backend: str, fuse, rowwise: bool = False, fold: str = "auto", afold: str = "0",
