@@ -109,9 +109,9 @@ def assets(tmp_path_factory):
     return two_adapter_assets(tmp_path_factory.mktemp("gemm-shrink"))
 
 
-def _run(assets, backend: str, gemm_shrink: str, monkeypatch, **overrides) -> tuple[list, torch.Tensor, int]:
+def _run(assets, backend: str, gemm_shrink: str, monkeypatch, **overrides) -> tuple[list, torch.Tensor, list]:
     """Prefill the prompts on adapters a, base, b, a, then three greedy decode steps: the tokens,
-    the decode logprobs and how many GEMM shrinks ran."""
+    the decode logprobs and the GEMM shrinks that ran (each its module's output slices)."""
     from helpers import EngineDriver, make_runner
     from sglang.srt.layers.triton_ops.dispatch import fused_kernels
     from sglang.srt.lora.backend import token_backend
@@ -123,7 +123,8 @@ def _run(assets, backend: str, gemm_shrink: str, monkeypatch, **overrides) -> tu
     monkeypatch.delenv("SGLANG_LORA_GEMM_SHRINK")
     calls = []
     original = token_backend.gemm_shrink_pack
-    monkeypatch.setattr(token_backend, "gemm_shrink_pack", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    # Each call's module: its number of output slices (qkv_proj 3, gate_up_proj 2, down_proj 1).
+    monkeypatch.setattr(token_backend, "gemm_shrink_pack", lambda *a, **kw: calls.append(a[9]) or original(*a, **kw))
     ids = {r.lora_name: i for i, r in runner.lora_manager.refs.items()}
     driver = EngineDriver(runner)
     seqs = [driver.add(p, lora_id=ids.get(n)) for p, n in zip(PROMPTS, ("a", None, "b", "a"))]
@@ -137,7 +138,7 @@ def _run(assets, backend: str, gemm_shrink: str, monkeypatch, **overrides) -> tu
             tokens.append(out.next_token_ids.tolist())
             logprobs.append(out.next_token_logprobs)
     monkeypatch.undo()
-    return tokens, torch.tensor(logprobs, dtype=torch.float64), len(calls)
+    return tokens, torch.tensor(logprobs, dtype=torch.float64), calls
 
 
 @pytest.mark.parametrize("backend", ["triton", "csgmv"])
@@ -146,19 +147,24 @@ def test_prefills_take_the_gemm_shrink_and_decode_the_same(assets, backend, monk
     ref_tokens, ref_logprobs, ref_calls = _run(assets, backend, "0", monkeypatch)
     # The prefill's in-place folded modules (qkv_proj and gate_up_proj of every layer, and down_proj
     # where no A-fold takes it); never at decode, never with the setting off.
-    assert calls >= 4 and ref_calls == 0
+    assert len(calls) >= 4 and ref_calls == []
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-4)
 
 
 def test_a_bound_past_the_prefill_keeps_shrink_pack(assets, monkeypatch):
     _, _, calls = _run(assets, "csgmv", "tokens:64", monkeypatch)  # the prefill holds 19 tokens
-    assert calls == 0
+    assert calls == []
 
 
 def test_more_slots_than_the_bound_keep_shrink_pack(assets, monkeypatch):
-    """The GEMM does every slot's work: past GEMM_SHRINK_MAX_SLOTS adapter slots it stays off."""
+    """The GEMM does every slot's work: past GEMM_SHRINK_MAX_SLOTS adapter slots it stays off, and
+    a one-slice module (down_proj, over the long intermediate K) stops at half as many."""
     from sglang.srt.lora.triton_ops.gemm_shrink import GEMM_SHRINK_MAX_SLOTS
 
+    _, _, calls = _run(assets, "triton", "1", monkeypatch, max_loras_per_batch=GEMM_SHRINK_MAX_SLOTS // 2)
+    assert 1 in calls and 2 in calls and 3 in calls
+    _, _, calls = _run(assets, "triton", "1", monkeypatch, max_loras_per_batch=GEMM_SHRINK_MAX_SLOTS)
+    assert 1 not in calls and 2 in calls and 3 in calls
     _, _, calls = _run(assets, "csgmv", "1", monkeypatch, max_loras_per_batch=GEMM_SHRINK_MAX_SLOTS + 1)
-    assert calls == 0
+    assert calls == []

@@ -46,7 +46,7 @@ from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend._staging import StagedCopy, to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
-from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, GEMM_SHRINK_MAX_SLOTS, gemm_shrink_fits,
+from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, gemm_shrink_fits, gemm_shrink_max_slots,
                                                      gemm_shrink_pack, gemm_shrink_width)
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack, silu_shrink, silu_shrink_pack
@@ -282,7 +282,7 @@ class TokenLoRABackend(BaseLoRABackend):
             return 0
         slots = self._slot_ranks.numel() - 1
         cols = gemm_shrink_width(slots, spec.stack, spec.max_rank)
-        return cols if cols <= GEMM_SHRINK_MAX_COLS and slots <= GEMM_SHRINK_MAX_SLOTS else 0
+        return cols if cols <= GEMM_SHRINK_MAX_COLS and slots <= gemm_shrink_max_slots(spec.stack) else 0
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         """Whether an unfolded module runs the token-major shrink/expand (subclasses may not)."""

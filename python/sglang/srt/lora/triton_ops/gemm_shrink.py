@@ -33,10 +33,18 @@ from sglang.srt.lora.triton_ops._token_rows import segment_rows
 # 8 slots of rank 64 1,536 (the widest measured: there it still halves shrink_pack's time from
 # 1,024 rows on, H100); past it the GEMM's S-fold FLOPs may outgrow shrink_pack's latency.
 GEMM_SHRINK_MAX_COLS = 1536
-# Most adapter slots: the GEMM does S times the shrink's work, shrink_pack its own slot's only (17
-# slots, S = 16, measured a win at every module from 1,024 rows; 64 slots' down_proj, 1,024
-# columns of a K = 9,728 GEMM, would cost about twice shrink_pack by the same table's rates).
+# Most adapter slots: the GEMM does S times the shrink's work, shrink_pack its own slot's only.
+# H100 (bench_gemm_shrink.py, µs at 1,024 / 2,048 rows): with 16 slots qkv_proj and gate_up_proj
+# win (Qwen3-4B qkv 16.2 -> 13.0 / 24.8 -> 18.4) but a one-slice module over a long K does not
+# (down_proj, K = 9,728 / 14,336: 16.6 -> 20.0 / 31.6 -> 30.1 on Qwen3-4B, 19.8 -> 27.3 / 40.5 ->
+# 39.5 on the 8B), where with 8 slots it wins (16.6 -> 13.1, 19.8 -> 16.9). Hence 16 slots for
+# modules of several slices, 8 for one.
 GEMM_SHRINK_MAX_SLOTS = 16
+
+
+def gemm_shrink_max_slots(stack: int) -> int:
+    """Most adapter slots the GEMM shrink takes for a module of `stack` output slices."""
+    return GEMM_SHRINK_MAX_SLOTS if stack > 1 else GEMM_SHRINK_MAX_SLOTS // 2
 
 
 @triton.jit
