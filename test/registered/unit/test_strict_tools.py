@@ -260,7 +260,8 @@ def _reads_back(parser: str, name: str, tools: list, text: str) -> bool:
 @pytest.mark.parametrize("parser, name", [
     ("qwen25", "a</tool_call>b"),  # the parser ends the call at the first </tool_call>
     ("qwen3_coder", "a>b"), ("qwen3_coder", "a\nb"), ("qwen3_coder", " f"),  # read up to ">", stripped
-    ("mistral", "a[ARGS]b"), ("mistral", "f "), ("mistral", "[f]"),  # up to [ARGS], stripped; "[" opens an array
+    # Read up to [ARGS] or [CALL_ID], stripped; "[" opens an array.
+    ("mistral", "a[ARGS]b"), ("mistral", "a[CALL_ID]b"), ("mistral", "f "), ("mistral", "[f]"),
 ])
 def test_a_tool_name_the_parser_cannot_read_back_is_refused(parser: str, name: str) -> None:
     """Under strict the grammar makes the model write the call, tool name and all; a name the parser

@@ -156,6 +156,15 @@ CASES: list[tuple[str, str, Expected]] = [
     ("mistral", '[TOOL_CALLS]get_time[ARGS]{"a": ]}', ['[TOOL_CALLS]get_time[ARGS]{"a": ]}']),
     ("mistral", "[TOOL_CALLS]get_time is a tool", ["[TOOL_CALLS]get_time is a tool"]),
     ("mistral", '[TOOL_CALLS]get_time[ARGS]{}[TOOL_CALLS]rm[ARGS]{}', [TIME, "[TOOL_CALLS]rm[ARGS]{}"]),
+    # ---- mistral with [CALL_ID]: [TOOL_CALLS]name[CALL_ID]id[ARGS]{...}
+    ("mistral", '[TOOL_CALLS]get_weather[CALL_ID]a1B2c3D4e[ARGS]{"city": "Paris"}', [weather("Paris")]),
+    ("mistral", 'Ok.[TOOL_CALLS]get_time[CALL_ID]x9[ARGS]{}[TOOL_CALLS]get_weather[CALL_ID] Q7 [ARGS]{"city": "Oslo"}',
+     ["Ok.", TIME, weather("Oslo")]),
+    ("mistral", "[TOOL_CALLS]get_time[CALL_ID]x y[ARGS]{}", ["[TOOL_CALLS]get_time[CALL_ID]x y[ARGS]{}"]),
+    ("mistral", "[TOOL_CALLS]get_time[CALL_ID][ARGS]{}", ["[TOOL_CALLS]get_time[CALL_ID][ARGS]{}"]),
+    ("mistral", "[TOOL_CALLS]launch[CALL_ID]abc[ARGS]{}", ["[TOOL_CALLS]launch[CALL_ID]abc[ARGS]{}"]),
+    ("mistral", "[TOOL_CALLS]get_time[CALL_ID]abc", ["[TOOL_CALLS]get_time[CALL_ID]abc"]),  # cut off
+    ("mistral", "[TOOL_CALLS]get_time[CALL_ID]abc and more", ["[TOOL_CALLS]get_time[CALL_ID]abc and more"]),
     # ---- qwen3_coder (XML, values typed by the tools' schemas; the calls stream)
     ("qwen3_coder", "Let me check.\n" + "<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n"
      "<parameter=days>\n3\n</parameter>\n</function>\n</tool_call>",
@@ -310,6 +319,13 @@ def test_mistral_named_calls_stream_each_as_it_closes() -> None:
     # Text after the marker that cannot become a tool's name is content at once, not held.
     stream = ToolCallStream(tool_call_format("mistral"), NAMES)
     assert stream.feed("[TOOL_CALLS]hello") == ["[TOOL_CALLS]hello"]
+    # A call id is held while it may still be one; text that cannot be is content at once.
+    stream = ToolCallStream(tool_call_format("mistral"), NAMES)
+    assert stream.feed("[TOOL_CALLS]get_time[CALL_ID]a1B2") == []
+    assert stream.feed("c3D4e[AR") == []
+    assert stream.feed("GS]{}") == [TIME]
+    stream = ToolCallStream(tool_call_format("mistral"), NAMES)
+    assert stream.feed("[TOOL_CALLS]get_time[CALL_ID]a1 b") == ["[TOOL_CALLS]get_time[CALL_ID]a1 b"]
 
 
 def test_a_long_qwen3_coder_value_is_scanned_in_linear_time() -> None:

@@ -115,9 +115,10 @@ def unreadable_name(parser: str, name: str) -> Optional[str]:
     if parser == "qwen3_coder" and (">" in name or "\n" in name or name != name.strip()):
         return ("the parser reads a name up to the first \">\" on its line, without the white space at its "
                 "ends")
-    if parser == "mistral" and ("[ARGS]" in name or name != name.strip() or name[:1] in ("[", "{")):
-        return ("the parser reads [TOOL_CALLS]NAME[ARGS] up to the first [ARGS], without the white space at "
-                "the name's ends, and a name opening with \"[\" or \"{\" as the JSON array of calls")
+    if parser == "mistral" and ("[ARGS]" in name or "[CALL_ID]" in name or name != name.strip()
+                                or name[:1] in ("[", "{")):
+        return ("the parser reads [TOOL_CALLS]NAME[ARGS] up to the first [ARGS] (or [CALL_ID]), without the "
+                "white space at the name's ends, and a name opening with \"[\" or \"{\" as the JSON array of calls")
     return None
 
 

@@ -4,7 +4,10 @@
   `[TOOL_CALLS] [{"name": ..., "arguments": {...}}, ...]`; a single object instead of the array is
   taken too. The calls of one array are valid together or not at all.
 * a name (tokenizer v11+: Small 3.1/3.2, Magistral, Devstral): `[TOOL_CALLS]name[ARGS]{...}`, one
-  call each, several one after another each with its own `[TOOL_CALLS]`.
+  call each, several one after another each with its own `[TOOL_CALLS]`. Models whose tokenizer
+  has `[CALL_ID]` may write the call's id between the name and `[ARGS]`:
+  `[TOOL_CALLS]name[CALL_ID]a1B2c3D4e[ARGS]{...}`; the id must be letters and digits, and the
+  call gets this server's id like any other (Mistral's templates check the id's form only).
 
 `[TOOL_CALLS]` (and `[ARGS]`) are special tokens of Mistral's tokenizers, so the server keeps
 special tokens in the text of requests this parser reads (serving_chat). A section that is not a
@@ -36,6 +39,9 @@ from sglang.srt.managers.detokenizer import longest_partial_stop
 
 ID_ALPHABET = string.ascii_letters + string.digits
 ARGS = "[ARGS]"
+CALL_ID = "[CALL_ID]"
+# A model's call id longer than this is not held back waiting for [ARGS] (Mistral's are 9 long).
+MAX_MODEL_ID_CHARS = 64
 
 
 class _MistralSection(SectionScanner):
@@ -71,14 +77,15 @@ class _NamedSection(SectionScanner):
             i = text.find(ARGS, max(self.start, self.searched - len(ARGS) + 1))
             if i < 0:
                 self.searched = len(text)
-                # Held only while the text may still become a tool's name and [ARGS]: other text
-                # after the marker goes on as content at once.
-                head = text[self.start:len(text) - longest_partial_stop(text, (ARGS,))].rstrip()
-                if final or not any(n.startswith(head) for n in self.names):
+                # Held only while the text may still become a tool's name (and a call id) and
+                # [ARGS]: other text after the marker goes on as content at once.
+                head = text[self.start:len(text) - longest_partial_stop(text, (ARGS, CALL_ID))].rstrip()
+                if final or not self._may_become_head(head):
                     return Section(0, None)
                 return None
-            self.name = text[self.start:i].strip()
-            if self.name not in self.names:
+            name, has_id, call_id = text[self.start:i].partition(CALL_ID)
+            self.name = name.strip()
+            if self.name not in self.names or (has_id and not _model_id(call_id.strip())):
                 return Section(0, None)
             j = skip_whitespace(text, i + len(ARGS))
             if j == len(text):
@@ -93,6 +100,20 @@ class _NamedSection(SectionScanner):
         if not isinstance(args, dict):
             return Section(end, None)
         return Section(end, [ParsedCall(self.name, json.dumps(args, ensure_ascii=False))])
+
+    def _may_become_head(self, head: str) -> bool:
+        """Whether `head` (the text after the marker, without a partial marker at its end) may
+        still become `name` or `name[CALL_ID]id` before [ARGS]."""
+        name, has_id, call_id = head.partition(CALL_ID)
+        if not has_id:
+            return any(n.startswith(name) for n in self.names)
+        call_id = call_id.strip()
+        return name.strip() in self.names and (not call_id or _model_id(call_id))
+
+
+def _model_id(call_id: str) -> bool:
+    """A call id as a model writes it after [CALL_ID]: letters and digits."""
+    return 0 < len(call_id) <= MAX_MODEL_ID_CHARS and call_id.isascii() and call_id.isalnum()
 
 
 class _ArraySection(SectionScanner):
