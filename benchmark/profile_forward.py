@@ -107,10 +107,9 @@ LORA_VARIANTS = {
     # shrink_pack at prefill starts early).
     "lora-norm-release": ("auto", "small"),
     # Folded modules' shrink at prefill as one GEMM over every slot's A and a pack
-    # (SGLANG_LORA_GEMM_SHRINK): at every prefill, from buckets of 1,024 tokens (the default since
-    # 2026-12-05), never (shrink_pack, the default before).
+    # (SGLANG_LORA_GEMM_SHRINK): at every prefill, or never (shrink_pack, the default before
+    # 2026-12-05; the default now takes it from buckets of 1,024 tokens).
     "lora-gemm-shrink": ("auto", "small"),
-    "lora-gemm-shrink-1024": ("auto", "small"),
     "lora-no-gemm-shrink": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
@@ -134,7 +133,6 @@ VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora
                "lora-pack-in-place": {"SGLANG_LORA_AFOLD_PREFILL": "0"},
                "lora-copying": {"SGLANG_LORA_PACK_IN_PLACE": "0", "SGLANG_LORA_AFOLD_PREFILL": "0"},
                "lora-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "1"},
-               "lora-gemm-shrink-1024": {"SGLANG_LORA_GEMM_SHRINK": "tokens:1024"},
                "lora-no-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "0"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).

@@ -155,14 +155,11 @@ CONFIGS = {
     "csgmv-copy": Config("csgmv-copy", _lora("csgmv", NUM_ADAPTERS),
                          env=(("SGLANG_LORA_PACK_IN_PLACE", "0"), ("SGLANG_LORA_AFOLD_PREFILL", "0"))),
     "csgmv-ip": Config("csgmv-ip", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_LORA_AFOLD_PREFILL", "0"),)),
-    # SGLANG_LORA_GEMM_SHRINK (triton_ops/gemm_shrink.py): the folded modules' shrink at prefills of
-    # at least 1,024 tokens (-gs, the default since 2026-12-05) / every prefill (-gs1) as one GEMM over
-    # every slot's A; -gs0 without (shrink_pack, the default before).
-    "csgmv-gs": Config("csgmv-gs", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_LORA_GEMM_SHRINK", "tokens:1024"),)),
+    # SGLANG_LORA_GEMM_SHRINK (triton_ops/gemm_shrink.py): the folded modules' shrink as one GEMM over
+    # every slot's A at every prefill (-gs1; by default from buckets of 1,024 tokens), or never (-gs0:
+    # shrink_pack, the default before 2026-12-05).
     "csgmv-gs1": Config("csgmv-gs1", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_LORA_GEMM_SHRINK", "1"),)),
     "csgmv-gs0": Config("csgmv-gs0", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_LORA_GEMM_SHRINK", "0"),)),
-    "z64-64-gs": Config("z64-64-gs", _lora("csgmv", 64), "zipf", adapters=64,
-                        env=(("SGLANG_LORA_GEMM_SHRINK", "tokens:1024"),)),
 }
 DISTINCT_ADAPTER_FILES = 32
 

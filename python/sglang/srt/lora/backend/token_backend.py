@@ -46,8 +46,8 @@ from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend._staging import StagedCopy, to_device
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
-from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, gemm_shrink_fits, gemm_shrink_max_slots,
-                                                     gemm_shrink_pack, gemm_shrink_width)
+from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, gemm_shrink_max_slots, gemm_shrink_pack,
+                                                     gemm_shrink_width)
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack, silu_shrink, silu_shrink_pack
 from sglang.srt.lora.triton_ops.token_lora import (
@@ -224,6 +224,7 @@ class TokenLoRABackend(BaseLoRABackend):
         self.pack_in_place = os.environ.get("SGLANG_LORA_PACK_IN_PLACE", "1") == "1"
         self.gemm_shrink_min_tokens = gemm_shrink_bound(os.environ.get("SGLANG_LORA_GEMM_SHRINK", GEMM_SHRINK_DEFAULT))
         self._gemm_shrink_now = False  # this batch is a prefill the bound admits
+        self._gemm_shrink_cols: dict[str, int] = {}  # per module kind, set by init_modules
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
         self._row_plans: dict[tuple[int, bool], tuple[bool, bool, int]] = {}  # _row_plan_for's
         self._prefill_buckets: list[int] = []  # the prefill graphs' token counts, for prefill_bucket
@@ -252,6 +253,8 @@ class TokenLoRABackend(BaseLoRABackend):
         self._layouts = self._layout_tensors()
         self._xaug_like = {name: torch.empty((0, s.in_dim + s.extra_cols), dtype=dtype, device=self.device)
                            for name, s in self.specs.items() if s.folded}
+        # y's width per module kind that may take the GEMM shrink (SGLANG_LORA_GEMM_SHRINK); 0 never.
+        self._gemm_shrink_cols = {name: self._gemm_shrink_width(s) for name, s in self.specs.items()}
 
     def segment_capacity(self, rows: int) -> int:
         """Most segments a batch of `rows` rows can take (lora/segments.py)."""
@@ -267,7 +270,7 @@ class TokenLoRABackend(BaseLoRABackend):
                 workspace = max(workspace, plan.workspace_numel(rows))
                 counters = max(counters, plan.num_counters(self.segment_capacity(rows)))
         dev = self.device
-        gemm_cols = max((self._gemm_shrink_cols(s) for s in self.specs.values()), default=0)
+        gemm_cols = max(self._gemm_shrink_cols.values(), default=0)
         return _Scratch(
             rows,
             torch.empty(rows * width, dtype=self.dtype, device=dev),
@@ -276,7 +279,7 @@ class TokenLoRABackend(BaseLoRABackend):
             torch.empty(rows * gemm_cols, dtype=self.dtype, device=dev) if gemm_cols else None,
         )
 
-    def _gemm_shrink_cols(self, spec: LoRAModuleSpec) -> int:
+    def _gemm_shrink_width(self, spec: LoRAModuleSpec) -> int:
         """y's width where `spec` may take the GEMM shrink (SGLANG_LORA_GEMM_SHRINK), else 0."""
         if self.gemm_shrink_min_tokens is None or not spec.folded or not self.pack_in_place:
             return 0
@@ -562,8 +565,8 @@ class TokenLoRABackend(BaseLoRABackend):
         if prepared.x_aug is not None:
             if prepared.pack_pending:  # the rows are in place: shrink_pack adds only the shrink
                 info, scratch, spec = self.batch_info, self._scratch, weights.spec
-                cols = self._gemm_shrink_cols(spec)
-                if self._gemm_shrink_now and cols and gemm_shrink_fits(weights.A):
+                cols = self._gemm_shrink_cols[spec.name]
+                if self._gemm_shrink_now and cols:
                     gemm_shrink_pack(prepared.x_aug, spec.in_dim, weights.A,
                                      scratch.gemm_shrink_out(prepared.x_aug.shape[0], cols), info.permutation,
                                      info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
