@@ -250,6 +250,63 @@ def test_gemm_shrink_prefill_graph_matches_eager(lora_backend, prefill, monkeypa
 
 
 @functools.lru_cache(maxsize=None)
+def norm_segments_runner(lora_backend: str, graphs: bool, mode: str, dtype: str = "bfloat16"):
+    """SGLANG_LORA_NORM_SEGMENTS=`mode`: the norm before a folded qkv_proj / gate_up_proj and its
+    shrink in one launch by segments (lora/triton_ops/norm_segment_pack.py); decode graphs up to 32
+    rows, so that a batch of 20 is past the row-wise bound (16)."""
+    ckpt, adapters = assets()
+    mode_args = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
+                     cuda_graph_bs_decode=DECODE_BUCKETS + [32]) if graphs else dict(disable_cuda_graph=True)
+    os.environ["SGLANG_LORA_NORM_SEGMENTS"] = mode  # read when the backend is built
+    try:
+        return make_runner(
+            ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
+            max_running_requests=64, lora_paths=[f"{n}={p}" for n, p in adapters.items()],
+            max_loras_per_batch=3, lora_backend=lora_backend, **mode_args,
+        )
+    finally:
+        del os.environ["SGLANG_LORA_NORM_SEGMENTS"]
+
+
+@pytest.mark.parametrize("lora_backend", ["csgmv", "triton"])
+def test_norm_segments_graph_equals_eager(lora_backend, monkeypatch):
+    """The norm and the shrink in one launch under the prefill and decode graphs: prompt logprobs of
+    adapter, base, mixed and 40-request prefills within TOL of eager, a 20-request decode (past the
+    row-wise bound) equal to eager bit for bit, the kernel really launched; in float32 the engine
+    with it matches the engine without it (its shrink is rounded differently) within 1e-3."""
+    from sglang.srt.lora.backend import token_backend
+
+    calls = []
+    original = token_backend.launch_norm_pack
+    monkeypatch.setattr(token_backend, "launch_norm_pack", lambda *a, **kw: calls.append(1) or original(*a, **kw))
+    g, e = norm_segments_runner(lora_backend, True, "1"), norm_segments_runner(lora_backend, False, "1")
+    for prompts, names in ((MIXED, ["a", None, "b", None]), (PROMPTS[:1], ["a"]), (MANY, ["a", "b"] * 20)):
+        graph, used = prompt_logprobs(g, prompts, names)
+        assert used or len(prompts) > 16, "the prefill graph did not serve the batch"
+        eager, _ = prompt_logprobs(e, prompts, names)
+        diff = max_diff(graph, eager)
+        print(f"norm segments {lora_backend}: prefill max |graph - eager| = {diff:.2e}")
+        assert diff < TOL, diff
+    assert calls, "no prefill took the norm segments"
+    names = ["a", None, "b", "a"] * 5
+    prompts = _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)
+    g_tok, g_lp, used = decode_logprobs(g, prompts, names, steps=6)
+    assert all(used)
+    calls.clear()  # (a replay makes no Python call: eager decode shows the path the graph captured)
+    e_tok, e_lp, _ = decode_logprobs(e, prompts, names, steps=6)
+    assert len(calls) >= 2 * len(g.model.model.layers) * 6, "decode past the row-wise bound did not take it"
+    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
+    on, off = norm_segments_runner(lora_backend, False, "1", "float32"), norm_segments_runner(lora_backend, False, "0", "float32")
+    for prompts_, names_ in ((MIXED, ["a", None, "b", None]), (MANY, ["a", "b"] * 20)):
+        diff = max_diff(prompt_logprobs(on, prompts_, names_)[0], prompt_logprobs(off, prompts_, names_)[0])
+        print(f"norm segments {lora_backend}: float32 prefill max |on - off| = {diff:.2e}")
+        assert diff < 1e-3, diff
+    o_tok, o_lp, _ = decode_logprobs(on, prompts, names, steps=6)
+    f_tok, f_lp, _ = decode_logprobs(off, prompts, names, steps=6)
+    assert o_tok == f_tok and float((o_lp - f_lp).abs().max()) < 1e-3
+
+
+@functools.lru_cache(maxsize=None)
 def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = False, fold: str = "auto",
                       fuse: str = "on", dtype: str = "bfloat16", afold: str = "small"):
     ckpt, adapters = assets()

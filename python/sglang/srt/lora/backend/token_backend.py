@@ -36,7 +36,7 @@ kernel on the capture stream before capture begins.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -50,6 +50,7 @@ from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, gemm_s
                                                      gemm_shrink_width)
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack, silu_shrink, silu_shrink_pack
+from sglang.srt.lora.triton_ops.norm_segment_pack import launch_norm_pack, prepare_norm_pack, workspace_numel
 from sglang.srt.lora.triton_ops.token_lora import (
     SEGMENT_ROWS,
     pdl_available,
@@ -125,6 +126,22 @@ def gemm_shrink_bound(value: str) -> Optional[int]:
     raise ValueError(f"SGLANG_LORA_GEMM_SHRINK={value!r}: use 0, 1 or tokens:T (T >= 0)")
 
 
+# SGLANG_LORA_NORM_SEGMENTS: the norm before a folded qkv_proj / gate_up_proj runs in one launch with
+# the module's shrink, by segments (triton_ops/norm_segment_pack.py), in place of two dependent
+# launches. "prefill": where the in-place pack would launch shrink_pack after the norm (prefills
+# under the GEMM shrink's bound); "1": there and at decode batches past the row-wise bound, in place
+# of the row-wise norm_shrink_pack; "0": never.
+NORM_SEGMENTS_DEFAULT = "0"
+
+
+def norm_segments_modes(value: str) -> tuple[bool, bool]:
+    """SGLANG_LORA_NORM_SEGMENTS as (at prefill, at decode)."""
+    modes = {"0": (False, False), "prefill": (True, False), "1": (True, True)}
+    if value not in modes:
+        raise ValueError(f"SGLANG_LORA_NORM_SEGMENTS={value!r}: use 0, prefill or 1")
+    return modes[value]
+
+
 @dataclass
 class _Scratch:
     """Per-call buffers for batches of up to `rows` rows (shared by every layer and module kind:
@@ -170,6 +187,9 @@ class _ModuleLaunches:
     pack_in_place: Optional[PreparedLaunch] = None  # folded, x already in x_aug (SGLANG_LORA_PACK_IN_PLACE)
     shrink: Optional[PreparedLaunch] = None  # unfolded, token-major
     expand: Optional[PreparedLaunch] = None
+    # folded, the norm and the shrink in one launch (SGLANG_LORA_NORM_SEGMENTS), built on first use
+    # per (eps, with a residual, x's row stride)
+    norm_packs: dict[tuple[float, bool, int], PreparedLaunch] = field(default_factory=dict)
 
 
 class TokenLoRABackend(BaseLoRABackend):
@@ -223,6 +243,8 @@ class TokenLoRABackend(BaseLoRABackend):
         # 8192-token prefill of the Qwen3-4B shape 160 MB per layer for down_proj alone).
         self.pack_in_place = os.environ.get("SGLANG_LORA_PACK_IN_PLACE", "1") == "1"
         self.gemm_shrink_min_tokens = gemm_shrink_bound(os.environ.get("SGLANG_LORA_GEMM_SHRINK", GEMM_SHRINK_DEFAULT))
+        self.norm_segments_prefill, self.norm_segments_decode = norm_segments_modes(
+            os.environ.get("SGLANG_LORA_NORM_SEGMENTS", NORM_SEGMENTS_DEFAULT))
         self._gemm_shrink_now = False  # this batch is a prefill the bound admits
         self._gemm_shrink_cols: dict[str, int] = {}  # per module kind, set by init_modules
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
@@ -269,6 +291,9 @@ class TokenLoRABackend(BaseLoRABackend):
                 plan = plan_shrink(s.in_dim, s.stack * s.max_rank, elem, self.segment_rows)
                 workspace = max(workspace, plan.workspace_numel(rows))
                 counters = max(counters, plan.num_counters(self.segment_capacity(rows)))
+                if s.folded and (self.norm_segments_prefill or self.norm_segments_decode):
+                    pack = plan_pack(s.in_dim, s.stack, s.max_rank, s.extra_cols, elem, self.segment_rows)
+                    workspace = max(workspace, workspace_numel(pack, rows))
         dev = self.device
         gemm_cols = max(self._gemm_shrink_cols.values(), default=0)
         return _Scratch(
@@ -525,6 +550,10 @@ class TokenLoRABackend(BaseLoRABackend):
         if spec.folded:
             # The scratch x_aug: read by the module's GEMM, the very next kernel (as shrink_pack's is).
             x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
+            if self.norm_segments_decode and delta is None and not (info.rowwise or info.defer):
+                fused = self._norm_segment_pack(weights, norm_weight, eps, x, residual, x_aug)
+                if fused is not None:
+                    return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug), fused[0]
             new_residual = norm_shrink_pack(x, residual, norm_weight, eps, weights.A, x_aug, slots, self._slot_ranks,
                                             self._slot_scalings, spec.stack, spec.max_rank, use_pdl=self.use_pdl,
                                             delta=delta)
@@ -560,6 +589,44 @@ class TokenLoRABackend(BaseLoRABackend):
             return None
         x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
         return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug, pack_pending=True)
+
+    def norm_into_x_aug(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
+                        residual: Optional[torch.Tensor], prepared: PreparedInput
+                        ) -> Optional[tuple[PreparedInput, Optional[torch.Tensor]]]:
+        spec = weights.spec
+        # The GEMM shrink's prefills keep the plain norm (their pack reads the normalised rows).
+        if (not self.norm_segments_prefill or not prepared.pack_pending or prepared.x_aug is None
+                or (self._gemm_shrink_now and self._gemm_shrink_cols.get(spec.name))):
+            return None
+        fused = self._norm_segment_pack(weights, norm_weight, eps, x, residual, prepared.x_aug)
+        if fused is None:
+            return None
+        return PreparedInput(prepared.normed, x_aug=prepared.x_aug), fused[0]
+
+    def _norm_segment_pack(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float,
+                           x: torch.Tensor, residual: Optional[torch.Tensor], x_aug: torch.Tensor
+                           ) -> Optional[tuple[Optional[torch.Tensor]]]:
+        """x_aug = [norm(x (+ residual)) | packed shrink] in one launch (norm_segment_pack.py); returns
+        (the new residual,), or None where the rows' layout does not fit the kernel (the caller
+        then runs the two kernels)."""
+        spec, info, scratch = weights.spec, self.batch_info, self._scratch
+        rows, k = x.shape[0], spec.in_dim
+        if (x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or rows != info.num_rows
+                or (residual is not None and (residual.shape != x.shape or residual.stride() != (k, 1)))):
+            return None
+        key = (float(eps), residual is not None, x.stride(0))
+        launches = self._launches[spec.name]
+        launch = launches.norm_packs.get(key)
+        if launch is None:
+            plan = plan_pack(k, spec.stack, spec.max_rank, spec.extra_cols, self.dtype.itemsize, self.segment_rows)
+            assert scratch.workspace.numel() >= workspace_numel(plan, rows)
+            launch = prepare_norm_pack(plan, rows, info.bs, eps, residual is not None, x, weights.A, x_aug.stride(0))
+            launches.norm_packs[key] = launch
+        new_residual = torch.empty_like(residual) if residual is not None else None
+        launch_norm_pack(launch, x, residual, new_residual, norm_weight, weights.A, x_aug, scratch.workspace,
+                         scratch.counters, info.permutation, info.seg_indptr, info.weight_indices, info.lora_ranks,
+                         info.scalings)
+        return (new_residual,)
 
     def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: torch.nn.Module) -> torch.Tensor:
         if prepared.x_aug is not None:
