@@ -111,6 +111,10 @@ LORA_VARIANTS = {
     # 2026-12-05; the default now takes it from buckets of 1,024 tokens).
     "lora-gemm-shrink": ("auto", "small"),
     "lora-no-gemm-shrink": ("auto", "small"),
+    # The norm before a folded qkv_proj / gate_up_proj and its shrink in one launch by segments
+    # (SGLANG_LORA_NORM_SEGMENTS): at prefill and at decode past the row-wise bound, or at prefill only.
+    "lora-norm-segments": ("auto", "small"),
+    "lora-norm-segments-prefill": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -133,11 +137,15 @@ VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora
                "lora-pack-in-place": {"SGLANG_LORA_AFOLD_PREFILL": "0"},
                "lora-copying": {"SGLANG_LORA_PACK_IN_PLACE": "0", "SGLANG_LORA_AFOLD_PREFILL": "0"},
                "lora-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "1"},
-               "lora-no-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "0"}}
+               "lora-no-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "0"},
+               "lora-norm-segments": {"SGLANG_LORA_NORM_SEGMENTS": "1"},
+               "lora-norm-segments-prefill": {"SGLANG_LORA_NORM_SEGMENTS": "prefill"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
-# the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
+# the row-wise norm_shrink_pack of --lora-fuse-norm and the segments' norm_segment_pack (which also do
+# the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",
-                "_segment_expand_kernel", "_norm_shrink_pack_kernel", "_pack_all_slots_kernel")
+                "_segment_expand_kernel", "_norm_shrink_pack_kernel", "_pack_all_slots_kernel",
+                "_norm_segment_pack_kernel")
 
 
 @dataclass
