@@ -104,6 +104,13 @@ def case(K, c, rows, adapters, dtype, device, timed):
         launch = variant_launch(p, rows, cap, x, a, x_aug.stride(0))
         run[f"split{split}"] = (lambda l=launch: nsp.launch_norm_pack(l, x, res, r_out, norm_w, a, x_aug, ws, ctr,
                                                                       perm, indptr, wi, ranks, scalings))
+    # err: the fused kernel's x_aug against norm + pack's (float32 in the dry run: rounding only).
+    run["norm+pack"]()
+    ref = x_aug.clone()
+    res2.copy_(res)
+    x_aug.zero_()
+    run["fused"]()
+    err = ((x_aug.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
     for f in run.values():
         f()
     if timed and rows == 128 and c == 3:
@@ -111,8 +118,8 @@ def case(K, c, rows, adapters, dtype, device, timed):
             for k in launch.bound._compiled.values():
                 print(f"{name}: registers {k.n_regs}, spills {k.n_spills}, shared {k.metadata.shared} B", flush=True)
     if not timed:
-        return list(run), ["-"] * len(run)
-    return list(run), [f"{gpu_time_us(f):.1f}" for f in run.values()]
+        return list(run) + ["err"], ["-"] * len(run) + [f"{err:.1e}"]
+    return list(run) + ["err"], [f"{gpu_time_us(f):.1f}" for f in run.values()] + [f"{err:.1e}"]
 
 
 def main() -> None:

@@ -28,7 +28,8 @@ def dry_run(script: str, tmp_path) -> list[list[str]]:
 
 @pytest.mark.parametrize("script,min_rows", [("benchmark/bench_gemv.py", 10), ("benchmark/lora/bench_norm_shrink.py", 2),
                                              ("benchmark/bench_decode_chain.py", 6), ("benchmark/bench_sampler.py", 10),
-                                             ("benchmark/lora/bench_gemm_shrink.py", 6)])
+                                             ("benchmark/lora/bench_gemm_shrink.py", 6),
+                                             ("benchmark/lora/probe_norm_segment_pack.py", 2)])
 def test_dry_run_agrees_with_its_reference(script, min_rows, tmp_path):
     rows = dry_run(script, tmp_path)
     assert len(rows) >= min_rows
