@@ -130,7 +130,9 @@ def gemm_shrink_bound(value: str) -> Optional[int]:
 # the module's shrink, by segments (triton_ops/norm_segment_pack.py), in place of two dependent
 # launches. "prefill": where the in-place pack would launch shrink_pack after the norm (prefills
 # under the GEMM shrink's bound); "1": there and at decode batches past the row-wise bound, in place
-# of the row-wise norm_shrink_pack; "0": never.
+# of the row-wise norm_shrink_pack; "0": never (the default). H100, 2026-12-06, 8 adapters: LoRA /
+# base of a 128-token prefill 1.21 -> 1.19 wall with the GPU time unchanged (Qwen3-4B; 8B 1.15 ->
+# 1.15), a decode step of 64 requests 1.15 -> 1.18 (Qwen3-4B) and 1.12 -> 1.13 (8B).
 NORM_SEGMENTS_DEFAULT = "0"
 
 

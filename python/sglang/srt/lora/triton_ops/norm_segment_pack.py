@@ -29,6 +29,12 @@ bucket and an eager pass compute every row bit for bit alike.
 
 The new residual goes to its own buffer: the segment programs read the old one while the row
 programs write.
+
+Measured (H100, 2026-12-06, benchmark/lora/probe_norm_segment_pack.py): the row programs cost
+nothing beside the segment programs, but those take longer than shrink_pack's (Qwen3-4B qkv_proj
+at 128 rows 9.8 against 6.2 µs: three reads and a sum of squares per tile, at rmsnorm's 8 warps),
+so the launch saved is spent again. Off by default (backend/token_backend.py,
+SGLANG_LORA_NORM_SEGMENTS).
 """
 
 from __future__ import annotations
