@@ -89,7 +89,8 @@ def test_rows_do_not_depend_on_the_padding_and_counters_are_re_armed():
 def hopper_ptx(has_residual: bool) -> str:
     """The kernel compiled for sm_90 at the Qwen3-4B qkv_proj's shapes, 9 slots of rank 16 (run
     without TRITON_INTERPRET)."""
-    from sglang.srt.lora.triton_ops.norm_segment_pack import _norm_segment_pack_kernel, row_warps
+    from sglang.srt.layers.triton_ops.rmsnorm import row_warps
+    from sglang.srt.lora.triton_ops.norm_segment_pack import _norm_segment_pack_kernel
     from test_lora_token_kernels import SEGMENT_PTRS, _compile_for_hopper
 
     bf16 = {n: "*bf16" for n in ("x_ptr", "r_ptr", "r_out_ptr", "norm_w_ptr", "w_ptr", "xaug_ptr")}

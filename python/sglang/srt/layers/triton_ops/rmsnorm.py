@@ -69,6 +69,15 @@ def _rmsnorm_kernel(
     tl.store(Y + row * stride_y + offs, y, mask=mask)
 
 
+def row_warps(n_cols: int) -> int:
+    """The warps of a program that normalises one row of `n_cols`: a launch constant of the layer,
+    never of the batch, so graph buckets and eager passes of any token count run the same
+    reduction. Every kernel that gives rmsnorm_fwd's bits (lora/triton_ops/norm_shrink_pack.py,
+    norm_segment_pack.py) launches with these warps: the same reduction tree."""
+    block = triton.next_power_of_2(n_cols)
+    return 8 if block >= 4096 else (4 if block >= 1024 else 2)
+
+
 def _rows(t: torch.Tensor, n_cols: int, written: bool) -> torch.Tensor:
     # A tensor the kernel writes must be a view (a reshaped copy would swallow the result).
     t2 = t.view(-1, n_cols) if written else t.reshape(-1, n_cols)
@@ -103,9 +112,7 @@ def rmsnorm_fwd(
     if n_rows == 0:
         return out
     block = triton.next_power_of_2(n_cols)
-    # A launch constant of the layer, never of the batch: graph buckets and eager passes of any
-    # token count run the same reduction.
-    num_warps = 8 if block >= 4096 else (4 if block >= 1024 else 2)
+    num_warps = row_warps(n_cols)
     _rmsnorm_kernel[(n_rows,)](
         x2, r2, weight, y2,
         x2.stride(0), r2.stride(0), y2.stride(0),

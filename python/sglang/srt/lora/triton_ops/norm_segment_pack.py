@@ -47,11 +47,11 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.triton_ops.common import cast_rne, interpreting
-from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize
+from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize, row_warps
 from sglang.srt.lora.triton_ops._tiles import dot_precision
 from sglang.srt.lora.triton_ops._token_rows import segment_rows
 from sglang.srt.lora.triton_ops.launch import BoundKernel, PreparedLaunch
-from sglang.srt.lora.triton_ops.token_lora import PackPlan, pack_block_e
+from sglang.srt.lora.triton_ops.token_lora import PackPlan, pack_block_e, plan_pack, token_segments
 
 
 @triton.jit
@@ -194,12 +194,6 @@ def workspace_numel(plan: PackPlan, num_rows: int) -> int:
     return s.split * num_rows * s.n_tiles * (s.block_n + 1) if s.split > 1 else 0
 
 
-def row_warps(in_dim: int) -> int:
-    """rmsnorm_fwd's warps for a row of `in_dim` (the same reduction tree, so the same bits)."""
-    block = triton.next_power_of_2(in_dim)
-    return 8 if block >= 4096 else (4 if block >= 1024 else 2)
-
-
 @functools.lru_cache(maxsize=None)
 def _bound(plan: PackPlan, eps: float, has_residual: bool, dot_prec: str) -> BoundKernel:
     s = plan.shrink
@@ -263,8 +257,6 @@ def norm_segment_pack(
     """One-call entry point (tests, benchmarks): rows' slots `token_slots` (int32 [T], -1 none),
     each row its own segment run (token_lora.token_segments). Returns the new residual (allocated
     when `residual_out` is None) or None without a residual."""
-    from sglang.srt.lora.triton_ops.token_lora import plan_pack, token_segments
-
     rows, in_dim = x.shape
     plan = plan_pack(in_dim, stack, max_rank, x_aug.shape[1] - in_dim, x.element_size(), block_s)
     perm, seg_indptr, weight_indices, n = token_segments(token_slots, lora_ranks, block_s)
@@ -278,4 +270,4 @@ def norm_segment_pack(
     return residual_out
 
 
-__all__ = ["norm_segment_pack", "prepare_norm_pack", "launch_norm_pack", "workspace_numel", "row_warps"]
+__all__ = ["norm_segment_pack", "prepare_norm_pack", "launch_norm_pack", "workspace_numel"]

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.triton_ops.common import cast_rne, gdc_wait, interpreting
-from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize
+from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize, row_warps
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_mul
 from sglang.srt.lora.utils import DeferredDelta
 
@@ -200,7 +200,7 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_SILU=silu, PACKED=packed,
         EMULATE_RNE=interpreting(), USE_PDL=pdl, DELTA_RANK=delta.max_rank if delta is not None else 0,
         # rmsnorm_fwd's warps for the row: the same reduction tree, so the norm equals its output.
-        num_warps=8 if block >= 4096 else (4 if block >= 1024 else 2),
+        num_warps=row_warps(in_dim),
         **({"launch_pdl": True} if pdl else {}),
     )
     return residual_out
