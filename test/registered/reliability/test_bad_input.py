@@ -145,7 +145,10 @@ def test_unload_with_a_request_in_flight_waits_then_succeeds(zoo_server, adapter
     url = zoo_server[1]
     assert requests.post(f"{url}/load_lora_adapter", json={"lora_name": "busy", "lora_path": adapter_zoo["good"]},
                          timeout=60).status_code == 200
-    n = 48
+    # Long enough that the request is still generating when the test reads its next event: with 48
+    # tokens a CPU server could finish (its events buffered in the socket) and the unload return
+    # before the client got there, and the check below failed now and then on CI.
+    n = 600
     body = {"input_ids": PROMPTS[2], "lora_path": "busy", "stream": True,
             "sampling_params": {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}}
     stream = requests.post(f"{url}/generate", json=body, stream=True, timeout=120)
