@@ -87,7 +87,8 @@ class NormShrinkFusion:
                                              residual, prepared)
         if fused is not None:  # the norm and the module's shrink in one launch
             self.target.prepared, new_residual = fused
-            return fused[0].normed if residual is None else (fused[0].normed, new_residual)
+            normed = self.target.prepared.normed
+            return normed if residual is None else (normed, new_residual)
         rmsnorm_fwd(x, self.norm.weight, self.norm.variance_epsilon, residual=residual, out=prepared.normed)
         self.target.prepared = prepared
         return prepared.normed if residual is None else (prepared.normed, residual)

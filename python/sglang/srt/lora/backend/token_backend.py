@@ -35,6 +35,7 @@ kernel on the capture stream before capture begins.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Optional, Sequence
@@ -552,10 +553,10 @@ class TokenLoRABackend(BaseLoRABackend):
         if spec.folded:
             # The scratch x_aug: read by the module's GEMM, the very next kernel (as shrink_pack's is).
             x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
-            if self.norm_segments_decode and delta is None and not (info.rowwise or info.defer):
-                fused = self._norm_segment_pack(weights, norm_weight, eps, x, residual, x_aug)
-                if fused is not None:
-                    return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug), fused[0]
+            if (self.norm_segments_decode and delta is None and not (info.rowwise or info.defer)
+                    and self._norm_segments_fit(spec, x, residual)):
+                new_residual = self._norm_segment_pack(weights, norm_weight, eps, x, residual, x_aug)
+                return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug), new_residual
             new_residual = norm_shrink_pack(x, residual, norm_weight, eps, weights.A, x_aug, slots, self._slot_ranks,
                                             self._slot_scalings, spec.stack, spec.max_rank, use_pdl=self.use_pdl,
                                             delta=delta)
@@ -597,38 +598,41 @@ class TokenLoRABackend(BaseLoRABackend):
                         ) -> Optional[tuple[PreparedInput, Optional[torch.Tensor]]]:
         spec = weights.spec
         # The GEMM shrink's prefills keep the plain norm (their pack reads the normalised rows).
-        if (not self.norm_segments_prefill or not prepared.pack_pending or prepared.x_aug is None
-                or (self._gemm_shrink_now and self._gemm_shrink_cols.get(spec.name))):
+        if (not self.norm_segments_prefill or not prepared.pack_pending
+                or (self._gemm_shrink_now and self._gemm_shrink_cols.get(spec.name))
+                or not self._norm_segments_fit(spec, x, residual)):
             return None
-        fused = self._norm_segment_pack(weights, norm_weight, eps, x, residual, prepared.x_aug)
-        if fused is None:
-            return None
-        return PreparedInput(prepared.normed, x_aug=prepared.x_aug), fused[0]
+        new_residual = self._norm_segment_pack(weights, norm_weight, eps, x, residual, prepared.x_aug)
+        return dataclasses.replace(prepared, pack_pending=False), new_residual
+
+    def _norm_segments_fit(self, spec: LoRAModuleSpec, x: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
+        """Whether the rows' layout fits norm_segment_pack (dense rows of the module's width; else
+        the caller runs the two kernels)."""
+        k = spec.in_dim
+        return (x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and x.shape[0] == self.batch_info.num_rows
+                and (residual is None or (residual.shape == x.shape and residual.stride() == (k, 1))))
 
     def _norm_segment_pack(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float,
                            x: torch.Tensor, residual: Optional[torch.Tensor], x_aug: torch.Tensor
-                           ) -> Optional[tuple[Optional[torch.Tensor]]]:
+                           ) -> Optional[torch.Tensor]:
         """x_aug = [norm(x (+ residual)) | packed shrink] in one launch (norm_segment_pack.py); returns
-        (the new residual,), or None where the rows' layout does not fit the kernel (the caller
-        then runs the two kernels)."""
+        the new residual (None without one). The rows fit (_norm_segments_fit)."""
         spec, info, scratch = weights.spec, self.batch_info, self._scratch
-        rows, k = x.shape[0], spec.in_dim
-        if (x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or rows != info.num_rows
-                or (residual is not None and (residual.shape != x.shape or residual.stride() != (k, 1)))):
-            return None
         key = (float(eps), residual is not None, x.stride(0))
         launches = self._launches[spec.name]
         launch = launches.norm_packs.get(key)
         if launch is None:
-            plan = plan_pack(k, spec.stack, spec.max_rank, spec.extra_cols, self.dtype.itemsize, self.segment_rows)
-            assert scratch.workspace.numel() >= workspace_numel(plan, rows)
-            launch = prepare_norm_pack(plan, rows, info.bs, eps, residual is not None, x, weights.A, x_aug.stride(0))
+            plan = plan_pack(spec.in_dim, spec.stack, spec.max_rank, spec.extra_cols, self.dtype.itemsize,
+                             self.segment_rows)
+            assert scratch.workspace.numel() >= workspace_numel(plan, x.shape[0])
+            launch = prepare_norm_pack(plan, x.shape[0], info.bs, eps, residual is not None, x, weights.A,
+                                       x_aug.stride(0))
             launches.norm_packs[key] = launch
         new_residual = torch.empty_like(residual) if residual is not None else None
         launch_norm_pack(launch, x, residual, new_residual, norm_weight, weights.A, x_aug, scratch.workspace,
                          scratch.counters, info.permutation, info.seg_indptr, info.weight_indices, info.lora_ranks,
                          info.scalings)
-        return (new_residual,)
+        return new_residual
 
     def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: torch.nn.Module) -> torch.Tensor:
         if prepared.x_aug is not None:
