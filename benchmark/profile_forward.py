@@ -115,6 +115,9 @@ LORA_VARIANTS = {
     # (SGLANG_LORA_NORM_SEGMENTS): at prefill and at decode past the row-wise bound, or at prefill only.
     "lora-norm-segments": ("auto", "small"),
     "lora-norm-segments-prefill": ("auto", "small"),
+    # csgmv's unfolded modules (many slots) with the token backend's split-K shrink in place of the
+    # chunked one (SGLANG_LORA_CSGMV_SPLIT_SHRINK=1).
+    "lora-split-shrink": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -139,7 +142,8 @@ VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora
                "lora-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "1"},
                "lora-no-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "0"},
                "lora-norm-segments": {"SGLANG_LORA_NORM_SEGMENTS": "1"},
-               "lora-norm-segments-prefill": {"SGLANG_LORA_NORM_SEGMENTS": "prefill"}}
+               "lora-norm-segments-prefill": {"SGLANG_LORA_NORM_SEGMENTS": "prefill"},
+               "lora-split-shrink": {"SGLANG_LORA_CSGMV_SPLIT_SHRINK": "1"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm and the segments' norm_segment_pack (which also do
 # the norm's work).
@@ -157,6 +161,8 @@ class Profile:
     top: list[tuple[str, float, float]] = field(default_factory=list)  # (name, us per fwd, calls per fwd)
     lora_us: float = 0.0  # LoRA kernels' GPU µs per forward
     lora_launches: float = 0.0
+    # Each LoRA kernel's (name, µs per forward, launches per forward), the costliest first.
+    lora_by_kernel: list[tuple[str, float, float]] = field(default_factory=list)
     # GPU idle per forward before each kernel or copy (its start - the latest end before it), by
     # that kernel's name: (name, idle µs per fwd, calls per fwd). The entry whose calls are 1 per
     # forward and whose idle is largest is the host work before the forward's first launch.
@@ -228,6 +234,8 @@ def profile_fn(fn: Callable[[], Any], n: int) -> Profile:
         acc[1] += 1
     top = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:TOP_KERNELS]
     lora = [v for name, v in by_name.items() if name.startswith(LORA_KERNELS)]
+    lora_by_kernel = sorted(((name, us / n, calls / n) for name, (us, calls) in by_name.items()
+                             if name.startswith(LORA_KERNELS)), key=lambda t: -t[1])
     return Profile(
         busy_ms=_union_ms(intervals) / n,
         kernels=len(kernels) / n,
@@ -236,6 +244,7 @@ def profile_fn(fn: Callable[[], Any], n: int) -> Profile:
         top=[(name, us / n, calls / n) for name, (us, calls) in top],
         lora_us=sum(us for us, _ in lora) / n,
         lora_launches=sum(calls for _, calls in lora) / n,
+        lora_by_kernel=lora_by_kernel,
         idle_before=_idle_before(timeline, n),
     )
 
@@ -545,7 +554,8 @@ def to_markdown(rows: list[Row], notes: list[str], tc_modes: tuple[str, ...] = (
             busy = f"{p.busy_ms / base.prof.busy_ms:.2f}" if base.prof.busy_ms > 0 else "—"
             vs_base.append(f"- {r.model} {r.case} {r.path}{'' if r.lora == 'lora' else f' ({r.lora})'}: LoRA / base = {r.wall_ms:.3f} / {base.wall_ms:.3f} = "
                            f"**{r.wall_ms / base.wall_ms:.2f}** (GPU busy {busy}); "
-                           f"LoRA kernels {p.lora_us:.0f} µs in {p.lora_launches:.0f} launches{per}")
+                           f"LoRA kernels {p.lora_us:.0f} µs in {p.lora_launches:.0f} launches{per}"
+                           + "".join(f"; `{name}` {us:.0f} µs ×{calls:.0f}" for name, us, calls in p.lora_by_kernel))
     if vs_base:
         out += ["", "LoRA against the base model, same case and path (wall):", *vs_base]
     vs_breakable = []

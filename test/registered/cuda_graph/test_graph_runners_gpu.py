@@ -307,6 +307,62 @@ def test_norm_segments_graph_equals_eager(lora_backend, monkeypatch):
 
 
 @functools.lru_cache(maxsize=None)
+def split_shrink_runner(graphs: bool, split: str, dtype: str = "bfloat16"):
+    """csgmv with every module unfolded (--lora-fold off, the norms apart) and
+    SGLANG_LORA_CSGMV_SPLIT_SHRINK=`split`: the token backend's split-K shrink in place of the
+    chunked one; decode graphs up to 32 rows."""
+    ckpt, adapters = assets()
+    mode_args = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
+                     cuda_graph_bs_decode=DECODE_BUCKETS + [32]) if graphs else dict(disable_cuda_graph=True)
+    os.environ["SGLANG_LORA_CSGMV_SPLIT_SHRINK"] = split  # read when the backend is built
+    try:
+        return make_runner(
+            ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
+            max_running_requests=64, lora_paths=[f"{n}={p}" for n, p in adapters.items()],
+            max_loras_per_batch=3, lora_backend="csgmv", lora_fold="off", lora_fuse_norm="off", **mode_args,
+        )
+    finally:
+        del os.environ["SGLANG_LORA_CSGMV_SPLIT_SHRINK"]
+
+
+def test_csgmv_split_shrink_graph_equals_eager(monkeypatch):
+    """csgmv's unfolded modules with the split-K shrink under the prefill and decode graphs: prompt
+    logprobs of adapter, base, mixed and 40-request prefills within TOL of eager, a 20-request
+    decode equal to eager bit for bit, the chunked shrink never launched; in float32 the engine with
+    it matches the engine with the chunked shrink within 1e-3."""
+    from sglang.srt.lora.backend import chunked_backend
+
+    chunked = []
+    original = chunked_backend.chunked_sgmv_lora_shrink_forward
+    monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_shrink_forward",
+                        lambda *a, **kw: chunked.append(1) or original(*a, **kw))
+    g, e = split_shrink_runner(True, "1"), split_shrink_runner(False, "1")
+    for prompts, names in ((MIXED, ["a", None, "b", None]), (PROMPTS[:1], ["a"]), (MANY, ["a", "b"] * 20)):
+        graph, used = prompt_logprobs(g, prompts, names)
+        assert used or len(prompts) > 16, "the prefill graph did not serve the batch"
+        eager, _ = prompt_logprobs(e, prompts, names)
+        diff = max_diff(graph, eager)
+        print(f"split shrink: prefill max |graph - eager| = {diff:.2e}")
+        assert diff < TOL, diff
+    names = ["a", None, "b", "a"] * 5
+    prompts = _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)
+    g_tok, g_lp, used = decode_logprobs(g, prompts, names, steps=6)
+    assert all(used)
+    e_tok, e_lp, _ = decode_logprobs(e, prompts, names, steps=6)
+    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
+    assert not chunked, "a batch ran the chunked shrink"
+    on, off = split_shrink_runner(False, "1", "float32"), split_shrink_runner(False, "0", "float32")
+    for prompts_, names_ in ((MIXED, ["a", None, "b", None]), (MANY, ["a", "b"] * 20)):
+        diff = max_diff(prompt_logprobs(on, prompts_, names_)[0], prompt_logprobs(off, prompts_, names_)[0])
+        print(f"split shrink: float32 prefill max |split - chunked| = {diff:.2e}")
+        assert diff < 1e-3, diff
+    assert chunked, "the chunked engine did not run the chunked shrink"
+    o_tok, o_lp, _ = decode_logprobs(on, prompts, names, steps=6)
+    f_tok, f_lp, _ = decode_logprobs(off, prompts, names, steps=6)
+    assert o_tok == f_tok and float((o_lp - f_lp).abs().max()) < 1e-3
+
+
+@functools.lru_cache(maxsize=None)
 def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = False, fold: str = "auto",
                       fuse: str = "on", dtype: str = "bfloat16", afold: str = "small"):
     ckpt, adapters = assets()

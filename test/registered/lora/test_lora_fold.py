@@ -411,3 +411,77 @@ def test_prefill_unfold_setting_is_checked():
     for bad in ("yes", "cols:", "cols:-1", "2", "tokens:8,tokens:9", "rows:4"):
         with pytest.raises(ValueError, match="SGLANG_LORA_PREFILL_UNFOLD"):
             parse_prefill_unfold(bad)
+
+
+@pytest.mark.parametrize("setting,at_prefill,at_decode", [("1", True, True), ("tokens:9", False, True),
+                                                          ("tokens:10", True, True)])
+def test_csgmv_unfolded_modules_take_the_split_k_shrink(setting, at_prefill, at_decode, tmp_path, monkeypatch):
+    """SGLANG_LORA_CSGMV_SPLIT_SHRINK: csgmv's unfolded modules take the token backend's split-K
+    shrink (its launches prepared, the chunked expand kept) at the batches the rule admits (a
+    10-token prefill, 2-row decode batches); prompt logprobs match HF + PEFT, and the greedy tokens
+    equal a server's with the chunked shrink."""
+    from helpers import EngineDriver, hf_model, hf_prompt_logprobs, make_runner, tiny_checkpoint
+    from lora_testlib import write_peft_adapter
+    from peft import PeftModel
+
+    ckpt = tiny_checkpoint("qwen3", hidden_size=64, intermediate_size=128)
+    path = write_peft_adapter(str(tmp_path / "a"), r=8, base_model=hf_model(ckpt), seed=7)
+    args = dict(lora_paths=[f"a={path}"], lora_backend="csgmv", lora_fold="off", max_lora_rank=16,
+                lora_fuse_norm="off")
+    prompts = [[5, 9, 13, 200, 7, 3, 99], [11, 4, 250]]
+
+    import sglang.srt.lora.backend.chunked_backend as chunked
+
+    chunked_calls = []
+    chunked_shrink = chunked.chunked_sgmv_lora_shrink_forward
+
+    def counted(*a, **kw):
+        chunked_calls.append(1)
+        return chunked_shrink(*a, **kw)
+
+    monkeypatch.setattr(chunked, "chunked_sgmv_lora_shrink_forward", counted)
+
+    def step_took_split(backend) -> bool:
+        """The batch's flag, and that no unfolded module ran the chunked shrink under it."""
+        took = backend._split_shrink_now
+        assert (len(chunked_calls) == 0) == took, (took, len(chunked_calls))
+        chunked_calls.clear()
+        return took
+
+    def run(split: str):
+        monkeypatch.setenv("SGLANG_LORA_CSGMV_SPLIT_SHRINK", split)  # read when the backend is built
+        runner = make_runner(ckpt, **args)
+        backend, lora_id = runner.lora_manager.lora_backend, next(iter(runner.lora_manager.refs))
+        assert not any(s.folded for s in backend.specs.values())
+        driver = EngineDriver(runner)
+        seqs = [driver.add(p, lora_id=i) for p, i in zip(prompts, [lora_id, lora_id])]
+        chunked_calls.clear()
+        out = driver.extend(seqs, logprob_start=0)
+        taken = [step_took_split(backend)]
+        tokens = [[t] for t in out.next_token_ids.tolist()]
+        for _ in range(3):
+            for seq, t in zip(seqs, tokens):
+                seq.tokens.append(t[-1])
+            step = driver.decode(seqs)
+            taken.append(step_took_split(backend))
+            for t, n in zip(tokens, step.next_token_ids.tolist()):
+                t.append(n)
+        return out.input_token_logprobs, tokens, taken
+
+    logprobs, tokens, taken = run(setting)
+    assert taken == [at_prefill] + [at_decode] * 3
+    peft = PeftModel.from_pretrained(hf_model(ckpt), path).eval()
+    for got, prompt in zip(logprobs, prompts):
+        torch.testing.assert_close(torch.tensor(got), hf_prompt_logprobs(peft, prompt), rtol=0, atol=1e-4)
+    _, chunked_tokens, never = run("0")
+    assert not any(never) and tokens == chunked_tokens
+
+
+def test_split_shrink_setting_is_checked():
+    from sglang.srt.lora.backend.chunked_backend import split_shrink_bound
+
+    assert split_shrink_bound("0") is None and split_shrink_bound("1") >= 1 << 20
+    assert split_shrink_bound("tokens:512") == 512
+    for bad in ("yes", "tokens:", "tokens:0", "rows:4", "2", "tokens:-3"):
+        with pytest.raises(ValueError, match="SGLANG_LORA_CSGMV_SPLIT_SHRINK"):
+            split_shrink_bound(bad)

@@ -48,6 +48,19 @@ if TYPE_CHECKING:
 # SGLANG_LORA_AFOLD_PREFILL=small: prefills of up to this many tokens (their graph bucket), where
 # shrink_pack's latency outweighs the A-fold's extra GEMM rows.
 AFOLD_PREFILL_SMALL_TOKENS = 512
+# SGLANG_LORA_CSGMV_SPLIT_SHRINK: which batches' unfolded modules (many slots, a high rank, or
+# `--lora-fold off`) take the token backend's split-K shrink in place of the chunked one. The
+# chunked shrink gives each chunk of 16 rows one program that walks all of K: a short prefill on one
+# adapter is a few dozen programs on 132 SMs, each ten K tiles deep; the split-K plan spreads K over
+# more programs, for a ticket and a finishing sum in a fixed order (the same bits under a graph and
+# eagerly). H100, Qwen3-4B, 64 slots (qkv / gate_up unfolded), µs of the two shrinks per step,
+# chunked -> split-K: prefill 128 623 -> 370 (step / base 1.36 -> 1.30), 512 642 -> 608 (1.33 ->
+# 1.31), 4x512 767 -> 1,547 (1.23 -> 1.25), 16x512 1,986 -> 5,344 (1.19 -> 1.22): long prefills have
+# chunks enough to fill the GPU, and there the split's partial sums cost more than they spread.
+# Decode batches take the fused norm's shrink (norm_shrink_pack) unless the norms run apart. "0"
+# never, "1" every batch, "tokens:T" decode batches and prefills whose graph bucket holds at most T
+# tokens.
+SPLIT_SHRINK_DEFAULT = "tokens:512"
 
 
 class ChunkedSgmvLoRABackend(TokenLoRABackend):
@@ -60,6 +73,10 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         max_lora_chunk_size: int = 16,
         use_pdl: Optional[bool] = None,
     ) -> None:
+        # Before the base class's setup, which asks _uses_token_kernels.
+        self.split_shrink_max = split_shrink_bound(os.environ.get("SGLANG_LORA_CSGMV_SPLIT_SHRINK",
+                                                                  SPLIT_SHRINK_DEFAULT))
+        self._split_shrink_now = False  # this batch's unfolded modules take the split-K shrink
         super().__init__(max_loras_per_batch, device, max_lora_chunk_size, use_pdl)
         self.segment_rows = max_lora_chunk_size
         # Which folded modules run apart at which prefills (None: never).
@@ -83,7 +100,9 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         self._afold_prefill_now = False  # this batch is a prefill the bound admits
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
-        return False
+        # The token backend's launches (and its workspace) are prepared only for the split-K shrink;
+        # the expand stays the chunked one (_expand_unfolded below).
+        return self.split_shrink_max is not None
 
     def fill_batch_info(self, forward_batch: "ForwardBatch", weight_indices: list[int], lora_ranks: list[int],
                         scalings: list[float], path: ForwardPath) -> None:
@@ -91,6 +110,11 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         bound = self.afold_prefill_max
         self._afold_prefill_now = (bound is not None and forward_batch.forward_mode.is_extend()
                                    and self.prefill_bucket(forward_batch.num_tokens) <= bound)
+        bound = self.split_shrink_max
+        rows = forward_batch.num_tokens
+        self._split_shrink_now = bound is not None and (
+            self.prefill_bucket(rows) <= bound if forward_batch.forward_mode.is_extend()
+            else self._bucket_within(rows, bound))
         rule = self.prefill_unfold
         self._unfold_now = (rule is not None and forward_batch.forward_mode.is_extend()
                             and self.prefill_bucket(forward_batch.num_tokens) >= rule.min_tokens)
@@ -120,8 +144,16 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
                       launches: _ModuleLaunches) -> None:
         spec, info = weights.spec, self.batch_info
         xa = self._scratch.matrix(x.shape[0], spec.stack * spec.max_rank)
-        # `out` given: one program per chunk reduces all of K (no split, no atomics, no memset).
-        chunked_sgmv_lora_shrink_forward(x, weights.A, info, num_slices=spec.stack, out=xa)
+        # A folded module run apart at prefill (SGLANG_LORA_PREFILL_UNFOLD) has its pack launches,
+        # not the token shrink's: it keeps the chunked shrink.
+        if self._split_shrink_now and not spec.folded:
+            assert launches.shrink is not None, "the split-K shrink is prepared whenever it may be taken"
+            scratch = self._scratch
+            launches.shrink(x, weights.A, xa, scratch.workspace, scratch.counters, info.permutation,
+                            info.seg_indptr, info.weight_indices, info.lora_ranks)
+        else:
+            # One program per chunk reduces all of K (no split, no atomics, no memset).
+            chunked_sgmv_lora_shrink_forward(x, weights.A, info, num_slices=spec.stack, out=xa)
         self._expand_unfolded(weights, xa, out, launches)
 
     def _expand_unfolded(self, weights: LoRAModuleWeights, xa: torch.Tensor, out: torch.Tensor,
@@ -137,6 +169,17 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
             max_slice_size=max(spec.slice_sizes) if offsets is not None else None, slice_stride=slice_stride,
             use_pdl=self.use_pdl,
         )
+
+
+def split_shrink_bound(value: str) -> Optional[int]:
+    """SGLANG_LORA_CSGMV_SPLIT_SHRINK: "0" never (None), "1" every batch, "tokens:T" batches whose
+    graph bucket holds at most T tokens (T > 0)."""
+    if value in ("0", "1"):
+        return None if value == "0" else 1 << 30
+    key, _, number = value.partition(":")
+    if key != "tokens" or not number.isdigit() or int(number) <= 0:
+        raise ValueError(f"SGLANG_LORA_CSGMV_SPLIT_SHRINK={value!r}: use 0, 1 or tokens:T (T > 0)")
+    return int(number)
 
 
 @dataclass(frozen=True)
