@@ -118,6 +118,9 @@ LORA_VARIANTS = {
     # csgmv's unfolded modules (many slots) with the token backend's split-K shrink in place of the
     # chunked one (SGLANG_LORA_CSGMV_SPLIT_SHRINK=1).
     "lora-split-shrink": ("auto", "small"),
+    # The default, an unfolded gate_up_proj's expand in the SiLU-and-mul's kernel
+    # (SGLANG_LORA_EXPAND_SILU=1, csgmv; triton_ops/expand_silu.py).
+    "lora-expand-silu": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -143,13 +146,14 @@ VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora
                "lora-no-gemm-shrink": {"SGLANG_LORA_GEMM_SHRINK": "0"},
                "lora-norm-segments": {"SGLANG_LORA_NORM_SEGMENTS": "1"},
                "lora-norm-segments-prefill": {"SGLANG_LORA_NORM_SEGMENTS": "prefill"},
-               "lora-split-shrink": {"SGLANG_LORA_CSGMV_SPLIT_SHRINK": "1"}}
+               "lora-split-shrink": {"SGLANG_LORA_CSGMV_SPLIT_SHRINK": "1"},
+               "lora-expand-silu": {"SGLANG_LORA_EXPAND_SILU": "1"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm and the segments' norm_segment_pack (which also do
 # the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",
                 "_segment_expand_kernel", "_norm_shrink_pack_kernel", "_pack_all_slots_kernel",
-                "_norm_segment_pack_kernel")
+                "_norm_segment_pack_kernel", "_segment_expand_silu_kernel")
 
 
 @dataclass

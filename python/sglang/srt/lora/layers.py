@@ -134,6 +134,34 @@ class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
 class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     """gate, up: two output slices."""
 
+    def __init__(self, base_layer: nn.Module, lora_backend: BaseLoRABackend) -> None:
+        super().__init__(base_layer, lora_backend)
+        # Whether the SiLU-and-mul after this module takes its expand (set by lora/norm_fusion.py
+        # with the backend's expand_silu), and the (shrink, base output) it left in this forward.
+        self.defers_to_act = False
+        self.pending_expand: Optional[tuple[torch.Tensor, torch.Tensor]] = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.pending_expand = None  # a forward cut short may have left one: its output is gone too
+        if self.defers_to_act and self.lora_active and self.lora_backend.defers_expand(self.lora):
+            prepared = self.take_prepared(x)
+            x2 = x.reshape(-1, x.shape[-1])
+            out, xa = self.lora_backend.run_without_expand(self.lora, self.base_layer, x2, prepared)
+            self.pending_expand = (xa, out)
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return super().forward(x)
+
+    def take_pending_expand(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
+        """The shrink whose expand this module left to the activation called with `gate_up`, which
+        must be the base output it belongs to (an expand must never be dropped). Cleared."""
+        pending, self.pending_expand = self.pending_expand, None
+        if pending is None:
+            return None
+        xa, out = pending
+        assert gate_up.data_ptr() == out.data_ptr() and gate_up.numel() == out.numel(), \
+            "the activation is not fed gate_up_proj's output"
+        return xa
+
 
 class RowParallelLinearWithLoRA(BaseLayerWithLoRA):
     """o_proj / down_proj: base partial product plus this rank's partial delta, then the all-reduce

@@ -43,7 +43,7 @@ from sglang.srt.layers.layernorm import NormResult, RMSNorm
 from sglang.srt.layers.triton_ops.dispatch import use_triton
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd
-from sglang.srt.lora.layers import BaseLayerWithLoRA
+from sglang.srt.lora.layers import BaseLayerWithLoRA, MergedColumnParallelLinearWithLoRA
 
 if TYPE_CHECKING:
     from sglang.srt.lora.backend.base_backend import BaseLoRABackend
@@ -99,11 +99,17 @@ class ActShrinkFusion:
     activation and down_proj's shrink in one kernel at decode; with SGLANG_LORA_PACK_IN_PLACE, the
     activation written into down_proj's x_aug where nothing fuses."""
 
-    def __init__(self, target: BaseLayerWithLoRA, backend: "BaseLoRABackend") -> None:
-        self.target, self.backend = target, backend
+    def __init__(self, target: BaseLayerWithLoRA, backend: "BaseLoRABackend",
+                 producer: Optional[MergedColumnParallelLinearWithLoRA] = None) -> None:
+        # producer: the gate_up_proj whose output this activation takes, which may leave its expand
+        # here (`defers_to_act`, the backend's expand_silu).
+        self.target, self.backend, self.producer = target, backend, producer
 
     def __call__(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
         target = self.target
+        xa = self.producer.take_pending_expand(gate_up) if self.producer is not None else None
+        if xa is not None:
+            return self._with_expand(gate_up, xa)
         if not target.lora_active or gate_up.dim() != 2:
             return None
         if not self.backend.rowwise_now():
@@ -112,6 +118,22 @@ class ActShrinkFusion:
             return None  # down_proj takes no shrink from here: its GEMM computes it (A-fold)
         target.prepared = self.backend.run_act(target.lora, gate_up)
         return target.prepared.normed
+
+    def _with_expand(self, gate_up: torch.Tensor, xa: torch.Tensor) -> torch.Tensor:
+        """gate_up_proj's delta added and the SiLU-and-mul applied in one kernel, written where the
+        backend asks (down_proj's x_aug, as _into_x_aug would) or to its own tensor."""
+        target, backend = self.target, self.backend
+        rows = gate_up.numel() // gate_up.shape[-1]
+        prepared = None
+        if (target.lora_active and backend.pack_in_place
+                and not (target.defers_to_norm and backend.expands_a_folded(target.lora))):
+            prepared = backend.in_place_input(target.lora, rows)
+        act = backend.run_expand_act(self.producer.lora, xa, gate_up.reshape(rows, gate_up.shape[-1]),
+                                     None if prepared is None else prepared.normed)
+        if prepared is not None:
+            target.prepared = prepared
+            return act
+        return act.view(*gate_up.shape[:-1], act.shape[-1])
 
     def _into_x_aug(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
         """The plain SiLU-and-mul, written where the backend asks (x_aug's first columns), or None."""
@@ -182,10 +204,18 @@ def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerW
                     producer.defers_to_norm = True
                 count += 1
         down, name = modules.get("down_proj"), module_names.get("down_proj", {}).get(layer_id)
-        if ((backend.rowwise_decode or backend.pack_in_place) and down is not None and down.lora is not None and name
-                and name.endswith(".mlp.down_proj")):
-            act = getattr(model.get_submodule(name[: -len(".down_proj")]), "act_fn", None)
+        if ((backend.rowwise_decode or backend.pack_in_place or backend.expand_silu) and down is not None
+                and down.lora is not None and name and name.endswith(".mlp.down_proj")):
+            mlp = name[: -len(".down_proj")]
+            act = getattr(model.get_submodule(mlp), "act_fn", None)
             if isinstance(act, SiluAndMul):
-                act.fusion = ActShrinkFusion(down, backend)
+                gate_up = modules.get("gate_up_proj")
+                producer = None
+                if (backend.expand_silu and isinstance(gate_up, MergedColumnParallelLinearWithLoRA)
+                        and gate_up.lora is not None
+                        and module_names.get("gate_up_proj", {}).get(layer_id) == f"{mlp}.gate_up_proj"):
+                    producer = gate_up
+                    gate_up.defers_to_act = True
+                act.fusion = ActShrinkFusion(down, backend, producer)
                 count += 1
     return count

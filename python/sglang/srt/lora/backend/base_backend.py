@@ -157,6 +157,26 @@ class BaseLoRABackend(abc.ABC):
         """The module's output (base + LoRA) from what `run_norm` wrote."""
         raise NotImplementedError(f"LoRA backend {self.name} does not fuse norms")
 
+    # An unfolded gate_up_proj may leave its expand to the SiLU-and-mul after it (csgmv,
+    # SGLANG_LORA_EXPAND_SILU; lora/triton_ops/expand_silu.py).
+    expand_silu: bool = False
+
+    def defers_expand(self, weights: LoRAModuleWeights) -> bool:
+        """Whether this forward's gate_up_proj `weights` leave their expand to the activation."""
+        return False
+
+    def run_without_expand(self, weights: LoRAModuleWeights, base_layer: nn.Module, x: torch.Tensor,
+                           prepared: Optional[PreparedInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the base output, the rows' shrink xa) of an unfolded module: everything but its expand
+        (`prepared`: what a fused norm wrote, then `x` is its normalised rows)."""
+        raise NotImplementedError(f"LoRA backend {self.name} does not defer expands")
+
+    def run_expand_act(self, weights: LoRAModuleWeights, xa: torch.Tensor, gate_up: torch.Tensor,
+                       out: Optional[torch.Tensor]) -> torch.Tensor:
+        """SiLU-and-mul of gate_up (the base output) with gate_up_proj's delta (from xa) added first,
+        into `out` when given."""
+        raise NotImplementedError(f"LoRA backend {self.name} does not defer expands")
+
     # ---- metadata --------------------------------------------------------------------------
     def init_cuda_graph_batch_info(self, max_bs_in_cuda_graph: int, num_tokens_per_bs: int = 1,
                                    buckets: Optional[Sequence[int]] = None) -> None:

@@ -39,7 +39,8 @@ from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches, rowwise_decode_bound
 from sglang.srt.lora.fold import folded_b
 from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward, chunked_sgmv_lora_shrink_forward
-from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights
+from sglang.srt.lora.triton_ops.expand_silu import segmented_expand_silu
+from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights, PreparedInput
 
 if TYPE_CHECKING:
     from sglang.srt.configs.forward_batch_info import ForwardBatch
@@ -98,6 +99,11 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         self.afold_prefill_max = rowwise_decode_bound(os.environ.get("SGLANG_LORA_AFOLD_PREFILL", "1"),
                                                       AFOLD_PREFILL_SMALL_TOKENS, "SGLANG_LORA_AFOLD_PREFILL")
         self._afold_prefill_now = False  # this batch is a prefill the bound admits
+        # SGLANG_LORA_EXPAND_SILU (0 until measured; 1 on): an unfolded gate_up_proj leaves its
+        # expand to the SiLU-and-mul after it, which adds the delta to the tile it reads and writes
+        # only the activation (triton_ops/expand_silu.py): no read-modify-write of gate_up's
+        # output, one launch less per layer. The same bits as the expand, then the activation.
+        self.expand_silu = os.environ.get("SGLANG_LORA_EXPAND_SILU", "0") != "0"
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         # The token backend's launches (and its workspace) are prepared only for the split-K shrink;
@@ -139,11 +145,50 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
                                          num_slices=1, x_slot_stride=delta.max_rank, use_pdl=self.use_pdl)
         return base
 
+    # ---- gate_up_proj's expand in the SiLU-and-mul (SGLANG_LORA_EXPAND_SILU) ----------------------
+    def defers_expand(self, weights: LoRAModuleWeights) -> bool:
+        info, spec = self.batch_info, weights.spec
+        # Row-wise decode batches run the SiLU-and-mul with down_proj's shrink (run_act), which
+        # reads gate_up's finished output: they keep the expand. Functions of the batch's mode and
+        # bucket, so a graph and an eager pass decide alike.
+        return (self.expand_silu and info is not None and not info.rowwise and spec.stack == 2
+                and not spec.folded and info.num_rows > 0)
+
+    def run_without_expand(self, weights: LoRAModuleWeights, base_layer: torch.nn.Module, x: torch.Tensor,
+                           prepared: Optional[PreparedInput]) -> tuple[torch.Tensor, torch.Tensor]:
+        if prepared is not None:  # the fused norm wrote the rows and their shrink
+            assert prepared.xa is not None and prepared.x_aug is None, "an unfolded module's prepared input"
+            return base_layer(prepared.normed), prepared.xa
+        spec = weights.spec
+        if x.stride(1) != 1 or x.stride(0) != spec.in_dim:
+            x = x.contiguous()  # the launches were prepared for dense rows
+        # Its own buffer, not the scratch: the activation may write down_proj's x_aug (the scratch)
+        # while it reads xa.
+        xa = torch.empty((x.shape[0], spec.stack * spec.max_rank), dtype=x.dtype, device=x.device)
+        self._shrink_unfolded(weights, x, xa, self._launches[spec.name])
+        return base_layer(x), xa
+
+    def run_expand_act(self, weights: LoRAModuleWeights, xa: torch.Tensor, gate_up: torch.Tensor,
+                       out: Optional[torch.Tensor]) -> torch.Tensor:
+        rows, d = gate_up.shape[0], gate_up.shape[1] // 2
+        if out is None:
+            out = torch.empty((rows, d), dtype=gate_up.dtype, device=gate_up.device)
+        else:
+            assert not _overlaps(out, xa), "the activation would overwrite the shrink it reads"
+        return segmented_expand_silu(xa, weights.B, self.batch_info, gate_up, out)
+
     # ---- unfolded modules --------------------------------------------------------------------
     def _add_unfolded(self, weights: LoRAModuleWeights, x: torch.Tensor, out: torch.Tensor,
                       launches: _ModuleLaunches) -> None:
-        spec, info = weights.spec, self.batch_info
+        spec = weights.spec
         xa = self._scratch.matrix(x.shape[0], spec.stack * spec.max_rank)
+        self._shrink_unfolded(weights, x, xa, launches)
+        self._expand_unfolded(weights, xa, out, launches)
+
+    def _shrink_unfolded(self, weights: LoRAModuleWeights, x: torch.Tensor, xa: torch.Tensor,
+                         launches: _ModuleLaunches) -> None:
+        """xa <- each row's compact, unscaled x @ A^T."""
+        spec, info = weights.spec, self.batch_info
         # A folded module run apart at prefill (SGLANG_LORA_PREFILL_UNFOLD) has its pack launches,
         # not the token shrink's: it keeps the chunked shrink.
         if self._split_shrink_now and not spec.folded:
@@ -154,7 +199,6 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         else:
             # One program per chunk reduces all of K (no split, no atomics, no memset).
             chunked_sgmv_lora_shrink_forward(x, weights.A, info, num_slices=spec.stack, out=xa)
-        self._expand_unfolded(weights, xa, out, launches)
 
     def _expand_unfolded(self, weights: LoRAModuleWeights, xa: torch.Tensor, out: torch.Tensor,
                          launches: _ModuleLaunches) -> None:
@@ -169,6 +213,17 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
             max_slice_size=max(spec.slice_sizes) if offsets is not None else None, slice_stride=slice_stride,
             use_pdl=self.use_pdl,
         )
+
+
+def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether the memory spans of two tensors meet."""
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + _span_bytes(b) and b0 < a0 + _span_bytes(a)
+
+
+def _span_bytes(t: torch.Tensor) -> int:
+    """Bytes from a tensor's first element to just past its last (non-negative strides)."""
+    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size() if t.numel() else 0
 
 
 def split_shrink_bound(value: str) -> Optional[int]:
