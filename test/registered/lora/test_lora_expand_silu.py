@@ -20,9 +20,10 @@ RANKS = [0, 8, 16, 5]
 SCALINGS = [0.0, 0.5, 2.0, 1.25]
 
 
-def _info(req_slots, req_lens, num_rows: int, ranks, chunk: int = 16) -> LoRABatchInfo:
-    """A batch's segments as the backends build them: every row (padding too) in one segment."""
-    segs = build_segments(req_slots, req_lens, ranks, chunk, num_rows, idle_slot=0)
+def _info(req_slots, req_lens, num_rows: int, ranks, chunk: int = 16, graph_rows: int = 0) -> LoRABatchInfo:
+    """A batch's segments as the backends build them: every row (padding too) in one segment; with
+    `graph_rows`, as a graph's static segments, whose inactive run goes on to that many rows."""
+    segs = build_segments(req_slots, req_lens, ranks, chunk, max(num_rows, graph_rows), idle_slot=0)
     return LoRABatchInfo(
         num_rows=num_rows, bs=segs.num_segments, num_segments=segs.num_segments, max_len=chunk,
         seg_indptr=torch.tensor(segs.seg_indptr, dtype=torch.int32),
@@ -33,12 +34,12 @@ def _info(req_slots, req_lens, num_rows: int, ranks, chunk: int = 16) -> LoRABat
     )
 
 
-def _case(d: int, ranks, dtype, seed: int, max_rank: int = MAX_RANK):
+def _case(d: int, ranks, dtype, seed: int, max_rank: int = MAX_RANK, graph_rows: int = 0):
     gen = torch.Generator().manual_seed(seed)
     # Requests on slots 1, none, 2, 1, 3 (one of 0 tokens) and a rank-0 slot; 3 padding rows.
     req_slots, req_lens = [1, -1, 2, 1, 3, 0, 2], [5, 3, 20, 1, 0, 4, 9]
     num_rows = sum(req_lens) + 3
-    info = _info(req_slots, req_lens, num_rows, ranks)
+    info = _info(req_slots, req_lens, num_rows, ranks, graph_rows=graph_rows)
     gate_up = (torch.randn(num_rows, 2 * d, generator=gen) * 2).to(dtype)
     xa = torch.randn(num_rows, 2 * max_rank, generator=gen).to(dtype)
     b = (torch.randn(len(ranks), 2 * d, max_rank, generator=gen) * 0.3).to(dtype)
@@ -148,3 +149,19 @@ def test_engine_leaves_gate_up_expand_to_the_activation(rowwise, down_folded, tm
     for got, prompt, name in zip(logprobs, prompts, ["a", None, "b"]):
         model = hf_model(ckpt) if name is None else PeftModel.from_pretrained(hf_model(ckpt), paths[name]).eval()
         torch.testing.assert_close(torch.tensor(got), hf_prompt_logprobs(model, prompt), rtol=0, atol=1e-4)
+
+
+def test_rows_past_the_batch_are_not_touched():
+    """A graph's static segments list rows past its bucket (the inactive run covers the largest
+    bucket's rows): the kernel reads and writes only the batch's rows (the tensors end there; views
+    of larger buffers here, whose rows past the batch must keep their sentinels)."""
+    rows = 45  # _case's batch
+    info, gate_up_big, xa_big, b = _case(24, RANKS, torch.float32, seed=5, graph_rows=rows + 40)
+    gate_up_big = torch.cat([gate_up_big[:rows], torch.full((40, 48), float("nan"))])
+    expected = _unfused(info_exact := _info([1, -1, 2, 1, 3, 0, 2], [5, 3, 20, 1, 0, 4, 9], rows, RANKS),
+                        gate_up_big[:rows], xa_big[:rows], b)
+    out_big = torch.full((rows + 40, 24), -777.0)
+    segmented_expand_silu(xa_big[:rows], b, info, gate_up_big[:rows], out_big[:rows])
+    assert info.seg_indptr[-1] > rows and info_exact.seg_indptr[-1] == rows
+    assert torch.equal(out_big[:rows], expected)
+    assert torch.equal(out_big[rows:], torch.full((40, 24), -777.0))

@@ -13,7 +13,8 @@ the same tiles (rows of one segment, BLOCK_R-deep rank blocks, the B tile of the
 added to the GEMM's output in float32 and rounded to the model dtype (what the expand stores), and
 the activation is `silu_mul`, the SiLU-and-mul kernel's own code. Rows of rank-0 segments (base
 requests, padding) get the plain activation. Every row of the batch is in exactly one segment
-(lora/segments.py), so every row's activation is written.
+(lora/segments.py), so every row's activation is written; rows a graph's static segments list past
+the batch's (its bucket's) row count are skipped.
 
 Grid: (lanes x column tiles of d, segments). One program computes both halves (gate and up) of its
 columns, so it needs both slices' B tiles: two dots per rank block.
@@ -46,6 +47,7 @@ def _segment_expand_silu_kernel(
     w_stride_r,
     gu_stride_t,
     out_stride_t,
+    num_rows,
     seg_indptr_ptr,
     weight_indices_ptr,
     lora_ranks_ptr,
@@ -81,8 +83,11 @@ def _segment_expand_silu_kernel(
         row0 = first_row + it * lanes * BLOCK_S
         if row0 < seg_end:
             offs_s = row0 + tl.arange(0, BLOCK_S)
-            row_mask = offs_s < seg_end
-            rows = tl.load(perm_ptr + offs_s, mask=row_mask, other=0).to(tl.int64)
+            rows = tl.load(perm_ptr + offs_s, mask=offs_s < seg_end, other=num_rows).to(tl.int64)
+            # A graph's static segments run on past its bucket (their inactive run covers the
+            # largest bucket's rows): rows past this batch are not there. (The expand never meets
+            # them: they are rank-0 rows, which it skips; here every row is written.)
+            row_mask = rows < num_rows
             mask = row_mask[:, None] & col_mask[None, :]
             g_ptrs = gu_ptr + rows[:, None] * gu_stride_t + offs_n[None, :]
             gate = tl.load(g_ptrs, mask=mask, other=0.0)
@@ -158,6 +163,7 @@ def segmented_expand_silu(
         weights.stride(2),
         gate_up.stride(0),
         out.stride(0),
+        num_tokens,
         batch_info.seg_indptr,
         batch_info.weight_indices,
         batch_info.lora_ranks,
