@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "norm_segments", "lora_steps", "penalties", "expand_tiles", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "norm_segments", "expand_silu", "lora_steps", "penalties", "expand_tiles", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -194,6 +194,22 @@ if [[ " $PARTS " == *" norm_segments "* ]]; then
     lora_step_rows "$model" "$OUT/norm_segments.md" "$OUT/norm_segments.log" "" --lora none,lora,lora-norm-segments \
       --decode-bs 32,64 --decode-adapters 8 --rounds 2 --max-total-tokens 24576
   done
+fi
+
+if [[ " $PARTS " == *" expand_silu "* ]]; then
+  # Issues 16 / 18: 64 slots (qkv_proj and gate_up_proj unfolded), gate_up_proj's expand in the
+  # SiLU-and-mul's kernel (SGLANG_LORA_EXPAND_SILU, off by default) against the default, whole steps
+  # (prefill 512 and 16 x 512, decode 64 on 32 adapters), each LoRA kernel's time listed, after the
+  # GPU test that checks it against eager and the engine without it (~3 min).
+  say "== gate_up's expand in the SiLU-and-mul (64 slots)"
+  start=$(date +%s)
+  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE -k expand_silu test/registered \
+    >"$OUT/expand_silu_test.log" 2>&1 || status=1
+  say "expand_silu test: $(tail -n 1 "$OUT/expand_silu_test.log")"
+  lora_step_rows qwen3-4b "$OUT/expand_silu.md" "$OUT/expand_silu.log" "" --adapters 64 \
+    --lora none,lora,lora-expand-silu --tokens 512 --prefill-batches 16x512 --decode-bs 64 --decode-adapters 32 \
+    --rounds 2 --max-total-tokens 32768
+  say "expand_silu: $(( $(date +%s) - start ))s"
 fi
 
 if [[ " $PARTS " == *" lora_steps "* ]]; then
