@@ -249,23 +249,28 @@ def test_gemm_shrink_prefill_graph_matches_eager(lora_backend, prefill, monkeypa
         assert diff < 1e-3, diff
 
 
-@functools.lru_cache(maxsize=None)
-def norm_segments_runner(lora_backend: str, graphs: bool, mode: str, dtype: str = "bfloat16"):
-    """SGLANG_LORA_NORM_SEGMENTS=`mode`: the norm before a folded qkv_proj / gate_up_proj and its
-    shrink in one launch by segments (lora/triton_ops/norm_segment_pack.py); decode graphs up to 32
-    rows, so that a batch of 20 is past the row-wise bound (16)."""
+def env_runner(env: str, value: str, lora_backend: str, graphs: bool, dtype: str = "bfloat16", **server_args):
+    """A runner built with `env`=`value` (read when the LoRA backend is built), graphs on (decode
+    graphs up to 32 rows, so that a batch of 20 is past the row-wise bound, 16) or off."""
     ckpt, adapters = assets()
     mode_args = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
                      cuda_graph_bs_decode=DECODE_BUCKETS + [32]) if graphs else dict(disable_cuda_graph=True)
-    os.environ["SGLANG_LORA_NORM_SEGMENTS"] = mode  # read when the backend is built
+    os.environ[env] = value
     try:
         return make_runner(
             ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
             max_running_requests=64, lora_paths=[f"{n}={p}" for n, p in adapters.items()],
-            max_loras_per_batch=3, lora_backend=lora_backend, **mode_args,
+            max_loras_per_batch=3, lora_backend=lora_backend, **mode_args, **server_args,
         )
     finally:
-        del os.environ["SGLANG_LORA_NORM_SEGMENTS"]
+        del os.environ[env]
+
+
+@functools.lru_cache(maxsize=None)
+def norm_segments_runner(lora_backend: str, graphs: bool, mode: str, dtype: str = "bfloat16"):
+    """SGLANG_LORA_NORM_SEGMENTS=`mode`: the norm before a folded qkv_proj / gate_up_proj and its
+    shrink in one launch by segments (lora/triton_ops/norm_segment_pack.py)."""
+    return env_runner("SGLANG_LORA_NORM_SEGMENTS", mode, lora_backend, graphs, dtype)
 
 
 @pytest.mark.parametrize("lora_backend", ["csgmv", "triton"])
@@ -310,19 +315,9 @@ def test_norm_segments_graph_equals_eager(lora_backend, monkeypatch):
 def split_shrink_runner(graphs: bool, split: str, dtype: str = "bfloat16"):
     """csgmv with every module unfolded (--lora-fold off, the norms apart) and
     SGLANG_LORA_CSGMV_SPLIT_SHRINK=`split`: the token backend's split-K shrink in place of the
-    chunked one; decode graphs up to 32 rows."""
-    ckpt, adapters = assets()
-    mode_args = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
-                     cuda_graph_bs_decode=DECODE_BUCKETS + [32]) if graphs else dict(disable_cuda_graph=True)
-    os.environ["SGLANG_LORA_CSGMV_SPLIT_SHRINK"] = split  # read when the backend is built
-    try:
-        return make_runner(
-            ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
-            max_running_requests=64, lora_paths=[f"{n}={p}" for n, p in adapters.items()],
-            max_loras_per_batch=3, lora_backend="csgmv", lora_fold="off", lora_fuse_norm="off", **mode_args,
-        )
-    finally:
-        del os.environ["SGLANG_LORA_CSGMV_SPLIT_SHRINK"]
+    chunked one."""
+    return env_runner("SGLANG_LORA_CSGMV_SPLIT_SHRINK", split, "csgmv", graphs, dtype, lora_fold="off",
+                      lora_fuse_norm="off")
 
 
 def test_csgmv_split_shrink_graph_equals_eager(monkeypatch):
@@ -364,20 +359,9 @@ def test_csgmv_split_shrink_graph_equals_eager(monkeypatch):
 
 @functools.lru_cache(maxsize=None)
 def expand_silu_runner(graphs: bool, on: str):
-    """csgmv with every module unfolded (--lora-fold off) and SGLANG_LORA_EXPAND_SILU=`on`: gate_up_proj's
-    expand in the SiLU-and-mul's kernel; decode graphs up to 32 rows (past the row-wise bound)."""
-    ckpt, adapters = assets()
-    mode_args = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
-                     cuda_graph_bs_decode=DECODE_BUCKETS + [32]) if graphs else dict(disable_cuda_graph=True)
-    os.environ["SGLANG_LORA_EXPAND_SILU"] = on  # read when the backend is built
-    try:
-        return make_runner(
-            ckpt, device="cuda", dtype="bfloat16", attention_backend="triton", max_total_tokens=16384,
-            max_running_requests=64, lora_paths=[f"{n}={p}" for n, p in adapters.items()],
-            max_loras_per_batch=3, lora_backend="csgmv", lora_fold="off", **mode_args,
-        )
-    finally:
-        del os.environ["SGLANG_LORA_EXPAND_SILU"]
+    """csgmv with every module unfolded (--lora-fold off) and SGLANG_LORA_EXPAND_SILU=`on`:
+    gate_up_proj's expand in the SiLU-and-mul's kernel."""
+    return env_runner("SGLANG_LORA_EXPAND_SILU", on, "csgmv", graphs, lora_fold="off")
 
 
 def test_expand_silu_graph_equals_eager(monkeypatch):
