@@ -86,8 +86,9 @@ def test_rank_blocks_and_a_strided_output():
     assert torch.equal(x_aug[:, 24:], torch.full_like(x_aug[:, 24:], -777.0))
 
 
-@pytest.mark.parametrize("rowwise", ["0", "small"])
-@pytest.mark.parametrize("down_folded", [False, True])
+# Decode steps that defer (row-wise off) with down_proj folded (the activation into its x_aug at
+# prefill, its A-fold at decode); row-wise decode (no deferral there) with down_proj unfolded.
+@pytest.mark.parametrize("rowwise,down_folded", [("0", True), ("small", False)])
 def test_engine_leaves_gate_up_expand_to_the_activation(rowwise, down_folded, tmp_path, monkeypatch):
     """SGLANG_LORA_EXPAND_SILU=1 (csgmv, gate_up_proj unfolded): the prefill and the decode steps
     (row-wise ones excepted: their activation takes down_proj's shrink) run the one kernel in

@@ -125,7 +125,8 @@ class ActShrinkFusion:
         target, backend = self.target, self.backend
         rows = gate_up.numel() // gate_up.shape[-1]
         prepared = None
-        if (target.lora_active and backend.pack_in_place
+        # Into down_proj's x_aug only for 2-D rows, as _into_x_aug (the module is called with them).
+        if (gate_up.dim() == 2 and target.lora_active and backend.pack_in_place
                 and not (target.defers_to_norm and backend.expands_a_folded(target.lora))):
             prepared = backend.in_place_input(target.lora, rows)
         act = backend.run_expand_act(self.producer.lora, xa, gate_up.reshape(rows, gate_up.shape[-1]),
