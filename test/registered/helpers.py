@@ -9,7 +9,7 @@ from __future__ import annotations
 import copy
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -167,6 +167,22 @@ class EngineDriver:
         for seq in seqs:
             seq.kv_len += 1
         return out
+
+    def continue_greedy(self, seqs: list[Seq], out: ModelRunnerOutput, steps: int,
+                        after_step: Optional[Callable[[], None]] = None) -> list[list[int]]:
+        """`steps` decode passes of `seqs` after `out` (their extend or last decode), each feeding the
+        greedy token before it; `after_step` runs after each pass. Each seq's greedy tokens, `out`'s
+        first."""
+        tokens = [[t] for t in out.next_token_ids.tolist()]
+        for _ in range(steps):
+            for seq, t in zip(seqs, tokens):
+                seq.tokens.append(t[-1])
+            step = self.decode(seqs)
+            if after_step is not None:
+                after_step()
+            for t, n in zip(tokens, step.next_token_ids.tolist()):
+                t.append(n)
+        return tokens
 
     def generate_greedy(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         """Prefill all prompts in one batch, then decode them together; returns new tokens."""

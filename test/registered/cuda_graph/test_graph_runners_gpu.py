@@ -18,6 +18,7 @@ kernels and one GEMM per module.
 from __future__ import annotations
 
 import functools
+from typing import Optional
 import os
 import tempfile
 
@@ -96,6 +97,25 @@ def greedy(r, prompts, names, steps: int) -> tuple[list[list[int]], list[bool]]:
 def max_diff(a: list[torch.Tensor], b: list[torch.Tensor]) -> float:
     assert [x.shape for x in a] == [y.shape for y in b]
     return max(float((x - y).abs().max()) for x, y in zip(a, b))
+
+
+PREFILL_BATCHES = ((MIXED, ["a", None, "b", None]), (PROMPTS[:1], ["a"]), (MANY, ["a", "b"] * 20))
+
+
+def prefill_graph_matches_eager(g, e, label: str, eager_past: Optional[int] = 16) -> list[list[torch.Tensor]]:
+    """Prompt logprobs of a mixed, an adapter and a 40-request prefill under `g`'s prefill graphs
+    within TOL of `e`'s eager pass, each served by a graph (batches of more than `eager_past`
+    requests may run eagerly; None: none may); returns the eager logprobs of each batch."""
+    eagers = []
+    for prompts, names in PREFILL_BATCHES:
+        graph, used = prompt_logprobs(g, prompts, names)
+        assert used or (eager_past is not None and len(prompts) > eager_past), "the prefill graph did not serve the batch"
+        eager, _ = prompt_logprobs(e, prompts, names)
+        diff = max_diff(graph, eager)
+        print(f"{label}: prefill max |graph - eager| = {diff:.2e}")
+        assert diff < TOL, diff
+        eagers.append(eager)
+    return eagers
 
 
 CONFIGS = [(lb, pb) for lb in ("triton", "csgmv") for pb in ("breakable", "full")]
@@ -232,14 +252,8 @@ def test_gemm_shrink_prefill_graph_matches_eager(lora_backend, prefill, monkeypa
     original = token_backend.gemm_shrink_pack
     monkeypatch.setattr(token_backend, "gemm_shrink_pack", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     g, e = gemm_shrink_runner(lora_backend, prefill), gemm_shrink_runner(lora_backend, "disabled")
-    for prompts, names in ((MIXED, ["a", None, "b", None]), (PROMPTS[:1], ["a"]), (MANY, ["a", "b"] * 20)):
-        graph, used = prompt_logprobs(g, prompts, names)
-        # (The full graph holds 16 requests: 40 run eagerly there.)
-        assert used or (prefill == "full" and len(prompts) > 16), "the prefill graph did not serve the batch"
-        eager, _ = prompt_logprobs(e, prompts, names)
-        diff = max_diff(graph, eager)
-        print(f"gemm shrink {lora_backend}/{prefill}: max |graph - eager| = {diff:.2e}")
-        assert diff < TOL, diff
+    # (The full graph holds 16 requests: 40 run eagerly there.)
+    prefill_graph_matches_eager(g, e, f"gemm shrink {lora_backend}/{prefill}", 16 if prefill == "full" else None)
     assert calls, "no prefill took the GEMM shrink"
     apart = gemm_shrink_runner(lora_backend, "disabled", "float32", "1")
     ref = gemm_shrink_runner(lora_backend, "disabled", "float32", "0")
@@ -285,13 +299,7 @@ def test_norm_segments_graph_equals_eager(lora_backend, monkeypatch):
     original = token_backend.launch_norm_pack
     monkeypatch.setattr(token_backend, "launch_norm_pack", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     g, e = norm_segments_runner(lora_backend, True, "1"), norm_segments_runner(lora_backend, False, "1")
-    for prompts, names in ((MIXED, ["a", None, "b", None]), (PROMPTS[:1], ["a"]), (MANY, ["a", "b"] * 20)):
-        graph, used = prompt_logprobs(g, prompts, names)
-        assert used or len(prompts) > 16, "the prefill graph did not serve the batch"
-        eager, _ = prompt_logprobs(e, prompts, names)
-        diff = max_diff(graph, eager)
-        print(f"norm segments {lora_backend}: prefill max |graph - eager| = {diff:.2e}")
-        assert diff < TOL, diff
+    prefill_graph_matches_eager(g, e, f"norm segments {lora_backend}")
     assert calls, "no prefill took the norm segments"
     names = ["a", None, "b", "a"] * 5
     prompts = _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)
@@ -332,13 +340,7 @@ def test_csgmv_split_shrink_graph_equals_eager(monkeypatch):
     monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_shrink_forward",
                         lambda *a, **kw: chunked.append(1) or original(*a, **kw))
     g, e = split_shrink_runner(True, "1"), split_shrink_runner(False, "1")
-    for prompts, names in ((MIXED, ["a", None, "b", None]), (PROMPTS[:1], ["a"]), (MANY, ["a", "b"] * 20)):
-        graph, used = prompt_logprobs(g, prompts, names)
-        assert used or len(prompts) > 16, "the prefill graph did not serve the batch"
-        eager, _ = prompt_logprobs(e, prompts, names)
-        diff = max_diff(graph, eager)
-        print(f"split shrink: prefill max |graph - eager| = {diff:.2e}")
-        assert diff < TOL, diff
+    prefill_graph_matches_eager(g, e, "split shrink")
     names = ["a", None, "b", "a"] * 5
     prompts = _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)
     g_tok, g_lp, used = decode_logprobs(g, prompts, names, steps=6)
@@ -376,15 +378,10 @@ def test_expand_silu_graph_equals_eager(monkeypatch):
     original = chunked_backend.segmented_expand_silu
     monkeypatch.setattr(chunked_backend, "segmented_expand_silu", lambda *a, **kw: calls.append(1) or original(*a, **kw))
     g, e, off = expand_silu_runner(True, "1"), expand_silu_runner(False, "1"), expand_silu_runner(False, "0")
-    for prompts, names in ((MIXED, ["a", None, "b", None]), (PROMPTS[:1], ["a"]), (MANY, ["a", "b"] * 20)):
-        graph, used = prompt_logprobs(g, prompts, names)
-        assert used or len(prompts) > 16, "the prefill graph did not serve the batch"
-        eager, _ = prompt_logprobs(e, prompts, names)
-        diff = max_diff(graph, eager)
-        print(f"expand silu: prefill max |graph - eager| = {diff:.2e}, "
-              f"|eager - without| = {max_diff(eager, prompt_logprobs(off, prompts, names)[0]):.2e}")
-        assert diff < TOL, diff
-        assert max_diff(eager, prompt_logprobs(off, prompts, names)[0]) == 0.0
+    for (prompts, names), eager in zip(PREFILL_BATCHES, prefill_graph_matches_eager(g, e, "expand silu")):
+        without = max_diff(eager, prompt_logprobs(off, prompts, names)[0])
+        print(f"expand silu: prefill max |eager - without| = {without:.2e}")
+        assert without == 0.0
     assert calls, "no prefill took the kernel"
     names = ["a", None, "b", "a"] * 5
     prompts = _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)

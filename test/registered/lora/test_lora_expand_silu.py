@@ -129,14 +129,8 @@ def test_engine_leaves_gate_up_expand_to_the_activation(rowwise, down_folded, tm
         calls.clear()
         out = driver.extend(seqs, logprob_start=0)
         at_prefill = len(calls)
-        tokens = [[t] for t in out.next_token_ids.tolist()]
         calls.clear()
-        for _ in range(3):
-            for seq, t in zip(seqs, tokens):
-                seq.tokens.append(t[-1])
-            step = driver.decode(seqs)
-            for t, n in zip(tokens, step.next_token_ids.tolist()):
-                t.append(n)
+        tokens = driver.continue_greedy(seqs, out, 3)
         return out.input_token_logprobs, tokens, at_prefill, len(calls)
 
     # Every layer on its Triton kernel, as on a GPU: the plain path's SiLU-and-mul is then the

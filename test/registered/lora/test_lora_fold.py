@@ -380,13 +380,7 @@ def test_csgmv_runs_folded_modules_apart_at_prefill(setting, apart, tmp_path, mo
         seqs = [driver.add(p, lora_id=i) for p, i in zip(prompts, [lora_id, None])]
         out = driver.extend(seqs, logprob_start=0)
         at_prefill = [backend._runs_folded(s) for s in specs]
-        tokens = [[t] for t in out.next_token_ids.tolist()]
-        for _ in range(3):
-            for seq, t in zip(seqs, tokens):
-                seq.tokens.append(t[-1])
-            step = driver.decode(seqs)
-            for t, n in zip(tokens, step.next_token_ids.tolist()):
-                t.append(n)
+        tokens = driver.continue_greedy(seqs, out, 3)
         at_decode = [backend._runs_folded(s) for s in specs]
         return out.input_token_logprobs, tokens, at_prefill, at_decode
 
@@ -458,14 +452,7 @@ def test_csgmv_unfolded_modules_take_the_split_k_shrink(setting, at_prefill, at_
         chunked_calls.clear()
         out = driver.extend(seqs, logprob_start=0)
         taken = [step_took_split(backend)]
-        tokens = [[t] for t in out.next_token_ids.tolist()]
-        for _ in range(3):
-            for seq, t in zip(seqs, tokens):
-                seq.tokens.append(t[-1])
-            step = driver.decode(seqs)
-            taken.append(step_took_split(backend))
-            for t, n in zip(tokens, step.next_token_ids.tolist()):
-                t.append(n)
+        tokens = driver.continue_greedy(seqs, out, 3, lambda: taken.append(step_took_split(backend)))
         return out.input_token_logprobs, tokens, taken
 
     logprobs, tokens, taken = run(setting)

@@ -22,7 +22,7 @@ sum: folded, that is [x_shard | partial shrink] @ [W_shard | B]^T, then the all-
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
 
 import torch
 from torch import nn
@@ -34,7 +34,7 @@ from sglang.srt.layers.linear import (
     RowParallelLinear,
 )
 from sglang.srt.lora.backend.base_backend import BaseLoRABackend
-from sglang.srt.lora.utils import DeferredDelta, LoRAModuleWeights, PreparedInput
+from sglang.srt.lora.utils import DeferredDelta, DeferredExpand, LoRAModuleWeights, PreparedInput
 
 
 class BaseLayerWithLoRA(nn.Module):
@@ -45,11 +45,12 @@ class BaseLayerWithLoRA(nn.Module):
         self.lora: Optional[LoRAModuleWeights] = None
         # What the norm before this module already wrote (lora/norm_fusion.py), for the next call.
         self.prepared: Optional[PreparedInput] = None
-        # A-fold (o_proj, down_proj): whether a fused norm after this module takes its delta
-        # (set by lora/norm_fusion.py), and the delta it left in this forward with the base output
-        # it belongs to, until that norm takes it.
+        # A-fold (o_proj, down_proj): whether a fused norm after this module takes its delta (set by
+        # lora/norm_fusion.py). What this module left in this forward for the kernel after it (that
+        # norm's delta, or gate_up_proj's expand for the SiLU-and-mul) with the base output it belongs
+        # to, until that kernel takes it.
         self.defers_to_norm = False
-        self.deferred: Optional[tuple[DeferredDelta, torch.Tensor]] = None
+        self.deferred: Optional[tuple[Union[DeferredDelta, DeferredExpand], torch.Tensor]] = None
 
     # The rest of the engine may read the wrapped layer's attributes through the wrapper.
     @property
@@ -99,14 +100,14 @@ class BaseLayerWithLoRA(nn.Module):
             return prepared
         return None
 
-    def take_deferred(self, x: torch.Tensor) -> Optional[DeferredDelta]:
-        """The delta this module left for the norm after it, which is called with `x`: it must be
-        the base output that delta belongs to (a delta must never be dropped). Cleared."""
+    def take_deferred(self, x: torch.Tensor) -> Optional[Union[DeferredDelta, DeferredExpand]]:
+        """What this module left for the kernel after it, which is called with `x`: it must be the
+        base output that belongs to (a delta must never be dropped). Cleared."""
         deferred, self.deferred = self.deferred, None
         if deferred is None:
             return None
         delta, out = deferred
-        assert x.data_ptr() == out.data_ptr() and x.shape == out.shape, "the norm is not fed the A-folded output"
+        assert x.data_ptr() == out.data_ptr() and x.shape == out.shape, "the next kernel is not fed this module's output"
         return delta
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -137,30 +138,19 @@ class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     def __init__(self, base_layer: nn.Module, lora_backend: BaseLoRABackend) -> None:
         super().__init__(base_layer, lora_backend)
         # Whether the SiLU-and-mul after this module takes its expand (set by lora/norm_fusion.py
-        # with the backend's expand_silu), and the (shrink, base output) it left in this forward.
+        # with the backend's expand_silu); what it leaves goes to `deferred`.
         self.defers_to_act = False
-        self.pending_expand: Optional[tuple[torch.Tensor, torch.Tensor]] = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        self.pending_expand = None  # a forward cut short may have left one: its output is gone too
+        self.deferred = None  # a forward cut short may have left one: its output is gone too
         if self.defers_to_act and self.lora_active and self.lora_backend.defers_expand(self.lora):
             prepared = self.take_prepared(x)
-            x2 = x.reshape(-1, x.shape[-1])
-            out, xa = self.lora_backend.run_without_expand(self.lora, self.base_layer, x2, prepared)
-            self.pending_expand = (xa, out)
-            return out.view(*x.shape[:-1], out.shape[-1])
+            out, xa = self.lora_backend.run_without_expand(self.lora, self.base_layer, x.reshape(-1, x.shape[-1]),
+                                                           prepared)
+            out = out.view(*x.shape[:-1], out.shape[-1])
+            self.deferred = (DeferredExpand(xa), out)
+            return out
         return super().forward(x)
-
-    def take_pending_expand(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
-        """The shrink whose expand this module left to the activation called with `gate_up`, which
-        must be the base output it belongs to (an expand must never be dropped). Cleared."""
-        pending, self.pending_expand = self.pending_expand, None
-        if pending is None:
-            return None
-        xa, out = pending
-        assert gate_up.data_ptr() == out.data_ptr() and gate_up.numel() == out.numel(), \
-            "the activation is not fed gate_up_proj's output"
-        return xa
 
 
 class RowParallelLinearWithLoRA(BaseLayerWithLoRA):

@@ -102,14 +102,14 @@ class ActShrinkFusion:
     def __init__(self, target: BaseLayerWithLoRA, backend: "BaseLoRABackend",
                  producer: Optional[MergedColumnParallelLinearWithLoRA] = None) -> None:
         # producer: the gate_up_proj whose output this activation takes, which may leave its expand
-        # here (`defers_to_act`, the backend's expand_silu).
+        # here (`defers_to_act`, the backend's expand_silu) as a DeferredExpand.
         self.target, self.backend, self.producer = target, backend, producer
 
     def __call__(self, gate_up: torch.Tensor) -> Optional[torch.Tensor]:
         target = self.target
-        xa = self.producer.take_pending_expand(gate_up) if self.producer is not None else None
-        if xa is not None:
-            return self._with_expand(gate_up, xa)
+        pending = self.producer.take_deferred(gate_up) if self.producer is not None else None
+        if pending is not None:
+            return self._with_expand(gate_up, pending.xa)
         if not target.lora_active or gate_up.dim() != 2:
             return None
         if not self.backend.rowwise_now():

@@ -116,6 +116,15 @@ class DeferredDelta:
 
 
 @dataclass
+class DeferredExpand:
+    """The expand an unfolded gate_up_proj leaves to the SiLU-and-mul after it (csgmv,
+    SGLANG_LORA_EXPAND_SILU): `xa` [T, 2*max_rank] its rows' compact, unscaled shrink; the module's B
+    and the batch's segments are the backend's."""
+
+    xa: torch.Tensor
+
+
+@dataclass
 class PreparedInput:
     """What a fused norm (lora/norm_fusion.py) wrote for the module it feeds: the normalised rows
     (the norm's output, which the module is then called with) and the module's shrink, as x_aug

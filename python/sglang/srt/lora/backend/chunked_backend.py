@@ -173,8 +173,9 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         rows, d = gate_up.shape[0], gate_up.shape[1] // 2
         if out is None:
             out = torch.empty((rows, d), dtype=gate_up.dtype, device=gate_up.device)
-        else:
-            assert not _overlaps(out, xa), "the activation would overwrite the shrink it reads"
+        else:  # down_proj's x_aug, in the scratch: xa must not be there (run_without_expand)
+            assert out.untyped_storage().data_ptr() != xa.untyped_storage().data_ptr(), \
+                "the activation would overwrite the shrink it reads"
         return segmented_expand_silu(xa, weights.B, self.batch_info, gate_up, out)
 
     # ---- unfolded modules --------------------------------------------------------------------
@@ -213,17 +214,6 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
             max_slice_size=max(spec.slice_sizes) if offsets is not None else None, slice_stride=slice_stride,
             use_pdl=self.use_pdl,
         )
-
-
-def _overlaps(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether the memory spans of two tensors meet."""
-    a0, b0 = a.data_ptr(), b.data_ptr()
-    return a0 < b0 + _span_bytes(b) and b0 < a0 + _span_bytes(a)
-
-
-def _span_bytes(t: torch.Tensor) -> int:
-    """Bytes from a tensor's first element to just past its last (non-negative strides)."""
-    return (sum((n - 1) * st for n, st in zip(t.shape, t.stride())) + 1) * t.element_size() if t.numel() else 0
 
 
 def split_shrink_bound(value: str) -> Optional[int]:
