@@ -141,6 +141,13 @@ def test_engine_leaves_gate_up_expand_to_the_activation(rowwise, down_folded, tm
     assert at_prefill == layers and at_decode == (3 * layers if rowwise == "0" else 0)
     assert none_prefill == none_decode == 0
     assert logprobs == ref_logprobs and tokens == ref_tokens
+    if rowwise == "0":
+        # tokens:T: prefills whose bucket holds at least T tokens (the batch's 14 here), no decode.
+        with fused_kernels("triton"):
+            small_logprobs, small_tokens, small_prefill, small_decode = run("tokens:1")
+            _, _, big_prefill, big_decode = run("tokens:4096")
+        assert (small_prefill, small_decode, big_prefill, big_decode) == (layers, 0, 0, 0)
+        assert small_logprobs == ref_logprobs and small_tokens == ref_tokens
     for got, prompt, name in zip(logprobs, prompts, ["a", None, "b"]):
         model = hf_model(ckpt) if name is None else PeftModel.from_pretrained(hf_model(ckpt), paths[name]).eval()
         torch.testing.assert_close(torch.tensor(got), hf_prompt_logprobs(model, prompt), rtol=0, atol=1e-4)
@@ -160,3 +167,13 @@ def test_rows_past_the_batch_are_not_touched():
     assert info.seg_indptr[-1] > rows and info_exact.seg_indptr[-1] == rows
     assert torch.equal(out_big[:rows], expected)
     assert torch.equal(out_big[rows:], torch.full((40, 24), -777.0))
+
+
+def test_expand_silu_setting_is_checked():
+    from sglang.srt.lora.backend.chunked_backend import expand_silu_bound
+
+    assert expand_silu_bound("0") is None and expand_silu_bound("1") == 0
+    assert expand_silu_bound("tokens:2048") == 2048
+    for bad in ("yes", "tokens:", "tokens:0", "rows:4", "2", "tokens:-3"):
+        with pytest.raises(ValueError, match="SGLANG_LORA_EXPAND_SILU"):
+            expand_silu_bound(bad)

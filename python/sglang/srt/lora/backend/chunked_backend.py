@@ -62,6 +62,10 @@ AFOLD_PREFILL_SMALL_TOKENS = 512
 # never, "1" every batch, "tokens:T" decode batches and prefills whose graph bucket holds at most T
 # tokens.
 SPLIT_SHRINK_DEFAULT = "tokens:512"
+# SGLANG_LORA_EXPAND_SILU: which batches' unfolded gate_up_proj leaves its expand to the SiLU-and-mul
+# (triton_ops/expand_silu.py). "0" never, "1" every batch but the row-wise decode ones, "tokens:T"
+# prefills whose graph bucket holds at least T tokens. Off until measured.
+EXPAND_SILU_DEFAULT = "0"
 
 
 class ChunkedSgmvLoRABackend(TokenLoRABackend):
@@ -99,11 +103,14 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         self.afold_prefill_max = rowwise_decode_bound(os.environ.get("SGLANG_LORA_AFOLD_PREFILL", "1"),
                                                       AFOLD_PREFILL_SMALL_TOKENS, "SGLANG_LORA_AFOLD_PREFILL")
         self._afold_prefill_now = False  # this batch is a prefill the bound admits
-        # SGLANG_LORA_EXPAND_SILU (0 until measured; 1 on): an unfolded gate_up_proj leaves its
+        # SGLANG_LORA_EXPAND_SILU (see EXPAND_SILU_DEFAULT): an unfolded gate_up_proj leaves its
         # expand to the SiLU-and-mul after it, which adds the delta to the tile it reads and writes
         # only the activation (triton_ops/expand_silu.py): no read-modify-write of gate_up's
-        # output, one launch less per layer. The same bits as the expand, then the activation.
-        self.expand_silu = os.environ.get("SGLANG_LORA_EXPAND_SILU", "0") != "0"
+        # output, one launch less per layer. The same bits as the expand, then the activation, so
+        # the bound may split batches by size without a graph and its eager pass parting.
+        self.expand_silu_min = expand_silu_bound(os.environ.get("SGLANG_LORA_EXPAND_SILU", EXPAND_SILU_DEFAULT))
+        self.expand_silu = self.expand_silu_min is not None  # the activations are wired for it
+        self._expand_silu_now = False  # this batch takes it
 
     def _uses_token_kernels(self, spec: LoRAModuleSpec) -> bool:
         # The token backend's launches (and its workspace) are prepared only for the split-K shrink;
@@ -121,6 +128,9 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         self._split_shrink_now = bound is not None and (
             self.prefill_bucket(rows) <= bound if forward_batch.forward_mode.is_extend()
             else self._bucket_within(rows, bound))
+        bound = self.expand_silu_min
+        self._expand_silu_now = bound is not None and (
+            bound == 0 or (forward_batch.forward_mode.is_extend() and self.prefill_bucket(rows) >= bound))
         rule = self.prefill_unfold
         self._unfold_now = (rule is not None and forward_batch.forward_mode.is_extend()
                             and self.prefill_bucket(forward_batch.num_tokens) >= rule.min_tokens)
@@ -151,7 +161,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         # Row-wise decode batches run the SiLU-and-mul with down_proj's shrink (run_act), which
         # reads gate_up's finished output: they keep the expand. Functions of the batch's mode and
         # bucket, so a graph and an eager pass decide alike.
-        return (self.expand_silu and info is not None and not info.rowwise and spec.stack == 2
+        return (self._expand_silu_now and info is not None and not info.rowwise and spec.stack == 2
                 and not spec.folded and info.num_rows > 0)
 
     def run_without_expand(self, weights: LoRAModuleWeights, base_layer: torch.nn.Module, x: torch.Tensor,
@@ -224,6 +234,17 @@ def split_shrink_bound(value: str) -> Optional[int]:
     key, _, number = value.partition(":")
     if key != "tokens" or not number.isdigit() or int(number) <= 0:
         raise ValueError(f"SGLANG_LORA_CSGMV_SPLIT_SHRINK={value!r}: use 0, 1 or tokens:T (T > 0)")
+    return int(number)
+
+
+def expand_silu_bound(value: str) -> Optional[int]:
+    """SGLANG_LORA_EXPAND_SILU: "0" never (None), "1" every batch (0), "tokens:T" prefills whose
+    graph bucket holds at least T tokens (T > 0; decode batches never)."""
+    if value in ("0", "1"):
+        return None if value == "0" else 0
+    key, _, number = value.partition(":")
+    if key != "tokens" or not number.isdigit() or int(number) <= 0:
+        raise ValueError(f"SGLANG_LORA_EXPAND_SILU={value!r}: use 0, 1 or tokens:T (T > 0)")
     return int(number)
 
 

@@ -30,8 +30,11 @@ from sglang.srt.layers.triton_ops.common import interpreting
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_mul
 from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block, token_block, token_lanes
 from sglang.srt.lora.triton_ops._token_rows import segment_lane_start
-from sglang.srt.lora.triton_ops.sgemm_lora_b import EXPAND_TILES
 from sglang.srt.lora.utils import LoRABatchInfo
+
+# (BLOCK_N, num_warps): a program's columns of d (both halves: two B tiles and two accumulators of
+# BLOCK_S x BLOCK_N) and its warps. The column tile changes no sum: each output's rank dot is the same.
+EXPAND_SILU_TILES = (256, 4)
 
 
 @triton.jit
@@ -144,7 +147,7 @@ def segmented_expand_silu(
     assert out.dtype == gate_up.dtype, (out.dtype, gate_up.dtype)
     assert batch_info.permutation is not None, "the segmented kernels need batch_info.permutation"
     block_s = token_block(batch_info.max_len)
-    block_n = min(EXPAND_TILES[0], max(16, triton.next_power_of_2(d)))
+    block_n = min(EXPAND_SILU_TILES[0], max(16, triton.next_power_of_2(d)))
     block_r = rank_block(max_rank)
     n_tiles = triton.cdiv(d, block_n)
     lanes, lane_iters = token_lanes(batch_info.max_len, block_s, n_tiles)
@@ -179,6 +182,6 @@ def segmented_expand_silu(
         LANE_ITERS=lane_iters,
         DOT_PREC=dot_precision(weights),
         EMULATE_RNE=interpreting(),
-        num_warps=EXPAND_TILES[1],
+        num_warps=EXPAND_SILU_TILES[1],
     )
     return out
