@@ -118,11 +118,12 @@ LORA_VARIANTS = {
     # csgmv's unfolded modules (many slots) with the token backend's split-K shrink in place of the
     # chunked one (SGLANG_LORA_CSGMV_SPLIT_SHRINK=1).
     "lora-split-shrink": ("auto", "small"),
-    # The default, an unfolded gate_up_proj's expand in the SiLU-and-mul's kernel
-    # (SGLANG_LORA_EXPAND_SILU=1, csgmv; triton_ops/expand_silu.py).
+    # An unfolded gate_up_proj's expand in the SiLU-and-mul's kernel at every batch
+    # (SGLANG_LORA_EXPAND_SILU=1, csgmv; triton_ops/expand_silu.py; the default takes it at
+    # prefills from 1,024 tokens).
     "lora-expand-silu": ("auto", "small"),
-    # The same with the fused kernel's column tile at 128 or 64 (EXPAND_SILU_TILES, 256 by default).
-    "lora-expand-silu-128": ("auto", "small"),
+    # The same with the fused kernel's column tile at 256 or 64 (EXPAND_SILU_TILES, 128 by default).
+    "lora-expand-silu-256": ("auto", "small"),
     "lora-expand-silu-64": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
@@ -134,7 +135,7 @@ VARIANT_KNOBS = {
     "lora-b-late": (("sglang.srt.lora.triton_ops.sgemm_lora_b", "EXPAND_TILES", (256, 4)),),
     "lora-expand-pdl": (("sglang.srt.lora.triton_ops.sgemm_lora_b", "PDL_MAX_ROWS", 1 << 20),),
     "lora-norm-release": (("sglang.srt.layers.triton_ops.rmsnorm", "RELEASE_AT_START", True),),
-    "lora-expand-silu-128": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (128, 4)),),
+    "lora-expand-silu-256": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (256, 4)),),
     "lora-expand-silu-64": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (64, 4)),),
 }
 # Server arguments a variant's runner is built with, over the default's.
@@ -153,7 +154,7 @@ VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora
                "lora-norm-segments-prefill": {"SGLANG_LORA_NORM_SEGMENTS": "prefill"},
                "lora-split-shrink": {"SGLANG_LORA_CSGMV_SPLIT_SHRINK": "1"},
                "lora-expand-silu": {"SGLANG_LORA_EXPAND_SILU": "1"},
-               "lora-expand-silu-128": {"SGLANG_LORA_EXPAND_SILU": "1"},
+               "lora-expand-silu-256": {"SGLANG_LORA_EXPAND_SILU": "1"},
                "lora-expand-silu-64": {"SGLANG_LORA_EXPAND_SILU": "1"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm and the segments' norm_segment_pack (which also do

@@ -136,9 +136,12 @@ CONFIGS = {
     "z64-64-overlap": Config("z64-64-overlap", _lora("csgmv", 64), "zipf", adapters=64,
                              env=(("SGLANG_LORA_STARTUP_OVERLAP", "1"),)),
     # gate_up_proj's expand in the SiLU-and-mul (SGLANG_LORA_EXPAND_SILU, issues 16 / 18): at 64
-    # slots gate_up_proj is unfolded, and its expand's read-modify-write of the output goes.
+    # slots gate_up_proj is unfolded, and its expand's read-modify-write of the output goes. The
+    # default takes it at prefills from 1,024 tokens; -es at every batch, -no-es never.
     "z64-64-es": Config("z64-64-es", _lora("csgmv", 64), "zipf", adapters=64,
                         env=(("SGLANG_LORA_EXPAND_SILU", "1"),)),
+    "z64-64-no-es": Config("z64-64-no-es", _lora("csgmv", 64), "zipf", adapters=64,
+                           env=(("SGLANG_LORA_EXPAND_SILU", "0"),)),
     # SGLANG_OVERLAP_PREFILL=0: a prefill admitted while a decode step is in flight runs once that
     # step is finished, not queued behind it (managers/scheduler_overlap.py).
     "base-pa": Config("base-pa", (), None, env=(("SGLANG_OVERLAP_PREFILL", "0"),)),
