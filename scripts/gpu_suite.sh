@@ -198,9 +198,10 @@ fi
 
 if [[ " $PARTS " == *" expand_silu "* ]]; then
   # Issues 16 / 18: 64 slots (qkv_proj and gate_up_proj unfolded), gate_up_proj's expand in the
-  # SiLU-and-mul's kernel (SGLANG_LORA_EXPAND_SILU, off by default) against the default, whole steps
-  # (prefill 512 and 16 x 512, decode 64 on 32 adapters), each LoRA kernel's time listed, after the
-  # GPU test that checks it against eager and the engine without it (~3 min).
+  # SiLU-and-mul's kernel at every batch (SGLANG_LORA_EXPAND_SILU=1) against the default (prefills
+  # from 1,024 tokens), whole steps (prefill 512 and 16 x 512, decode 64 on 32 adapters), each LoRA
+  # kernel's time listed, after the GPU test that checks it against eager and the engine without it
+  # (~3 min).
   say "== gate_up's expand in the SiLU-and-mul (64 slots)"
   start=$(date +%s)
   # GPU_SUITE_ES_TEST=0 skips the test; GPU_SUITE_ES_ARGS replaces the step arguments (e.g. other
