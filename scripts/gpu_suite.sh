@@ -205,7 +205,7 @@ if [[ " $PARTS " == *" expand_silu "* ]]; then
   say "== gate_up's expand in the SiLU-and-mul (64 slots)"
   start=$(date +%s)
   # GPU_SUITE_ES_TEST=0 skips the test; GPU_SUITE_ES_ARGS replaces the step arguments (e.g. other
-  # variants: lora-expand-silu-128 / -64, the fused kernel's column tile).
+  # variants: lora-expand-silu-256 / -64, the fused kernel's column tile).
   if [ "${GPU_SUITE_ES_TEST:-1}" != 0 ]; then
     $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE -k expand_silu test/registered \
       >"$OUT/expand_silu_test.log" 2>&1 || status=1

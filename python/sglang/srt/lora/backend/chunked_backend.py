@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from sglang.srt.configs.forward_path import ForwardPath
-from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches, rowwise_decode_bound
+from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches, rowwise_decode_bound, token_bound
 from sglang.srt.lora.fold import folded_b
 from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward, chunked_sgmv_lora_shrink_forward
 from sglang.srt.lora.triton_ops.expand_silu import segmented_expand_silu
@@ -233,23 +233,13 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
 def split_shrink_bound(value: str) -> Optional[int]:
     """SGLANG_LORA_CSGMV_SPLIT_SHRINK: "0" never (None), "1" every batch, "tokens:T" batches whose
     graph bucket holds at most T tokens (T > 0)."""
-    if value in ("0", "1"):
-        return None if value == "0" else 1 << 30
-    key, _, number = value.partition(":")
-    if key != "tokens" or not number.isdigit() or int(number) <= 0:
-        raise ValueError(f"SGLANG_LORA_CSGMV_SPLIT_SHRINK={value!r}: use 0, 1 or tokens:T (T > 0)")
-    return int(number)
+    return token_bound(value, "SGLANG_LORA_CSGMV_SPLIT_SHRINK", every=1 << 30)
 
 
 def expand_silu_bound(value: str) -> Optional[int]:
     """SGLANG_LORA_EXPAND_SILU: "0" never (None), "1" every batch (0), "tokens:T" prefills whose
     graph bucket holds at least T tokens (T > 0; decode batches never)."""
-    if value in ("0", "1"):
-        return None if value == "0" else 0
-    key, _, number = value.partition(":")
-    if key != "tokens" or not number.isdigit() or int(number) <= 0:
-        raise ValueError(f"SGLANG_LORA_EXPAND_SILU={value!r}: use 0, 1 or tokens:T (T > 0)")
-    return int(number)
+    return token_bound(value, "SGLANG_LORA_EXPAND_SILU", every=0)
 
 
 @dataclass(frozen=True)

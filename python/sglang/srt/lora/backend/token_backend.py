@@ -118,13 +118,20 @@ def rowwise_decode_bound(value: str, small: int = ROWWISE_SMALL_ROWS,
 GEMM_SHRINK_DEFAULT = "tokens:1024"
 
 
+def token_bound(value: str, name: str, every: int, least: int = 1) -> Optional[int]:
+    """A setting `name` of the form "0" (None: never), "1" (`every`) or "tokens:T" (T, at least
+    `least`): a bound on the graph bucket of the batches that take a path."""
+    if value in ("0", "1"):
+        return None if value == "0" else every
+    key, _, number = value.partition(":")
+    if key != "tokens" or not number.isdigit() or int(number) < least:
+        raise ValueError(f"{name}={value!r}: use 0, 1 or tokens:T (T >= {least})")
+    return int(number)
+
+
 def gemm_shrink_bound(value: str) -> Optional[int]:
     """SGLANG_LORA_GEMM_SHRINK's least bucket (None: never)."""
-    if value in ("0", "1"):
-        return None if value == "0" else 0
-    if value.startswith("tokens:") and value[7:].isdigit():
-        return int(value[7:])
-    raise ValueError(f"SGLANG_LORA_GEMM_SHRINK={value!r}: use 0, 1 or tokens:T (T >= 0)")
+    return token_bound(value, "SGLANG_LORA_GEMM_SHRINK", every=0, least=0)
 
 
 # SGLANG_LORA_NORM_SEGMENTS: the norm before a folded qkv_proj / gate_up_proj runs in one launch with
