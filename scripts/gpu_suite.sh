@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "norm_segments", "expand_silu", "lora_steps", "penalties", "expand_tiles", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "norm_segments", "expand_silu", "lora_steps", "penalties", "expand_tiles", "stacked_afold", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -280,6 +280,17 @@ if [[ " $PARTS " == *" expand_tiles "* ]]; then
   $PY benchmark/lora/bench_expand_tiles.py --out "$OUT/expand_tiles.md" >"$OUT/expand_tiles.log" 2>&1 || status=1
   say "expand_tiles: $(( $(date +%s) - start ))s"
   grep -E "^\| (qkv|gate)" "$OUT/expand_tiles.md" 2>/dev/null | tee -a "$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" stacked_afold "* ]]; then
+  # Issue 16: qkv_proj / gate_up_proj as folded today (shrink_pack or the fused norm, GEMM over
+  # W_aug) against the A-fold's shape (GEMM over [W; A], the expand into a strided output), kernels
+  # only, 8 adapters, prefill 128 / 4x128 / 512 and decode 64 (benchmark/lora/bench_stacked_afold.py, ~1 min).
+  say "== qkv / gate_up: the B fold against the A-fold"
+  start=$(date +%s)
+  $PY benchmark/lora/bench_stacked_afold.py --out "$OUT/stacked_afold.md" >"$OUT/stacked_afold.log" 2>&1 || status=1
+  say "stacked_afold: $(( $(date +%s) - start ))s"
+  grep -E "^\| (qwen|llama)" "$OUT/stacked_afold.md" 2>/dev/null | tee -a "$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" many_steps "* ]]; then

@@ -226,6 +226,40 @@ def test_chunked_sgmv_expand_reads_every_slots_shrink_and_b_transposed():
     _assert_untouched_rows(gemm_out[:, :PLAIN_OUT], info, num_tokens)
 
 
+@pytest.mark.parametrize("slice_sizes", [(INTER, INTER), (Q, KV, KV)])
+def test_chunked_sgmv_expand_reads_a_many_slice_every_slot_shrink(slice_sizes):
+    """The A-fold's shape for gate_up_proj / qkv_proj (benchmark/lora/bench_stacked_afold.py): x
+    holds every slot's shrink, slot s's block [s*c*R, (s+1)*c*R) with its slices compact (slice k
+    at k*r, as A's rows are), B read inside W_aug, the base output a strided view of the same GEMM
+    output: the same bits as the compact shrink of each row's own slot."""
+    from sglang.srt.lora.fold import fold_weight, folded_b
+
+    c, out_dim = len(slice_sizes), sum(slice_sizes)
+    info, num_tokens = _csgmv_info(16, seed=17 * c)
+    gen = torch.Generator().manual_seed(500 + c)
+    xa = _poison_shrunk(_shrunk_input(num_tokens, c, gen), info, c)
+    b = _poisoned_b(out_dim, gen)
+    w_aug, sliced = fold_weight(torch.randn(out_dim, IN_DIM, generator=gen), slice_sizes, len(RANKS), MAX_RANK)
+    for slot in range(len(RANKS)):
+        sliced[slot].copy_(b[slot])
+    view, step = folded_b(w_aug, IN_DIM, c, MAX_RANK, len(RANKS))
+    block = c * MAX_RANK
+    every = torch.full((num_tokens, len(RANKS) * block), float("nan"))
+    for rows, slot, r in _segments(info):
+        every[rows, slot * block : slot * block + c * r] = xa[rows, : c * r]
+    gemm_out = torch.full((num_tokens, out_dim + every.shape[1]), SENTINEL)
+    gemm_out[:, out_dim:] = every
+    offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32) if c == 3 else None
+    width = max(slice_sizes) if offsets is not None else None
+    plain = chunked_sgmv_lora_expand_forward(xa, b, info, torch.full((num_tokens, out_dim), SENTINEL), c, offsets,
+                                             width)
+    got = chunked_sgmv_lora_expand_forward(gemm_out[:, out_dim:], view, info, gemm_out[:, :out_dim], c, offsets,
+                                           width, slice_stride=step, x_slot_stride=block)
+    assert got.data_ptr() == gemm_out.data_ptr()
+    assert torch.equal(gemm_out[:, :out_dim], plain)
+    _assert_untouched_rows(gemm_out[:, :out_dim], info, num_tokens)
+
+
 def test_all_rank_zero_is_a_noop():
     """The capture-time state of every static info: kernels launch, nothing changes."""
     gen = torch.Generator().manual_seed(3)

@@ -1,9 +1,9 @@
 """Structured outputs end to end: one real server (CPU, the tiny Llama checkpoint with its real
 byte-level BPE tokenizer and a LoRA adapter, the overlap schedule on, a small KV cache) and the
 official `openai` client. Regexes are matched in full, JSON parses and is validated against its
-schema, choices are one of the choices; streaming, n > 1, an adapter under a constraint, a mixed
-batch whose unconstrained requests are bit-equal to the same batch without the constraint, bad
-specs as 400s naming the field, an abort mid-grammar and retraction under KV pressure leaving no
+schema, choices are one of the choices, structural tags in both forms; streaming, n > 1, an
+adapter under a constraint, a mixed batch whose unconstrained requests are bit-equal to the same
+batch without the constraint, bad specs as 400s naming the field, an abort mid-grammar and retraction under KV pressure leaving no
 state behind (both processes' integrity checks), and --skip-tokenizer-init refusing constraints."""
 
 from __future__ import annotations
@@ -160,6 +160,32 @@ def test_guided_choice_and_ebnf(client) -> None:
         r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Greet"}],
                                            max_tokens=32, temperature=0, extra_body=extra)
         assert re.fullmatch(r"(Hello|Hi), [A-Z][a-z]{1,3}!", r.choices[0].message.content)
+
+
+def test_structural_tags_on_the_openai_routes(client, url) -> None:
+    """response_format {"type": "structural_tag"} in xgrammar's form: the reply is the fixed text and
+    a JSON person between the tags; the older `structures` / `triggers` form (SGLang's extra field,
+    vLLM's structured_outputs and /generate's sampling parameter) is served, and whatever follows a
+    trigger in the reply is one of the structures, held to its schema."""
+    fmt = {"type": "structural_tag", "format": {"type": "sequence", "elements": [
+        {"type": "const_string", "value": "Person: "},
+        {"type": "tag", "begin": "<p>", "content": {"type": "json_schema", "json_schema": PERSON}, "end": "</p>"}]}}
+    for i, prompt in enumerate(PROMPTS[:2]):
+        r = client.chat.completions.create(model="m", messages=[{"role": "user", "content": prompt}], max_tokens=300,
+                                           temperature=0.7 * i, seed=i, response_format=fmt)
+        text = r.choices[0].message.content
+        assert r.choices[0].finish_reason == "stop" and text.startswith("Person: <p>") and text.endswith("</p>"), text
+        validate(json.loads(text[len("Person: <p>"):-len("</p>")]), PERSON)
+    legacy = {"structures": [{"begin": "<p>", "schema": PERSON, "end": "</p>"}], "triggers": ["<p>"]}
+    texts = [client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=24, temperature=1.0, seed=3,
+                                       extra_body=extra).choices[0].text
+             for extra in ({"structural_tag": json.dumps(legacy)}, {"structured_outputs": {"structural_tag": legacy}})]
+    texts.append(generate(url, {"text": PROMPTS[2], "sampling_params": {
+        "max_new_tokens": 24, "temperature": 1.0, "seed": 3, "structural_tag": json.dumps(legacy)}})["text"])
+    for text in texts:
+        for call in text.split("<p>")[1:]:  # each call's JSON, where the reply got to its end
+            if "</p>" in call:
+                validate(json.loads(call.split("</p>")[0]), PERSON)
 
 
 def test_streaming_equals_the_whole_reply(client) -> None:

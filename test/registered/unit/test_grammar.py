@@ -207,6 +207,28 @@ def test_a_structural_tags_json_schemas_get_what_a_json_schema_gets(backend, tok
     assert not accepts(tag(max_whitespace_cnt=2), "<x>{   }</x>")
 
 
+def test_the_older_structural_tag_form_holds_each_structure_to_its_schema(backend):
+    """SGLang's / vLLM's `structures` + `triggers` (grammar_spec.legacy_structural_tag): free text,
+    then at a trigger one of the structures, its JSON held to that structure's schema; free text
+    again after its end; the same from the sampling parameters of /generate."""
+    params = SamplingParams(max_new_tokens=8, structural_tag=json.dumps(LEGACY_TAG))
+    params.verify(VOCAB)
+    assert json.loads(params.structural_tag) == LEGACY_AS_NEW
+    compiled = backend.compile(params.grammar)
+
+    def accepts(text: str) -> bool:
+        return xgr.GrammarMatcher(compiled).accept_string(text)
+
+    assert accepts('Let me check. <f=a>{"a": 3}</f> and <f=b>"x"</f> done')
+    assert accepts("no call at all")
+    assert not accepts('<f=a>{"a": "three"}</f>')  # a's schema wants an integer
+    assert not accepts("<f=b>3</f>")  # b's wants a string
+    assert not accepts("<f=c>{}</f>")  # after the trigger, only a structure's begin
+    with pytest.raises(ValueError, match=r"structural_tag.structures\[0\]: begin \(non-empty\) and end"):
+        SamplingParams(structural_tag={"structures": [{"begin": 1, "schema": {}, "end": ""}],
+                                       "triggers": ["<"]}).verify(VOCAB)
+
+
 @pytest.mark.parametrize("spec, fragment", [
     (GrammarSpec("regex", "[a-"), "Unclosed '['"),
     (GrammarSpec("json_schema", '{"type":'), "Failed to parse JSON"),
@@ -294,6 +316,15 @@ def _chat(**extra) -> ChatCompletionRequest:
 
 
 SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
+# A structural tag in xgrammar's form, and in SGLang's / vLLM's older one with what it becomes.
+NEW_TAG = {"type": "structural_tag", "format": {"type": "const_string", "value": "ok"}}
+LEGACY_TAG = {"structures": [{"begin": "<f=a>", "schema": SCHEMA, "end": "</f>"},
+                             {"begin": "<f=b>", "schema": json.dumps({"type": "string"}), "end": "</f>"}],
+              "triggers": ["<f="]}
+LEGACY_AS_NEW = {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": ["<f="], "tags": [
+    {"type": "tag", "begin": "<f=a>", "content": {"type": "json_schema", "json_schema": SCHEMA}, "end": "</f>"},
+    {"type": "tag", "begin": "<f=b>", "content": {"type": "json_schema", "json_schema": {"type": "string"}},
+     "end": "</f>"}]}}
 
 
 @pytest.mark.parametrize("extra, kind, value, field", [
@@ -313,6 +344,13 @@ SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}}}
      choice_grammar(["p", "q"]), "structured_outputs"),
     ({"structured_outputs": {"grammar": 'root ::= "a"'}}, "ebnf", 'root ::= "a"', "structured_outputs"),
     ({"structured_outputs": {"json_object": True}}, "json_schema", ANY_JSON_OBJECT, "structured_outputs"),
+    ({"response_format": NEW_TAG}, "structural_tag", json.dumps(NEW_TAG), "response_format"),
+    ({"response_format": {"type": "structural_tag", **LEGACY_TAG}}, "structural_tag", json.dumps(LEGACY_AS_NEW),
+     "response_format"),
+    ({"structural_tag": json.dumps(LEGACY_TAG)}, "structural_tag", json.dumps(LEGACY_AS_NEW), "structural_tag"),
+    ({"structural_tag": NEW_TAG}, "structural_tag", json.dumps(NEW_TAG), "structural_tag"),
+    ({"structured_outputs": {"structural_tag": json.dumps(LEGACY_TAG)}}, "structural_tag", json.dumps(LEGACY_AS_NEW),
+     "structured_outputs"),
 ])
 def test_openai_fields_map_to_one_native_constraint(extra, kind, value, field):
     for req in (_chat(**extra), CompletionRequest(model="m", prompt="hi", **extra)):
@@ -333,14 +371,24 @@ def test_openai_requests_without_a_constraint():
      "schema must be an object"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": SCHEMA, "strict": "yes"}}},
      "response_format", "strict must be a boolean"),
-    ({"response_format": {"type": "structural_tag"}}, "response_format", "'structural_tag' is not supported"),
-    ({"response_format": {"type": "yaml"}}, "response_format", "must be 'text', 'json_object' or 'json_schema'"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "must be 'text', 'json_object', 'json_schema' or "
+                                                                 "'structural_tag'"),
+    ({"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<"]}}, "response_format",
+     "response_format.structures must be a non-empty list"),
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>"}],
+                          "triggers": ["<"]}}, "response_format",
+     "response_format.structures[0] must be an object with exactly begin, schema and end"),
+    ({"structural_tag": {**LEGACY_TAG, "triggers": "<f="}}, "structural_tag",
+     "structural_tag.triggers must be a non-empty list"),
+    ({"structured_outputs": {"structural_tag": {**LEGACY_TAG, "format": {}}}}, "structured_outputs.structural_tag",
+     "takes only type 'structural_tag', structures and triggers, got ['format']"),
+    ({"structural_tag": {"structures": [{"begin": "<a>", "schema": "{nope", "end": ""}], "triggers": ["<"]}},
+     "structural_tag", "structural_tag.structures[0].schema is not valid JSON"),
     ({"response_format": "json"}, "response_format", "must be an object"),
     ({"guided_choice": []}, "guided_choice", "non-empty list of strings"),
     ({"guided_choice": ["a", 1]}, "guided_choice", "non-empty list of strings"),
     ({"guided_regex": 5}, "guided_regex", "must be a string"),
     ({"guided_json": [1]}, "guided_json", "must be a JSON schema"),
-    ({"structural_tag": "{}"}, "structural_tag", "structural_tag is not supported"),
     ({"guided_whitespace_pattern": " *"}, "guided_whitespace_pattern", "not supported"),
     ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "guided_decoding_backend", "runs only xgrammar"),
     ({"structured_outputs": {"json": SCHEMA, "regex": "a"}}, "structured_outputs", "json and regex"),
@@ -349,6 +397,7 @@ def test_openai_requests_without_a_constraint():
     ({"structured_outputs": {"regex": "a", "whitespace_pattern": " "}}, "structured_outputs",
      "whitespace_pattern is not supported"),
     ({"structured_outputs": {"yaml": "a"}}, "structured_outputs", "unknown option(s) ['yaml']"),
+    ({"structured_outputs": {"regex": "a", "structural_tag": "{}"}}, "structured_outputs", "regex and structural_tag"),
     ({"structured_outputs": 5}, "structured_outputs", "must be an object"),
 ])
 def test_openai_constraint_errors_name_the_field(extra, param, fragment):

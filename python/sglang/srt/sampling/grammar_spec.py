@@ -5,7 +5,9 @@ parameters). Plain data: the tokenizer manager validates it, the scheduler compi
 
 A structural tag is xgrammar's JSON form (`{"type": "structural_tag", "format": {...}}`): free text
 that switches to a grammar at a trigger string, which is how tool_choice "auto" keeps `strict`
-tools' calls to their schemas (entrypoints/openai/strict_tools.py)."""
+tools' calls to their schemas (entrypoints/openai/strict_tools.py). SGLang's and vLLM's older form,
+`{"structures": [{"begin", "schema", "end"}], "triggers": [...]}`, is read too: it is the
+`triggered_tags` format of xgrammar's (`legacy_structural_tag`)."""
 
 from __future__ import annotations
 
@@ -35,15 +37,61 @@ class GrammarSpec:
 
 def normalize_constraint(kind: str, value: Any) -> Optional[str]:
     """A constraint parameter as text: None stays None; a JSON schema or structural tag may be given
-    as an object (it is serialised, keys in their order); anything else must be a string (ValueError)."""
+    as an object (it is serialised, keys in their order); anything else must be a string (ValueError).
+    A structural tag in the older `structures` / `triggers` form becomes xgrammar's."""
     if value is None:
         return None
+    if kind == "structural_tag":
+        value = legacy_structural_tag(value, kind)
     if kind in JSON_KINDS and isinstance(value, dict):
         return json.dumps(value, ensure_ascii=False)
     if not isinstance(value, str):
         expected = "a JSON string or an object" if kind in JSON_KINDS else "a string"
         raise ValueError(f"{kind} must be {expected}, got {type(value).__name__}")
     return value
+
+
+def legacy_structural_tag(value: Any, what: str) -> Any:
+    """`value` (an object or its JSON text) in xgrammar's form where it is in the older one
+    (`structures` of `{"begin", "schema", "end"}` and `triggers`: free text in which a trigger starts
+    the structure whose `begin` it prefixes, whose `schema` holds the JSON between `begin` and
+    `end`), else unchanged: anything else is the grammar compiler's to judge (its errors name what
+    is wrong). ValueError, naming `what`, for an older form with fields of the wrong kind."""
+    tag = value
+    if isinstance(value, str):
+        try:
+            tag = json.loads(value)
+        except ValueError:
+            return value
+    if not isinstance(tag, dict) or "structures" not in tag:
+        return value
+    unknown = sorted(set(tag) - {"type", "structures", "triggers"})
+    if unknown or tag.get("type", "structural_tag") != "structural_tag":
+        raise ValueError(f"{what}: the structures form takes only type 'structural_tag', structures and triggers"
+                         + (f", got {unknown}" if unknown else ""))
+    structures, triggers = tag["structures"], tag.get("triggers")
+    if not isinstance(triggers, list) or not triggers or not all(isinstance(t, str) and t for t in triggers):
+        raise ValueError(f"{what}.triggers must be a non-empty list of non-empty strings")
+    if not isinstance(structures, list) or not structures:
+        raise ValueError(f"{what}.structures must be a non-empty list of {{begin, schema, end}} objects")
+    tags = []
+    for i, item in enumerate(structures):
+        where = f"{what}.structures[{i}]"
+        if not isinstance(item, dict) or sorted(item) != ["begin", "end", "schema"]:
+            raise ValueError(f"{where} must be an object with exactly begin, schema and end")
+        if not isinstance(item["begin"], str) or not isinstance(item["end"], str) or not item["begin"]:
+            raise ValueError(f"{where}: begin (non-empty) and end must be strings")
+        schema = item["schema"]
+        if isinstance(schema, str):
+            try:
+                schema = json.loads(schema)
+            except ValueError:
+                raise ValueError(f"{where}.schema is not valid JSON") from None
+        if not isinstance(schema, (dict, bool)):
+            raise ValueError(f"{where}.schema must be a JSON schema (an object or its JSON text)")
+        tags.append({"type": "tag", "begin": item["begin"], "content": {"type": "json_schema", "json_schema": schema},
+                     "end": item["end"]})
+    return {"type": "structural_tag", "format": {"type": "triggered_tags", "triggers": triggers, "tags": tags}}
 
 
 def choice_grammar(choices: Any, what: str = "guided_choice") -> str:

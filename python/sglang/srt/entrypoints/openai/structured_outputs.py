@@ -2,16 +2,18 @@
 
 Accepted (at most one per request), as OpenAI, SGLang and vLLM spell them:
   * `response_format`: `{"type": "text"}` (nothing), `{"type": "json_object"}` (any JSON object),
-    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`;
-  * SGLang's extra fields `regex`, `json_schema` (JSON text or an object), `ebnf`;
+    `{"type": "json_schema", "json_schema": {"name", "schema", "strict"}}`, `{"type":
+    "structural_tag", ...}` (xgrammar's `format`, or SGLang's and vLLM's `structures` and `triggers`:
+    grammar_spec.legacy_structural_tag);
+  * SGLang's extra fields `regex`, `json_schema` (JSON text or an object), `ebnf`, `structural_tag`;
   * vLLM's `guided_json`, `guided_regex`, `guided_choice` (a list of strings), `guided_grammar`
-    (EBNF), and `structured_outputs` `{"json" | "regex" | "choice" | "grammar" | "json_object"}`.
+    (EBNF), and `structured_outputs` `{"json" | "regex" | "choice" | "grammar" | "json_object" |
+    "structural_tag"}`.
 Refused with a message: two of them at once, one of them beside a chat request's tool_choice
 "required" or named function (which constrains the output to the calls: chat_tools.py) or beside
 `strict` tools under tool_choice "auto" (which constrain the calls: strict_tools.py),
-`structural_tag` (SGLang's and vLLM's), `guided_whitespace_pattern` and
-`structured_outputs.whitespace_pattern`, and a `guided_decoding_backend` other than the one this
-server runs.
+`guided_whitespace_pattern` and `structured_outputs.whitespace_pattern`, and a
+`guided_decoding_backend` other than the one this server runs.
 """
 
 from __future__ import annotations
@@ -21,14 +23,22 @@ from typing import Any, Optional
 
 from sglang.srt.constrained.backends import how_to_enable
 from sglang.srt.managers.generate_request import InvalidRequestError
-from sglang.srt.sampling.grammar_spec import ANY_JSON_OBJECT, GrammarSpec, choice_grammar, normalize_constraint
+from sglang.srt.sampling.grammar_spec import (
+    ANY_JSON_OBJECT,
+    GrammarSpec,
+    choice_grammar,
+    legacy_structural_tag,
+    normalize_constraint,
+)
 
 # vLLM's guided_decoding_backend values that mean "whatever the server runs".
 AUTO_BACKENDS = ("auto",)
 # structured_outputs' options that ask for nothing when left at these values.
 NEUTRAL_STRUCTURED_OPTIONS = {"disable_fallback": (False, True), "disable_any_whitespace": (False,),
-                              "disable_additional_properties": (False,), "whitespace_pattern": (None,),
-                              "structural_tag": (None,)}
+                              "disable_additional_properties": (False,), "whitespace_pattern": (None,)}
+# structured_outputs' constraints (one at most) and the native kind each one is.
+STRUCTURED_KINDS = {"json": "json_schema", "regex": "regex", "choice": "ebnf", "grammar": "ebnf",
+                    "json_object": "json_schema", "structural_tag": "structural_tag"}
 
 
 @dataclass(frozen=True)
@@ -45,6 +55,11 @@ class Constraint:
 
 
 def _text(kind: str, value: Any, field: str) -> str:
+    if kind == "structural_tag":
+        try:  # the older form's own messages, naming the field
+            value = legacy_structural_tag(value, field)
+        except ValueError as e:
+            raise InvalidRequestError(str(e), param=field) from None
     try:
         text = normalize_constraint(kind, value)
     except ValueError:
@@ -84,10 +99,10 @@ def _response_format(value: Any) -> Optional[GrammarSpec]:
         if js.get("strict") is not None and not isinstance(js["strict"], bool):
             raise InvalidRequestError("response_format.json_schema.strict must be a boolean", param=field)
         return GrammarSpec("json_schema", _text("json_schema", schema, field))
-    if kind == "structural_tag":
-        raise InvalidRequestError("response_format type 'structural_tag' is not supported", param=field)
-    raise InvalidRequestError(f"response_format type must be 'text', 'json_object' or 'json_schema', got {kind!r}",
-                              param=field)
+    if kind == "structural_tag":  # the object itself is the tag, in either form
+        return GrammarSpec("structural_tag", _text("structural_tag", value, field))
+    raise InvalidRequestError("response_format type must be 'text', 'json_object', 'json_schema' or "
+                              f"'structural_tag', got {kind!r}", param=field)
 
 
 def _structured_outputs(value: Any) -> Optional[GrammarSpec]:
@@ -97,14 +112,13 @@ def _structured_outputs(value: Any) -> Optional[GrammarSpec]:
     for key, neutral in NEUTRAL_STRUCTURED_OPTIONS.items():
         if key in value and not any(value[key] == v and type(value[key]) is type(v) for v in neutral):
             raise InvalidRequestError(f"structured_outputs.{key} is not supported", param=field)
-    known = {"json", "regex", "choice", "grammar", "json_object", *NEUTRAL_STRUCTURED_OPTIONS}
-    unknown = sorted(set(value) - known)
+    unknown = sorted(set(value) - {*STRUCTURED_KINDS, *NEUTRAL_STRUCTURED_OPTIONS})
     if unknown:
         raise InvalidRequestError(f"structured_outputs: unknown option(s) {unknown}", param=field)
-    given = [k for k in ("json", "regex", "choice", "grammar", "json_object") if value.get(k) not in (None, False)]
+    given = [k for k in STRUCTURED_KINDS if value.get(k) not in (None, False)]
     if len(given) > 1:
-        raise InvalidRequestError(f"structured_outputs takes one of json, regex, choice, grammar and "
-                                  f"json_object, got {' and '.join(given)}", param=field)
+        raise InvalidRequestError(f"structured_outputs takes one of {', '.join(STRUCTURED_KINDS)}, "
+                                  f"got {' and '.join(given)}", param=field)
     if not given:
         return None
     key = given[0]
@@ -115,8 +129,8 @@ def _structured_outputs(value: Any) -> Optional[GrammarSpec]:
         return GrammarSpec("regex", _text("regex", value[key], sub))
     if key == "choice":
         return GrammarSpec("ebnf", _choice(value[key], sub))
-    if key == "grammar":
-        return GrammarSpec("ebnf", _text("ebnf", value[key], sub))
+    if key in ("grammar", "structural_tag"):
+        return GrammarSpec(STRUCTURED_KINDS[key], _text(STRUCTURED_KINDS[key], value[key], sub))
     if value[key] is not True:
         raise InvalidRequestError("structured_outputs.json_object must be a boolean", param=field)
     return GrammarSpec("json_schema", ANY_JSON_OBJECT)
@@ -126,9 +140,8 @@ def requested_constraint(request: Any, backend: str) -> Optional[Constraint]:
     """The constraint a completions or chat request asks for (None: none); InvalidRequestError
     for a malformed or unsupported one. `backend`: the server's --grammar-backend."""
     extra = getattr(request, "model_extra", None) or {}
-    for name in ("structural_tag", "guided_whitespace_pattern"):
-        if extra.get(name) is not None:
-            raise InvalidRequestError(f"{name} is not supported", param=name)
+    if extra.get("guided_whitespace_pattern") is not None:
+        raise InvalidRequestError("guided_whitespace_pattern is not supported", param="guided_whitespace_pattern")
     wanted = extra.get("guided_decoding_backend")
     if wanted is not None:
         if not isinstance(wanted, str):
@@ -146,7 +159,8 @@ def requested_constraint(request: Any, backend: str) -> Optional[Constraint]:
     add(_response_format(request.response_format) if request.response_format is not None else None,
         "response_format")
     for field, kind in (("regex", "regex"), ("json_schema", "json_schema"), ("ebnf", "ebnf"),
-                        ("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_grammar", "ebnf")):
+                        ("structural_tag", "structural_tag"), ("guided_json", "json_schema"),
+                        ("guided_regex", "regex"), ("guided_grammar", "ebnf")):
         if extra.get(field) is not None:
             add(GrammarSpec(kind, _text(kind, extra[field], field)), field)
     if extra.get("guided_choice") is not None:

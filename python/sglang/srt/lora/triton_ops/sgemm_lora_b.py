@@ -192,7 +192,8 @@ def segmented_expand(
     `slice_stride` moves slice k's B by k * slice_stride elements (a folded module's B inside
     W_aug, lora/fold.py `folded_b`); 0 for a plain B. `x_slot_stride`: x holds every slot's
     shrink, slot s's at columns s * x_slot_stride on (the A-fold's GEMM output, lora/fold.py
-    `a_fold_views`); 0 for the compact shrink of each row's own slot. `tiles` (BLOCK_N, warps[,
+    `a_fold_views`; of a many-slice module, its slices compact in the slot's block); 0 for the
+    compact shrink of each row's own slot. `tiles` (BLOCK_N, warps[,
     "b-early"]) overrides EXPAND_TILES (benchmarks, tests). `use_pdl`: the backend's (Hopper, the
     intrinsics present); the launch is a programmatic dependent up to PDL_MAX_ROWS rows.
     """
@@ -200,7 +201,9 @@ def segmented_expand(
     num_tokens = x.shape[0]
     _, out_dim, max_rank = weights.shape
     assert x.shape[1] >= num_slices * max_rank, (x.shape, num_slices, max_rank)
-    assert x_slot_stride == 0 or num_slices == 1, "every slot's shrink: one-slice modules only"
+    # Every slot's shrink: slot s's block of x holds its slices compactly (slice k at k * rank), as
+    # A's rows are (mem_pool), so the block must hold num_slices * max_rank columns.
+    assert x_slot_stride == 0 or x_slot_stride >= num_slices * max_rank, (x_slot_stride, num_slices, max_rank)
     assert base_output.shape == (num_tokens, out_dim), (base_output.shape, num_tokens, out_dim)
     if slice_offsets is None:
         assert out_dim % num_slices == 0, (out_dim, num_slices)
