@@ -396,6 +396,41 @@ def test_expand_silu_graph_equals_eager(monkeypatch):
 
 
 @functools.lru_cache(maxsize=None)
+def afold_qkv_runner(graphs: bool, on: str):
+    """csgmv with SGLANG_LORA_AFOLD_QKV=`on`: qkv_proj's prefills as the GEMM over [W; A] and the
+    expand of every slot's shrink into a strided output."""
+    return env_runner("SGLANG_LORA_AFOLD_QKV", on, "csgmv", graphs)
+
+
+def test_afold_qkv_graph_equals_eager(monkeypatch):
+    """qkv_proj A-folded at prefill under the prefill graphs: prompt logprobs of adapter, base,
+    mixed and 40-request prefills within TOL of eager and of the engine without it (the shrink is
+    rounded to bf16 by the GEMM, as o_proj's A-fold rounds it); the expand really launched with
+    the three-slice slot stride; a decode after it equal to the engine without it (decode keeps
+    the fused norm), and its graph to eager, bit for bit."""
+    from sglang.srt.lora.backend import chunked_backend
+
+    strides = []
+    original = chunked_backend.chunked_sgmv_lora_expand_forward
+    monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_expand_forward",
+                        lambda *a, **kw: strides.append(kw.get("x_slot_stride", 0)) or original(*a, **kw))
+    g, e, off = afold_qkv_runner(True, "1"), afold_qkv_runner(False, "1"), afold_qkv_runner(False, "0")
+    rank = e.lora_manager.pool.max_lora_rank
+    assert "qkv_proj" in e.lora_manager.pool.a_fold_modules
+    for (prompts, names), eager in zip(PREFILL_BATCHES, prefill_graph_matches_eager(g, e, "afold qkv")):
+        without = max_diff(eager, prompt_logprobs(off, prompts, names)[0])
+        print(f"afold qkv: prefill max |eager - without| = {without:.2e}")
+        assert without < TOL, without
+    assert 3 * rank in strides, "no prefill took qkv_proj's A-fold"
+    names = ["a", None, "b", "a"] * 5
+    prompts = _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)
+    g_tok, g_lp, used = decode_logprobs(g, prompts, names, steps=6)
+    assert all(used)
+    e_tok, e_lp, _ = decode_logprobs(e, prompts, names, steps=6)
+    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
+
+
+@functools.lru_cache(maxsize=None)
 def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = False, fold: str = "auto",
                       fuse: str = "on", dtype: str = "bfloat16", afold: str = "small"):
     ckpt, adapters = assets()

@@ -339,6 +339,47 @@ def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, bound, in_place, 
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
 
 
+@pytest.mark.parametrize("afold,kernels", [("0", "triton"), ("small", "triton"), ("0", "torch")])
+def test_a_folded_qkv_runs_the_expand_at_prefill(assets, afold, kernels, monkeypatch):
+    """SGLANG_LORA_AFOLD_QKV=1 (csgmv): qkv_proj's W_aug buffer also holds A (three slices per slot),
+    and prefills run its GEMM over [W; A] and the segmented expand of every slot's shrink (x_slot_stride
+    3 * R, B inside W_aug) into a strided output, which RoPE reads in place; the norm before it
+    writes plain rows (in_place_input declines it). Decode keeps the fused norm. With o_proj /
+    down_proj A-folded too (small) or not; the layers' Triton kernels (RoPE's in place) or torch's.
+    The run equals the unfused engine's to float32 rounding."""
+    from sglang.srt.layers.triton_ops.dispatch import fused_kernels
+    from sglang.srt.lora.backend import chunked_backend
+
+    monkeypatch.setenv("SGLANG_LORA_AFOLD_QKV", "1")
+    runner = runner_for(assets, "csgmv", fuse=True, afold=afold, afold_expand=afold != "0")
+    monkeypatch.delenv("SGLANG_LORA_AFOLD_QKV")
+    pool, backend_obj = runner.lora_manager.pool, runner.lora_manager.lora_backend
+    assert "qkv_proj" in pool.a_fold_modules and "qkv_proj" not in pool.Bt_buffer
+    assert ("o_proj" in pool.a_fold_modules) == (afold != "0")
+    expands, answered = [], []
+    expand = chunked_backend.chunked_sgmv_lora_expand_forward
+    monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_expand_forward",
+                        lambda *a, **kw: expands.append(kw.get("x_slot_stride", 0)) or expand(*a, **kw))
+    in_place_input = backend_obj.in_place_input
+    monkeypatch.setattr(backend_obj, "in_place_input",
+                        lambda *a, **kw: answered.append((a[0].spec.name, in_place_input(*a, **kw))) or answered[-1][1])
+    with fused_kernels(kernels):
+        tokens, logprobs, calls = decode_run(runner, steps=2)
+    monkeypatch.undo()
+    layers = len(runner.model.model.layers)
+    rank = pool.max_lora_rank
+    # The prefill: qkv_proj of every layer (3 slices a slot); o_proj / down_proj with the A-fold too.
+    qkv_expands = [s for s in expands if s == 3 * rank]
+    assert len(qkv_expands) == layers
+    assert len(expands) == layers + ((2 * layers - 1) if afold != "0" else 0)
+    assert not any(p is not None for name, p in answered if name == "qkv_proj")
+    assert any(p is not None for name, p in answered if name == "gate_up_proj") == (kernels == "triton")
+    assert calls[0] == 0 and all(c == 2 * layers for c in calls[1:])  # decode fuses both norms
+    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False), steps=2)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
+
+
 @pytest.mark.parametrize("backend,mode,afold", [("triton", "prefill", "0"), ("csgmv", "1", "0"),
                                                 ("csgmv", "1", "small")])
 def test_norm_and_shrink_in_one_launch_by_segments(assets, backend, mode, afold, monkeypatch):

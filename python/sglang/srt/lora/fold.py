@@ -19,7 +19,8 @@ The cost: every forward reads E*N extra weight elements and does 2*T*N*E extra F
 the number of adapters the batch uses. `should_fold` bounds the extra bytes (see its docstring for
 the arithmetic); modules over the bound keep separate shrink and expand kernels.
 
-The A-fold (`a_fold_views`; o_proj and down_proj, one output slice, with a fused norm after them):
+The A-fold (`a_fold_views`; o_proj and down_proj, one output slice, with a fused norm after them;
+qkv_proj at prefill, A_FOLD_PREFILL_MODULES):
 the buffer behind W_aug has S*R more rows, which hold A, so that
 
     W_a [N + S_a*R, K] = [ W ; A of every adapter slot ]      (a view: rows of W_aug's buffer, cols < K)
@@ -48,6 +49,14 @@ FOLD_MAX_EXTRA_BYTES = 20 * 2**20
 # The modules that may take the A-fold (a_fold_views): one output slice, and a fused norm after them
 # (post_attention_layernorm after o_proj, the next layer's input_layernorm after down_proj).
 A_FOLD_MODULES = ("o_proj", "down_proj")
+# Modules that take the A-fold's layout for prefills only (csgmv, SGLANG_LORA_AFOLD_QKV): the GEMM
+# over [W; A] and the segmented expand in place of shrink_pack and the GEMM over W_aug; decode keeps
+# the fused norm and W_aug. bench_stacked_afold.py (H100, 2026-12-06, 8 adapters of rank 16, µs per
+# layer, B fold -> A-fold): qkv_proj prefill 128 26.2 -> 22.8 (Qwen3-4B) and 33.8 -> 30.5 (8B),
+# 512 41.0 -> 40.0 and 59.9 -> 55.0; gate_up_proj gains nothing at 128 (52.7 -> 52.0, 101.4 ->
+# 102.1) and loses at 512 (95.5 -> 101.7, 202.3 -> 223.1): its expand's read-modify-write of the
+# wide output costs more than the shrink_pack launch it saves. So qkv_proj alone.
+A_FOLD_PREFILL_MODULES = ("qkv_proj",)
 # The A-fold's GEMM reads S*R rows of A (K wide) where the B fold's reads S*R columns of B (N tall):
 # S*R*(K - N) more bytes per module and small decode step. bench_norm_shrink (H200, 8 adapters,
 # rank 16) measured the A-fold ~1.7 µs per module cheaper net of its 0.3-2.6 MiB (Qwen3-4B /
@@ -173,17 +182,17 @@ def fold_weight(
     return w_aug, SlicedB(parts)
 
 
-def a_fold_views(w_aug: torch.Tensor, in_dim: int, num_slots: int, max_rank: int, gemm_slots: int
+def a_fold_views(w_aug: torch.Tensor, in_dim: int, num_slots: int, max_rank: int, gemm_slots: int, stack: int = 1
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The A-fold of a one-slice module (o_proj, down_proj) whose W_aug was built with
-    `a_rows = num_slots * max_rank`: A of every slot [S, R, K], in the buffer's rows past W_aug's N
-    (so a slot write lands there), and W_a = [W; A of the first `gemm_slots` slots] [N + gemm_slots*R,
+    """The A-fold of a module (o_proj, down_proj; qkv_proj at prefill, `stack` 3) whose W_aug was
+    built with `a_rows = num_slots * stack * max_rank`: A of every slot [S, c*R, K] (an adapter's
+    slices compact in its block, as the pool writes A), in the buffer's rows past W_aug's N (so a
+    slot write lands there), and W_a = [W; A of the first `gemm_slots` slots] [N + gemm_slots*c*R,
     K], whose one GEMM gives [x W^T | x A^T of every slot]: the base output and every slot's
     unscaled shrink. Both are views (the row stride of W_aug)."""
     n, width = w_aug.shape
-    stride = w_aug.stride(0)
+    stride, block = w_aug.stride(0), stack * max_rank
     assert w_aug.stride(1) == 1 and width >= in_dim and gemm_slots <= num_slots, (w_aug.shape, in_dim)
-    a = w_aug.as_strided((num_slots, max_rank, in_dim), (max_rank * stride, stride, 1),
-                         w_aug.storage_offset() + n * stride)
-    w_a = w_aug.as_strided((n + gemm_slots * max_rank, in_dim), (stride, 1), w_aug.storage_offset())
+    a = w_aug.as_strided((num_slots, block, in_dim), (block * stride, stride, 1), w_aug.storage_offset() + n * stride)
+    w_a = w_aug.as_strided((n + gemm_slots * block, in_dim), (stride, 1), w_aug.storage_offset())
     return a, w_a

@@ -131,6 +131,17 @@ class ColumnParallelLinearWithLoRA(BaseLayerWithLoRA):
 class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     """q, k, v: three output slices (widths from the manager's shapes)."""
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.lora_active and self.lora.a_folded is not None and self.lora_backend.expands_a_folded(self.lora):
+            # Prefills with SGLANG_LORA_AFOLD_QKV: the GEMM over [W; A] and the expand; the output is
+            # a strided view of the GEMM's, which the RoPE kernel reads in place. The norm before
+            # wrote plain rows (in_place_input declines), so nothing was prepared.
+            prepared = self.take_prepared(x)
+            assert prepared is None, "the norm before an A-folded qkv_proj wrote into x_aug"
+            out = self.lora_backend.run_a_folded(self.lora, x.reshape(-1, x.shape[-1]))
+            return out.view(*x.shape[:-1], out.shape[-1])
+        return super().forward(x)
+
 
 class MergedColumnParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     """gate, up: two output slices."""

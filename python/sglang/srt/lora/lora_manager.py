@@ -162,6 +162,8 @@ class LoRAManager:
             # columns would need the all-reduce before the norm adds them).
             a_fold=(self.lora_backend.a_fold and self.lora_backend.supports_norm_fusion and config.fuse_norm != "off"
                     and tp_group.size == 1),
+            # qkv_proj's prefills: no norm takes part, one rank as above (the layout is one rank's).
+            a_fold_prefill=self.lora_backend.a_fold_prefill and tp_group.size == 1,
         )
         fold_base_weights(base_model, self.pool, self.shapes, dtype)
         self.lora_modules: dict[int, dict[str, BaseLayerWithLoRA]] = wrap_lora_modules(

@@ -43,6 +43,7 @@ from sglang.srt.lora.backend._staging import copy_into
 from sglang.srt.lora.eviction_policy import get_eviction_policy
 from sglang.srt.lora.fold import (
     A_FOLD_MODULES,
+    A_FOLD_PREFILL_MODULES,
     a_fold_views,
     fold_extra_columns,
     fold_weight,
@@ -90,6 +91,7 @@ class LoRAMemoryPool:
         fold_candidates: Iterable[str] = (),
         fold_mode: str = "auto",
         a_fold: bool = False,
+        a_fold_prefill: bool = False,
     ) -> None:
         if max_loras_per_batch < 1:
             raise ValueError("--max-loras-per-batch must be >= 1")
@@ -108,7 +110,7 @@ class LoRAMemoryPool:
         self.device = torch.device(device)
         self.eviction_policy = get_eviction_policy(eviction_policy)
 
-        self._allocate(self._choose_folded(fold_candidates, fold_mode), a_fold)
+        self._allocate(self._choose_folded(fold_candidates, fold_mode), a_fold, a_fold_prefill)
 
         self.slot_to_lora_id: list[object] = [EMPTY] * self.num_adapter_slots + [None]  # lora_id (str | None) or EMPTY
         self.lora_id_to_slot: dict[Optional[str], int] = {None: self.base_slot}
@@ -142,7 +144,7 @@ class LoRAMemoryPool:
             if mode == "on" or should_fold(self.shapes.modules[m].out_dim, self.fold_extra_columns(m), elem)
         ]
 
-    def _allocate(self, fold_modules: Iterable[str], a_fold: bool = False) -> None:
+    def _allocate(self, fold_modules: Iterable[str], a_fold: bool = False, a_fold_prefill: bool = False) -> None:
         """A_buffer[module][layer]: [slots, c*R, in]; B_buffer[module][layer]: [slots, out, R]
         (a SlicedB over W_aug for folded modules, set by fold_base_weight). Zero-initialised, so no
         slot ever holds non-finite garbage a kernel or the folded GEMM could touch."""
@@ -156,11 +158,13 @@ class LoRAMemoryPool:
         # The A-fold (lora/fold.py, a_fold_views): folded one-slice modules (o_proj, down_proj) whose
         # W_aug buffer also holds A, as rows past N, so that one GEMM gives the base output and every
         # slot's shrink; B is also kept transposed [slots, R, N] for the norm that adds the delta.
+        # With `a_fold_prefill`, qkv_proj too (A_FOLD_PREFILL_MODULES: its prefills only, no norm).
         self.a_fold_modules: list[str] = [
             m for m in self.fold_modules
-            if a_fold and get_stacked_multiply(m) == 1 and m in A_FOLD_MODULES and should_a_fold(
+            if ((a_fold and get_stacked_multiply(m) == 1 and m in A_FOLD_MODULES)
+                or (a_fold_prefill and m in A_FOLD_PREFILL_MODULES)) and should_a_fold(
                 self.shapes.modules[m].in_dim, self.shapes.modules[m].out_dim, self.num_fold_slots,
-                self.max_lora_rank, self.dtype.itemsize)
+                get_stacked_multiply(m) * self.max_lora_rank, self.dtype.itemsize)
         ]
         self.a_folded_weight: dict[str, list[Optional[torch.Tensor]]] = {m: [None] * self.shapes.num_layers
                                                                           for m in self.a_fold_modules}
@@ -178,6 +182,7 @@ class LoRAMemoryPool:
                 self.folded_weight[module] = [None] * n
                 if module in self.a_fold_modules:
                     self.A_buffer[module] = [None] * n  # views into W_aug's buffer (fold_base_weight)
+                if module in self.a_fold_modules and module in A_FOLD_MODULES:  # the norm's copy of B
                     self.Bt_buffer[module] = [
                         torch.zeros(self.num_slots, R, shape.out_dim, dtype=self.dtype, device=self.device)
                         for _ in range(n)
@@ -209,13 +214,14 @@ class LoRAMemoryPool:
         R = self.max_lora_rank
         w_aug, b = fold_weight(
             weight.to(self.dtype), shape.out_sizes, self.num_fold_slots, R, self.fold_extra_columns(module),
-            a_rows=self.num_slots * R if a_fold else 0,
+            a_rows=self.num_slots * get_stacked_multiply(module) * R if a_fold else 0,
         )
         self.folded_weight[module][layer] = w_aug
         self.B_buffer[module][layer] = b
         if a_fold:
             # A rows for every slot (the kernels index A by slot), the GEMM only the adapter slots'.
-            a, w_a = a_fold_views(w_aug, shape.in_dim, self.num_slots, R, self.num_fold_slots)
+            a, w_a = a_fold_views(w_aug, shape.in_dim, self.num_slots, R, self.num_fold_slots,
+                                  get_stacked_multiply(module))
             self.A_buffer[module][layer], self.a_folded_weight[module][layer] = a, w_a
         return w_aug
 

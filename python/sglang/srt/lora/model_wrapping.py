@@ -76,7 +76,8 @@ def fold_base_weights(model: nn.Module, pool: "LoRAMemoryPool", shapes: LoRAMode
         logger.info(
             "LoRA %s: folded into the base GEMM, W_aug [%d, %d + %d] (+%.1f MiB read per layer and forward)%s",
             module, shape.out_dim, shape.in_dim, extra, mib,
-            ", with A as rows past it for small decode batches (A-fold)" if module in pool.a_fold_modules else "",
+            "" if module not in pool.a_fold_modules else ", with A as rows past it for small decode batches (A-fold)"
+            if module in pool.Bt_buffer else ", with A as rows past it for prefills (A-fold)",
         )
 
 
@@ -114,7 +115,7 @@ def wrap_lora_modules(
                     wrapper.backend_bias,
                     pool.folded_weight[module][layer_id] if folded else None,
                     a_folded=pool.a_folded_weight[module][layer_id] if module in pool.a_fold_modules else None,
-                    bt=pool.Bt_buffer[module][layer_id] if module in pool.a_fold_modules else None,
+                    bt=pool.Bt_buffer[module][layer_id] if module in pool.Bt_buffer else None,
                 )
             )
             setattr(parent, child, wrapper)

@@ -114,6 +114,9 @@ class BaseLoRABackend(abc.ABC):
 
     # An A-folded module (lora/fold.py a_fold_views) may leave its delta to the fused norm after it.
     a_fold: bool = False
+    # qkv_proj takes the A-fold's layout for its prefills (csgmv, SGLANG_LORA_AFOLD_QKV;
+    # fold.A_FOLD_PREFILL_MODULES).
+    a_fold_prefill: bool = False
 
     def defers(self, weights: LoRAModuleWeights) -> bool:
         """Whether this forward's A-folded `weights` leave their delta to the norm after them."""
@@ -125,7 +128,8 @@ class BaseLoRABackend(abc.ABC):
 
     def expands_a_folded(self, weights: LoRAModuleWeights) -> bool:
         """Whether this forward runs A-folded `weights` as their GEMM over [W; A] and an expand
-        (decode batches past the deferral's bound; SGLANG_LORA_AFOLD_EXPAND)."""
+        (decode batches past the deferral's bound, SGLANG_LORA_AFOLD_EXPAND; prefills,
+        SGLANG_LORA_AFOLD_PREFILL and, for qkv_proj, SGLANG_LORA_AFOLD_QKV)."""
         return False
 
     def run_a_folded(self, weights: LoRAModuleWeights, x: torch.Tensor) -> torch.Tensor:

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
+import torch.nn.functional as F
 
 from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches, rowwise_decode_bound, token_bound
@@ -62,6 +63,9 @@ AFOLD_PREFILL_SMALL_TOKENS = 512
 # never, "1" every batch, "tokens:T" decode batches and prefills whose graph bucket holds at most T
 # tokens.
 SPLIT_SHRINK_DEFAULT = "tokens:512"
+# SGLANG_LORA_AFOLD_QKV: qkv_proj's prefills as the A-fold (fold.A_FOLD_PREFILL_MODULES): "1" on,
+# "0" off. Off until measured in whole steps.
+AFOLD_QKV_DEFAULT = "0"
 # SGLANG_LORA_EXPAND_SILU: which batches' unfolded gate_up_proj leaves its expand to the SiLU-and-mul
 # (triton_ops/expand_silu.py). "0" never, "1" every batch but the row-wise decode ones, "tokens:T"
 # prefills whose graph bucket holds at least T tokens. H100, Qwen3-4B, 64 slots (2026-12-06), step
@@ -107,6 +111,9 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         self.afold_prefill_max = rowwise_decode_bound(os.environ.get("SGLANG_LORA_AFOLD_PREFILL", "1"),
                                                       AFOLD_PREFILL_SMALL_TOKENS, "SGLANG_LORA_AFOLD_PREFILL")
         self._afold_prefill_now = False  # this batch is a prefill the bound admits
+        # SGLANG_LORA_AFOLD_QKV (see AFOLD_QKV_DEFAULT): qkv_proj takes the A-fold's layout and, at
+        # the prefills SGLANG_LORA_AFOLD_PREFILL admits, its GEMM over [W; A] and the expand.
+        self.a_fold_prefill = os.environ.get("SGLANG_LORA_AFOLD_QKV", AFOLD_QKV_DEFAULT) != "0"
         # SGLANG_LORA_EXPAND_SILU (see EXPAND_SILU_DEFAULT): an unfolded gate_up_proj leaves its
         # expand to the SiLU-and-mul after it, which adds the delta to the tile it reads and writes
         # only the activation (triton_ops/expand_silu.py): no read-modify-write of gate_up's
@@ -147,12 +154,29 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
     # ---- A-folded modules past the deferral's bound (SGLANG_LORA_AFOLD_EXPAND) ----------------
     def expands_a_folded(self, weights: LoRAModuleWeights) -> bool:
         info = self.batch_info
-        if not self.afold_expand or weights.a_folded is None or info is None or info.defer:
+        if weights.a_folded is None or info is None or info.defer:
+            return False
+        if weights.spec.stack > 1:  # qkv_proj: prefills only (decode keeps the fused norm), no bias
+            return self._afold_prefill_now and weights.bias is None
+        if not self.afold_expand:
             return False
         # Decode batches carry row slots (the fused norms'); prefills only with SGLANG_LORA_AFOLD_PREFILL.
         return info.row_slots is not None or self._afold_prefill_now
 
     def run_a_folded(self, weights: LoRAModuleWeights, x: torch.Tensor) -> torch.Tensor:
+        spec = weights.spec
+        if spec.stack > 1:
+            assert weights.bias is None, "an A-folded module has no bias"
+            out = F.linear(x, weights.a_folded)  # [x W^T | x A^T of every adapter slot]
+            base, shrink = out[:, : spec.out_dim], out[:, spec.out_dim :]
+            # B read in place inside W_aug; each slot's shrink block holds its slices compactly.
+            b, slice_stride = folded_b(weights.folded, spec.in_dim, spec.stack, spec.max_rank, weights.B.shape[0])
+            offsets = self._slice_offsets.get(spec.name)
+            chunked_sgmv_lora_expand_forward(
+                shrink, b, self.batch_info, base, num_slices=spec.stack, slice_offsets=offsets,
+                max_slice_size=max(spec.slice_sizes) if offsets is not None else None, slice_stride=slice_stride,
+                x_slot_stride=spec.stack * spec.max_rank, use_pdl=self.use_pdl)
+            return base
         base, delta = self.run_deferred(weights, x)
         # B transposed [S, R, N] read as [S, N, R]: a tile's output columns are contiguous.
         chunked_sgmv_lora_expand_forward(delta.shrink, delta.bt.transpose(1, 2), self.batch_info, base,

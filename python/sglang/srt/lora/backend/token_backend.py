@@ -541,7 +541,7 @@ class TokenLoRABackend(BaseLoRABackend):
 
     def defers(self, weights: LoRAModuleWeights) -> bool:
         info = self.batch_info
-        return info is not None and info.defer and weights.a_folded is not None
+        return info is not None and info.defer and weights.a_folded is not None and weights.spec.stack == 1
 
     def run_deferred(self, weights: LoRAModuleWeights, x: torch.Tensor) -> tuple[torch.Tensor, DeferredDelta]:
         spec = weights.spec
@@ -595,7 +595,8 @@ class TokenLoRABackend(BaseLoRABackend):
         # Only where nothing fuses (no row slots: prefill) and the module runs folded: functions of
         # the batch's mode and bucket, so a graph and an eager pass of a batch decide alike.
         if (not self.pack_in_place or info is None or info.row_slots is not None or info.rowwise or info.defer
-                or rows == 0 or rows != info.num_rows or not self._runs_folded(spec)):
+                or rows == 0 or rows != info.num_rows or not self._runs_folded(spec)
+                or (spec.stack > 1 and self.expands_a_folded(weights))):  # its GEMM computes the shrink
             return None
         x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
         return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug, pack_pending=True)
