@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "norm_segments", "expand_silu", "lora_steps", "penalties", "expand_tiles", "stacked_afold", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "norm_segments", "expand_silu", "lora_steps", "penalties", "expand_tiles", "stacked_afold", "afold_qkv", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -291,6 +291,22 @@ if [[ " $PARTS " == *" stacked_afold "* ]]; then
   $PY benchmark/lora/bench_stacked_afold.py --out "$OUT/stacked_afold.md" >"$OUT/stacked_afold.log" 2>&1 || status=1
   say "stacked_afold: $(( $(date +%s) - start ))s"
   grep -E "^\| (qwen|llama)" "$OUT/stacked_afold.md" 2>/dev/null | tee -a "$SUMMARY"
+fi
+
+if [[ " $PARTS " == *" afold_qkv "* ]]; then
+  # Issue 16: qkv_proj A-folded at prefill (SGLANG_LORA_AFOLD_QKV, off until this runs): its GPU
+  # test (graph = eager, the expand launched), then whole steps of both shapes against the default,
+  # prefill 128 and 512 and decode 64 on 8 adapters (~3 min).
+  say "== qkv_proj's A-fold at prefill"
+  start=$(date +%s)
+  $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE -k afold_qkv test/registered \
+    >"$OUT/afold_qkv_test.log" 2>&1 || status=1
+  say "afold_qkv test: $(tail -n 1 "$OUT/afold_qkv_test.log")"
+  for model in qwen3-4b llama-3.1-8b; do
+    lora_step_rows "$model" "$OUT/afold_qkv.md" "$OUT/afold_qkv.log" "" --lora none,lora,lora-afold-qkv \
+      --tokens 128,512 --prefill-batches 4x512 --decode-bs 64 --decode-adapters 8 --rounds 2
+  done
+  say "afold_qkv: $(( $(date +%s) - start ))s"
 fi
 
 if [[ " $PARTS " == *" many_steps "* ]]; then
