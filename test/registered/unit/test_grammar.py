@@ -224,6 +224,10 @@ def test_the_older_structural_tag_form_holds_each_structure_to_its_schema(backen
     assert not accepts('<f=a>{"a": "three"}</f>')  # a's schema wants an integer
     assert not accepts("<f=b>3</f>")  # b's wants a string
     assert not accepts("<f=c>{}</f>")  # after the trigger, only a structure's begin
+    anything = SamplingParams(structural_tag={"structures": [{"begin": "<j>", "end": "</j>"}], "triggers": ["<j>"]})
+    anything.verify(VOCAB)
+    matcher = xgr.GrammarMatcher(backend.compile(anything.grammar))
+    assert matcher.accept_string('a <j>[1, "x", null]</j> b')  # no schema: any JSON value
     with pytest.raises(ValueError, match=r"structural_tag.structures\[0\]: begin \(non-empty\) and end"):
         SamplingParams(structural_tag={"structures": [{"begin": 1, "schema": {}, "end": ""}],
                                        "triggers": ["<"]}).verify(VOCAB)
@@ -375,9 +379,9 @@ def test_openai_requests_without_a_constraint():
                                                                  "'structural_tag'"),
     ({"response_format": {"type": "structural_tag", "structures": [], "triggers": ["<"]}}, "response_format",
      "response_format.structures must be a non-empty list"),
-    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>", "end": "</a>"}],
+    ({"response_format": {"type": "structural_tag", "structures": [{"begin": "<a>", "schema": {}}],
                           "triggers": ["<"]}}, "response_format",
-     "response_format.structures[0] must be an object with exactly begin, schema and end"),
+     "response_format.structures[0] must be an object of begin, end and (optionally) schema"),
     ({"structural_tag": {**LEGACY_TAG, "triggers": "<f="}}, "structural_tag",
      "structural_tag.triggers must be a non-empty list"),
     ({"structured_outputs": {"structural_tag": {**LEGACY_TAG, "format": {}}}}, "structured_outputs.structural_tag",

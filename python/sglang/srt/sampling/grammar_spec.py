@@ -55,7 +55,7 @@ def legacy_structural_tag(value: Any, what: str) -> Any:
     """`value` (an object or its JSON text) in xgrammar's form where it is in the older one
     (`structures` of `{"begin", "schema", "end"}` and `triggers`: free text in which a trigger starts
     the structure whose `begin` it prefixes, whose `schema` holds the JSON between `begin` and
-    `end`), else unchanged: anything else is the grammar compiler's to judge (its errors name what
+    `end`; any JSON value without one), else unchanged: anything else is the grammar compiler's to judge (its errors name what
     is wrong). ValueError, naming `what`, for an older form with fields of the wrong kind."""
     tag = value
     if isinstance(value, str):
@@ -77,11 +77,11 @@ def legacy_structural_tag(value: Any, what: str) -> Any:
     tags = []
     for i, item in enumerate(structures):
         where = f"{what}.structures[{i}]"
-        if not isinstance(item, dict) or sorted(item) != ["begin", "end", "schema"]:
-            raise ValueError(f"{where} must be an object with exactly begin, schema and end")
+        if not isinstance(item, dict) or not {"begin", "end"} <= set(item) <= {"begin", "schema", "end"}:
+            raise ValueError(f"{where} must be an object of begin, end and (optionally) schema")
         if not isinstance(item["begin"], str) or not isinstance(item["end"], str) or not item["begin"]:
             raise ValueError(f"{where}: begin (non-empty) and end must be strings")
-        schema = item["schema"]
+        schema = item.get("schema", {})  # none given: any JSON value, as SGLang reads it
         if isinstance(schema, str):
             try:
                 schema = json.loads(schema)
