@@ -118,6 +118,28 @@ def prefill_graph_matches_eager(g, e, label: str, eager_past: Optional[int] = 16
     return eagers
 
 
+# A decode batch past the row-wise bound (16 rows): 20 requests on adapters a, base, b, a in turn.
+DECODE_NAMES = ["a", None, "b", "a"] * 5
+
+
+def decode_prompts() -> list[list[int]]:
+    return _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)
+
+
+def decode_graph_matches_eager(g, e, before_eager=None, steps: int = 6) -> tuple[list[list[int]], torch.Tensor]:
+    """The 20-request decode under `g`'s decode graphs, each step a replay, equal to `e`'s eager
+    decode bit for bit; `before_eager()` runs between the two (a replay makes no Python call, so
+    counters cleared there see the path the eager pass, and the graph's capture, took). Returns
+    the eager tokens and logprobs."""
+    g_tok, g_lp, used = decode_logprobs(g, decode_prompts(), DECODE_NAMES, steps=steps)
+    assert all(used)
+    if before_eager is not None:
+        before_eager()
+    e_tok, e_lp, _ = decode_logprobs(e, decode_prompts(), DECODE_NAMES, steps=steps)
+    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
+    return e_tok, e_lp
+
+
 CONFIGS = [(lb, pb) for lb in ("triton", "csgmv") for pb in ("breakable", "full")]
 
 
@@ -301,14 +323,8 @@ def test_norm_segments_graph_equals_eager(lora_backend, monkeypatch):
     g, e = norm_segments_runner(lora_backend, True, "1"), norm_segments_runner(lora_backend, False, "1")
     prefill_graph_matches_eager(g, e, f"norm segments {lora_backend}")
     assert calls, "no prefill took the norm segments"
-    names = ["a", None, "b", "a"] * 5
-    prompts = _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)
-    g_tok, g_lp, used = decode_logprobs(g, prompts, names, steps=6)
-    assert all(used)
-    calls.clear()  # (a replay makes no Python call: eager decode shows the path the graph captured)
-    e_tok, e_lp, _ = decode_logprobs(e, prompts, names, steps=6)
+    decode_graph_matches_eager(g, e, calls.clear)
     assert len(calls) >= 2 * len(g.model.model.layers) * 6, "decode past the row-wise bound did not take it"
-    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
     on, off = norm_segments_runner(lora_backend, False, "1", "float32"), norm_segments_runner(lora_backend, False, "0", "float32")
     for prompts_, names_ in ((MIXED, ["a", None, "b", None]), (MANY, ["a", "b"] * 20)):
         diff = max_diff(prompt_logprobs(on, prompts_, names_)[0], prompt_logprobs(off, prompts_, names_)[0])
@@ -341,12 +357,7 @@ def test_csgmv_split_shrink_graph_equals_eager(monkeypatch):
                         lambda *a, **kw: chunked.append(1) or original(*a, **kw))
     g, e = split_shrink_runner(True, "1"), split_shrink_runner(False, "1")
     prefill_graph_matches_eager(g, e, "split shrink")
-    names = ["a", None, "b", "a"] * 5
-    prompts = _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)
-    g_tok, g_lp, used = decode_logprobs(g, prompts, names, steps=6)
-    assert all(used)
-    e_tok, e_lp, _ = decode_logprobs(e, prompts, names, steps=6)
-    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
+    decode_graph_matches_eager(g, e)
     assert not chunked, "a batch ran the chunked shrink"
     on, off = split_shrink_runner(False, "1", "float32"), split_shrink_runner(False, "0", "float32")
     for prompts_, names_ in ((MIXED, ["a", None, "b", None]), (MANY, ["a", "b"] * 20)):
@@ -383,15 +394,9 @@ def test_expand_silu_graph_equals_eager(monkeypatch):
         print(f"expand silu: prefill max |eager - without| = {without:.2e}")
         assert without == 0.0
     assert calls, "no prefill took the kernel"
-    names = ["a", None, "b", "a"] * 5
-    prompts = _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)
-    g_tok, g_lp, used = decode_logprobs(g, prompts, names, steps=6)
-    assert all(used)
-    calls.clear()
-    e_tok, e_lp, _ = decode_logprobs(e, prompts, names, steps=6)
+    e_tok, e_lp = decode_graph_matches_eager(g, e, calls.clear)
     assert len(calls) >= len(g.model.model.layers) * 6, "decode past the row-wise bound did not take it"
-    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
-    o_tok, o_lp, _ = decode_logprobs(off, prompts, names, steps=6)
+    o_tok, o_lp, _ = decode_logprobs(off, decode_prompts(), DECODE_NAMES, steps=6)
     assert o_tok == e_tok and torch.equal(o_lp, e_lp)
 
 
@@ -406,8 +411,8 @@ def test_afold_qkv_graph_equals_eager(monkeypatch):
     """qkv_proj A-folded at prefill under the prefill graphs: prompt logprobs of adapter, base,
     mixed and 40-request prefills within TOL of eager and of the engine without it (the shrink is
     rounded to bf16 by the GEMM, as o_proj's A-fold rounds it); the expand really launched with
-    the three-slice slot stride; a decode after it equal to the engine without it (decode keeps
-    the fused norm), and its graph to eager, bit for bit."""
+    the three-slice slot stride; a decode after it (which keeps the fused norm) under the decode
+    graphs equal to eager, bit for bit."""
     from sglang.srt.lora.backend import chunked_backend
 
     strides = []
@@ -422,12 +427,7 @@ def test_afold_qkv_graph_equals_eager(monkeypatch):
         print(f"afold qkv: prefill max |eager - without| = {without:.2e}")
         assert without < TOL, without
     assert 3 * rank in strides, "no prefill took qkv_proj's A-fold"
-    names = ["a", None, "b", "a"] * 5
-    prompts = _prompts([5 + (3 * i) % 11 for i in range(20)], seed=9)
-    g_tok, g_lp, used = decode_logprobs(g, prompts, names, steps=6)
-    assert all(used)
-    e_tok, e_lp, _ = decode_logprobs(e, prompts, names, steps=6)
-    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
+    decode_graph_matches_eager(g, e)
 
 
 @functools.lru_cache(maxsize=None)

@@ -177,6 +177,24 @@ def test_chunked_sgmv_expand(num_slices, bounds, chunk):
     _assert_untouched_rows(got, info, num_tokens)
 
 
+def _folded_case(slice_sizes: tuple[int, ...], info, num_tokens: int, seed: int):
+    """A module of these output slices, folded: (each row's compact shrink xa (poisoned past its
+    rank), the plain B, B's view inside W_aug and its slice step, the slice offsets and widest
+    slice for qkv's unequal slices, else None)."""
+    from sglang.srt.lora.fold import fold_weight, folded_b
+
+    c, out_dim = len(slice_sizes), sum(slice_sizes)
+    gen = torch.Generator().manual_seed(seed)
+    xa = _poison_shrunk(_shrunk_input(num_tokens, c, gen), info, c)
+    b = _poisoned_b(out_dim, gen)
+    w_aug, sliced = fold_weight(torch.randn(out_dim, IN_DIM, generator=gen), slice_sizes, len(RANKS), MAX_RANK)
+    for slot in range(len(RANKS)):
+        sliced[slot].copy_(b[slot])
+    view, step = folded_b(w_aug, IN_DIM, c, MAX_RANK, len(RANKS))
+    offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32) if c == 3 else None
+    return xa, b, view, step, offsets, max(slice_sizes) if offsets is not None else None
+
+
 @pytest.mark.parametrize("slice_sizes", [(PLAIN_OUT,), (INTER, INTER), (Q, KV, KV)])
 def test_chunked_sgmv_expand_reads_a_folded_b_in_place(slice_sizes):
     """A folded module run apart at prefill (csgmv, SGLANG_LORA_PREFILL_UNFOLD): the expand reads
@@ -186,15 +204,7 @@ def test_chunked_sgmv_expand_reads_a_folded_b_in_place(slice_sizes):
 
     num_slices, out_dim = len(slice_sizes), sum(slice_sizes)
     info, num_tokens = _csgmv_info(16, seed=11 * num_slices)
-    gen = torch.Generator().manual_seed(300 + num_slices)
-    xa = _poison_shrunk(_shrunk_input(num_tokens, num_slices, gen), info, num_slices)
-    b = _poisoned_b(out_dim, gen)
-    w_aug, sliced = fold_weight(torch.randn(out_dim, IN_DIM, generator=gen), slice_sizes, len(RANKS), MAX_RANK)
-    for slot in range(len(RANKS)):
-        sliced[slot].copy_(b[slot])
-    view, step = folded_b(w_aug, IN_DIM, num_slices, MAX_RANK, len(RANKS))
-    offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32) if num_slices == 3 else None
-    width = max(slice_sizes) if offsets is not None else None
+    xa, b, view, step, offsets, width = _folded_case(slice_sizes, info, num_tokens, seed=300 + num_slices)
     base = torch.full((num_tokens, out_dim), SENTINEL)
     plain = chunked_sgmv_lora_expand_forward(xa, b, info, base.clone(), num_slices, offsets, width)
     folded = chunked_sgmv_lora_expand_forward(xa, view, info, base.clone(), num_slices, offsets, width,
@@ -232,25 +242,15 @@ def test_chunked_sgmv_expand_reads_a_many_slice_every_slot_shrink(slice_sizes):
     holds every slot's shrink, slot s's block [s*c*R, (s+1)*c*R) with its slices compact (slice k
     at k*r, as A's rows are), B read inside W_aug, the base output a strided view of the same GEMM
     output: the same bits as the compact shrink of each row's own slot."""
-    from sglang.srt.lora.fold import fold_weight, folded_b
-
     c, out_dim = len(slice_sizes), sum(slice_sizes)
     info, num_tokens = _csgmv_info(16, seed=17 * c)
-    gen = torch.Generator().manual_seed(500 + c)
-    xa = _poison_shrunk(_shrunk_input(num_tokens, c, gen), info, c)
-    b = _poisoned_b(out_dim, gen)
-    w_aug, sliced = fold_weight(torch.randn(out_dim, IN_DIM, generator=gen), slice_sizes, len(RANKS), MAX_RANK)
-    for slot in range(len(RANKS)):
-        sliced[slot].copy_(b[slot])
-    view, step = folded_b(w_aug, IN_DIM, c, MAX_RANK, len(RANKS))
+    xa, b, view, step, offsets, width = _folded_case(slice_sizes, info, num_tokens, seed=500 + c)
     block = c * MAX_RANK
     every = torch.full((num_tokens, len(RANKS) * block), float("nan"))
     for rows, slot, r in _segments(info):
         every[rows, slot * block : slot * block + c * r] = xa[rows, : c * r]
     gemm_out = torch.full((num_tokens, out_dim + every.shape[1]), SENTINEL)
     gemm_out[:, out_dim:] = every
-    offsets = torch.tensor([0, Q, Q + KV, Q + 2 * KV], dtype=torch.int32) if c == 3 else None
-    width = max(slice_sizes) if offsets is not None else None
     plain = chunked_sgmv_lora_expand_forward(xa, b, info, torch.full((num_tokens, out_dim), SENTINEL), c, offsets,
                                              width)
     got = chunked_sgmv_lora_expand_forward(gemm_out[:, out_dim:], view, info, gemm_out[:, :out_dim], c, offsets,

@@ -299,6 +299,21 @@ def test_prefill_producers_write_into_x_aug(assets, backend, afold, monkeypatch)
     assert torch.equal(logprobs, ref_logprobs)
 
 
+def watch_expands_and_in_place(backend_obj, monkeypatch) -> tuple[list[int], list]:
+    """Record each csgmv expand's x_slot_stride (0: the compact shrink; R or 3R: every slot's, the
+    A-fold's) and each in_place_input answer as (module name, prepared or None)."""
+    from sglang.srt.lora.backend import chunked_backend
+
+    expands, answered = [], []
+    expand = chunked_backend.chunked_sgmv_lora_expand_forward
+    monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_expand_forward",
+                        lambda *a, **kw: expands.append(kw.get("x_slot_stride", 0)) or expand(*a, **kw))
+    in_place_input = backend_obj.in_place_input
+    monkeypatch.setattr(backend_obj, "in_place_input",
+                        lambda *a, **kw: answered.append((a[0].spec.name, in_place_input(*a, **kw))) or answered[-1][1])
+    return expands, answered
+
+
 @pytest.mark.parametrize("bound,in_place", [("1", False), ("1", True), ("rows:4", True)])
 def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, bound, in_place, monkeypatch):
     """SGLANG_LORA_AFOLD_PREFILL=1 (csgmv): prefills run the A-folded o_proj / down_proj as their
@@ -308,7 +323,6 @@ def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, bound, in_place, 
     x_aug, and the SiLU-and-mul before an A-folded down_proj writes a plain output. The run equals
     the unfused engine's to float32 rounding."""
     from sglang.srt.layers.triton_ops.dispatch import fused_kernels
-    from sglang.srt.lora.backend import chunked_backend
 
     monkeypatch.setenv("SGLANG_LORA_AFOLD_PREFILL", bound)
     monkeypatch.setenv("SGLANG_LORA_PACK_IN_PLACE", "1" if in_place else "0")
@@ -319,13 +333,7 @@ def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, bound, in_place, 
     assert backend_obj.afold_prefill_max == (1 << 30 if bound == "1" else 4)
     assert backend_obj.pack_in_place == in_place
     expanding = bound == "1"
-    expands, answered = [], []
-    expand = chunked_backend.chunked_sgmv_lora_expand_forward
-    monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_expand_forward",
-                        lambda *a, **kw: expands.append(kw.get("x_slot_stride", 0)) or expand(*a, **kw))
-    in_place_input = backend_obj.in_place_input
-    monkeypatch.setattr(backend_obj, "in_place_input",
-                        lambda *a, **kw: answered.append(in_place_input(*a, **kw)) or answered[-1])
+    expands, answered = watch_expands_and_in_place(backend_obj, monkeypatch)
     with fused_kernels("triton"):
         tokens, logprobs, _ = decode_run(runner, steps=2)
     monkeypatch.undo()
@@ -333,7 +341,7 @@ def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, bound, in_place, 
     # The prefill: every o_proj and every down_proj but the last; decode defers to the norms (small).
     assert expands == [8] * ((2 * layers - 1) if expanding else 0)
     # In place: qkv_proj and gate_up_proj of every layer and the down_proj that do not expand.
-    assert sum(p is not None for p in answered) == (((2 * layers + 1) if expanding else 3 * layers) if in_place else 0)
+    assert sum(p is not None for _, p in answered) == (((2 * layers + 1) if expanding else 3 * layers) if in_place else 0)
     ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False), steps=2)
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
@@ -348,7 +356,6 @@ def test_a_folded_qkv_runs_the_expand_at_prefill(assets, afold, kernels, monkeyp
     down_proj A-folded too (small) or not; the layers' Triton kernels (RoPE's in place) or torch's.
     The run equals the unfused engine's to float32 rounding."""
     from sglang.srt.layers.triton_ops.dispatch import fused_kernels
-    from sglang.srt.lora.backend import chunked_backend
 
     monkeypatch.setenv("SGLANG_LORA_AFOLD_QKV", "1")
     runner = runner_for(assets, "csgmv", fuse=True, afold=afold, afold_expand=afold != "0")
@@ -356,13 +363,7 @@ def test_a_folded_qkv_runs_the_expand_at_prefill(assets, afold, kernels, monkeyp
     pool, backend_obj = runner.lora_manager.pool, runner.lora_manager.lora_backend
     assert "qkv_proj" in pool.a_fold_modules and "qkv_proj" not in pool.Bt_buffer
     assert ("o_proj" in pool.a_fold_modules) == (afold != "0")
-    expands, answered = [], []
-    expand = chunked_backend.chunked_sgmv_lora_expand_forward
-    monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_expand_forward",
-                        lambda *a, **kw: expands.append(kw.get("x_slot_stride", 0)) or expand(*a, **kw))
-    in_place_input = backend_obj.in_place_input
-    monkeypatch.setattr(backend_obj, "in_place_input",
-                        lambda *a, **kw: answered.append((a[0].spec.name, in_place_input(*a, **kw))) or answered[-1][1])
+    expands, answered = watch_expands_and_in_place(backend_obj, monkeypatch)
     with fused_kernels(kernels):
         tokens, logprobs, calls = decode_run(runner, steps=2)
     monkeypatch.undo()
