@@ -381,6 +381,29 @@ def test_a_folded_qkv_runs_the_expand_at_prefill(assets, afold, kernels, monkeyp
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
 
 
+def test_a_qkv_proj_with_a_bias_keeps_the_fold(tmp_path, monkeypatch):
+    """Qwen2's qkv_proj has a bias, which the GEMM over [W; A] has no place for: with
+    SGLANG_LORA_AFOLD_QKV=1 the pool lays out the A-fold, but the layer gets no A-folded weight and
+    its prefill runs the B fold; prompt logprobs match HF + PEFT."""
+    from helpers import hf_prompt_logprobs, tiny_checkpoint
+    from peft import PeftModel
+
+    ckpt = tiny_checkpoint("qwen2", hidden_size=64, intermediate_size=128, num_hidden_layers=2)
+    path = write_peft_adapter(str(tmp_path / "a"), r=8, base_model=hf_model(ckpt), seed=7)
+    monkeypatch.setenv("SGLANG_LORA_AFOLD_QKV", "1")
+    runner = make_runner(ckpt, lora_paths=[f"a={path}"], lora_backend="csgmv", max_lora_rank=8)
+    monkeypatch.delenv("SGLANG_LORA_AFOLD_QKV")
+    assert "qkv_proj" in runner.lora_manager.pool.a_fold_modules
+    qkv = [m["qkv_proj"] for m in runner.lora_manager.lora_modules.values()]
+    assert qkv and all(m.bias is not None and m.lora.a_folded is None for m in qkv)
+    driver = EngineDriver(runner)
+    seqs = [driver.add(p, lora_id=next(iter(runner.lora_manager.refs))) for p in PROMPTS[:2]]
+    out = driver.extend(seqs, logprob_start=0)
+    peft = PeftModel.from_pretrained(hf_model(ckpt), path).eval()
+    for got, prompt in zip(out.input_token_logprobs, PROMPTS[:2]):
+        torch.testing.assert_close(torch.tensor(got), hf_prompt_logprobs(peft, prompt), rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("backend,mode,afold", [("triton", "prefill", "0"), ("csgmv", "1", "0"),
                                                 ("csgmv", "1", "small")])
 def test_norm_and_shrink_in_one_launch_by_segments(assets, backend, mode, afold, monkeypatch):

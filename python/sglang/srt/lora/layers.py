@@ -132,7 +132,7 @@ class QKVParallelLinearWithLoRA(ColumnParallelLinearWithLoRA):
     """q, k, v: three output slices (widths from the manager's shapes)."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.lora_active and self.lora.a_folded is not None and self.lora_backend.expands_a_folded(self.lora):
+        if self.lora_active and self.lora_backend.expands_a_folded(self.lora):
             # Prefills with SGLANG_LORA_AFOLD_QKV: the GEMM over [W; A] and the expand; the output is
             # a strided view of the GEMM's, which the RoPE kernel reads in place. The norm before
             # wrote plain rows (in_place_input declines), so nothing was prepared.

@@ -114,7 +114,9 @@ def wrap_lora_modules(
                     pool.B_buffer[module][layer_id],
                     wrapper.backend_bias,
                     pool.folded_weight[module][layer_id] if folded else None,
-                    a_folded=pool.a_folded_weight[module][layer_id] if module in pool.a_fold_modules else None,
+                    # A bias has no place in the GEMM over [W; A]: such a layer keeps the B fold.
+                    a_folded=(pool.a_folded_weight[module][layer_id]
+                              if module in pool.a_fold_modules and wrapper.backend_bias is None else None),
                     bt=pool.Bt_buffer[module][layer_id] if module in pool.Bt_buffer else None,
                 )
             )

@@ -34,7 +34,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional
 
 import torch
-import torch.nn.functional as F
 
 from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches, rowwise_decode_bound, token_bound
@@ -156,8 +155,8 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         info = self.batch_info
         if weights.a_folded is None or info is None or info.defer:
             return False
-        if weights.spec.stack > 1:  # qkv_proj: prefills only (decode keeps the fused norm), no bias
-            return self._afold_prefill_now and weights.bias is None
+        if weights.spec.stack > 1:  # qkv_proj: prefills only (decode keeps the fused norm)
+            return self._afold_prefill_now
         if not self.afold_expand:
             return False
         # Decode batches carry row slots (the fused norms'); prefills only with SGLANG_LORA_AFOLD_PREFILL.
@@ -165,17 +164,9 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
 
     def run_a_folded(self, weights: LoRAModuleWeights, x: torch.Tensor) -> torch.Tensor:
         spec = weights.spec
-        if spec.stack > 1:
-            assert weights.bias is None, "an A-folded module has no bias"
-            out = F.linear(x, weights.a_folded)  # [x W^T | x A^T of every adapter slot]
-            base, shrink = out[:, : spec.out_dim], out[:, spec.out_dim :]
-            # B read in place inside W_aug; each slot's shrink block holds its slices compactly.
-            b, slice_stride = folded_b(weights.folded, spec.in_dim, spec.stack, spec.max_rank, weights.B.shape[0])
-            offsets = self._slice_offsets.get(spec.name)
-            chunked_sgmv_lora_expand_forward(
-                shrink, b, self.batch_info, base, num_slices=spec.stack, slice_offsets=offsets,
-                max_slice_size=max(spec.slice_sizes) if offsets is not None else None, slice_stride=slice_stride,
-                x_slot_stride=spec.stack * spec.max_rank, use_pdl=self.use_pdl)
+        if spec.stack > 1:  # qkv_proj: B read in place inside W_aug, each slot's block of slices compact
+            base, shrink = self._a_folded_gemm(weights, x)
+            self._expand_unfolded(weights, shrink, base, x_slot_stride=spec.stack * spec.max_rank)
             return base
         base, delta = self.run_deferred(weights, x)
         # B transposed [S, R, N] read as [S, N, R]: a tile's output columns are contiguous.
@@ -240,17 +231,19 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
             chunked_sgmv_lora_shrink_forward(x, weights.A, info, num_slices=spec.stack, out=xa)
 
     def _expand_unfolded(self, weights: LoRAModuleWeights, xa: torch.Tensor, out: torch.Tensor,
-                         launches: _ModuleLaunches) -> None:
+                         launches: Optional[_ModuleLaunches] = None, x_slot_stride: int = 0) -> None:
+        """out += each row's delta from xa: the compact shrink of its own slot, or (`x_slot_stride`)
+        every slot's, slot s's block at s * x_slot_stride (an A-folded qkv_proj's GEMM output)."""
         spec, info = weights.spec, self.batch_info
         offsets = self._slice_offsets.get(spec.name)
         b, slice_stride = weights.B, 0
-        if spec.folded:  # run apart at prefill: B read in place inside W_aug
+        if spec.folded:  # run apart at prefill, or A-folded: B read in place inside W_aug
             b, slice_stride = folded_b(weights.folded, spec.in_dim, spec.stack, spec.max_rank,
                                        weights.B.shape[0])
         chunked_sgmv_lora_expand_forward(
             xa, b, info, out, num_slices=spec.stack, slice_offsets=offsets,
             max_slice_size=max(spec.slice_sizes) if offsets is not None else None, slice_stride=slice_stride,
-            use_pdl=self.use_pdl,
+            x_slot_stride=x_slot_stride, use_pdl=self.use_pdl,
         )
 
 

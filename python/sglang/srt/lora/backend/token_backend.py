@@ -544,11 +544,16 @@ class TokenLoRABackend(BaseLoRABackend):
         return info is not None and info.defer and weights.a_folded is not None and weights.spec.stack == 1
 
     def run_deferred(self, weights: LoRAModuleWeights, x: torch.Tensor) -> tuple[torch.Tensor, DeferredDelta]:
-        spec = weights.spec
+        base, shrink = self._a_folded_gemm(weights, x)
+        return base, DeferredDelta(shrink, weights.bt, self._slot_scalings, weights.spec.max_rank)
+
+    @staticmethod
+    def _a_folded_gemm(weights: LoRAModuleWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the base output, every adapter slot's unscaled shrink): views of one GEMM over [W; A]."""
         assert weights.bias is None, "an A-folded module has no bias"
         out = F.linear(x, weights.a_folded)  # [x W^T | x A^T of every adapter slot]
-        n = spec.out_dim
-        return out[:, :n], DeferredDelta(out[:, n:], weights.bt, self._slot_scalings, spec.max_rank)
+        n = weights.spec.out_dim
+        return out[:, :n], out[:, n:]
 
     def run_norm(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
                  residual: Optional[torch.Tensor], delta: Optional[DeferredDelta] = None
@@ -596,7 +601,10 @@ class TokenLoRABackend(BaseLoRABackend):
         # the batch's mode and bucket, so a graph and an eager pass of a batch decide alike.
         if (not self.pack_in_place or info is None or info.row_slots is not None or info.rowwise or info.defer
                 or rows == 0 or rows != info.num_rows or not self._runs_folded(spec)
-                or (spec.stack > 1 and self.expands_a_folded(weights))):  # its GEMM computes the shrink
+                # An A-folded qkv_proj's GEMM over [W; A] computes its shrink: no x_aug. (Whether an
+                # A-folded o_proj / down_proj takes its expand also hangs on the layer's
+                # defers_to_norm, which its callers in norm_fusion.py check.)
+                or (spec.stack > 1 and self.expands_a_folded(weights))):
             return None
         x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
         return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug, pack_pending=True)
