@@ -330,8 +330,8 @@ def test_norm_segments_graph_equals_eager(lora_backend, monkeypatch):
         diff = max_diff(prompt_logprobs(on, prompts_, names_)[0], prompt_logprobs(off, prompts_, names_)[0])
         print(f"norm segments {lora_backend}: float32 prefill max |on - off| = {diff:.2e}")
         assert diff < 1e-3, diff
-    o_tok, o_lp, _ = decode_logprobs(on, prompts, names, steps=6)
-    f_tok, f_lp, _ = decode_logprobs(off, prompts, names, steps=6)
+    o_tok, o_lp, _ = decode_logprobs(on, decode_prompts(), DECODE_NAMES, steps=6)
+    f_tok, f_lp, _ = decode_logprobs(off, decode_prompts(), DECODE_NAMES, steps=6)
     assert o_tok == f_tok and float((o_lp - f_lp).abs().max()) < 1e-3
 
 
@@ -365,8 +365,8 @@ def test_csgmv_split_shrink_graph_equals_eager(monkeypatch):
         print(f"split shrink: float32 prefill max |split - chunked| = {diff:.2e}")
         assert diff < 1e-3, diff
     assert chunked, "the chunked engine did not run the chunked shrink"
-    o_tok, o_lp, _ = decode_logprobs(on, prompts, names, steps=6)
-    f_tok, f_lp, _ = decode_logprobs(off, prompts, names, steps=6)
+    o_tok, o_lp, _ = decode_logprobs(on, decode_prompts(), DECODE_NAMES, steps=6)
+    f_tok, f_lp, _ = decode_logprobs(off, decode_prompts(), DECODE_NAMES, steps=6)
     assert o_tok == f_tok and float((o_lp - f_lp).abs().max()) < 1e-3
 
 
@@ -401,33 +401,42 @@ def test_expand_silu_graph_equals_eager(monkeypatch):
 
 
 @functools.lru_cache(maxsize=None)
-def afold_qkv_runner(graphs: bool, on: str):
+def afold_qkv_runner(graphs: bool, on: str, dtype: str = "bfloat16"):
     """csgmv with SGLANG_LORA_AFOLD_QKV=`on`: qkv_proj's prefills as the GEMM over [W; A] and the
     expand of every slot's shrink into a strided output."""
-    return env_runner("SGLANG_LORA_AFOLD_QKV", on, "csgmv", graphs)
+    return env_runner("SGLANG_LORA_AFOLD_QKV", on, "csgmv", graphs, dtype)
 
 
 def test_afold_qkv_graph_equals_eager(monkeypatch):
     """qkv_proj A-folded at prefill under the prefill graphs: prompt logprobs of adapter, base,
-    mixed and 40-request prefills within TOL of eager and of the engine without it (the shrink is
-    rounded to bf16 by the GEMM, as o_proj's A-fold rounds it); the expand really launched with
-    the three-slice slot stride; a decode after it (which keeps the fused norm) under the decode
-    graphs equal to eager, bit for bit."""
+    mixed and 40-request prefills within TOL of eager; the expand really launched with the
+    three-slice slot stride; a decode after it (which keeps the fused norm) under the decode graphs
+    equal to eager, bit for bit. Against the engine without it the comparison runs in float32: in
+    bf16 the A-fold rounds qkv's base output (and the shrink) before the delta is added, where the
+    B fold adds both in one accumulation, and the peaked checkpoint turns that rounding into
+    logprob differences of ~0.7 (H100) that say nothing about the kernels (as running the folded
+    modules apart does, test_folded_modules_apart_at_prefill_graph_equals_eager)."""
     from sglang.srt.lora.backend import chunked_backend
 
     strides = []
     original = chunked_backend.chunked_sgmv_lora_expand_forward
     monkeypatch.setattr(chunked_backend, "chunked_sgmv_lora_expand_forward",
                         lambda *a, **kw: strides.append(kw.get("x_slot_stride", 0)) or original(*a, **kw))
-    g, e, off = afold_qkv_runner(True, "1"), afold_qkv_runner(False, "1"), afold_qkv_runner(False, "0")
+    g, e = afold_qkv_runner(True, "1"), afold_qkv_runner(False, "1")
     rank = e.lora_manager.pool.max_lora_rank
     assert "qkv_proj" in e.lora_manager.pool.a_fold_modules
-    for (prompts, names), eager in zip(PREFILL_BATCHES, prefill_graph_matches_eager(g, e, "afold qkv")):
-        without = max_diff(eager, prompt_logprobs(off, prompts, names)[0])
-        print(f"afold qkv: prefill max |eager - without| = {without:.2e}")
-        assert without < TOL, without
+    prefill_graph_matches_eager(g, e, "afold qkv")
     assert 3 * rank in strides, "no prefill took qkv_proj's A-fold"
     decode_graph_matches_eager(g, e)
+    on, off = afold_qkv_runner(False, "1", "float32"), afold_qkv_runner(False, "0", "float32")
+    assert "qkv_proj" in on.lora_manager.pool.a_fold_modules
+    assert "qkv_proj" not in off.lora_manager.pool.a_fold_modules
+    strides.clear()
+    for prompts, names in PREFILL_BATCHES:
+        diff = max_diff(prompt_logprobs(on, prompts, names)[0], prompt_logprobs(off, prompts, names)[0])
+        print(f"afold qkv: float32 prefill max |on - off| = {diff:.2e}")
+        assert diff < 1e-3, diff
+    assert 3 * rank in strides, "the float32 engine did not take qkv_proj's A-fold"
 
 
 @functools.lru_cache(maxsize=None)
