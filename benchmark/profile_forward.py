@@ -125,8 +125,10 @@ LORA_VARIANTS = {
     # The same with the fused kernel's column tile at 256 or 64 (EXPAND_SILU_TILES, 128 by default).
     "lora-expand-silu-256": ("auto", "small"),
     "lora-expand-silu-64": ("auto", "small"),
-    # The default with qkv_proj A-folded at prefill (SGLANG_LORA_AFOLD_QKV=1, csgmv).
+    # The default with qkv_proj A-folded at every prefill (SGLANG_LORA_AFOLD_QKV=1, csgmv; the
+    # default takes it at prefills up to 1,024 tokens), and with it never (=0).
     "lora-afold-qkv": ("auto", "small"),
+    "lora-no-afold-qkv": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -158,7 +160,8 @@ VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora
                "lora-expand-silu": {"SGLANG_LORA_EXPAND_SILU": "1"},
                "lora-expand-silu-256": {"SGLANG_LORA_EXPAND_SILU": "1"},
                "lora-expand-silu-64": {"SGLANG_LORA_EXPAND_SILU": "1"},
-               "lora-afold-qkv": {"SGLANG_LORA_AFOLD_QKV": "1"}}
+               "lora-afold-qkv": {"SGLANG_LORA_AFOLD_QKV": "1"},
+               "lora-no-afold-qkv": {"SGLANG_LORA_AFOLD_QKV": "0"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm and the segments' norm_segment_pack (which also do
 # the norm's work).

@@ -118,9 +118,13 @@ def _run(assets, backend: str, gemm_shrink: str, monkeypatch, **overrides) -> tu
 
     ckpt, paths = assets
     monkeypatch.setenv("SGLANG_LORA_GEMM_SHRINK", gemm_shrink)
+    # csgmv's qkv_proj takes the A-fold at short prefills (SGLANG_LORA_AFOLD_QKV) and so no shrink
+    # of its own: off here, so that qkv_proj's GEMM shrink is what these short prefills test.
+    monkeypatch.setenv("SGLANG_LORA_AFOLD_QKV", "0")
     runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
                          max_lora_rank=8, **overrides)
     monkeypatch.delenv("SGLANG_LORA_GEMM_SHRINK")
+    monkeypatch.delenv("SGLANG_LORA_AFOLD_QKV")
     calls = []
     original = token_backend.gemm_shrink_pack
     # Each call's module: its number of output slices (qkv_proj 3, gate_up_proj 2, down_proj 1).

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Optional
 
 import pytest
 import torch
@@ -27,8 +28,10 @@ def assets(tmp_path_factory):
 
 
 def runner_for(assets, backend: str, fuse, rowwise: bool = False, fold: str = "auto", afold: str = "0",
-               afold_expand: bool = False):
-    """fuse: a --lora-fuse-norm mode, or True / False for on / off."""
+               afold_expand: bool = False, afold_qkv: Optional[str] = "0"):
+    """fuse: a --lora-fuse-norm mode, or True / False for on / off. afold_qkv: csgmv's
+    SGLANG_LORA_AFOLD_QKV, off here unless asked (the default, None, takes it at these short
+    prefills, and these tests count what the norm before qkv_proj does)."""
     # o_proj / down_proj take the row-wise kernel at every decode batch (1) or never (0; the
     # default, small, would at these tests' small batches), and defer their delta to the next norm
     # (afold: SGLANG_LORA_AFOLD, off here unless asked: the default, small, would at these batches).
@@ -36,6 +39,8 @@ def runner_for(assets, backend: str, fuse, rowwise: bool = False, fold: str = "a
     os.environ["SGLANG_LORA_ROWWISE_DECODE"] = "1" if rowwise else "0"
     os.environ["SGLANG_LORA_AFOLD"] = afold
     os.environ["SGLANG_LORA_AFOLD_EXPAND"] = "1" if afold_expand else "0"
+    if afold_qkv is not None:
+        os.environ["SGLANG_LORA_AFOLD_QKV"] = afold_qkv
     ckpt, paths = assets
     try:
         runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
@@ -43,6 +48,7 @@ def runner_for(assets, backend: str, fuse, rowwise: bool = False, fold: str = "a
     finally:
         del os.environ["SGLANG_LORA_ROWWISE_DECODE"], os.environ["SGLANG_LORA_AFOLD"]
         del os.environ["SGLANG_LORA_AFOLD_EXPAND"]
+        os.environ.pop("SGLANG_LORA_AFOLD_QKV", None)
     assert runner.lora_manager.lora_backend.__dict__.get("rowwise_decode", False) == rowwise
     return runner
 
@@ -357,9 +363,7 @@ def test_a_folded_qkv_runs_the_expand_at_prefill(assets, afold, kernels, monkeyp
     The run equals the unfused engine's to float32 rounding."""
     from sglang.srt.layers.triton_ops.dispatch import fused_kernels
 
-    monkeypatch.setenv("SGLANG_LORA_AFOLD_QKV", "1")
-    runner = runner_for(assets, "csgmv", fuse=True, afold=afold, afold_expand=afold != "0")
-    monkeypatch.delenv("SGLANG_LORA_AFOLD_QKV")
+    runner = runner_for(assets, "csgmv", fuse=True, afold=afold, afold_expand=afold != "0", afold_qkv="1")
     pool, backend_obj = runner.lora_manager.pool, runner.lora_manager.lora_backend
     assert "qkv_proj" in pool.a_fold_modules and "qkv_proj" not in pool.Bt_buffer
     assert ("o_proj" in pool.a_fold_modules) == (afold != "0")
@@ -376,6 +380,33 @@ def test_a_folded_qkv_runs_the_expand_at_prefill(assets, afold, kernels, monkeyp
     assert not any(p is not None for name, p in answered if name == "qkv_proj")
     assert any(p is not None for name, p in answered if name == "gate_up_proj") == (kernels == "triton")
     assert calls[0] == 0 and all(c == 2 * layers for c in calls[1:])  # decode fuses both norms
+    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False), steps=2)
+    assert tokens == ref_tokens
+    torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("setting,takes", [(None, True), ("tokens:64", True), ("tokens:16", False), ("0", False)])
+def test_the_qkv_a_fold_takes_prefills_within_its_bound(assets, setting, takes, monkeypatch):
+    """SGLANG_LORA_AFOLD_QKV's bound: the default (tokens:1024) and tokens:64 take this 19-token
+    prefill, tokens:16 leaves it to the fold (the pool keeps the A-fold's layout), 0 lays out the
+    plain fold. Either way the run equals the unfused engine's to float32 rounding."""
+    from sglang.srt.layers.triton_ops.dispatch import fused_kernels
+    from sglang.srt.lora.backend.chunked_backend import AFOLD_QKV_DEFAULT, afold_qkv_bound
+
+    assert afold_qkv_bound(AFOLD_QKV_DEFAULT) == 1024 and afold_qkv_bound("0") is None
+    assert afold_qkv_bound("1") >= 1 << 20
+    for bad in ("2", "tokens:", "tokens:0", "rows:4"):
+        with pytest.raises(ValueError, match="SGLANG_LORA_AFOLD_QKV"):
+            afold_qkv_bound(bad)
+    runner = runner_for(assets, "csgmv", fuse=True, afold_qkv=setting)
+    pool = runner.lora_manager.pool
+    assert ("qkv_proj" in pool.a_fold_modules) == (setting != "0")
+    expands, answered = watch_expands_and_in_place(runner.lora_manager.lora_backend, monkeypatch)
+    with fused_kernels("triton"):  # the norm's in-place write into x_aug is the Triton kernel's
+        tokens, logprobs, _ = decode_run(runner, steps=2)
+    monkeypatch.undo()
+    assert len([s for s in expands if s == 3 * pool.max_lora_rank]) == (len(runner.model.model.layers) if takes else 0)
+    assert any(p is not None for name, p in answered if name == "qkv_proj") == (not takes)
     ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False), steps=2)
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)

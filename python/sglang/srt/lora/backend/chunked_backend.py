@@ -62,9 +62,16 @@ AFOLD_PREFILL_SMALL_TOKENS = 512
 # never, "1" every batch, "tokens:T" decode batches and prefills whose graph bucket holds at most T
 # tokens.
 SPLIT_SHRINK_DEFAULT = "tokens:512"
-# SGLANG_LORA_AFOLD_QKV: qkv_proj's prefills as the A-fold (fold.A_FOLD_PREFILL_MODULES): "1" on,
-# "0" off. Off until measured in whole steps.
-AFOLD_QKV_DEFAULT = "0"
+# SGLANG_LORA_AFOLD_QKV: qkv_proj's prefills as the A-fold (fold.A_FOLD_PREFILL_MODULES): its GEMM
+# over [W; A] and the expand of every slot's shrink, in place of the norm into x_aug, shrink_pack and
+# the GEMM over W_aug. "0" never (the pool keeps the plain fold), "1" every prefill, "tokens:T"
+# prefills whose graph bucket holds at most T tokens. H100, 2026-12-06, 8 rank-16 adapters on 9
+# slots, step LoRA / base wall (GPU busy), default -> A-fold: Qwen3-4B prefill 128 1.22 -> 1.18,
+# 512 1.22 -> 1.21, 4x512 1.15 -> 1.15 (busy 1.15 -> 1.17: the wider GEMM and the expand's
+# read-modify-write outgrow shrink_pack's launch); Llama-3.1-8B prefill 128 1.16 -> 1.16 (busy 1.15
+# -> 1.13), 256 1.16 -> 1.16 (1.17 -> 1.15), 512 1.13 -> 1.13 (1.16 -> 1.14), 1024 1.11 -> 1.10
+# (1.12 -> 1.09). Decode keeps the fused norm (its steps tie).
+AFOLD_QKV_DEFAULT = "tokens:1024"
 # SGLANG_LORA_EXPAND_SILU: which batches' unfolded gate_up_proj leaves its expand to the SiLU-and-mul
 # (triton_ops/expand_silu.py). "0" never, "1" every batch but the row-wise decode ones, "tokens:T"
 # prefills whose graph bucket holds at least T tokens. H100, Qwen3-4B, 64 slots (2026-12-06), step
@@ -111,8 +118,10 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
                                                       AFOLD_PREFILL_SMALL_TOKENS, "SGLANG_LORA_AFOLD_PREFILL")
         self._afold_prefill_now = False  # this batch is a prefill the bound admits
         # SGLANG_LORA_AFOLD_QKV (see AFOLD_QKV_DEFAULT): qkv_proj takes the A-fold's layout and, at
-        # the prefills SGLANG_LORA_AFOLD_PREFILL admits, its GEMM over [W; A] and the expand.
-        self.a_fold_prefill = os.environ.get("SGLANG_LORA_AFOLD_QKV", AFOLD_QKV_DEFAULT) != "0"
+        # the prefills its bound admits, its GEMM over [W; A] and the expand.
+        self.afold_qkv_max = afold_qkv_bound(os.environ.get("SGLANG_LORA_AFOLD_QKV", AFOLD_QKV_DEFAULT))
+        self.a_fold_prefill = self.afold_qkv_max is not None
+        self._afold_qkv_now = False  # this batch is a prefill that bound admits
         # SGLANG_LORA_EXPAND_SILU (see EXPAND_SILU_DEFAULT): an unfolded gate_up_proj leaves its
         # expand to the SiLU-and-mul after it, which adds the delta to the tile it reads and writes
         # only the activation (triton_ops/expand_silu.py): no read-modify-write of gate_up's
@@ -133,6 +142,9 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         bound = self.afold_prefill_max
         self._afold_prefill_now = (bound is not None and forward_batch.forward_mode.is_extend()
                                    and self.prefill_bucket(forward_batch.num_tokens) <= bound)
+        bound = self.afold_qkv_max
+        self._afold_qkv_now = (bound is not None and forward_batch.forward_mode.is_extend()
+                               and self.prefill_bucket(forward_batch.num_tokens) <= bound)
         bound = self.split_shrink_max
         rows = forward_batch.num_tokens
         self._split_shrink_now = bound is not None and (
@@ -156,7 +168,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         if weights.a_folded is None or info is None or info.defer:
             return False
         if weights.spec.stack > 1:  # qkv_proj: prefills only (decode keeps the fused norm)
-            return self._afold_prefill_now
+            return self._afold_qkv_now
         if not self.afold_expand:
             return False
         # Decode batches carry row slots (the fused norms'); prefills only with SGLANG_LORA_AFOLD_PREFILL.
@@ -251,6 +263,12 @@ def split_shrink_bound(value: str) -> Optional[int]:
     """SGLANG_LORA_CSGMV_SPLIT_SHRINK: "0" never (None), "1" every batch, "tokens:T" batches whose
     graph bucket holds at most T tokens (T > 0)."""
     return token_bound(value, "SGLANG_LORA_CSGMV_SPLIT_SHRINK", every=1 << 30)
+
+
+def afold_qkv_bound(value: str) -> Optional[int]:
+    """SGLANG_LORA_AFOLD_QKV: "0" never (None), "1" every prefill, "tokens:T" prefills whose graph
+    bucket holds at most T tokens (T > 0)."""
+    return token_bound(value, "SGLANG_LORA_AFOLD_QKV", every=1 << 30)
 
 
 def expand_silu_bound(value: str) -> Optional[int]:
