@@ -295,16 +295,17 @@ fi
 
 if [[ " $PARTS " == *" afold_qkv "* ]]; then
   # Issue 16: qkv_proj A-folded at prefill (SGLANG_LORA_AFOLD_QKV, prefills up to 1,024 tokens): its GPU
-  # test (graph = eager, the expand launched), then whole steps of both shapes against the default,
-  # prefill 128 and 512 and decode 64 on 8 adapters (~3 min).
+  # test (graph = eager, the expand launched), then whole steps of both shapes, the default against
+  # the A-fold never (lora-no-afold-qkv) and at every prefill (lora-afold-qkv): prefill 128 and 512
+  # (GPU_SUITE_AFOLD_TOKENS) and decode 64 on 8 adapters (~3 min).
   say "== qkv_proj's A-fold at prefill"
   start=$(date +%s)
   $PY -m pytest -q -m gpu -p no:cacheprovider -o addopts="" -rfE -k afold_qkv test/registered \
     >"$OUT/afold_qkv_test.log" 2>&1 || status=1
   say "afold_qkv test: $(tail -n 1 "$OUT/afold_qkv_test.log")"
   for model in ${GPU_SUITE_AFOLD_MODELS:-qwen3-4b llama-3.1-8b}; do
-    # Three 8B runners with 2,048-token prefill graphs leave no KV room on an 80 GB card: 4x512 on
-    # the 4B shape alone.
+    # A 16,384-token KV pool per runner: with the default 65,536 a third 8B runner finds no room on
+    # an 80 GB card. 4x512 (2,048-token graphs) on the 4B shape alone.
     batches=(); [ "$model" = qwen3-4b ] && batches=(--prefill-batches 4x512)
     lora_step_rows "$model" "$OUT/afold_qkv.md" "$OUT/afold_qkv.log" "" --lora none,lora,lora-no-afold-qkv,lora-afold-qkv \
       --tokens ${GPU_SUITE_AFOLD_TOKENS:-128,512} "${batches[@]}" --decode-bs 64 --decode-adapters 8 --rounds 2 --max-total-tokens 16384
