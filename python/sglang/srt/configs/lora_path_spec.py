@@ -51,4 +51,8 @@ class LoRAPathSpec:
                 f"--lora-paths: unknown key(s) {sorted(unknown)} in {item!r}; "
                 "allowed: lora_name, lora_path, pinned"
             )
-        return cls(lora_name=name, lora_path=path, pinned=bool(data.get("pinned", False)))
+        pinned = data.get("pinned", False)
+        if not isinstance(pinned, bool):
+            # bool() would pin on "false" or "no"; /load_lora_adapter refuses a non-boolean too.
+            raise ValueError(f"--lora-paths: 'pinned' must be true or false, got {pinned!r} in {item!r}")
+        return cls(lora_name=name, lora_path=path, pinned=pinned)

@@ -1,0 +1,75 @@
+"""QA pass over the adapter lifecycle at start-up: `--lora-paths` entries the server must refuse
+with a clear message instead of starting and serving something other than what was asked.
+
+  * the JSON form with a `pinned` that is not a boolean (`"pinned": "false"` used to pin the
+    adapter); `/load_lora_adapter` refuses a non-boolean `pinned` the same way.
+
+Each case launches `python -m sglang.launch_server` (CPU) with real PEFT adapters written by `peft`
+and expects it to exit with status 2 and an "error: ..." line, no traceback; the failures happen
+before any model is loaded, so each launch takes a few seconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import requests
+
+from lora_server_testlib import write_adapter
+from server_helpers import PYTHON_DIR, free_port
+
+LAUNCH_TIMEOUT_S = 120
+
+
+@pytest.fixture(scope="module")
+def adapter(lora_ckpt, tmp_path_factory) -> str:
+    """A rank-8 PEFT adapter on q_proj / v_proj of the tiny Llama checkpoint."""
+    return write_adapter(lora_ckpt, str(tmp_path_factory.mktemp("qa-adapter") / "a"), r=8,
+                         target_modules=["q_proj", "v_proj"], seed=5)
+
+
+def launch_expecting_refusal(ckpt: str, flags: list[str]) -> str:
+    """Launch a CPU server that must refuse to start; returns its log. A server that starts
+    instead fails the test with what it serves (and is stopped)."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", ckpt, "--device", "cpu",
+           "--dtype", "float32", "--lora-backend", "torch_native", "--host", "127.0.0.1",
+           "--port", str(port), *flags]
+    env = {**os.environ, "PYTHONPATH": PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    deadline = time.monotonic() + LAUNCH_TIMEOUT_S
+    try:
+        while proc.poll() is None and time.monotonic() < deadline:
+            try:
+                models = requests.get(f"http://127.0.0.1:{port}/v1/models", timeout=2)
+            except requests.RequestException:
+                time.sleep(0.3)
+                continue
+            if models.status_code == 200:
+                ids = [(m["id"], m["parent"]) for m in models.json()["data"]]
+                pytest.fail(f"the server started instead of refusing {flags}; /v1/models (id, parent): {ids}")
+        assert proc.poll() is not None, f"the server neither started nor exited in {LAUNCH_TIMEOUT_S} s"
+    finally:
+        if proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log = proc.communicate()[0] or ""
+    assert proc.returncode == 2, f"exit code {proc.returncode}:\n{log[-3000:]}"
+    assert "Traceback" not in log, log[-3000:]  # a configuration error, not a crash
+    return log
+
+
+@pytest.mark.parametrize("pinned", ["false", None])
+def test_startup_json_entry_with_a_non_boolean_pinned_is_refused(lora_ckpt, adapter, pinned) -> None:
+    entry = json.dumps({"lora_name": "p", "lora_path": adapter, "pinned": pinned})
+    log = launch_expecting_refusal(lora_ckpt, ["--lora-paths", entry])
+    assert "error: --lora-paths" in log and "'pinned' must be true or false" in log, log[-3000:]
