@@ -79,6 +79,21 @@ def _lora_config(args: ServerArgs) -> Optional[LoRARunConfig]:
     )
 
 
+def _check_startup_adapter_names(lora: Optional[LoRARunConfig], tm: TokenizerManagerConfig) -> None:
+    """Refuse `--lora-paths` names of the base model (its served name, path or "default"), as
+    /load_lora_adapter does: `model="<name>"` would select the adapter, leaving the base model with
+    no name to be chosen by, and /v1/models would list the name twice."""
+    if lora is None:
+        return
+    clash = sorted(ref.lora_name for ref in lora.refs if ref.lora_name in tm.base_model_names)
+    if clash:
+        raise ValueError(
+            f"--lora-paths: adapter name(s) {', '.join(map(repr, clash))} are names of the base model "
+            f"(served as {tm.served_model_name!r}; 'default' and the model path also mean it), so "
+            "model=\"<name>\" could not tell the two apart; give the adapter(s) another name (NAME=PATH)"
+        )
+
+
 def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = None) -> RunConfigs:
     """Everything the engine runs on. `model`: the model's config when the caller read it already
     (tests); else it is read here, once."""
@@ -116,6 +131,7 @@ def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = No
         enable_cache_report=args.enable_cache_report, enable_test_hooks=args.enable_test_hooks,
         grammar_backend=args.grammar_backend, public_args=args.to_public_dict(),
     )
+    _check_startup_adapter_names(lora, tokenizer_manager)
     tp = TPLayout(size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank, device=device, split=split,
                   dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout)
     return RunConfigs(tp=tp, scheduler=scheduler, tokenizer_manager=tokenizer_manager)

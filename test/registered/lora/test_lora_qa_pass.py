@@ -1,6 +1,10 @@
 """QA pass over the adapter lifecycle at start-up: `--lora-paths` entries the server must refuse
 with a clear message instead of starting and serving something other than what was asked.
 
+  * an adapter named like the base model (its served name, or the alias "default"):
+    `/load_lora_adapter` refuses such a name (400, "the name is the base model's"); given at start
+    it used to be served, so `model="<served name>"` silently ran the adapter, the base model
+    could no longer be chosen by name, and /v1/models listed the name twice;
   * the JSON form with a `pinned` that is not a boolean (`"pinned": "false"` used to pin the
     adapter); `/load_lora_adapter` refuses a non-boolean `pinned` the same way.
 
@@ -66,6 +70,20 @@ def launch_expecting_refusal(ckpt: str, flags: list[str]) -> str:
     assert proc.returncode == 2, f"exit code {proc.returncode}:\n{log[-3000:]}"
     assert "Traceback" not in log, log[-3000:]  # a configuration error, not a crash
     return log
+
+
+def test_startup_adapter_named_like_the_base_model_is_refused(lora_ckpt, adapter) -> None:
+    log = launch_expecting_refusal(lora_ckpt, [
+        "--served-model-name", "m", "--lora-paths", f"ok={adapter}", f"m={adapter}", f"default={adapter}",
+    ])
+    assert "error: --lora-paths" in log and "'default'" in log and "'m'" in log, log[-3000:]
+    assert "base model" in log and "'ok'" not in log, log[-3000:]
+
+
+def test_startup_adapter_named_like_the_model_path_is_refused(lora_ckpt, adapter) -> None:
+    # Without --served-model-name the base model is served under its path.
+    log = launch_expecting_refusal(lora_ckpt, ["--lora-paths", f"{lora_ckpt}={adapter}"])
+    assert "error: --lora-paths" in log and "base model" in log and repr(lora_ckpt) in log, log[-3000:]
 
 
 @pytest.mark.parametrize("pinned", ["false", None])

@@ -97,6 +97,10 @@ class SchedulerConfig:
     grammar_backend: str = "none"  # --grammar-backend, resolved: "xgrammar" or "none" (constrained/)
 
 
+# Names that always mean the base model in a request's `model` (besides its served name and path).
+BASE_MODEL_ALIASES = ("default",)
+
+
 @dataclass(frozen=True)
 class TokenizerManagerConfig:
     """The HTTP process's side: tokenisation, adapter names, what replies and metrics report."""
@@ -116,6 +120,11 @@ class TokenizerManagerConfig:
     grammar_backend: str = "none"  # --grammar-backend, resolved (managers/tokenizer_grammar.py)
     # The server's settings as /get_server_info shows them (no secrets).
     public_args: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @property
+    def base_model_names(self) -> frozenset[str]:
+        """Every name a request's `model` may give the base model by; no adapter may take one."""
+        return frozenset((self.served_model_name, self.model_path, *BASE_MODEL_ALIASES))
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-BASE_MODEL_ALIASES = ("default",)
 # Texts of at least this many characters are tokenised off the event loop (`off_loop`): ~1 ms of
 # tokenising, below which the thread hand-over costs more than it saves.
 OFF_LOOP_CHARS = 16384
@@ -82,7 +81,7 @@ class TokenizerManager(TokenizerLoRAMixin):
             from sglang.srt.managers.metrics import ServerMetrics
 
             self.metrics = ServerMetrics(self.served_model_name)
-        self.base_model_names = {self.served_model_name, config.model_path, *BASE_MODEL_ALIASES}
+        self.base_model_names = set(config.base_model_names)
         if tokenizer is not None:
             self.tokenizer = tokenizer.result()  # raises what load_tokenizer raised
         else:
