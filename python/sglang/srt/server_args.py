@@ -176,10 +176,13 @@ class ServerArgs:
     # ------------------------------------------------------------------ validation
     def _normalize_lora_args(self) -> None:
         if self.lora_paths:
+            # A dict is one adapter's spec when it has "lora_path", else the Python API's
+            # {name: path} mapping (as in SGLang). The mapping is checked before a lone str/dict is
+            # wrapped in a list: wrapped first, it reached the parser as one malformed spec.
+            if isinstance(self.lora_paths, dict) and "lora_path" not in self.lora_paths:
+                self.lora_paths = [{"lora_name": k, "lora_path": v} for k, v in self.lora_paths.items()]
             if isinstance(self.lora_paths, (str, dict)):
                 self.lora_paths = [self.lora_paths]
-            if isinstance(self.lora_paths, dict):  # {name: path}
-                self.lora_paths = [{"lora_name": k, "lora_path": v} for k, v in self.lora_paths.items()]
             self.lora_paths = [LoRAPathSpec.parse(p) for p in self.lora_paths]
             names = [p.lora_name for p in self.lora_paths]
             dup = sorted({n for n in names if names.count(n) > 1})

@@ -91,3 +91,22 @@ def test_startup_json_entry_with_a_non_boolean_pinned_is_refused(lora_ckpt, adap
     entry = json.dumps({"lora_name": "p", "lora_path": adapter, "pinned": pinned})
     log = launch_expecting_refusal(lora_ckpt, ["--lora-paths", entry])
     assert "error: --lora-paths" in log and "'pinned' must be true or false" in log, log[-3000:]
+
+
+def test_engine_takes_lora_paths_as_a_name_to_path_mapping(lora_ckpt, adapter) -> None:
+    """`Engine(lora_paths={name: path})`, the Python API's mapping form (as in SGLang), serves
+    those adapters under those names; a single JSON-style spec dict still means one adapter."""
+    from sglang import Engine
+    from sglang.srt.server_args import LoRAPathSpec, ServerArgs
+
+    single = ServerArgs(model_path="demo", lora_paths={"lora_name": "x", "lora_path": adapter, "pinned": True})
+    assert single.lora_paths == [LoRAPathSpec("x", adapter, True)]
+
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    with Engine(model_path=lora_ckpt, device="cpu", dtype="float32", lora_backend="torch_native",
+                max_total_tokens=1024, lora_paths={"qa": adapter, "qb": adapter}) as engine:
+        assert engine.get_server_info()["lora"]["loaded_adapters"] == {"qa": adapter, "qb": adapter}
+        base = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=sp)["output_ids"]
+        qa = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=sp, lora_path="qa")["output_ids"]
+        qb = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=sp, lora_path="qb")["output_ids"]
+    assert qa == qb != base
