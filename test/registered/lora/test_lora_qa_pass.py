@@ -11,6 +11,9 @@ with a clear message instead of starting and serving something other than what w
 Each case launches `python -m sglang.launch_server` (CPU) with real PEFT adapters written by `peft`
 and expects it to exit with status 2 and an "error: ..." line, no traceback; the failures happen
 before any model is loaded, so each launch takes a few seconds.
+
+And the offline `Engine(lora_paths={name: path})` (the Python API's mapping form, as in SGLang),
+which used to be refused as one malformed spec, serves those adapters under those names.
 """
 
 from __future__ import annotations
