@@ -1,5 +1,5 @@
-"""QA pass over the adapter lifecycle at start-up: `--lora-paths` entries the server must refuse
-with a clear message instead of starting and serving something other than what was asked.
+"""`--lora-paths` entries the server must refuse at start-up with a clear message instead of
+starting and serving something other than what was asked.
 
   * an adapter named like the base model (its served name, or the alias "default"):
     `/load_lora_adapter` refuses such a name (400, "the name is the base model's"); given at start
