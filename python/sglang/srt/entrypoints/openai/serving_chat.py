@@ -157,7 +157,8 @@ class OpenAIServingChat:
             top_logprobs_num=(req.top_logprobs or 0) if req.logprobs else 0,
             lora_path=adapter,
             stream=req.stream,
-            rid=req.rid if req.n == 1 else None,
+            # n > 1 samples become "<rid>-<j>": /abort_request with the rid aborts them all.
+            rid=req.rid,
             cache_salt=req.cache_salt,
         ), spec
 
@@ -189,7 +190,7 @@ class OpenAIServingChat:
 
     async def handle(self, req: ChatCompletionRequest, raw_request: Any) -> Response:
         # The rid waits from before the grammar's check: an /abort_request during a slow compile holds.
-        with openai_param_names(CHAT_PARAMS), self.tm.door(req.rid if req.n == 1 else None) as admit:
+        with openai_param_names(CHAT_PARAMS), self.tm.door(req.rid) as admit:
             obj, spec = await self._build(req)
             self._keep_special_markers(obj, spec)
             req.model = self.tm.response_model_name(req.model)  # what the replies name

@@ -1,0 +1,63 @@
+"""A QA pass on the OpenAI routes against a real CPU server (the demo model, with a Qwen-style chat
+template that, like Qwen's own, renders only the roles it knows): behaviours a client of OpenAI,
+vLLM or SGLang relies on that the rest of the suite did not pin."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from server_helpers import kill_server, popen_launch_server, read_log, server_env
+
+openai = pytest.importorskip("openai")  # the GPU machine lacks it; CI installs it (the test extra)
+
+# Qwen's templates skip a message whose role they do not know (no "developer" branch).
+QWEN_STYLE_TEMPLATE = (
+    "{%- for m in messages -%}"
+    "{%- if m.role in ['system', 'user', 'assistant'] -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    template = tmp_path_factory.mktemp("template") / "qwen_style.jinja"
+    template.write_text(QWEN_STYLE_TEMPLATE)
+    proc, base_url = popen_launch_server("demo", ["--device", "cpu", "--chat-template", str(template)],
+                                         env=server_env())
+    yield base_url
+    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+
+
+def _running(url: str) -> int:
+    return requests.get(f"{url}/get_server_info", timeout=30).json()["num_running_reqs"]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_abort_request_ends_every_sample_of_an_openai_rid(url, route) -> None:
+    """n > 1 runs rid R as R-0, R-1 on both routes (as /generate does): /abort_request R ends them
+    all. Chat used to drop the rid when n > 1."""
+    body = {"model": "demo", "n": 2, "max_tokens": 1900, "ignore_eos": True, "rid": "qa-abort-n"}
+    body.update({"messages": [{"role": "user", "content": "Go on"}]} if "chat" in route else {"prompt": "Go on"})
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(requests.post, f"{url}{route}", json=body, timeout=120)
+        deadline = time.monotonic() + 20
+        while _running(url) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert requests.post(f"{url}/abort_request", json={"rid": "qa-abort-n"}, timeout=30).status_code == 200
+        r = fut.result(timeout=60)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert [c["finish_reason"] for c in reply["choices"]] == ["abort", "abort"]
+    assert reply["usage"]["completion_tokens"] < 2 * 1900
