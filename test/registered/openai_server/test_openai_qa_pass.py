@@ -61,3 +61,18 @@ def test_abort_request_ends_every_sample_of_an_openai_rid(url, route) -> None:
     reply = r.json()
     assert [c["finish_reason"] for c in reply["choices"]] == ["abort", "abort"]
     assert reply["usage"]["completion_tokens"] < 2 * 1900
+
+
+def test_developer_messages_reach_a_template_without_the_role(url, client) -> None:
+    """OpenAI's "developer" role is the newer "system": a template that knows only "system" (Qwen's
+    drop other roles) must still get the instructions, as vLLM maps the role (sglang#40082)."""
+    def prompt(role: str) -> list[int]:
+        msgs = [{"role": role, "content": "Always answer in French."}, {"role": "user", "content": "Hello"}]
+        r = requests.post(f"{url}/tokenize", json={"messages": msgs}, timeout=30)
+        assert r.status_code == 200, r.text
+        return r.json()["tokens"]
+
+    assert prompt("developer") == prompt("system")
+    msgs = [{"role": "developer", "content": "Always answer in French."}, {"role": "user", "content": "Hello"}]
+    as_developer = client.chat.completions.create(model="demo", messages=msgs, max_tokens=1)
+    assert as_developer.usage.prompt_tokens == len(prompt("system"))

@@ -91,6 +91,16 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
     return out
 
 
+def _developer_as_system(messages: list[dict[str, Any]], template: Any) -> list[dict[str, Any]]:
+    """`messages` with "developer" turns renamed "system", unless the chat template names the
+    "developer" role itself. Most templates know only "system": Qwen's skip a role they do not know,
+    so the instructions would silently never reach the model (sglang#40082); others render a role
+    the model was never trained on. vLLM maps the role the same way for such templates."""
+    if "developer" in str(template or ""):
+        return messages
+    return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
+
 async def chat_prompt_ids(tm: TokenizerManager, req: Any) -> list[int]:
     """The prompt tokens of a chat request: its messages through the chat template, with
     `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `tools` (unless
@@ -110,7 +120,7 @@ async def chat_prompt_ids(tm: TokenizerManager, req: Any) -> list[int]:
     kwargs = {"add_generation_prompt": add_generation_prompt, **kwargs}
     if req.continue_final_message:
         kwargs["continue_final_message"] = True
-    messages = _message_dicts(req)
+    messages = _developer_as_system(_message_dicts(req), getattr(tm.tokenizer, "chat_template", None))
     chars = sum(len(m["content"]) for m in messages)
     tools = template_tools(req)
     if tools:
