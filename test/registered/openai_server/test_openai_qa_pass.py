@@ -76,3 +76,21 @@ def test_developer_messages_reach_a_template_without_the_role(url, client) -> No
     msgs = [{"role": "developer", "content": "Always answer in French."}, {"role": "user", "content": "Hello"}]
     as_developer = client.chat.completions.create(model="demo", messages=msgs, max_tokens=1)
     assert as_developer.usage.prompt_tokens == len(prompt("system"))
+
+
+def test_max_completion_tokens_errors_name_that_field(url) -> None:
+    """A client that sends only max_completion_tokens (OpenAI's current name) is told about it, not
+    about a max_tokens it never sent."""
+    msgs = [{"role": "user", "content": "hi"}]
+    for extra, fragment in (({"max_completion_tokens": 10**9}, "tokens for the completion"),
+                            ({"max_completion_tokens": 1, "min_tokens": 3}, "must not exceed max_completion_tokens (1)")):
+        r = requests.post(f"{url}/v1/chat/completions", json={"model": "demo", "messages": msgs, **extra}, timeout=30)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert fragment in err["message"] and "max_tokens" not in err["message"], err
+        if "min_tokens" not in extra:
+            assert err["param"] == "max_completion_tokens", err
+    # max_tokens alone still names max_tokens.
+    r = requests.post(f"{url}/v1/chat/completions", json={"model": "demo", "messages": msgs, "max_tokens": 10**9},
+                      timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text

@@ -200,7 +200,10 @@ class OpenAIServingChat:
 
     async def handle(self, req: ChatCompletionRequest, raw_request: Any) -> Response:
         # The rid waits from before the grammar's check: an /abort_request during a slow compile holds.
-        with openai_param_names(CHAT_PARAMS), self.tm.door(req.rid) as admit:
+        # Errors about the output budget name the field the client sent (max_completion_tokens wins).
+        names = CHAT_PARAMS if req.max_completion_tokens is None else {
+            **CHAT_PARAMS, "max_new_tokens": "max_completion_tokens"}
+        with openai_param_names(names), self.tm.door(req.rid) as admit:
             obj, spec = await self._build(req)
             self._keep_special_markers(obj, spec)
             req.model = self.tm.response_model_name(req.model)  # what the replies name
