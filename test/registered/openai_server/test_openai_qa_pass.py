@@ -94,3 +94,15 @@ def test_max_completion_tokens_errors_name_that_field(url) -> None:
     r = requests.post(f"{url}/v1/chat/completions", json={"model": "demo", "messages": msgs, "max_tokens": 10**9},
                       timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "max_tokens", r.text
+
+
+def test_neutral_echo_on_chat_is_accepted(url) -> None:
+    """vLLM's chat `echo` defaults to false and clients built for vLLM send it: false asks for
+    nothing, so it passes like the other neutral values (echo true stays a 400)."""
+    body = {"model": "demo", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+    r = requests.post(f"{url}/v1/chat/completions", json={**body, "echo": False}, timeout=30)
+    assert r.status_code == 200, r.text
+    r = requests.post(f"{url}/v1/chat/completions", json={**body, "echo": True}, timeout=30)
+    assert r.status_code == 400 and "echo is not supported on chat completions" in r.json()["error"]["message"]
+    r = requests.post(f"{url}/v1/chat/completions", json={**body, "echo": "no"}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text

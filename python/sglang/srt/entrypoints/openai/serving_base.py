@@ -130,11 +130,12 @@ UNSUPPORTED_EXTENSIONS = {
 NEUTRAL_VALUES: dict[str, tuple[Any, ...]] = {
     "use_beam_search": (False,), "length_penalty": (1, 1.0), "bad_words": ([],),
     "return_tokens_as_token_ids": (False,), "logits_processors": ([],),
+    "echo": (False,),  # vLLM's chat default, sent by clients built for vLLM
 }
 
 
 # Those of them that are flags: a value of another type is a type error, not a request for the feature.
-BOOLEAN_EXTENSIONS = frozenset({"use_beam_search", "return_tokens_as_token_ids"})
+BOOLEAN_EXTENSIONS = frozenset({"use_beam_search", "return_tokens_as_token_ids", "echo"})
 
 
 @contextmanager
