@@ -1,6 +1,7 @@
-"""A QA pass on the OpenAI routes against a real CPU server (the demo model, with a Qwen-style chat
-template that, like Qwen's own, renders only the roles it knows): behaviours a client of OpenAI,
-vLLM or SGLang relies on that the rest of the suite did not pin."""
+"""Chat-route conventions a client of OpenAI, vLLM or SGLang relies on, against a real CPU server
+(the demo model, with a Qwen-style chat template that, like Qwen's own, renders only the roles it
+knows): an rid with n > 1 that /abort_request ends, "developer" messages that reach the model,
+errors naming max_completion_tokens, and vLLM's neutral "echo": false."""
 
 from __future__ import annotations
 
