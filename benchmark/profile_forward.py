@@ -129,10 +129,6 @@ LORA_VARIANTS = {
     # default takes it at prefills up to 1,024 tokens), and with it never (=0).
     "lora-afold-qkv": ("auto", "small"),
     "lora-no-afold-qkv": ("auto", "small"),
-    # The default with gate_up_proj A-folded at the deferring decode batches, its expand in the
-    # SiLU-and-mul (SGLANG_LORA_AFOLD_GATE_UP=1, csgmv), and with it off (=0).
-    "lora-afold-gate-up": ("auto", "small"),
-    "lora-no-afold-gate-up": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -165,9 +161,7 @@ VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora
                "lora-expand-silu-256": {"SGLANG_LORA_EXPAND_SILU": "1"},
                "lora-expand-silu-64": {"SGLANG_LORA_EXPAND_SILU": "1"},
                "lora-afold-qkv": {"SGLANG_LORA_AFOLD_QKV": "1"},
-               "lora-no-afold-qkv": {"SGLANG_LORA_AFOLD_QKV": "0"},
-               "lora-afold-gate-up": {"SGLANG_LORA_AFOLD_GATE_UP": "1"},
-               "lora-no-afold-gate-up": {"SGLANG_LORA_AFOLD_GATE_UP": "0"}}
+               "lora-no-afold-qkv": {"SGLANG_LORA_AFOLD_QKV": "0"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm and the segments' norm_segment_pack (which also do
 # the norm's work).

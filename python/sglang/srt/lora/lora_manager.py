@@ -164,10 +164,6 @@ class LoRAManager:
                     and tp_group.size == 1),
             # qkv_proj's prefills: no norm takes part, one rank as above (the layout is one rank's).
             a_fold_prefill=self.lora_backend.a_fold_prefill and tp_group.size == 1,
-            # gate_up_proj's at the deferring decode batches: those need the A-fold's norms as above.
-            a_fold_gate_up=(self.lora_backend.a_fold_gate_up and self.lora_backend.a_fold
-                            and self.lora_backend.supports_norm_fusion and config.fuse_norm != "off"
-                            and tp_group.size == 1),
         )
         fold_base_weights(base_model, self.pool, self.shapes, dtype)
         self.lora_modules: dict[int, dict[str, BaseLayerWithLoRA]] = wrap_lora_modules(

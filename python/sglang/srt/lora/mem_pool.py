@@ -92,7 +92,6 @@ class LoRAMemoryPool:
         fold_mode: str = "auto",
         a_fold: bool = False,
         a_fold_prefill: bool = False,
-        a_fold_gate_up: bool = False,
     ) -> None:
         if max_loras_per_batch < 1:
             raise ValueError("--max-loras-per-batch must be >= 1")
@@ -111,7 +110,7 @@ class LoRAMemoryPool:
         self.device = torch.device(device)
         self.eviction_policy = get_eviction_policy(eviction_policy)
 
-        self._allocate(self._choose_folded(fold_candidates, fold_mode), a_fold, a_fold_prefill, a_fold_gate_up)
+        self._allocate(self._choose_folded(fold_candidates, fold_mode), a_fold, a_fold_prefill)
 
         self.slot_to_lora_id: list[object] = [EMPTY] * self.num_adapter_slots + [None]  # lora_id (str | None) or EMPTY
         self.lora_id_to_slot: dict[Optional[str], int] = {None: self.base_slot}
@@ -145,8 +144,7 @@ class LoRAMemoryPool:
             if mode == "on" or should_fold(self.shapes.modules[m].out_dim, self.fold_extra_columns(m), elem)
         ]
 
-    def _allocate(self, fold_modules: Iterable[str], a_fold: bool = False, a_fold_prefill: bool = False,
-                  a_fold_gate_up: bool = False) -> None:
+    def _allocate(self, fold_modules: Iterable[str], a_fold: bool = False, a_fold_prefill: bool = False) -> None:
         """A_buffer[module][layer]: [slots, c*R, in]; B_buffer[module][layer]: [slots, out, R]
         (a SlicedB over W_aug for folded modules, set by fold_base_weight). Zero-initialised, so no
         slot ever holds non-finite garbage a kernel or the folded GEMM could touch."""
@@ -160,13 +158,11 @@ class LoRAMemoryPool:
         # The A-fold (lora/fold.py, a_fold_views): folded one-slice modules (o_proj, down_proj) whose
         # W_aug buffer also holds A, as rows past N, so that one GEMM gives the base output and every
         # slot's shrink; B is also kept transposed [slots, R, N] for the norm that adds the delta.
-        # With `a_fold_prefill`, qkv_proj too (A_FOLD_PREFILL_MODULES: its prefills only, no norm);
-        # with `a_fold_gate_up`, gate_up_proj (small decode batches, its expand in the SiLU-and-mul).
+        # With `a_fold_prefill`, qkv_proj too (A_FOLD_PREFILL_MODULES: its prefills only, no norm).
         self.a_fold_modules: list[str] = [
             m for m in self.fold_modules
             if ((a_fold and get_stacked_multiply(m) == 1 and m in A_FOLD_MODULES)
-                or (a_fold_prefill and m in A_FOLD_PREFILL_MODULES)
-                or (a_fold_gate_up and m == "gate_up_proj")) and should_a_fold(
+                or (a_fold_prefill and m in A_FOLD_PREFILL_MODULES)) and should_a_fold(
                 self.shapes.modules[m].in_dim, self.shapes.modules[m].out_dim, self.num_fold_slots,
                 get_stacked_multiply(m) * self.max_lora_rank, self.dtype.itemsize)
         ]

@@ -205,15 +205,14 @@ def attach_norm_fusion(model: nn.Module, wrapped: dict[int, dict[str, BaseLayerW
                     producer.defers_to_norm = True
                 count += 1
         down, name = modules.get("down_proj"), module_names.get("down_proj", {}).get(layer_id)
-        if ((backend.rowwise_decode or backend.pack_in_place or backend.expand_silu or backend.a_fold_gate_up)
-                and down is not None
+        if ((backend.rowwise_decode or backend.pack_in_place or backend.expand_silu) and down is not None
                 and down.lora is not None and name and name.endswith(".mlp.down_proj")):
             mlp = name[: -len(".down_proj")]
             act = getattr(model.get_submodule(mlp), "act_fn", None)
             if isinstance(act, SiluAndMul):
                 gate_up = modules.get("gate_up_proj")
                 producer = None
-                if ((backend.expand_silu or backend.a_fold_gate_up) and isinstance(gate_up, MergedColumnParallelLinearWithLoRA)
+                if (backend.expand_silu and isinstance(gate_up, MergedColumnParallelLinearWithLoRA)
                         and gate_up.lora is not None
                         and module_names.get("gate_up_proj", {}).get(layer_id) == f"{mlp}.gate_up_proj"):
                     producer = gate_up

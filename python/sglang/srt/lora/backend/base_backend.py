@@ -117,9 +117,6 @@ class BaseLoRABackend(abc.ABC):
     # qkv_proj takes the A-fold's layout for its prefills (csgmv, SGLANG_LORA_AFOLD_QKV;
     # fold.A_FOLD_PREFILL_MODULES).
     a_fold_prefill: bool = False
-    # gate_up_proj takes the A-fold's layout for the deferring decode batches (csgmv,
-    # SGLANG_LORA_AFOLD_GATE_UP): its expand goes to the SiLU-and-mul (defers_expand).
-    a_fold_gate_up: bool = False
 
     def defers(self, weights: LoRAModuleWeights) -> bool:
         """Whether this forward's A-folded `weights` leave their delta to the norm after them."""

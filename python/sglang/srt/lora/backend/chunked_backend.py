@@ -37,11 +37,10 @@ import torch
 
 from sglang.srt.configs.forward_path import ForwardPath
 from sglang.srt.lora.backend.token_backend import TokenLoRABackend, _ModuleLaunches, rowwise_decode_bound, token_bound
-from sglang.srt.lora.fold import A_FOLD_PREFILL_MODULES, folded_b
+from sglang.srt.lora.fold import folded_b
 from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward, chunked_sgmv_lora_shrink_forward
 from sglang.srt.lora.triton_ops.expand_silu import segmented_expand_silu
-from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_delta
-from sglang.srt.lora.utils import DeferredDelta, LoRAModuleSpec, LoRAModuleWeights, PreparedInput
+from sglang.srt.lora.utils import LoRAModuleSpec, LoRAModuleWeights, PreparedInput
 
 if TYPE_CHECKING:
     from sglang.srt.configs.forward_batch_info import ForwardBatch
@@ -81,15 +80,6 @@ AFOLD_QKV_DEFAULT = "tokens:1024"
 # per-segment tiles read the few rows of each adapter 16 at a time, where the plain SiLU-and-mul
 # runs dense). Hence prefills from buckets of 1,024 tokens.
 EXPAND_SILU_DEFAULT = "tokens:1024"
-# SGLANG_LORA_AFOLD_GATE_UP ("1" on, "0" off): at the decode batches whose o_proj / down_proj leave
-# their delta to the norm after them (SGLANG_LORA_AFOLD's small batches), gate_up_proj runs as an
-# A-fold too: the norm before it adds o_proj's delta and writes plain rows (no shrink of its own),
-# one GEMM over [W; A of every slot] gives the base output and every slot's shrink, and the
-# SiLU-and-mul adds the row's delta before the activation (expand_silu.py, its shrink read from the
-# row's slot block). The B fold's GEMM reads every slot's B (S*2R extra columns of 2d rows: 11.2 MB
-# per layer on the Qwen3-4B shape at 8 slots, 16.5 MB on Llama-3.1-8B) whatever the batch uses; the
-# A-fold's reads S*2R rows of A (1.5 / 2.4 MB), and the activation reads only the batch's B.
-AFOLD_GATE_UP_DEFAULT = "0"
 
 
 class ChunkedSgmvLoRABackend(TokenLoRABackend):
@@ -138,12 +128,6 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         # output, one launch less per layer. The same bits as the expand, then the activation, so
         # the bound may split batches by size without a graph and its eager pass parting.
         self.expand_silu_min = expand_silu_bound(os.environ.get("SGLANG_LORA_EXPAND_SILU", EXPAND_SILU_DEFAULT))
-        # SGLANG_LORA_AFOLD_GATE_UP (see AFOLD_GATE_UP_DEFAULT): the pool lays gate_up_proj out for the
-        # A-fold, and the deferring decode batches take it.
-        value = os.environ.get("SGLANG_LORA_AFOLD_GATE_UP", AFOLD_GATE_UP_DEFAULT)
-        if value not in ("0", "1"):
-            raise ValueError(f"SGLANG_LORA_AFOLD_GATE_UP={value!r}: use 0 or 1")
-        self.a_fold_gate_up = value == "1"
         self.expand_silu = self.expand_silu_min is not None  # the activations are wired for it
         self._expand_silu_now = False  # this batch takes it
 
@@ -184,7 +168,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         if weights.a_folded is None or info is None or info.defer:
             return False
         if weights.spec.stack > 1:  # qkv_proj: prefills only (decode keeps the fused norm)
-            return self._afold_qkv_now and weights.spec.name in A_FOLD_PREFILL_MODULES
+            return self._afold_qkv_now
         if not self.afold_expand:
             return False
         # Decode batches carry row slots (the fused norms'); prefills only with SGLANG_LORA_AFOLD_PREFILL.
@@ -203,38 +187,7 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         return base
 
     # ---- gate_up_proj's expand in the SiLU-and-mul (SGLANG_LORA_EXPAND_SILU) ----------------------
-    def _afold_gate_up_now(self, weights: LoRAModuleWeights) -> bool:
-        """Whether this batch runs A-folded `weights` (gate_up_proj) as their GEMM over [W; A] with
-        the expand in the SiLU-and-mul: the deferring decode batches (a function of the bucket)."""
-        info = self.batch_info
-        return (self.a_fold_gate_up and info is not None and info.defer and weights.a_folded is not None
-                and weights.spec.stack == 2)
-
-    def run_norm(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
-                 residual: Optional[torch.Tensor], delta: Optional[DeferredDelta] = None
-                 ) -> tuple[PreparedInput, Optional[torch.Tensor]]:
-        if not self._afold_gate_up_now(weights):
-            return super().run_norm(weights, norm_weight, eps, x, residual, delta)
-        # The A-folded gate_up_proj's GEMM computes its shrink: the norm writes plain rows (with the
-        # deferred delta of o_proj before it).
-        info = self.batch_info
-        assert x.dim() == 2 and x.shape[0] == info.num_rows, (x.shape, info.num_rows)
-        normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-        new_residual = norm_delta(x, residual, norm_weight, eps, weights.A, normed, info.row_slots[: x.shape[0]],
-                                  self._slot_ranks, use_pdl=self.use_pdl, delta=delta)
-        return PreparedInput(normed), new_residual
-
-    def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: torch.nn.Module
-                     ) -> torch.Tensor:
-        if prepared.x_aug is None and prepared.xa is None and self._afold_gate_up_now(weights):
-            # The norm wrote plain rows for an A-folded gate_up_proj whose SiLU-and-mul takes no
-            # expand (no fusion there): its own expand after the GEMM over [W; A].
-            return self.run_a_folded(weights, prepared.normed)
-        return super().run_prepared(weights, prepared, base_layer)
-
     def defers_expand(self, weights: LoRAModuleWeights) -> bool:
-        if self._afold_gate_up_now(weights):
-            return True
         info, spec = self.batch_info, weights.spec
         # Row-wise decode batches run the SiLU-and-mul with down_proj's shrink (run_act), which
         # reads gate_up's finished output: they keep the expand. Functions of the batch's mode and
@@ -244,10 +197,6 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
 
     def run_without_expand(self, weights: LoRAModuleWeights, base_layer: torch.nn.Module, x: torch.Tensor,
                            prepared: Optional[PreparedInput]) -> tuple[torch.Tensor, torch.Tensor]:
-        if self._afold_gate_up_now(weights):
-            # The base output and every slot's unscaled shrink: views of one GEMM over [W; A].
-            assert prepared is None or (prepared.x_aug is None and prepared.xa is None), "a plain norm's rows"
-            return self._a_folded_gemm(weights, x)
         if prepared is not None:  # the fused norm wrote the rows and their shrink
             assert prepared.xa is not None and prepared.x_aug is None, "an unfolded module's prepared input"
             return base_layer(prepared.normed), prepared.xa
@@ -268,11 +217,6 @@ class ChunkedSgmvLoRABackend(TokenLoRABackend):
         else:  # down_proj's x_aug, in the scratch: xa must not be there (run_without_expand)
             assert out.untyped_storage().data_ptr() != xa.untyped_storage().data_ptr(), \
                 "the activation would overwrite the shrink it reads"
-        if self._afold_gate_up_now(weights):  # xa: every slot's shrink; B read in place inside W_aug
-            spec = weights.spec
-            b, slice_stride = folded_b(weights.folded, spec.in_dim, spec.stack, spec.max_rank, weights.B.shape[0])
-            return segmented_expand_silu(xa, b, self.batch_info, gate_up, out, x_slot_stride=spec.stack * spec.max_rank,
-                                         slice_stride=slice_stride)
         return segmented_expand_silu(xa, weights.B, self.batch_info, gate_up, out)
 
     # ---- unfolded modules --------------------------------------------------------------------

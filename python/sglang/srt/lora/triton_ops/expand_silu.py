@@ -62,8 +62,6 @@ def _segment_expand_silu_kernel(
     d,
     n_tiles,
     lanes,
-    x_slot_stride,
-    w_slice_stride,
     BLOCK_S: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_R: tl.constexpr,
@@ -83,12 +81,9 @@ def _segment_expand_silu_kernel(
     # Slot -1 (no adapter) reads as rank 0: the rows get the plain activation.
     rank = tl.where(slot >= 0, tl.load(lora_ranks_ptr + tl.maximum(slot, 0)), 0)
     scaling = tl.load(scalings_ptr + tl.maximum(slot, 0))
-    # gate rows of B are [0, d), up rows [d, 2d) (equal slices, no offsets); up's rank columns sit
-    # w_slice_stride past gate's (B read in place inside W_aug: fold.folded_b).
+    # gate rows of B are [0, d), up rows [d, 2d) (equal slices, no offsets).
     wg_base = w_ptr + tl.maximum(slot, 0).to(tl.int64) * w_stride_s + offs_n[None, :].to(tl.int64) * w_stride_n
-    wu_base = wg_base + d * w_stride_n + w_slice_stride * w_stride_r
-    # x_slot_stride > 0: x holds every slot's shrink (an A-folded GEMM's), the row's in its slot's block.
-    x_col0 = tl.maximum(slot, 0) * x_slot_stride
+    wu_base = wg_base + d * w_stride_n
 
     for it in tl.static_range(LANE_ITERS):
         row0 = first_row + it * lanes * BLOCK_S
@@ -105,7 +100,7 @@ def _segment_expand_silu_kernel(
             up = tl.load(g_ptrs + d, mask=mask, other=0.0)
             if rank > 0:
                 # Slice k of the shrink output holds columns [k*rank, (k+1)*rank) (compact prefix).
-                xg_ptrs = x_ptr + rows[:, None] * x_stride_t + (x_col0 + offs_r[None, :]) * x_stride_r
+                xg_ptrs = x_ptr + rows[:, None] * x_stride_t + offs_r[None, :] * x_stride_r
                 xu_ptrs = xg_ptrs + rank * x_stride_r
                 wg_ptrs = wg_base + offs_r[:, None] * w_stride_r
                 wu_ptrs = wu_base + offs_r[:, None] * w_stride_r
@@ -139,16 +134,12 @@ def segmented_expand_silu(
     batch_info: LoRABatchInfo,
     gate_up: torch.Tensor,
     out: torch.Tensor,
-    x_slot_stride: int = 0,
-    slice_stride: int = 0,
 ) -> torch.Tensor:
     """out [T, d] <- silu(gate + delta_g) * (up + delta_u), gate_up [T, 2d] the base GEMM's output
     (read only), delta = each row's scaling * x[:, k*r:(k+1)*r] @ B[slot, k*d:(k+1)*d, :r]^T with x
     [T, >= 2 * max_rank] gate_up's compact, unscaled shrink and B `weights` [S, 2d, max_rank].
     `out` may have any row stride (e.g. the first d columns of down_proj's x_aug); it must not
-    overlap x or gate_up. `x_slot_stride` > 0: x holds every slot's shrink, slot s's block at
-    column s * x_slot_stride (an A-folded gate_up_proj's GEMM output); `slice_stride`: up's rank
-    columns sit that far past gate's in B (fold.folded_b's view inside W_aug)."""
+    overlap x or gate_up."""
     assert x.dim() == 2 and weights.dim() == 3 and gate_up.dim() == 2, (x.shape, weights.shape, gate_up.shape)
     num_tokens, two_d = gate_up.shape
     _, out_dim, max_rank = weights.shape
@@ -187,8 +178,6 @@ def segmented_expand_silu(
         d,
         n_tiles,
         lanes,
-        x_slot_stride,
-        slice_stride,
         BLOCK_S=block_s,
         BLOCK_N=block_n,
         BLOCK_R=block_r,

@@ -189,8 +189,7 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
         d_strides = (delta.shrink.stride(0), delta.bt.stride(0), delta.bt.stride(1))
     else:
         d_s, d_bt, d_scalings, d_strides = x, x, scalings, (0, 0, 0)
-    # At least one column tile: norm_delta has no shrink columns (stack_num 0), only the norm.
-    _norm_shrink_pack_kernel[(rows, max(1, triton.cdiv(stack_num * max_rank, block_j)))](
+    _norm_shrink_pack_kernel[(rows, triton.cdiv(stack_num * max_rank, block_j))](
         x, r, ro, norm_weight if norm_weight is not None else x, weights, out, y, row_slots, lora_ranks, scalings,
         d_s, d_bt, d_scalings,
         x.stride(0), r.stride(0), ro.stride(0), out.stride(0), y.stride(0), weights.stride(0), weights.stride(1),
@@ -285,28 +284,4 @@ def norm_shrink(
                    stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl, delta=delta)
 
 
-def norm_delta(
-    x: torch.Tensor,
-    residual: Optional[torch.Tensor],
-    norm_weight: torch.Tensor,
-    eps: float,
-    weights: torch.Tensor,
-    normed_out: torch.Tensor,
-    row_slots: torch.Tensor,
-    lora_ranks: torch.Tensor,
-    residual_out: Optional[torch.Tensor] = None,
-    use_pdl: bool = False,
-    delta: Optional[DeferredDelta] = None,
-) -> Optional[torch.Tensor]:
-    """normed_out [T, K] = RMSNorm(x (+ delta) (+ residual)), and no shrink: the norm before a module
-    whose own GEMM computes its shrink (an A-folded gate_up_proj at small decode batches), which
-    still adds the deferred delta of the A-folded module before it. One program per row; returns
-    the new residual as norm_shrink_pack. `weights`: the module's A [S, c*R, K], of which only the
-    (valid) address is passed: the kernel's shrink tiles are all masked."""
-    assert normed_out.shape == x.shape and normed_out.stride(1) == 1
-    no_columns = weights[:, :0, :]
-    return _launch(x, residual, norm_weight, eps, no_columns, normed_out, normed_out, row_slots, lora_ranks,
-                   lora_ranks, 0, 1, residual_out, packed=False, use_pdl=use_pdl, delta=delta)
-
-
-__all__ = ["norm_delta", "DeferredDelta", "norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
+__all__ = ["DeferredDelta", "norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
