@@ -12,6 +12,9 @@ per launch of one CUDA graph holding the expand of every layer (each layer its o
 come from HBM as in a real step), Qwen3-4B shapes, rank 16, 64 slots, on decode batches of 64 rows on
 1, 8, 32 and 64 adapters, on a 8 x 256 prefill on 8 adapters and on one 128-token prefill. Every
 plan's output is checked equal, bit for bit, to the default's (the plan must not change a sum).
+The decode rows on 1 and 8 adapters run twice more with the segment capacity (the grid's segment
+axis) of a 9-slot server: the same live work, fewer empty programs, so the difference is what a
+64-slot graph bucket's empty segments cost.
 """
 
 from __future__ import annotations
@@ -108,9 +111,13 @@ def main() -> None:
     cases = [("decode 64 x 1", [0] * 64, [1] * 64), ("decode 64 x 8", [i % 8 for i in range(64)], [1] * 64),
              ("decode 64 x 32", [i % 32 for i in range(64)], [1] * 64),
              ("decode 64 x 64", list(range(64)), [1] * 64), ("prefill 8 x 256 x 8", list(range(8)), [256] * 8),
-             ("prefill 128 x 1", [0], [128])]
+             ("prefill 128 x 1", [0], [128]),
+             # The same live segments in a 9-slot server's capacity (14 segments for 64 rows, not 69).
+             ("decode 64 x 1, 9-slot capacity", [0] * 64, [1] * 64, 9),
+             ("decode 64 x 8, 9-slot capacity", [i % 8 for i in range(64)], [1] * 64, 9)]
     if dry:
-        cases = [("decode 8 x 8", list(range(8)), [1] * 8), ("prefill 2 x 20 x 2", [0, 1], [20, 20])]
+        cases = [("decode 8 x 8", list(range(8)), [1] * 8), ("prefill 2 x 20 x 2", [0, 1], [20, 20]),
+                 ("decode 8 x 2, 3-slot capacity", [0, 1] * 4, [1] * 8, 3)]
     lines = [f"### Expand tile plans, {torch.cuda.get_device_name(0) if not dry else 'CPU (interpreter)'}, "
              f"torch {torch.__version__} ({time.strftime('%Y-%m-%d')})", "",
              "GPU µs per launch (one graph of the expand of every layer), rank 16, 64 slots; plan = "
@@ -118,9 +125,9 @@ def main() -> None:
              "| module | case | " + " | ".join(str(pl) for pl in plans) + " | all same |",
              "|---|---|" + "---:|" * len(plans) + "---|"]
     for name, widths in modules.items():
-        for label, slots, lens in cases:
+        for label, slots, lens, *capacity_slots in cases:
             slots = [s % (num_slots - 1) for s in slots]
-            info, rows = batch_info(slots, lens, num_slots, rank, device)
+            info, rows = batch_info(slots, lens, capacity_slots[0] if capacity_slots else num_slots, rank, device)
             res = run_case(widths, info, rows, layers, num_slots, rank, plans, device, dtype)
             cells = [f"{res[pl][0]:.1f}" for pl in plans]
             lines.append(f"| {name} | {label} | " + " | ".join(cells) + f" | {all(s for _, s in res.values())} |")
