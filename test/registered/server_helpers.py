@@ -87,6 +87,33 @@ def popen_launch_server(
     raise RuntimeError(f"the server did not become healthy in {timeout:.0f} s:\n{read_log(proc)[-4000:]}")
 
 
+def launch_servers(*launches: dict) -> list[tuple[subprocess.Popen, str]]:
+    """popen_launch_server(**kwargs) for each of `launches`, all at once; (process, base_url) of each,
+    in order. A server's start (imports, tokenizer loads, a Python process per rank) keeps about one
+    core busy, so on the 2-core CPU machine two starts side by side take about 8 s against 11 s one
+    after the other. If any fails, the others are stopped and its error raised."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(len(launches)) as pool:
+        futures = [pool.submit(popen_launch_server, **kwargs) for kwargs in launches]
+    errors = [f.exception() for f in futures if f.exception() is not None]
+    if errors:
+        kill_servers([f.result()[0] for f in futures if f.exception() is None])
+        raise errors[0]
+    return [f.result() for f in futures]
+
+
+def kill_servers(procs: Sequence[subprocess.Popen]) -> list[int]:
+    """kill_server for each of `procs`, all at once (each one's exit is mostly interpreter clean-up,
+    a core's worth of work); their exit codes, in order."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    if not procs:
+        return []
+    with ThreadPoolExecutor(len(procs)) as pool:
+        return list(pool.map(kill_server, procs))
+
+
 def read_log(proc: subprocess.Popen) -> str:
     text = ""
     for path in (getattr(proc, "stdout_path", None), getattr(proc, "stderr_path", None)):

@@ -2,7 +2,7 @@
 
 One server per (architecture, LoRA backend) -- Llama and Qwen3 (explicit head_dim, q/k norms), each
 on torch_native, triton and csgmv -- with three PEFT adapters loaded at start (ranks 4, 8 and 16;
-q/v only; all-linear rsLoRA). The Triton kernels run under TRITON_INTERPRET=1, inherited by the
+q/v only; all-linear rsLoRA); the servers start side by side. The Triton kernels run under TRITON_INTERPRET=1, inherited by the
 server from the test process.
 
 Checked per server: prompt logprobs of the base model and every adapter match HF(+PEFT) within
@@ -25,7 +25,7 @@ from lora_server_testlib import (
     tiny_lora_checkpoint,
     write_adapters,
 )
-from server_helpers import kill_server, popen_launch_server, read_log
+from server_helpers import kill_servers, launch_servers, read_log
 
 ATOL = 1e-4
 COMBOS = [(arch, backend) for arch in ("llama", "qwen3") for backend in ("torch_native", "triton", "csgmv")]
@@ -41,16 +41,34 @@ def worlds(tmp_path_factory) -> dict:
     return out
 
 
+@pytest.fixture(scope="module")
+def servers(worlds, request):
+    """(arch, backend) -> (process, url) for every combination the session runs, the servers
+    started side by side (each start keeps about one core busy) and stopped together after the
+    module."""
+    selected = [getattr(item, "callspec", None) for item in request.session.items if item.module is request.module]
+    wanted = [c for c in COMBOS if any(s is not None and s.params.get("served") == c for s in selected)]
+    launches = []
+    for arch, backend in wanted:
+        ckpt, paths = worlds[arch]
+        launches.append(dict(model=ckpt, other_args=[
+            "--device", "cpu", "--dtype", "float32", "--lora-backend", backend,
+            "--max-total-tokens", "4096", "--lora-paths", *[f"{n}={p}" for n, p in paths.items()],
+        ]))
+    started = dict(zip(wanted, launch_servers(*launches)))
+    yield started
+    procs = [proc for proc, _ in started.values()]
+    for proc, code in zip(procs, kill_servers(procs)):
+        assert code == 0, read_log(proc)[-3000:]
+
+
 @pytest.fixture(scope="module", params=COMBOS, ids=[f"{a}-{b}" for a, b in COMBOS])
-def served(request, worlds):
+def served(request, worlds, servers):
     arch, backend = request.param
     ckpt, paths = worlds[arch]
-    proc, url = popen_launch_server(ckpt, [
-        "--device", "cpu", "--dtype", "float32", "--lora-backend", backend,
-        "--max-total-tokens", "4096", "--lora-paths", *[f"{n}={p}" for n, p in paths.items()],
-    ])
-    yield {"url": url, "ckpt": ckpt, "paths": paths, "arch": arch, "backend": backend}
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+    proc, url = servers[request.param]
+    assert proc.poll() is None, read_log(proc)[-3000:]
+    return {"url": url, "ckpt": ckpt, "paths": paths, "arch": arch, "backend": backend}
 
 
 def test_prompt_logprobs_match_hf_peft(served) -> None:
