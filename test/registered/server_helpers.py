@@ -87,20 +87,42 @@ def popen_launch_server(
     raise RuntimeError(f"the server did not become healthy in {timeout:.0f} s:\n{read_log(proc)[-4000:]}")
 
 
-def launch_servers(*launches: dict) -> list[tuple[subprocess.Popen, str]]:
+def launch_servers(*launches: dict, return_exceptions: bool = False) -> list:
     """popen_launch_server(**kwargs) for each of `launches`, all at once; (process, base_url) of each,
     in order. A server's start (imports, tokenizer loads, a Python process per rank) keeps about one
     core busy, so on the 2-core CPU machine two starts side by side take about 8 s against 11 s one
-    after the other. If any fails, the others are stopped and its error raised."""
+    after the other. If one fails, the others are stopped and its error raised; with
+    `return_exceptions`, its error takes its place in the list instead (for the fixture of the tests
+    that use that server to raise) and the others keep running."""
     from concurrent.futures import ThreadPoolExecutor
 
     with ThreadPoolExecutor(len(launches)) as pool:
         futures = [pool.submit(popen_launch_server, **kwargs) for kwargs in launches]
-    errors = [f.exception() for f in futures if f.exception() is not None]
-    if errors:
-        kill_servers([f.result()[0] for f in futures if f.exception() is None])
+    results = [f.exception() or f.result() for f in futures]
+    errors = [r for r in results if isinstance(r, BaseException)]
+    if errors and not return_exceptions:
+        kill_servers(running(results))
         raise errors[0]
-    return [f.result() for f in futures]
+    return results
+
+
+def session_runs(request, test_name: str) -> bool:
+    """Whether this session runs the test function `test_name` of the module asking (after -k and
+    node-id selection): a fixture that starts a server for it beside others can leave it out."""
+    return any(item.module is request.module and getattr(item, "originalname", None) == test_name
+               for item in request.session.items)
+
+
+def started(result):
+    """A launch_servers(return_exceptions=True) entry: (process, base_url), or its error raised."""
+    if isinstance(result, BaseException):
+        raise result
+    return result
+
+
+def running(results: Sequence) -> list[subprocess.Popen]:
+    """The processes of launch_servers(return_exceptions=True) results that started."""
+    return [r[0] for r in results if not isinstance(r, BaseException)]
 
 
 def kill_servers(procs: Sequence[subprocess.Popen]) -> list[int]:

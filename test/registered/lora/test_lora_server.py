@@ -25,7 +25,7 @@ from lora_server_testlib import (
     tiny_lora_checkpoint,
     write_adapters,
 )
-from server_helpers import kill_servers, launch_servers, read_log
+from server_helpers import kill_servers, launch_servers, read_log, running, started
 
 ATOL = 1e-4
 COMBOS = [(arch, backend) for arch in ("llama", "qwen3") for backend in ("torch_native", "triton", "csgmv")]
@@ -55,9 +55,9 @@ def servers(worlds, request):
             "--device", "cpu", "--dtype", "float32", "--lora-backend", backend,
             "--max-total-tokens", "4096", "--lora-paths", *[f"{n}={p}" for n, p in paths.items()],
         ]))
-    started = dict(zip(wanted, launch_servers(*launches)))
-    yield started
-    procs = [proc for proc, _ in started.values()]
+    results = launch_servers(*launches, return_exceptions=True)
+    yield dict(zip(wanted, results))
+    procs = running(results)
     for proc, code in zip(procs, kill_servers(procs)):
         assert code == 0, read_log(proc)[-3000:]
 
@@ -66,7 +66,7 @@ def servers(worlds, request):
 def served(request, worlds, servers):
     arch, backend = request.param
     ckpt, paths = worlds[arch]
-    proc, url = servers[request.param]
+    proc, url = started(servers[request.param])  # or the error of its start
     assert proc.poll() is None, read_log(proc)[-3000:]
     return {"url": url, "ckpt": ckpt, "paths": paths, "arch": arch, "backend": backend}
 
