@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from server_helpers import kill_server, popen_launch_server, tiny_checkpoint
+from server_helpers import kill_servers, launch_servers, tiny_checkpoint
 
 openai = pytest.importorskip("openai")  # the GPU machine lacks it; CI installs it (the test extra)
 
@@ -45,14 +45,16 @@ def _answers(url: str) -> tuple[list, dict]:
 
 
 def test_the_overlapped_server_answers_what_the_ordinary_one_does():
-    results = {}
     ckpt = tiny_checkpoint("llama")
-    for name, extra in (("ordinary", ["--disable-overlap-schedule"]), ("overlap", ["--enable-overlap-schedule"])):
-        proc, url = popen_launch_server(ckpt, [*SERVER, *extra])
-        try:
-            results[name] = _answers(url)
-        finally:
-            kill_server(proc)
+    names = ("ordinary", "overlap")
+    # Both start side by side (each start keeps about one core busy); each then gets the requests
+    # alone, the other idle.
+    servers = launch_servers(*[dict(model=ckpt, other_args=[*SERVER, extra]) for extra in
+                               ("--disable-overlap-schedule", "--enable-overlap-schedule")])
+    try:
+        results = {name: _answers(url) for name, (_, url) in zip(names, servers)}
+    finally:
+        kill_servers([proc for proc, _ in servers])
     (ordinary, o_info), (overlap, v_info) = results["ordinary"], results["overlap"]
     for a, b in zip(ordinary[:-1], overlap[:-1]):
         assert a[0] == b[0] and a[1] == b[1], (a, b)

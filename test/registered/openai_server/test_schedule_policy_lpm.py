@@ -7,7 +7,7 @@ each, and LPM must reuse clearly more of the cache."""
 
 from __future__ import annotations
 
-from server_helpers import kill_server, popen_launch_server, tiny_checkpoint
+from server_helpers import kill_servers, launch_servers, tiny_checkpoint
 from sglang.bench_serving import main as bench_main
 
 # 16 groups x 4 requests; a 96-token system prompt each (1,536 tokens in all), against a
@@ -18,16 +18,15 @@ LOAD = ["--dataset-name", "generated-shared-prefix", "--gsp-num-groups", "16", "
         "--max-concurrency", "64", "--seed", "3", "--disable-tqdm"]
 
 
-def _serve(policy: str) -> dict:
-    proc, url = popen_launch_server(tiny_checkpoint("llama"), [*SERVER, "--schedule-policy", policy])
-    try:
-        return bench_main(["--base-url", url, *LOAD])
-    finally:
-        kill_server(proc)
-
-
 def test_lpm_reuses_more_of_a_small_cache_than_fcfs(capsys):
-    fcfs, lpm = _serve("fcfs"), _serve("lpm")
+    # Both servers start side by side (each start keeps about one core busy); each then serves the
+    # load alone, the other idle.
+    servers = launch_servers(*[dict(model=tiny_checkpoint("llama"), other_args=[*SERVER, "--schedule-policy", policy])
+                               for policy in ("fcfs", "lpm")])
+    try:
+        fcfs, lpm = (bench_main(["--base-url", url, *LOAD]) for _, url in servers)
+    finally:
+        kill_servers([proc for proc, _ in servers])
     for res in (fcfs, lpm):
         assert res["completed"] == 64 and res["failed"] == 0, res["errors"]
     with capsys.disabled():
