@@ -22,7 +22,7 @@ import requests
 prometheus_parser = pytest.importorskip("prometheus_client.parser")  # the test extra installs it
 
 from lora_server_testlib import tiny_lora_checkpoint, write_adapter
-from server_helpers import kill_server, popen_launch_server, read_log, server_env
+from server_helpers import kill_server, kill_servers, launch_servers, read_log, running, server_env, session_runs, started
 
 KEY = "metrics-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -30,16 +30,28 @@ MODEL = "tiny"
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def servers(tmp_path_factory, request):
+    """The metrics server and, when the session runs its test, a demo server without the flag,
+    started side by side (each start keeps about one core busy)."""
     ckpt = tiny_lora_checkpoint("llama")
     root = tmp_path_factory.mktemp("metrics-adapters")
     adapters = {n: write_adapter(ckpt, str(root / n), r=8, seed=40 + i) for i, n in enumerate("ab")}
-    proc, url = popen_launch_server(ckpt, [
+    launches = [dict(model=ckpt, other_args=[
         "--device", "cpu", "--enable-metrics", "--served-model-name", MODEL, "--lora-backend", "torch_native",
         "--max-loras-per-batch", "1", "--lora-paths", *[f"{n}={p}" for n, p in adapters.items()],
-    ], api_key=KEY, env={"SGLANG_FORWARD_TIMES": "1"})
-    yield proc, url
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+    ], api_key=KEY, env={"SGLANG_FORWARD_TIMES": "1"})]
+    if session_runs(request, "test_no_metrics_without_the_flag"):
+        launches.append(dict(model="demo", other_args=["--device", "cpu"], env=server_env()))
+    results = launch_servers(*launches, return_exceptions=True)
+    yield results
+    if not isinstance(results[0], BaseException):
+        assert kill_server(results[0][0]) == 0, read_log(results[0][0])[-3000:]
+    kill_servers(running(results[1:]))
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return started(servers[0])  # or the error of its start
 
 
 def scrape(url: str) -> dict[tuple[str, tuple], float]:
@@ -165,13 +177,10 @@ def test_metrics_are_scraped_without_the_api_key(server):
     assert requests.get(f"{server[1]}/get_server_info", timeout=30).status_code == 401
 
 
-def test_no_metrics_without_the_flag():
-    proc, url = popen_launch_server("demo", ["--device", "cpu"], env=server_env())
-    try:
-        r = requests.get(f"{url}/metrics", timeout=30)
-        assert r.status_code == 404 and r.json()["error"]["code"] == 404
-    finally:
-        kill_server(proc)
+def test_no_metrics_without_the_flag(servers):
+    _, url = started(servers[1])
+    r = requests.get(f"{url}/metrics", timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
 
 
 def test_a_client_that_goes_away_is_counted_as_aborted(server):

@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai")  # the GPU machine lacks it; CI installs 
 
 from lora_server_testlib import generate, post, tiny_lora_checkpoint, write_adapter
 from reliability_lib import assert_no_leaks, server_info, wait_idle
-from server_helpers import kill_server, popen_launch_server, read_log
+from server_helpers import kill_servers, launch_servers, read_log, running, session_runs, started
 from sglang.srt.lora.lora_registry import make_lora_ref
 
 TOL = 1e-5  # float32: the same numbers up to summation order
@@ -49,14 +49,26 @@ def adapters(ckpt, tmp_path_factory) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def server(ckpt, adapters):
-    proc, url = popen_launch_server(ckpt, [
+def servers(ckpt, adapters, request):
+    """The LoRA server with the prefix cache and, when the session runs its test, the one with
+    --disable-radix-cache, started side by side (each start keeps about one core busy)."""
+    launches = [dict(model=ckpt, other_args=[
         "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native", "--max-loras-per-batch", "4",
         "--max-lora-rank", "8", "--lora-target-modules", "all", "--enable-cache-report",
         "--lora-paths", *[f"{name}={path}" for name, path in adapters.items()],
-    ])
-    yield proc, url
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+    ])]
+    if session_runs(request, "test_disable_radix_cache_turns_it_all_off"):
+        launches.append(dict(model=ckpt, other_args=["--device", "cpu", "--dtype", "float32", "--disable-radix-cache"]))
+    results = launch_servers(*launches, return_exceptions=True)
+    yield results
+    procs = running(results)
+    for proc, code in zip(procs, kill_servers(procs)):
+        assert code == 0, read_log(proc)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return started(servers[0])  # or the error of its start
 
 
 def flush(url: str) -> dict:
@@ -183,19 +195,16 @@ def test_flush_cache_refuses_while_a_request_runs(server):
     assert "Cache flushed" in log
 
 
-def test_disable_radix_cache_turns_it_all_off(ckpt):
-    proc, url = popen_launch_server(ckpt, ["--device", "cpu", "--dtype", "float32", "--disable-radix-cache"])
-    try:
-        outs = [gen(url, PROMPT, n=2) for _ in range(2)]
-        assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 0]
-        assert outs[0]["output_ids"] == outs[1]["output_ids"]
-        assert "disabled" in flush(url)["message"]
-        info = wait_idle(url)
-        assert info["prefix_cache"] == {"enabled": False} and info["kv_evictable_tokens"] == 0
-        assert_no_leaks(info)
-        assert "#cached-token: 0," in read_log(proc)
-    finally:
-        assert kill_server(proc) == 0, read_log(proc)[-3000:]
+def test_disable_radix_cache_turns_it_all_off(servers):
+    proc, url = started(servers[1])
+    outs = [gen(url, PROMPT, n=2) for _ in range(2)]
+    assert [o["meta_info"]["cached_tokens"] for o in outs] == [0, 0]
+    assert outs[0]["output_ids"] == outs[1]["output_ids"]
+    assert "disabled" in flush(url)["message"]
+    info = wait_idle(url)
+    assert info["prefix_cache"] == {"enabled": False} and info["kv_evictable_tokens"] == 0
+    assert_no_leaks(info)
+    assert "#cached-token: 0," in read_log(proc)
 
 
 # ---------------------------------------------------------------------------- the benchmark's workload

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from server_helpers import kill_server, popen_launch_server, read_log, tiny_checkpoint
+from server_helpers import kill_servers, launch_servers, read_log, running, session_runs, started, tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -19,10 +19,24 @@ def ckpt() -> str:
 
 
 @pytest.fixture(scope="module")
-def server(ckpt):
-    proc, url = popen_launch_server(ckpt, ["--device", "cpu", "--chunked-prefill-size", "24"])
-    yield proc, url
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+def servers(ckpt, request):
+    """The server and, when the session runs the retraction test, its small-pool server, started
+    side by side (each start keeps about one core busy)."""
+    launches = [dict(model=ckpt, other_args=["--device", "cpu", "--chunked-prefill-size", "24"])]
+    if session_runs(request, "test_retraction_keeps_outputs_identical"):
+        # Each request ends at ~40 tokens; admission reserves only part of the budget it will use,
+        # so with 200 slots the requests admitted together run out of KV and must be retracted.
+        launches.append(dict(model=ckpt, other_args=["--device", "cpu", "--max-total-tokens", "200"]))
+    results = launch_servers(*launches, return_exceptions=True)
+    yield results
+    procs = running(results)
+    for proc, code in zip(procs, kill_servers(procs)):
+        assert code == 0, read_log(proc)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def server(servers):
+    return started(servers[0])  # or the error of its start
 
 
 def generate(url: str, body: dict, stream: bool = False) -> dict:
@@ -111,18 +125,12 @@ def long_outputs() -> list[dict]:
              "sampling_params": {"max_new_tokens": 30, "temperature": 0, "ignore_eos": True}} for i in range(24)]
 
 
-def test_retraction_keeps_outputs_identical(server, ckpt) -> None:
+def test_retraction_keeps_outputs_identical(server, servers) -> None:
     refs = [generate(server[1], body) for body in long_outputs()]
-    # Each request ends at ~40 tokens; admission reserves only part of the budget it will use,
-    # so with 200 slots the requests admitted together run out of KV and must be retracted.
-    proc, url = popen_launch_server(ckpt, ["--device", "cpu", "--max-total-tokens", "200"])
-    try:
-        outs = run_concurrently(url, long_outputs())
-        info = requests.get(f"{url}/get_server_info", timeout=30).json()
-    finally:
-        log = read_log(proc)  # before the clean exit removes the log folder
-        code = kill_server(proc)
-    assert code == 0, log[-3000:]
+    proc, url = started(servers[1])  # the 200-slot pool
+    outs = run_concurrently(url, long_outputs())
+    info = requests.get(f"{url}/get_server_info", timeout=30).json()
+    log = read_log(proc)
     assert "Retract requests" in log and info["num_retractions"] > 0
     assert_same(outs, refs)
     assert info["kv_available_tokens"] == 200 and info["last_integrity_check"]["ok"]

@@ -10,7 +10,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from server_helpers import kill_server, popen_launch_server, read_log, tiny_checkpoint
+from server_helpers import kill_servers, launch_servers, read_log, running, started, tiny_checkpoint
 from sglang.srt.server_args import prepare_server_args
 
 TEMPLATE = "{% for m in messages %}{{ '<<' + m['role'] + '>> ' + m['content'] + '\\n' }}{% endfor %}ANSWER:"
@@ -23,27 +23,35 @@ def ckpt() -> str:
 
 
 @pytest.fixture(scope="module")
-def plain(ckpt):
-    """--log-requests at level 0, no cache report, the tokenizer's own chat template, no grammar backend."""
-    proc, url = popen_launch_server(ckpt, ["--device", "cpu", "--log-requests", "--served-model-name", "m",
-                                           "--grammar-backend", "none"])
-    yield proc, url
-    kill_server(proc)
+def servers(ckpt, tmp_path_factory):
+    """The two servers below, started side by side (each start keeps about one core busy)."""
+    path = tmp_path_factory.mktemp("template") / "chat.jinja"
+    path.write_text(TEMPLATE)
+    results = launch_servers(
+        dict(model=ckpt, other_args=["--device", "cpu", "--log-requests", "--served-model-name", "m",
+                                     "--grammar-backend", "none"]),
+        dict(model=ckpt, other_args=[
+            "--device", "cpu", "--served-model-name", "m", "--chat-template", str(path), "--log-requests",
+            "--log-requests-level", "2", "--enable-cache-report", "--schedule-policy", "lpm", "--max-top-logprobs",
+            "30", "--decode-log-interval", "1",
+        ]),
+        return_exceptions=True,
+    )
+    yield results
+    kill_servers(running(results))
 
 
 @pytest.fixture(scope="module")
-def custom(ckpt, tmp_path_factory):
+def plain(servers):
+    """--log-requests at level 0, no cache report, the tokenizer's own chat template, no grammar backend."""
+    return started(servers[0])  # or the error of its start
+
+
+@pytest.fixture(scope="module")
+def custom(servers):
     """A chat template file, --log-requests-level 2, --enable-cache-report, --max-top-logprobs 30 and
     --decode-log-interval 1."""
-    path = tmp_path_factory.mktemp("template") / "chat.jinja"
-    path.write_text(TEMPLATE)
-    proc, url = popen_launch_server(ckpt, [
-        "--device", "cpu", "--served-model-name", "m", "--chat-template", str(path), "--log-requests",
-        "--log-requests-level", "2", "--enable-cache-report", "--schedule-policy", "lpm", "--max-top-logprobs", "30",
-        "--decode-log-interval", "1",
-    ])
-    yield proc, url
-    kill_server(proc)
+    return started(servers[1])
 
 
 def chat(url: str, content: str) -> dict:
