@@ -57,13 +57,9 @@ def zoo_server(lora_ckpt, adapter_zoo, request):
     """(process, url) of a CPU server (float32, torch_native LoRA) whose pool fits the zoo's good
     adapters (3 slots, rank 16, lora_server_testlib.POOL_MODULES), serving `keep` from the start.
     A module's ZOO_SERVER_FLAGS are added to the command line."""
-    from lora_server_testlib import POOL_MODULES
+    from lora_server_testlib import zoo_server_launch
     from server_helpers import kill_server, popen_launch_server, read_log
 
-    proc, url = popen_launch_server(lora_ckpt, [
-        "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native",
-        "--max-loras-per-batch", "3", "--max-lora-rank", "16", "--lora-target-modules", *POOL_MODULES,
-        "--lora-paths", f"keep={adapter_zoo['keep']}", *getattr(request.module, "ZOO_SERVER_FLAGS", ()),
-    ])
+    proc, url = popen_launch_server(**zoo_server_launch(lora_ckpt, adapter_zoo, request.module))
     yield proc, url
     assert kill_server(proc) == 0, read_log(proc)[-3000:]

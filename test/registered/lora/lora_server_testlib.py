@@ -45,6 +45,18 @@ def write_adapter(ckpt: str, out_dir: str, **kwargs: Any) -> str:
 POOL_MODULES = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj"]
 
 
+def zoo_server_launch(lora_ckpt: str, adapter_zoo: dict[str, str], module: Any) -> dict:
+    """server_helpers.popen_launch_server's arguments for conftest's `zoo_server` (a module that
+    starts it beside other servers with launch_servers takes them from here): a CPU server
+    (float32, torch_native LoRA) whose pool fits the zoo's good adapters (3 slots, rank 16,
+    POOL_MODULES), serving `keep` from the start, with the module's ZOO_SERVER_FLAGS."""
+    return dict(model=lora_ckpt, other_args=[
+        "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native",
+        "--max-loras-per-batch", "3", "--max-lora-rank", "16", "--lora-target-modules", *POOL_MODULES,
+        "--lora-paths", f"keep={adapter_zoo['keep']}", *getattr(module, "ZOO_SERVER_FLAGS", ()),
+    ])
+
+
 def write_adapter_zoo(ckpt: str, root: str, seed: int) -> dict[str, str]:
     """Adapters for load/refusal tests against a pool of rank 16 on POOL_MODULES: the loadable
     `keep` (r8 q/v) and `good` (r16 on the pool's modules), and one adapter per refusal reason:

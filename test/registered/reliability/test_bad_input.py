@@ -41,22 +41,40 @@ from bad_input_cases import (
     generate_cases,
     misc_cases,
 )
-from lora_server_testlib import PROMPTS, greedy
+from lora_server_testlib import PROMPTS, greedy, zoo_server_launch
 from reliability_lib import assert_no_leaks, wait_idle
-from server_helpers import kill_server, popen_launch_server, read_log
+from server_helpers import kill_servers, launch_servers, read_log, running, session_runs, started
 
 
 # ---------------------------------------------------------------------------- fixtures
-# The shared LoRA server fixtures (conftest.py): this module's own adapters, and the fault hooks.
+# The shared LoRA server fixtures (conftest.py): this module's own adapters, and the fault hooks;
+# its zoo server starts beside the API-key server (`servers`).
 ADAPTER_ZOO_SEED = 41
 ZOO_SERVER_FLAGS = ("--enable-test-hooks",)
 
 
 @pytest.fixture(scope="module")
-def key_server(lora_ckpt):
-    proc, url = popen_launch_server(lora_ckpt, ["--device", "cpu", "--dtype", "float32"], api_key=API_KEY)
-    yield proc, url
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+def servers(lora_ckpt, adapter_zoo, request):
+    """The zoo server (conftest.zoo_server's, with this module's flags) and, when the session runs
+    its test, a server with an API key, started side by side (each start keeps about one core busy)."""
+    launches = [zoo_server_launch(lora_ckpt, adapter_zoo, request.module)]
+    if session_runs(request, "test_api_key_matrix"):
+        launches.append(dict(model=lora_ckpt, other_args=["--device", "cpu", "--dtype", "float32"], api_key=API_KEY))
+    results = launch_servers(*launches, return_exceptions=True)
+    yield results
+    procs = running(results)
+    for proc, code in zip(procs, kill_servers(procs)):
+        assert code == 0, read_log(proc)[-3000:]
+
+
+@pytest.fixture(scope="module")
+def zoo_server(servers):
+    return started(servers[0])  # or the error of its start
+
+
+@pytest.fixture(scope="module")
+def key_server(servers):
+    return started(servers[1])
 
 
 # ---------------------------------------------------------------------------- tests
