@@ -48,7 +48,8 @@ CONFIGS = [(16384, 1, 16), (8192, 2, 16), (4096, 4, 16), (8192, 1, 16), (2048, 4
 def time_us(fn: Callable[[int], None], gpu: bool) -> float:
     if gpu:
         return graph_us(fn)
-    fn(0)
+    # The dry run's timing is meaningless (the interpreter): one call, without a warm-up call,
+    # runs the path once.
     t0 = time.perf_counter()
     fn(0)
     return (time.perf_counter() - t0) * 1e6
