@@ -82,10 +82,27 @@ def decode_run(runner, steps: int = 4, names=("a", None, "b", "a")):
     return tokens, torch.tensor(logprobs, dtype=torch.float64), calls
 
 
+@pytest.fixture(scope="module")
+def unfused(assets):
+    """unfused(backend, fold="auto", steps=4): decode_run of the unfused engine (--lora-fuse-norm off,
+    every other setting runner_for's default, nothing in the environment), the reference most tests
+    compare with. Computed once per (backend, fold, steps) in the module: many tests and parameters
+    compare with the same one, and building and running it again gave the same numbers."""
+    done: dict = {}
+
+    def reference(backend: str, fold: str = "auto", steps: int = 4):
+        key = (backend, fold, steps)
+        if key not in done:
+            done[key] = decode_run(runner_for(assets, backend, fuse=False, fold=fold), steps=steps)
+        return done[key]
+
+    return reference
+
+
 @pytest.mark.parametrize("backend,fold,rowwise", [("triton", "auto", False), ("csgmv", "auto", False),
                                                   ("csgmv", "auto", True), ("triton", "off", False),
                                                   ("csgmv", "off", False), ("triton", "off", True)])
-def test_fused_decode_equals_unfused(assets, backend, fold, rowwise, monkeypatch):
+def test_fused_decode_equals_unfused(assets, unfused, backend, fold, rowwise, monkeypatch):
     """Folded (auto, at these sizes) and unfolded (off) modules; with SGLANG_LORA_ROWWISE_DECODE the
     folded o_proj / down_proj take the row-wise kernel too."""
     fused_runner = runner_for(assets, backend, fuse=True, rowwise=rowwise, fold=fold)
@@ -111,7 +128,7 @@ def test_fused_decode_equals_unfused(assets, backend, fold, rowwise, monkeypatch
     assert norm_calls == (3 if rowwise and folded else 2) * steps  # an unfolded o_proj keeps its kernels
     assert silu_calls == (steps if rowwise else 0)
     assert len(kernel_calls) == norm_calls + silu_calls
-    ref_tokens, ref_logprobs, ref_calls = decode_run(runner_for(assets, backend, fuse=False, fold=fold))
+    ref_tokens, ref_logprobs, ref_calls = unfused(backend, fold)
     assert calls == [0] + [2 * len(layers)] * 4  # never at prefill, both norms of every layer at decode
     assert ref_calls == [0] * 5
     assert tokens == ref_tokens
@@ -123,7 +140,7 @@ def test_fused_decode_equals_unfused(assets, backend, fold, rowwise, monkeypatch
 
 
 @pytest.mark.parametrize("backend,rowwise", [("triton", False), ("csgmv", False), ("csgmv", True)])
-def test_a_folded_o_and_down_leave_their_delta_to_the_next_norm(assets, backend, rowwise, monkeypatch):
+def test_a_folded_o_and_down_leave_their_delta_to_the_next_norm(assets, unfused, backend, rowwise, monkeypatch):
     """SGLANG_LORA_AFOLD (the default, `small`, at these batches): the folded o_proj and down_proj
     run one GEMM over [W; A] and the norm after each adds the row's delta (post_attention_layernorm
     o_proj's, the next layer's input_layernorm down_proj's; the last down_proj, before the final norm,
@@ -162,14 +179,14 @@ def test_a_folded_o_and_down_leave_their_delta_to_the_next_norm(assets, backend,
     assert len(silu_calls) == (4 if rowwise else 0)
     # Every norm but the first layer's input_layernorm takes a delta.
     assert deltas == ([False] + [True] * (2 * len(layers) - 1)) * 4
-    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, backend, fuse=False))
+    ref_tokens, ref_logprobs, _ = unfused(backend)
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
     _, base_logprobs, _ = decode_run(runner, names=(None,) * 4)
     assert float((logprobs - base_logprobs)[:, [0, 3]].abs().max()) > 1e-3  # adapter a has o_proj / down_proj
 
 
-def test_a_folded_o_and_down_past_the_bound_run_the_expand(assets, monkeypatch):
+def test_a_folded_o_and_down_past_the_bound_run_the_expand(assets, unfused, monkeypatch):
     """SGLANG_LORA_AFOLD_EXPAND=1 (csgmv): past the deferral's bound (rows:2 here, the batch has 4)
     the A-folded modules run their GEMM over [W; A] and the segmented expand of every slot's shrink
     (not shrink_pack and the GEMM over W_aug); the last down_proj, with no fused norm after it, keeps
@@ -195,7 +212,7 @@ def test_a_folded_o_and_down_past_the_bound_run_the_expand(assets, monkeypatch):
     layers = len(runner.model.model.layers)
     assert expands == [8] * ((2 * layers - 1) * 4)  # x_slot_stride = the pool rank, every decode step
     assert not any(deltas)
-    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False))
+    ref_tokens, ref_logprobs, _ = unfused("csgmv")
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
 
@@ -321,7 +338,7 @@ def watch_expands_and_in_place(backend_obj, monkeypatch) -> tuple[list[int], lis
 
 
 @pytest.mark.parametrize("bound,in_place", [("1", False), ("1", True), ("rows:4", True)])
-def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, bound, in_place, monkeypatch):
+def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, unfused, bound, in_place, monkeypatch):
     """SGLANG_LORA_AFOLD_PREFILL=1 (csgmv): prefills run the A-folded o_proj / down_proj as their
     GEMM over [W; A] and the segmented expand too (the last down_proj keeps the fold); rows:4 only
     prefills of at most 4 tokens (this one has 19: shrink_pack as before). The plain norm after
@@ -348,13 +365,13 @@ def test_a_folded_o_and_down_run_the_expand_at_prefill(assets, bound, in_place, 
     assert expands == [8] * ((2 * layers - 1) if expanding else 0)
     # In place: qkv_proj and gate_up_proj of every layer and the down_proj that do not expand.
     assert sum(p is not None for _, p in answered) == (((2 * layers + 1) if expanding else 3 * layers) if in_place else 0)
-    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False), steps=2)
+    ref_tokens, ref_logprobs, _ = unfused("csgmv", steps=2)
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("afold,kernels", [("0", "triton"), ("small", "triton"), ("0", "torch")])
-def test_a_folded_qkv_runs_the_expand_at_prefill(assets, afold, kernels, monkeypatch):
+def test_a_folded_qkv_runs_the_expand_at_prefill(assets, unfused, afold, kernels, monkeypatch):
     """SGLANG_LORA_AFOLD_QKV=1 (csgmv): qkv_proj's W_aug buffer also holds A (three slices per slot),
     and prefills run its GEMM over [W; A] and the segmented expand of every slot's shrink (x_slot_stride
     3 * R, B inside W_aug) into a strided output, which RoPE reads in place; the norm before it
@@ -380,13 +397,13 @@ def test_a_folded_qkv_runs_the_expand_at_prefill(assets, afold, kernels, monkeyp
     assert not any(p is not None for name, p in answered if name == "qkv_proj")
     assert any(p is not None for name, p in answered if name == "gate_up_proj") == (kernels == "triton")
     assert calls[0] == 0 and all(c == 2 * layers for c in calls[1:])  # decode fuses both norms
-    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False), steps=2)
+    ref_tokens, ref_logprobs, _ = unfused("csgmv", steps=2)
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("setting,takes", [(None, True), ("tokens:64", True), ("tokens:16", False), ("0", False)])
-def test_the_qkv_a_fold_takes_prefills_within_its_bound(assets, setting, takes, monkeypatch):
+def test_the_qkv_a_fold_takes_prefills_within_its_bound(assets, unfused, setting, takes, monkeypatch):
     """SGLANG_LORA_AFOLD_QKV's bound: the default (tokens:1024) and tokens:64 take this 19-token
     prefill, tokens:16 leaves it to the fold (the pool keeps the A-fold's layout), 0 lays out the
     plain fold. Either way the run equals the unfused engine's to float32 rounding."""
@@ -407,7 +424,7 @@ def test_the_qkv_a_fold_takes_prefills_within_its_bound(assets, setting, takes, 
     monkeypatch.undo()
     assert len([s for s in expands if s == 3 * pool.max_lora_rank]) == (len(runner.model.model.layers) if takes else 0)
     assert any(p is not None for name, p in answered if name == "qkv_proj") == (not takes)
-    ref_tokens, ref_logprobs, _ = decode_run(runner_for(assets, "csgmv", fuse=False), steps=2)
+    ref_tokens, ref_logprobs, _ = unfused("csgmv", steps=2)
     assert tokens == ref_tokens
     torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)
 
