@@ -63,3 +63,60 @@ def zoo_server(lora_ckpt, adapter_zoo, request):
     proc, url = popen_launch_server(**zoo_server_launch(lora_ckpt, adapter_zoo, request.module))
     yield proc, url
     assert kill_server(proc) == 0, read_log(proc)[-3000:]
+
+
+# ---------------------------------------------------------------------------- echo tool servers
+def _echo_flags(item):
+    flags = getattr(getattr(item, "module", None), "ECHO_SERVER_FLAGS", None)
+    return None if flags is None or "echo_server" not in getattr(item, "fixturenames", ()) else tuple(flags)
+
+
+class _EchoServers:
+    """The echo checkpoint's servers (echo_checkpoint.py) of the session's tool-calling modules,
+    one per distinct ECHO_SERVER_FLAGS, started side by side (server_helpers.launch_servers) when
+    the first of those modules needs one, and stopped together after the last of them."""
+
+    def __init__(self, session) -> None:
+        from echo_checkpoint import echo_checkpoint
+        from server_helpers import launch_servers
+
+        self.items = session.items
+        self.configs = list(dict.fromkeys(f for f in map(_echo_flags, self.items) if f is not None))
+        results = launch_servers(*[dict(model=echo_checkpoint(), other_args=["--device", "cpu", *flags])
+                                   for flags in self.configs], return_exceptions=True)
+        self.results = dict(zip(self.configs, results))
+        self.stopped = False
+
+    def stop(self) -> None:
+        from server_helpers import kill_servers, read_log, running
+
+        if self.stopped:
+            return
+        self.stopped = True
+        procs = running(self.results.values())
+        bad = [read_log(p)[-3000:] for p, code in zip(procs, kill_servers(procs)) if code != 0]
+        assert not bad, bad[0]
+
+    def last_user(self, module) -> bool:
+        """Whether `module` holds the session's last test that needs one of these servers."""
+        users = [item for item in self.items if _echo_flags(item) is not None]
+        return bool(users) and users[-1].module is module
+
+
+@pytest.fixture(scope="session")
+def echo_servers(request):
+    servers = _EchoServers(request.session)
+    yield servers
+    servers.stop()  # normally done already, by the last module that used them
+
+
+@pytest.fixture(scope="module")
+def echo_server(echo_servers, request) -> str:
+    """The URL of an echo-checkpoint CPU server with the module's ECHO_SERVER_FLAGS (modules with the
+    same flags share it; see _EchoServers)."""
+    from server_helpers import started
+
+    _, url = started(echo_servers.results[tuple(request.module.ECHO_SERVER_FLAGS)])  # or its start's error
+    yield url
+    if echo_servers.last_user(request.module):
+        echo_servers.stop()

@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 
 import pytest
+import requests
 
-from echo_checkpoint import echo_body, echo_checkpoint
-from server_helpers import kill_server, popen_launch_server, read_log
+from echo_checkpoint import echo_body
 from tool_calls_testlib import STRICT_FORECAST, TIME, ask, ask_streamed, same_reply, valid_forecast
 
 openai = pytest.importorskip("openai")  # the official client; the GPU machine may lack it
@@ -38,13 +38,16 @@ def call(name: str, args: dict) -> str:
 EXTRA = PROSE + " " + call("forecast", {"city": "Paris", "hours": 3})
 
 
+# The server (conftest.echo_server): shared with test_tool_calls_server, whose flags these are; with
+# xgrammar installed (or this module is skipped) its grammar backend is xgrammar by default.
+ECHO_SERVER_FLAGS = ("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
+
+
 @pytest.fixture(scope="module")
-def server():
-    proc, url = popen_launch_server(echo_checkpoint(), [
-        "--device", "cpu", "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3", "--grammar-backend",
-        "xgrammar"])
-    yield url
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+def server(echo_server):
+    info = requests.get(f"{echo_server}/get_server_info", timeout=60).json()
+    assert info["grammar_backend"] == "xgrammar", info["grammar_backend"]
+    return echo_server
 
 
 @pytest.fixture(scope="module")

@@ -10,8 +10,7 @@ import json
 
 import pytest
 
-from echo_checkpoint import echo_body, echo_checkpoint
-from server_helpers import kill_server, popen_launch_server, read_log
+from echo_checkpoint import echo_body
 from tool_calls_testlib import STRICT_FORECAST, TIME, ask, ask_streamed, assert_first_call_only, same_reply, valid_forecast
 
 openai = pytest.importorskip("openai")  # the official client; the GPU machine may lack it
@@ -32,11 +31,14 @@ PARIS = call("get_weather", {"city": "Paris", "days": "3", "metric": "true"})
 TOKYO_TIME = call("get_time", {"tz": "Asia/Tokyo"})
 
 
+# The server (conftest.echo_server): the echo checkpoint on the CPU with these flags, started beside
+# the other tool-calling modules' servers.
+ECHO_SERVER_FLAGS = ("--tool-call-parser", "qwen3_coder")
+
+
 @pytest.fixture(scope="module")
-def server():
-    proc, url = popen_launch_server(echo_checkpoint(), ["--device", "cpu", "--tool-call-parser", "qwen3_coder"])
-    yield url
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+def server(echo_server):
+    return echo_server
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ import pytest
 import requests
 
 from echo_checkpoint import echo_body, echo_checkpoint
-from server_helpers import kill_server, popen_launch_server, read_log
 from tool_calls_testlib import assert_first_call_only, TOOLS, ask, ask_streamed, same_reply
 
 openai = pytest.importorskip("openai")  # the official client; the GPU machine may lack it
@@ -32,12 +31,14 @@ PARIS = call("get_weather", {"city": "Paris"})
 TOKYO_TIME = call("get_time", {"tz": "Asia/Tokyo"})
 
 
+# The server (conftest.echo_server): the echo checkpoint on the CPU with these flags, started beside
+# the other tool-calling modules' servers.
+ECHO_SERVER_FLAGS = ("--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3")
+
+
 @pytest.fixture(scope="module")
-def server():
-    proc, url = popen_launch_server(echo_checkpoint(), [
-        "--device", "cpu", "--tool-call-parser", "qwen25", "--reasoning-parser", "qwen3"])
-    yield url
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+def server(echo_server):
+    return echo_server
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ import json
 
 import pytest
 
-from echo_checkpoint import echo_body, echo_checkpoint
-from server_helpers import kill_server, popen_launch_server, read_log
+from echo_checkpoint import echo_body
 from tool_calls_testlib import TOOLS, ask, ask_streamed, same_reply
 
 openai = pytest.importorskip("openai")  # the official client; the GPU machine may lack it
@@ -35,12 +34,14 @@ def named(name: str) -> dict:
     return {"type": "function", "function": {"name": name}}
 
 
+# The server (conftest.echo_server): the echo checkpoint on the CPU with these flags, started beside
+# the other tool-calling modules' servers.
+ECHO_SERVER_FLAGS = ("--reasoning-parser", "deepseek-r1", "--grammar-backend", "xgrammar")
+
+
 @pytest.fixture(scope="module")
-def server():
-    proc, url = popen_launch_server(echo_checkpoint(), [
-        "--device", "cpu", "--reasoning-parser", "deepseek-r1", "--grammar-backend", "xgrammar"])
-    yield url
-    assert kill_server(proc) == 0, read_log(proc)[-3000:]
+def server(echo_server):
+    return echo_server
 
 
 @pytest.fixture(scope="module")
