@@ -1,6 +1,6 @@
 """The kernel benchmarks' CPU dry runs (tiny shapes, Triton interpreter): they run end to end and
 their candidates agree with the reference they are timed against, so a device call never finds
-them broken."""
+them broken. The dry runs run two at a time in the background (`dry_runs`); each test checks its own."""
 
 from __future__ import annotations
 
@@ -9,55 +9,115 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
+REFERENCE_SCRIPTS = [("benchmark/bench_gemv.py", 10), ("benchmark/lora/bench_norm_shrink.py", 2),
+                     ("benchmark/bench_decode_chain.py", 6), ("benchmark/bench_sampler.py", 10),
+                     ("benchmark/lora/bench_gemm_shrink.py", 6), ("benchmark/lora/probe_norm_segment_pack.py", 2)]
 
 
-def dry_run(script: str, tmp_path) -> list[list[str]]:
-    out = tmp_path / "table.md"
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, script), "--cpu-dry-run", "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+def _commands(tmp: str) -> dict[str, tuple[list[str], dict[str, str]]]:
+    """Each test's dry run: name -> (argv after the interpreter, extra environment), its files in `tmp`."""
+    interpret = {"TRITON_INTERPRET": "1"}
+    cmds = {script: ([script, "--cpu-dry-run", "--out", f"{tmp}/{i}.md"], interpret)
+            for i, (script, _) in enumerate(REFERENCE_SCRIPTS)}
+    cmds["expand_tiles"] = (["benchmark/lora/bench_expand_tiles.py", "--cpu-dry-run", "--out", f"{tmp}/tiles.md"],
+                            interpret)
+    cmds["forward_rounds"] = ([
+        "benchmark/profile_forward.py", "--device", "cpu", "--model", "tiny", "--tokens", "8", "--repeats", "1",
+        "--warmup", "0", "--adapters", "2", "--lora", "none,lora-unfused,lora", "--no-hf-anchor", "--decode-bs",
+        "2", "--decode-adapters", "2", "--tc-modes", "", "--rounds", "2", "--out", f"{tmp}/steps.md"], interpret)
+    cmds["host"] = ([
+        "benchmark/profile_host.py", "--device", "cpu", "--model", "tiny", "--bs", "2", "--adapters", "2",
+        "--repeats", "2", "--top", "3", "--root", f"{tmp}/assets-host", "--out", f"{tmp}/host.md"], interpret)
+    cmds["scheduler"] = ([
+        "benchmark/profile_scheduler.py", "--device", "cpu", "--model", "tiny", "--bs", "2", "4", "--steps", "5",
+        "--overlap", "--root", f"{tmp}/assets-scheduler", "--out", f"{tmp}/scheduler.md"], {})
+    cmds["forward_anchor"] = ([
+        "benchmark/profile_forward.py", "--device", "cpu", "--model", "tiny", "--tokens", "8", "--repeats", "1",
+        "--warmup", "0", "--profile-repeats", "1", "--decode-bs", "2", "--tc-modes", "", "--hf-anchor",
+        "--hf-compile-backend", "eager", "--hf-tokens", "8", "--root", f"{tmp}/assets-anchor",
+        "--out", f"{tmp}/anchor.md"], interpret)
+    cmds["adapter_reads"] = (["benchmark/lora/bench_adapter_reads.py", "--cpu-dry-run", "--root",
+                              f"{tmp}/assets-reads", "--out", f"{tmp}/reads.md"], {})
+    return cmds
+
+
+# The test that reads each dry run (its original name), for leaving out the deselected ones.
+_TESTS = {"expand_tiles": "test_expand_tiles_dry_run_checks_every_plan_against_the_default",
+          "forward_rounds": "test_profile_forward_rounds_alternate_the_variants",
+          "host": "test_profile_host_dry_run_reports_every_case",
+          "scheduler": "test_profile_scheduler_dry_run_times_the_turn_outside_the_forward",
+          "forward_anchor": "test_profile_forward_measures_every_wall_before_the_profiler",
+          "adapter_reads": "test_adapter_reads_dry_run_times_every_way"}
+
+
+@pytest.fixture(scope="module")
+def dry_runs(tmp_path_factory, request):
+    """name -> Future of (CompletedProcess, the `--out` file) for the session's selected dry runs,
+    two at a time in the background from the first test that needs one: each is a single-threaded
+    process (imports, the Triton interpreter), so on the 2-core CPU machine two side by side take
+    about 60 % of the time of one after the other. Each test waits for its own and checks it."""
+    tmp = str(tmp_path_factory.mktemp("dry-runs"))
+    wanted = {item.originalname if getattr(item, "callspec", None) is None or "script" not in item.callspec.params
+              else item.callspec.params["script"]
+              for item in request.session.items if item.module is request.module}
+    cmds = {name: cmd for name, cmd in _commands(tmp).items() if name in wanted or _TESTS.get(name) in wanted}
+    pool = ThreadPoolExecutor(2)
+
+    def run(argv: list[str], extra_env: dict[str, str]):
+        env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), **extra_env)
+        proc = subprocess.run([sys.executable, os.path.join(ROOT, argv[0]), *argv[1:]], env=env,
+                              capture_output=True, text=True, timeout=600)
+        return proc, Path(argv[argv.index("--out") + 1])
+
+    futures = {name: pool.submit(run, *cmds[name]) for name in sorted(cmds, key=_LONGEST_FIRST.index)}
+    yield futures
+    pool.shutdown(wait=True, cancel_futures=True)
+
+
+# The dry runs, longest first (about 16 s down to 2.5 s one at a time on the CPU machine).
+_LONGEST_FIRST = ["forward_anchor", "host", "forward_rounds", "benchmark/bench_sampler.py", "scheduler",
+                  "benchmark/lora/probe_norm_segment_pack.py", "benchmark/bench_decode_chain.py", "adapter_reads",
+                  "benchmark/lora/bench_norm_shrink.py", "expand_tiles", "benchmark/bench_gemv.py",
+                  "benchmark/lora/bench_gemm_shrink.py"]
+
+
+def finished(dry_runs, name: str):
+    """The dry run's CompletedProcess and output file, once it exited with status 0."""
+    proc, out = dry_runs[name].result()
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc, out
+
+
+def table_rows(out) -> list[list[str]]:
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if re.match(r"^\| (tiny|\d)", line)]
     assert rows, out.read_text()
     return rows
 
 
-@pytest.mark.parametrize("script,min_rows", [("benchmark/bench_gemv.py", 10), ("benchmark/lora/bench_norm_shrink.py", 2),
-                                             ("benchmark/bench_decode_chain.py", 6), ("benchmark/bench_sampler.py", 10),
-                                             ("benchmark/lora/bench_gemm_shrink.py", 6),
-                                             ("benchmark/lora/probe_norm_segment_pack.py", 2)])
-def test_dry_run_agrees_with_its_reference(script, min_rows, tmp_path):
-    rows = dry_run(script, tmp_path)
+@pytest.mark.parametrize("script,min_rows", REFERENCE_SCRIPTS)
+def test_dry_run_agrees_with_its_reference(script, min_rows, dry_runs):
+    rows = table_rows(finished(dry_runs, script)[1])
     assert len(rows) >= min_rows
     assert all(float(r[-1]) < 1e-5 for r in rows), rows  # max relative difference, float32
 
 
-def test_expand_tiles_dry_run_checks_every_plan_against_the_default(tmp_path):
-    out = tmp_path / "table.md"
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TRITON_INTERPRET="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark/lora/bench_expand_tiles.py"), "--cpu-dry-run",
-                           "--out", str(out)], env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+def test_expand_tiles_dry_run_checks_every_plan_against_the_default(dry_runs):
+    _, out = finished(dry_runs, "expand_tiles")
     rows = [line.split("|")[1:-1] for line in out.read_text().splitlines() if line.startswith("| qkv_proj")]
     assert [r[1].strip() for r in rows] == ["decode 8 x 8", "prefill 2 x 20 x 2"], rows
     assert all(r[-1].strip() == "True" for r in rows), rows  # every plan: the same bits
 
 
-def test_profile_forward_rounds_alternate_the_variants(tmp_path):
+def test_profile_forward_rounds_alternate_the_variants(dry_runs):
     """--rounds 2: every variant is measured in both rounds (its row's wall the median of the two)
     and compared with the base; a CPU dry run, eager, no device kernels."""
-    out = tmp_path / "steps.md"
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TRITON_INTERPRET="1")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmark/profile_forward.py"), "--device", "cpu", "--model", "tiny",
-           "--tokens", "8", "--repeats", "1", "--warmup", "0", "--adapters", "2", "--lora", "none,lora-unfused,lora",
-           "--no-hf-anchor", "--decode-bs", "2", "--decode-adapters", "2", "--tc-modes", "", "--rounds", "2",
-           "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, out = finished(dry_runs, "forward_rounds")
     text = out.read_text()
     rows = [line.split("|")[1:-1] for line in text.splitlines() if line.startswith("| tiny |")]
     assert sorted({r[1].strip() for r in rows}) == ["lora", "lora-unfused", "none"]
@@ -71,16 +131,10 @@ def test_profile_forward_rounds_alternate_the_variants(tmp_path):
     assert all((int(us) > 0) == (not key.startswith("none")) for key, us in host.items()), host
 
 
-def test_profile_host_dry_run_reports_every_case(tmp_path):
+def test_profile_host_dry_run_reports_every_case(dry_runs):
     """profile_host's CPU dry run: host phases for the base and both LoRA cases, cProfile tables for
     the base and the changing batch."""
-    out = tmp_path / "host.md"
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TRITON_INTERPRET="1")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmark/profile_host.py"), "--device", "cpu", "--model", "tiny",
-           "--bs", "2", "--adapters", "2", "--repeats", "2", "--top", "3", "--root", str(tmp_path / "assets"),
-           "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, out = finished(dry_runs, "host")
     text = out.read_text()
     lora = dict(re.findall(r"^- bs 2, (.+?): prepare \d+ \(LoRA (\d+)\)", text, re.M))
     assert sorted(lora) == ["LoRA, changing batch", "LoRA, same batch", "base"], lora
@@ -88,16 +142,11 @@ def test_profile_host_dry_run_reports_every_case(tmp_path):
     assert text.count("ncalls") == 2 and "#### bs 2, LoRA, changing batch" in text
 
 
-def test_profile_scheduler_dry_run_times_the_turn_outside_the_forward(tmp_path):
+def test_profile_scheduler_dry_run_times_the_turn_outside_the_forward(dry_runs):
     """profile_scheduler on the CPU: a row per batch size with every phase measured, the forward
     inside the turn and the scheduler's share positive (all the requests reached decode, or it
     fails)."""
-    out = tmp_path / "scheduler.md"
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
-    cmd = [sys.executable, os.path.join(ROOT, "benchmark/profile_scheduler.py"), "--device", "cpu", "--model", "tiny",
-           "--bs", "2", "4", "--steps", "5", "--overlap", "--root", str(tmp_path / "assets"), "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, out = finished(dry_runs, "scheduler")
     text = out.read_text()
     # --overlap: the turn with the overlap schedule beside each ordinary one.
     assert re.findall(r"^- overlap schedule, (\d+) requests: turn \d+ µs against \d+ ordinary", text, re.M) == ["2", "4"]
@@ -147,19 +196,12 @@ def test_host_phases_times_each_phase_and_restores_the_methods():
     assert "prepare_forward" not in vars(runner.lora_manager)
 
 
-def test_profile_forward_measures_every_wall_before_the_profiler(tmp_path):
+def test_profile_forward_measures_every_wall_before_the_profiler(dry_runs):
     """A profiler session slows its process down after it ends, so each process measures every wall
     before its first profile: the HF anchor in a child process of its own, first (its compiled
     models never share the engine's process), then the engine's variants; the anchor's rows and
     ratios are reported (a CPU dry run, the anchor compiled with the eager backend)."""
-    out = tmp_path / "anchor.md"
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"), TRITON_INTERPRET="1")
-    cmd = [sys.executable, os.path.join(ROOT, "benchmark/profile_forward.py"), "--device", "cpu", "--model", "tiny",
-           "--tokens", "8", "--repeats", "1", "--warmup", "0", "--profile-repeats", "1", "--decode-bs", "2",
-           "--tc-modes", "", "--hf-anchor", "--hf-compile-backend", "eager", "--hf-tokens", "8",
-           "--root", str(tmp_path / "assets"), "--out", str(out)]
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    proc, out = finished(dry_runs, "forward_anchor")
     lines = proc.stderr.splitlines()
 
     def where(pattern: str) -> list[int]:
@@ -188,14 +230,9 @@ def test_profile_forward_idle_before_sums_gaps_by_the_waiting_event():
     assert got == {"embed": (4.0, 0.5), "gemm": (3.5, 1.5)}, got
 
 
-def test_adapter_reads_dry_run_times_every_way(tmp_path):
+def test_adapter_reads_dry_run_times_every_way(dry_runs):
     """bench_adapter_reads' CPU dry run: every read way at 1 and 2 threads, with positive times."""
-    out = tmp_path / "reads.md"
-    env = dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python"))
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "benchmark/lora/bench_adapter_reads.py"), "--cpu-dry-run",
-                           "--root", str(tmp_path / "assets"), "--out", str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    _, out = finished(dry_runs, "adapter_reads")
     rows = [[c.strip() for c in line.split("|")[1:-1]] for line in out.read_text().splitlines()
             if re.match(r"^\| (file bytes|library|load) ", line)]
     assert sorted((r[0], r[1]) for r in rows) == sorted((w, t) for w in ("file bytes", "library", "load")
