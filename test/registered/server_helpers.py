@@ -107,10 +107,21 @@ def launch_servers(*launches: dict, return_exceptions: bool = False) -> list:
 
 
 def session_runs(request, test_name: str) -> bool:
-    """Whether this session runs the test function `test_name` of the module asking (after -k and
-    node-id selection): a fixture that starts a server for it beside others can leave it out."""
-    return any(item.module is request.module and getattr(item, "originalname", None) == test_name
+    """Whether this session runs the test function `test_name` (or the test `test_name[id]` of a
+    parametrized one) of the module asking, after -k and node-id selection: a fixture that starts a
+    server for it beside others can leave it out."""
+    return any(item.module is request.module and test_name in (getattr(item, "originalname", None), item.name)
                for item in request.session.items)
+
+
+def launch_for_tests(request, launches: dict[str, dict]) -> dict:
+    """For a module whose tests each need a fresh server of their own (one they stop or kill):
+    {test name (`test_x` or `test_x[id]`): launch_servers(return_exceptions=True) entry} for those of
+    `launches` (test name -> popen_launch_server's arguments) that the session runs, all started
+    side by side up front. A test takes its own with started(servers[request.node.name]); the
+    fixture stops what is left with kill_servers(running(servers.values()))."""
+    wanted = {name: kwargs for name, kwargs in launches.items() if session_runs(request, name)}
+    return dict(zip(wanted, launch_servers(*wanted.values(), return_exceptions=True))) if wanted else {}
 
 
 def started(result):

@@ -12,7 +12,8 @@ import time
 
 import pytest
 
-from server_helpers import PYTHON_DIR, cache_dir_for_tests, kill_server, popen_launch_server, read_log, server_env
+from server_helpers import (PYTHON_DIR, cache_dir_for_tests, kill_server, kill_servers, launch_for_tests, read_log,
+                            running, server_env, started)
 from sglang.srt.managers.generate_request import InvalidRequestError
 
 
@@ -186,8 +187,19 @@ def test_scheduler_exits_when_its_parent_is_killed(tmp_path) -> None:
     assert wait_gone(child, 10), "the scheduler outlived its killed parent"
 
 
-def test_sigint_shuts_the_server_down_cleanly() -> None:
-    proc, _ = popen_launch_server("demo", ["--device", "cpu", "--max-total-tokens", "512"], env=server_env())
+@pytest.fixture(scope="module")
+def servers(request):
+    """A fresh demo server for each of the two tests below (each stops its own), both started side
+    by side up front (each start keeps about one core busy)."""
+    demo = dict(model="demo", other_args=["--device", "cpu", "--max-total-tokens", "512"], env=server_env())
+    started_servers = launch_for_tests(request, {"test_sigint_shuts_the_server_down_cleanly": demo,
+                                                 "test_server_exits_with_an_error_when_the_scheduler_dies": demo})
+    yield started_servers
+    kill_servers(running(started_servers.values()))
+
+
+def test_sigint_shuts_the_server_down_cleanly(servers, request) -> None:
+    proc, _ = started(servers[request.node.name])
     scheduler = children(proc.pid)
     assert scheduler, "the server should have a scheduler child"
     proc.send_signal(signal.SIGINT)
@@ -197,8 +209,8 @@ def test_sigint_shuts_the_server_down_cleanly() -> None:
     kill_server(proc)
 
 
-def test_server_exits_with_an_error_when_the_scheduler_dies() -> None:
-    proc, url = popen_launch_server("demo", ["--device", "cpu", "--max-total-tokens", "512"], env=server_env())
+def test_server_exits_with_an_error_when_the_scheduler_dies(servers, request) -> None:
+    proc, url = started(servers[request.node.name])
     try:
         scheduler = [pid for pid in children(proc.pid) if "resource_tracker" not in open(f"/proc/{pid}/cmdline").read()]
         assert len(scheduler) == 1

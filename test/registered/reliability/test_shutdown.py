@@ -17,7 +17,8 @@ import time
 import pytest
 import requests
 
-from server_helpers import group_alive, kill_server, popen_launch_server, read_log, server_env
+from server_helpers import group_alive, kill_server, kill_servers, launch_for_tests, read_log, running, server_env
+from server_helpers import started as started_server  # `started` is a test's event below
 
 LONG = {"max_new_tokens": 1900, "ignore_eos": True}
 
@@ -44,9 +45,22 @@ def _plain(url: str, out: dict) -> None:
         out["plain"] = e
 
 
+@pytest.fixture(scope="module")
+def servers(request):
+    """A fresh demo server for each test (each stops its own), all started side by side up front
+    (each start keeps about one core busy); the others wait idle meanwhile."""
+    demo = dict(model="demo", other_args=["--device", "cpu"], env=server_env())
+    names = ["test_sigterm_under_load_ends_every_reply_cleanly[server]",
+             "test_sigterm_under_load_ends_every_reply_cleanly[process-group]",
+             "test_sigterm_to_the_scheduler_alone_stops_the_server_in_seconds"]
+    started_servers = launch_for_tests(request, {name: demo for name in names})
+    yield started_servers
+    kill_servers(running(started_servers.values()))
+
+
 @pytest.mark.parametrize("whole_group", [False, True], ids=["server", "process-group"])
-def test_sigterm_under_load_ends_every_reply_cleanly(whole_group: bool) -> None:
-    proc, url = popen_launch_server("demo", ["--device", "cpu"], env=server_env())
+def test_sigterm_under_load_ends_every_reply_cleanly(whole_group: bool, servers, request) -> None:
+    proc, url = started_server(servers[request.node.name])
     try:
         out: dict = {}
         started = threading.Event()
@@ -91,10 +105,10 @@ def test_sigterm_under_load_ends_every_reply_cleanly(whole_group: bool) -> None:
         kill_server(proc)
 
 
-def test_sigterm_to_the_scheduler_alone_stops_the_server_in_seconds() -> None:
+def test_sigterm_to_the_scheduler_alone_stops_the_server_in_seconds(servers, request) -> None:
     """The scheduler defers a SIGTERM (the server's shutdown follows a group signal), but sent to it
     alone it still exits on its own, and the server stops and says why."""
-    proc, url = popen_launch_server("demo", ["--device", "cpu"], env=server_env())
+    proc, url = started_server(servers[request.node.name])
     try:
         children = [int(p) for p in open(f"/proc/{proc.pid}/task/{proc.pid}/children").read().split()]
         scheduler = [p for p in children if "spawn_main" in open(f"/proc/{p}/cmdline").read()
