@@ -96,6 +96,8 @@ def launch_servers(*launches: dict, return_exceptions: bool = False) -> list:
     that use that server to raise) and the others keep running."""
     from concurrent.futures import ThreadPoolExecutor
 
+    if not launches:
+        return []
     with ThreadPoolExecutor(len(launches)) as pool:
         futures = [pool.submit(popen_launch_server, **kwargs) for kwargs in launches]
     results = [f.exception() or f.result() for f in futures]
@@ -121,7 +123,7 @@ def launch_for_tests(request, launches: dict[str, dict]) -> dict:
     side by side up front. A test takes its own with started(servers[request.node.name]); the
     fixture stops what is left with kill_servers(running(servers.values()))."""
     wanted = {name: kwargs for name, kwargs in launches.items() if session_runs(request, name)}
-    return dict(zip(wanted, launch_servers(*wanted.values(), return_exceptions=True))) if wanted else {}
+    return dict(zip(wanted, launch_servers(*wanted.values(), return_exceptions=True)))
 
 
 def started(result):
