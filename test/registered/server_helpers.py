@@ -10,6 +10,7 @@ log (`read_log(proc)`); the server runs on a free port and the helper waits for 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -18,7 +19,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from typing import Optional, Sequence
+from typing import Iterator, Optional, Sequence
 
 import requests
 
@@ -148,6 +149,20 @@ def kill_servers(procs: Sequence[subprocess.Popen]) -> list[int]:
     with ThreadPoolExecutor(len(procs)) as pool:
         return list(pool.map(kill_server, procs))
 
+
+
+@contextlib.contextmanager
+def servers_running(*launches: dict) -> Iterator[list]:
+    """launch_servers(*launches, return_exceptions=True) for the body (a module fixture yields the
+    list; a test takes its server with started(...)), then every server that started is stopped
+    together, each required to exit cleanly."""
+    results = launch_servers(*launches, return_exceptions=True)
+    try:
+        yield results
+    finally:
+        procs = running(results)
+        for proc, code in zip(procs, kill_servers(procs)):
+            assert code == 0, read_log(proc)[-3000:]
 
 def read_log(proc: subprocess.Popen) -> str:
     text = ""

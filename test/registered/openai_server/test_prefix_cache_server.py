@@ -26,7 +26,7 @@ openai = pytest.importorskip("openai")  # the GPU machine lacks it; CI installs 
 
 from lora_server_testlib import generate, post, tiny_lora_checkpoint, write_adapter
 from reliability_lib import assert_no_leaks, server_info, wait_idle
-from server_helpers import kill_servers, launch_servers, read_log, running, session_runs, started
+from server_helpers import read_log, servers_running, session_runs, started
 from sglang.srt.lora.lora_registry import make_lora_ref
 
 TOL = 1e-5  # float32: the same numbers up to summation order
@@ -59,11 +59,8 @@ def servers(ckpt, adapters, request):
     ])]
     if session_runs(request, "test_disable_radix_cache_turns_it_all_off"):
         launches.append(dict(model=ckpt, other_args=["--device", "cpu", "--dtype", "float32", "--disable-radix-cache"]))
-    results = launch_servers(*launches, return_exceptions=True)
-    yield results
-    procs = running(results)
-    for proc, code in zip(procs, kill_servers(procs)):
-        assert code == 0, read_log(proc)[-3000:]
+    with servers_running(*launches) as results:
+        yield results
 
 
 @pytest.fixture(scope="module")

@@ -10,7 +10,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from server_helpers import kill_servers, launch_servers, read_log, running, session_runs, started, tiny_checkpoint
+from server_helpers import read_log, servers_running, session_runs, started, tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -27,11 +27,8 @@ def servers(ckpt, request):
         # Each request ends at ~40 tokens; admission reserves only part of the budget it will use,
         # so with 200 slots the requests admitted together run out of KV and must be retracted.
         launches.append(dict(model=ckpt, other_args=["--device", "cpu", "--max-total-tokens", "200"]))
-    results = launch_servers(*launches, return_exceptions=True)
-    yield results
-    procs = running(results)
-    for proc, code in zip(procs, kill_servers(procs)):
-        assert code == 0, read_log(proc)[-3000:]
+    with servers_running(*launches) as results:
+        yield results
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,7 @@ from bad_input_cases import (
 )
 from lora_server_testlib import PROMPTS, greedy, zoo_server_launch
 from reliability_lib import assert_no_leaks, wait_idle
-from server_helpers import kill_servers, launch_servers, read_log, running, session_runs, started
+from server_helpers import servers_running, session_runs, started
 
 
 # ---------------------------------------------------------------------------- fixtures
@@ -60,11 +60,8 @@ def servers(lora_ckpt, adapter_zoo, request):
     launches = [zoo_server_launch(lora_ckpt, adapter_zoo, request.module)]
     if session_runs(request, "test_api_key_matrix"):
         launches.append(dict(model=lora_ckpt, other_args=["--device", "cpu", "--dtype", "float32"], api_key=API_KEY))
-    results = launch_servers(*launches, return_exceptions=True)
-    yield results
-    procs = running(results)
-    for proc, code in zip(procs, kill_servers(procs)):
-        assert code == 0, read_log(proc)[-3000:]
+    with servers_running(*launches) as results:
+        yield results
 
 
 @pytest.fixture(scope="module")
