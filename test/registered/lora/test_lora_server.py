@@ -2,8 +2,8 @@
 
 One server per (architecture, LoRA backend) -- Llama and Qwen3 (explicit head_dim, q/k norms), each
 on torch_native, triton and csgmv -- with three PEFT adapters loaded at start (ranks 4, 8 and 16;
-q/v only; all-linear rsLoRA); the servers start side by side. The Triton kernels run under TRITON_INTERPRET=1, inherited by the
-server from the test process.
+q/v only; all-linear rsLoRA); the servers start side by side. The Triton kernels run under
+TRITON_INTERPRET=1, inherited by the server from the test process.
 
 Checked per server: prompt logprobs of the base model and every adapter match HF(+PEFT) within
 1e-4; a mixed batch (A, base, B, A) in ONE /generate call gives each request what it gets alone;
@@ -25,7 +25,7 @@ from lora_server_testlib import (
     tiny_lora_checkpoint,
     write_adapters,
 )
-from server_helpers import kill_servers, launch_servers, read_log, running, started
+from server_helpers import read_log, servers_running, started
 
 ATOL = 1e-4
 COMBOS = [(arch, backend) for arch in ("llama", "qwen3") for backend in ("torch_native", "triton", "csgmv")]
@@ -55,11 +55,8 @@ def servers(worlds, request):
             "--device", "cpu", "--dtype", "float32", "--lora-backend", backend,
             "--max-total-tokens", "4096", "--lora-paths", *[f"{n}={p}" for n, p in paths.items()],
         ]))
-    results = launch_servers(*launches, return_exceptions=True)
-    yield dict(zip(wanted, results))
-    procs = running(results)
-    for proc, code in zip(procs, kill_servers(procs)):
-        assert code == 0, read_log(proc)[-3000:]
+    with servers_running(*launches) as results:
+        yield dict(zip(wanted, results))
 
 
 @pytest.fixture(scope="module", params=COMBOS, ids=[f"{a}-{b}" for a, b in COMBOS])

@@ -12,8 +12,8 @@ import time
 
 import pytest
 
-from server_helpers import (PYTHON_DIR, cache_dir_for_tests, kill_server, kill_servers, launch_for_tests, read_log,
-                            running, server_env, started)
+from server_helpers import (PYTHON_DIR, cache_dir_for_tests, kill_server, read_log, server_env, servers_for_tests,
+                            started)
 from sglang.srt.managers.generate_request import InvalidRequestError
 
 
@@ -192,10 +192,9 @@ def servers(request):
     """A fresh demo server for each of the two tests below (each stops its own), both started side
     by side up front (each start keeps about one core busy)."""
     demo = dict(model="demo", other_args=["--device", "cpu", "--max-total-tokens", "512"], env=server_env())
-    started_servers = launch_for_tests(request, {"test_sigint_shuts_the_server_down_cleanly": demo,
-                                                 "test_server_exits_with_an_error_when_the_scheduler_dies": demo})
-    yield started_servers
-    kill_servers(running(started_servers.values()))
+    with servers_for_tests(request, {"test_sigint_shuts_the_server_down_cleanly": demo,
+                                     "test_server_exits_with_an_error_when_the_scheduler_dies": demo}) as started_servers:
+        yield started_servers
 
 
 def test_sigint_shuts_the_server_down_cleanly(servers, request) -> None:

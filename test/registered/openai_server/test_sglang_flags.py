@@ -10,7 +10,7 @@ import pytest
 import requests
 from transformers import AutoTokenizer
 
-from server_helpers import kill_servers, launch_servers, read_log, running, started, tiny_checkpoint
+from server_helpers import read_log, servers_running, started, tiny_checkpoint
 from sglang.srt.server_args import prepare_server_args
 
 TEMPLATE = "{% for m in messages %}{{ '<<' + m['role'] + '>> ' + m['content'] + '\\n' }}{% endfor %}ANSWER:"
@@ -27,7 +27,7 @@ def servers(ckpt, tmp_path_factory):
     """The two servers below, started side by side (each start keeps about one core busy)."""
     path = tmp_path_factory.mktemp("template") / "chat.jinja"
     path.write_text(TEMPLATE)
-    results = launch_servers(
+    with servers_running(
         dict(model=ckpt, other_args=["--device", "cpu", "--log-requests", "--served-model-name", "m",
                                      "--grammar-backend", "none"]),
         dict(model=ckpt, other_args=[
@@ -35,10 +35,9 @@ def servers(ckpt, tmp_path_factory):
             "--log-requests-level", "2", "--enable-cache-report", "--schedule-policy", "lpm", "--max-top-logprobs",
             "30", "--decode-log-interval", "1",
         ]),
-        return_exceptions=True,
-    )
-    yield results
-    kill_servers(running(results))
+        check_exit=False,
+    ) as results:
+        yield results
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import time
 import pytest
 import requests
 
-from server_helpers import group_alive, kill_server, kill_servers, launch_for_tests, read_log, running, server_env
+from server_helpers import group_alive, kill_server, read_log, server_env, servers_for_tests
 from server_helpers import started as started_server  # `started` is a test's event below
 
 LONG = {"max_new_tokens": 1900, "ignore_eos": True}
@@ -53,9 +53,8 @@ def servers(request):
     names = ["test_sigterm_under_load_ends_every_reply_cleanly[server]",
              "test_sigterm_under_load_ends_every_reply_cleanly[process-group]",
              "test_sigterm_to_the_scheduler_alone_stops_the_server_in_seconds"]
-    started_servers = launch_for_tests(request, {name: demo for name in names})
-    yield started_servers
-    kill_servers(running(started_servers.values()))
+    with servers_for_tests(request, {name: demo for name in names}) as started_servers:
+        yield started_servers
 
 
 @pytest.mark.parametrize("whole_group", [False, True], ids=["server", "process-group"])

@@ -11,20 +11,19 @@ import threading
 import pytest
 import requests
 
-from server_helpers import kill_server, kill_servers, launch_for_tests, read_log, running, server_env, started
+from server_helpers import kill_server, read_log, server_env, servers_for_tests, started
 
 
 @pytest.fixture(scope="module")
 def servers(request):
     """A fresh server for each test (the test stops it), both started side by side up front (each
     start keeps about one core busy); an idle server's turns keep its watchdog quiet meanwhile."""
-    started_servers = launch_for_tests(request, {
+    with servers_for_tests(request, {
         f"test_a_hung_forward_stops_the_server_with_the_stack[{tp_size}]": dict(
             model="demo", other_args=["--device", "cpu", "--enable-test-hooks", "--watchdog-timeout", "3",
                                       "--tp-size", str(tp_size)], env=server_env())
-        for tp_size in (1, 2)})
-    yield started_servers
-    kill_servers(running(started_servers.values()))
+        for tp_size in (1, 2)}) as started_servers:
+        yield started_servers
 
 
 @pytest.mark.parametrize("tp_size", [1, 2])
