@@ -4,9 +4,9 @@ The interpreter swaps `triton.language`'s builtins for its own at every launch a
 after it. It also re-patches at every call of a nested `@triton.jit` function, inside every program
 of the grid, though the launch has already patched the same modules: `inspect.getmembers` over
 `triton.language`, `triton.language.core`, their tensor class and `math`, each time. Our kernels
-call helpers (a row's RMSNorm, a rounding, a PDL wait) from every program, so most of an
-interpreted launch went there: the CPU suite's fused-norm tests took 74 s with it and 51 s
-without (triton 3.9, 2026-12-06).
+call helpers (a row's RMSNorm, a rounding, a PDL wait) from every program, so about a third of an
+interpreted launch went there: the CPU suite's fused-norm tests took 74 s re-patching and 51 s
+patching once (triton 3.9, 2026-12-06).
 
 `install()` makes a nested call skip the patch when the launch around it has already patched every
 language module the helper sees (the same objects, so the same patch). A helper that sees one the
@@ -26,8 +26,6 @@ import inspect
 import logging
 import threading
 from typing import Any, Callable
-
-from sglang.srt.layers.triton_ops.common import interpreting
 
 logger = logging.getLogger(__name__)
 
@@ -114,8 +112,3 @@ def install() -> bool:
     executor.__call__ = call
     _installed = True
     return True
-
-
-def install_if_interpreting() -> None:
-    if interpreting():
-        install()
