@@ -235,6 +235,9 @@ def main() -> None:
     p.add_argument("--tile-elements", nargs="*", type=int, default=[],
                    help="also time `fused` with norm_shrink_pack.TILE_ELEMENTS set to each (its column tile: "
                         "fewer, wider programs per row re-normalise the row fewer times)")
+    p.add_argument("--row-loop", nargs="*", type=int, default=[],
+                   help="also time `fused` with norm_shrink_pack's row loop at every batch (ROW_LOOP_ABOVE_ROWS 0) "
+                        "and LOOP_COLUMNS set to each: one A row at a time, fewer registers, more programs an SM")
     p.add_argument("--afold", action="store_true",
                    help="also time `afold`: o_proj / down_proj A-folded, their deltas added by the next norm")
     add_output_args(p)
@@ -242,7 +245,7 @@ def main() -> None:
     dry, device, dtype, models = target(args)
     bss = [1, 3] if dry else args.decode_bs
     slots = args.adapters + 1
-    lines, tiles, early, afolds = [], [], [], []
+    lines, tiles, early, afolds, loops = [], [], [], [], []
     for shape in models:
         mods = build(shape, args.rank, slots, dtype, device)
         layers = model_dims(shape)[5]
@@ -283,6 +286,15 @@ def main() -> None:
                     print(afolds[-1], flush=True)
             if args.early_start:
                 early += early_start_rows(shape, step, dry)
+            if args.row_loop:
+                step.fused()
+                tile_outs = [o.clone() for o in step.outs]
+                tile_us = float("nan") if dry else graph_us(lambda _: step.fused())
+            for cols in args.row_loop:
+                us, equal = fused_with_row_loop(step, cols, tile_outs, dry)
+                loops.append(f"| {shape} | {bs} | {cols} | {tile_us:.0f} | {us:.0f} | {tile_us - us:.0f} | "
+                             f"{(tile_us - us) / len(mods) * 2:.2f} | {'yes' if equal else 'no'} |")
+                print(loops[-1], flush=True)
             for tile in args.tile_elements:
                 us, tile_diff = fused_with_tile(step, tile, ref, dry)
                 tiles.append(f"| {shape} | {bs} | {tile} | {us:.0f} | {us - base:.0f} | {tile_diff:.1e} |")
@@ -291,6 +303,12 @@ def main() -> None:
         lines += [f"`fused` with other column tiles (default TILE_ELEMENTS {nsp.TILE_ELEMENTS})", "",
                   "| model | decode bs | TILE_ELEMENTS | fused µs/step | LoRA fused | max rel diff |",
                   "|---|---:|---:|---:|---:|---:|", *tiles, ""]
+    if args.row_loop:
+        lines += ["`fused` with norm_shrink_pack's row loop at every batch (GPU µs per step; `saves / launch`: per "
+                  "norm-fed module, the half of the step's modules that run the kernel)", "",
+                  "| model | decode bs | LOOP_COLUMNS | tile µs/step | row loop µs/step | saves µs/step | saves µs/launch | "
+                  "outputs equal the tile's |",
+                  "|---|---:|---:|---:|---:|---:|---:|---|", *loops, ""]
     if args.afold:
         lines += ["`afold`: o_proj / down_proj A-folded (W_a = [W; A of every slot], the next norm adds the delta); "
                   "LoRA µs per step over the base, and step / base", "",
@@ -348,6 +366,19 @@ def fused_with_tile(step: "Step", tile: int, ref: list[torch.Tensor], dry: bool)
         return (float("nan") if dry else graph_us(lambda _: step.fused())), diff
     finally:
         nsp.TILE_ELEMENTS = saved
+
+
+def fused_with_row_loop(step: "Step", cols: int, ref: list[torch.Tensor], dry: bool) -> tuple[float, bool]:
+    """`fused` (GPU µs per step) with norm_shrink_pack's row loop at every batch and `cols` columns a
+    program, and whether its outputs equal `ref` (the tile's) bit for bit."""
+    saved = nsp.ROW_LOOP_ABOVE_ROWS, nsp.LOOP_COLUMNS
+    nsp.ROW_LOOP_ABOVE_ROWS, nsp.LOOP_COLUMNS = 0, cols
+    try:
+        step.fused()
+        equal = all(torch.equal(o, r) for o, r in zip(step.outs, ref))
+        return (float("nan") if dry else graph_us(lambda _: step.fused())), equal
+    finally:
+        nsp.ROW_LOOP_ABOVE_ROWS, nsp.LOOP_COLUMNS = saved
 
 
 if __name__ == "__main__":

@@ -15,7 +15,9 @@ import torch
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd
 from sglang.srt.lora.fold import fold_extra_columns
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd
+from sglang.srt.lora.triton_ops import norm_shrink_pack as nsp
 from sglang.srt.lora.triton_ops.norm_shrink_pack import (
+    LOOP_COLUMNS,
     DeferredDelta,
     column_tile,
     norm_shrink,
@@ -41,10 +43,16 @@ def inputs(in_dim: int, stack: int, dtype: torch.dtype, seed: int):
     return slots, x, residual, norm_w, a, extra
 
 
+@pytest.fixture(params=[None, 0], ids=["tile", "row-loop"])
+def structure(request, monkeypatch):
+    """Both structures of the kernel: the A tile (the default) and the row loop at every batch."""
+    monkeypatch.setattr(nsp, "ROW_LOOP_ABOVE_ROWS", request.param)
+
+
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("stack", [1, 2, 3])
 @pytest.mark.parametrize("in_dim", [40, 300])
-def test_writes_the_norm_and_the_packed_shrink(in_dim, stack, with_residual):
+def test_writes_the_norm_and_the_packed_shrink(in_dim, stack, with_residual, structure):
     slots, x, residual, norm_w, a, extra = inputs(in_dim, stack, torch.float32, 7 * stack + in_dim)
     rows = slots.numel()
     res_in = residual.clone()
@@ -67,7 +75,7 @@ def test_writes_the_norm_and_the_packed_shrink(in_dim, stack, with_residual):
 
 
 @pytest.mark.parametrize("stack", [1, 3])
-def test_without_a_norm_it_is_shrink_pack_row_by_row(stack):
+def test_without_a_norm_it_is_shrink_pack_row_by_row(stack, structure):
     """o_proj / down_proj have no norm before them: the same kernel then packs x itself."""
     slots, x, _, _, a, extra = inputs(300, stack, torch.float32, 5 + stack)
     x_aug = torch.full((slots.numel(), 300 + extra), float("nan"))
@@ -79,7 +87,7 @@ def test_without_a_norm_it_is_shrink_pack_row_by_row(stack):
 
 
 @pytest.mark.parametrize("stack", [1, 2, 3])
-def test_unfolded_layout_is_rmsnorm_then_token_shrink(stack):
+def test_unfolded_layout_is_rmsnorm_then_token_shrink(stack, structure):
     """An unfolded module: the normed rows to their own tensor, the compact unscaled shrink to xa
     (token_shrink's layout); rows without an adapter and columns past c*r are left alone."""
     slots, x, residual, norm_w, a, _ = inputs(300, stack, torch.float32, 20 + stack)
@@ -99,7 +107,7 @@ def test_unfolded_layout_is_rmsnorm_then_token_shrink(stack):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul_before_down_proj(dtype):
+def test_silu_and_mul_before_down_proj(dtype, structure):
     """down_proj's input is SiLU-and-mul of [gate | up]: the same bits as silu_and_mul_fwd, then
     the packed (folded) or compact (unfolded) shrink of it."""
     slots, _, _, _, a, extra = inputs(300, 1, dtype, 31)
@@ -126,7 +134,7 @@ def test_silu_and_mul_before_down_proj(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_deferred_delta_of_an_a_folded_module(dtype):
+def test_deferred_delta_of_an_a_folded_module(dtype, structure):
     """x is an A-folded module's base output (a strided view of its GEMM's [T, N + S*R] output),
     and the row's delta scaling * s[slot block] @ B^T is added before the residual: rmsnorm_fwd of
     the module output computed in torch (float32 sum of the delta, one rounding), and the packed
@@ -165,7 +173,7 @@ def test_deferred_delta_of_an_a_folded_module(dtype):
     assert not torch.equal(new_res, ref_plain)
 
 
-def test_bf16_norm_is_rmsnorm_bit_for_bit():
+def test_bf16_norm_is_rmsnorm_bit_for_bit(structure):
     slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.bfloat16, 1)
     x_aug = torch.empty((slots.numel(), 300 + extra), dtype=torch.bfloat16)
     new_res = norm_shrink_pack(x, residual, norm_w, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 3, R)
@@ -176,7 +184,7 @@ def test_bf16_norm_is_rmsnorm_bit_for_bit():
     torch.testing.assert_close(x_aug.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_rows_do_not_depend_on_the_row_count():
+def test_rows_do_not_depend_on_the_row_count(structure):
     slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.float32, 2)
     live = slots.numel()
     bucket = torch.cat([slots, torch.full((21,), -1, dtype=torch.int32)])
@@ -204,10 +212,10 @@ def test_column_tile_is_a_layer_constant():
     assert all(RANKS[s] <= R for s in range(S))
 
 
-def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False) -> str:
+def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, row_loop: bool = False, asm: str = "ptx"):
     """The kernel compiled for sm_90 at Qwen3-4B shapes: qkv after its norm (with `delta`, adding
     the deferred delta of the A-folded down_proj before it), or down_proj after SiLU-and-mul (run
-    without TRITON_INTERPRET)."""
+    without TRITON_INTERPRET); `row_loop`: the structure past ROW_LOOP_ABOVE_ROWS."""
     from sglang.srt.lora.triton_ops.norm_shrink_pack import _norm_shrink_pack_kernel
     from test_lora_token_kernels import _compile_for_hopper
 
@@ -218,11 +226,30 @@ def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False) -> str:
                                    "D_S": "*bf16", "D_BT": "*bf16", "D_SCALINGS": "*fp32"},
         ["stride_x", "stride_r", "stride_ro", "stride_xaug", "stride_y", "a_stride_s", "a_stride_n", "stride_ds",
          "dbt_stride_s", "dbt_stride_r", "K"],
-        dict(STACK=stack, MAX_RANK=16, E_COLS=9 * stack * 16, BLOCK=triton_next_pow2(k), BLOCK_J=column_tile(k),
-             BLOCK_E=512, HAS_NORM=not silu, HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False,
-             USE_PDL=True, DELTA_RANK=16 if delta else 0),
-        floats=("eps",), num_warps=8,
+        dict(STACK=stack, MAX_RANK=16, E_COLS=9 * stack * 16, BLOCK=triton_next_pow2(k),
+             BLOCK_J=LOOP_COLUMNS if row_loop else column_tile(k), BLOCK_E=512, HAS_NORM=not silu,
+             HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False, USE_PDL=not row_loop,
+             DELTA_RANK=16 if delta else 0, ROW_LOOP=row_loop),
+        floats=("eps",), num_warps=8, asm=asm,
     )
+
+
+def hopper_usage(**variant) -> dict[str, int]:
+    """Registers a thread and stack bytes (spills) of a variant compiled for sm_90, as the bundled
+    cuobjdump reports them (REG, STACK)."""
+    import os
+    import re
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(hopper_ptx(asm="cubin", **variant))
+        f.flush()
+        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    return {key: int(re.search(rf"{key}:(\d+)", out).group(1)) for key in ("REG", "STACK")}
 
 
 def a_before_wait(ptx: str) -> bool:
@@ -249,8 +276,33 @@ def test_compiles_for_hopper():
     code = (f"import sys; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
             "import test_lora_norm_shrink as t; ptx = [t.hopper_ptx(p, s) for p, s in ((True, False), (False, False), "
             "(True, True), (False, True))] + [t.hopper_ptx(True, delta=True)]; "
-            "print('ok', all('st.global' in p and t.a_before_wait(p) for p in ptx))")
+            "loop = [t.hopper_ptx(p, s, d, row_loop=True) for p, s, d in ((True, False, False), (False, False, True), "
+            "(True, True, False))]; "
+            "print('ok', all('st.global' in p and t.a_before_wait(p) for p in ptx), all('st.global' in p for p in loop))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.split()[-1] == "True", proc.stdout
+    assert proc.stdout.split()[-2:] == ["True", "True"], proc.stdout
+
+
+def test_registers_at_hopper():
+    """What the row loop is for: compiled for sm_90 at 8 warps as the JIT specialises real shapes
+    (Qwen3-4B qkv_proj), it needs at most 48 registers a thread, five or more programs of 256 threads
+    an SM (the tile held before the norm needs 64: four), and no variant spills."""
+    import ast
+    import os
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    python_dir = os.path.join(here, "..", "..", "..", "python")
+    code = (f"import sys; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; import test_lora_norm_shrink as t; "
+            "print([t.hopper_usage(packed=p, delta=d, row_loop=r) for r in (False, True) "
+            "for p, d in ((True, False), (True, True), (False, True))])")  # tile: 3, then loop: 3
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    usage = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    assert all(u["STACK"] == 0 for u in usage), usage
+    tile, loop = usage[0], usage[3]  # qkv_proj's packed kernel, no delta
+    assert loop["REG"] <= 48 < tile["REG"], usage

@@ -235,9 +235,10 @@ def test_bound_kernel_checks_its_signature():
 
 
 def _compile_for_hopper(kernel, tensors: dict, ints: list[str], constexprs: dict, floats: tuple[str, ...] = (),
-                        **options):
+                        asm: str = "ptx", **options):
     """Compile for sm_90 without a GPU (bundled ptxas), the way the JIT specialises real shapes:
-    16-byte aligned pointers and ints divisible by 16 (`floats`: fp32 scalars after the ints)."""
+    16-byte aligned pointers and ints divisible by 16 (`floats`: fp32 scalars after the ints).
+    Returns the `asm` stage: "ptx" (text) or "cubin" (bytes)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     import triton
@@ -247,7 +248,7 @@ def _compile_for_hopper(kernel, tensors: dict, ints: list[str], constexprs: dict
     attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in list(tensors) + ints}
     src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
                     attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm[asm]
 
 
 SEGMENT_PTRS = {"perm_ptr": "*i32", "seg_indptr_ptr": "*i32", "weight_indices_ptr": "*i32"}

@@ -47,6 +47,17 @@ TILE_ELEMENTS = 16384
 # that the GEMM before still drains). The rows are a graph bucket's static count, and the launch
 # mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others.
 PDL_MAX_ROWS = 32
+# Past this many rows the kernel reduces its columns one A row at a time (ROW_LOOP) instead of
+# holding a BLOCK_J x next_pow2(K) tile. Compiled for sm_90 at 8 warps as the JIT specialises real
+# shapes (Qwen3-4B qkv_proj, K 2,560), the tile takes 64 registers a thread, four programs an SM,
+# so a 64-row batch (768 programs) runs in two waves; the loop takes 40, six programs an SM, one
+# wave. The tile, loaded before the norm, overlaps its latency with the norm's, which pays at a
+# batch of one wave. Must be a decode graph bucket's size (or None: never): a batch of live rows and
+# its padded bucket then fall on the same side, so graph == eager holds even where the two
+# structures round differently.
+ROW_LOOP_ABOVE_ROWS: Optional[int] = None
+# The loop's columns per program: the tile's BLOCK_J bound (registers) does not hold for it.
+LOOP_COLUMNS = 4
 
 
 @triton.jit
@@ -68,6 +79,7 @@ def _norm_shrink_pack_kernel(
     EMULATE_RNE: tl.constexpr,
     USE_PDL: tl.constexpr,
     DELTA_RANK: tl.constexpr,
+    ROW_LOOP: tl.constexpr,
 ):
     # PACKED (a folded module): XAUG is x_aug [T, K + E], Y unused. Otherwise (an unfolded one) Y
     # gets the normalised rows [T, K] and XAUG is the shrink output [T, STACK * MAX_RANK], each
@@ -85,8 +97,10 @@ def _norm_shrink_pack_kernel(
     rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
     offs_n = tile * BLOCK_J + tl.arange(0, BLOCK_J)
     col_mask = offs_n < STACK * rank
-    a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
-                mask=col_mask[:, None] & mask[None, :], other=0.0)
+    a_rows = A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s
+    if not ROW_LOOP:
+        a = tl.load(a_rows + offs_n[:, None] * a_stride_n + offs[None, :], mask=col_mask[:, None] & mask[None, :],
+                    other=0.0)
     if USE_PDL:
         # Launched as a programmatic dependent: the slot, rank and A tile above do not depend on
         # the kernel before (the GEMM or attention that wrote X / R), so their loads overlap its
@@ -141,7 +155,16 @@ def _norm_shrink_pack_kernel(
 
     # ---- this tile's columns of the row's shrink: compact column n = k*r + j of A[slot] --------
     if tile * BLOCK_J < STACK * rank:
-        acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
+        if ROW_LOOP:
+            yf = y.to(tl.float32)
+            acc = tl.zeros((BLOCK_J,), dtype=tl.float32)
+            for jj in tl.static_range(BLOCK_J):
+                n = tile * BLOCK_J + jj
+                a_row = tl.load(a_rows + n * a_stride_n + offs, mask=offs < tl.where(n < STACK * rank, K, 0),
+                                other=0.0)
+                acc = tl.where(tl.arange(0, BLOCK_J) == jj, tl.sum(a_row.to(tl.float32) * yf, axis=0), acc)
+        else:
+            acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
         if PACKED:
             scaling = tl.load(SCALINGS + slot)
             k_slice = offs_n // rank
@@ -175,7 +198,8 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
     if rows == 0:
         return residual_out
     block = triton.next_power_of_2(in_dim)
-    block_j = column_tile(in_dim)
+    row_loop = ROW_LOOP_ABOVE_ROWS is not None and rows > ROW_LOOP_ABOVE_ROWS
+    block_j = LOOP_COLUMNS if row_loop else column_tile(in_dim)
     extra = out.shape[1] - in_dim if packed else 0
     r = residual if residual is not None else x
     ro = residual_out if residual is not None else x
@@ -199,6 +223,7 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
         BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_SILU=silu, PACKED=packed,
         EMULATE_RNE=interpreting(), USE_PDL=pdl, DELTA_RANK=delta.max_rank if delta is not None else 0,
+        ROW_LOOP=row_loop,
         # rmsnorm_fwd's warps for the row: the same reduction tree, so the norm equals its output.
         num_warps=row_warps(in_dim),
         **({"launch_pdl": True} if pdl else {}),
