@@ -392,8 +392,13 @@ def test_csgmv_runs_folded_modules_apart_at_prefill(setting, apart, tmp_path, mo
         torch.testing.assert_close(torch.tensor(got), ref, rtol=0, atol=1e-4)
     _, folded_tokens, kept, _ = run("0")
     assert all(kept) and tokens == folded_tokens
-    if apart:  # the same sums as a server without the fold: base GEMM, chunked shrink and expand
-        assert run("0", fold="off")[0] == logprobs
+    if apart:  # the same function as a server without the fold: base GEMM, chunked shrink and expand
+        # Not bit for bit: the base GEMM reads W_aug[:, :K], a strided view, where the unfolded server
+        # reads a contiguous W, and the CPU's BLAS may pick another kernel (another summation order)
+        # for it; on an AVX-512 host the logprobs moved by 2e-6.
+        unfolded = run("0", fold="off")[0]
+        for got, ref in zip(logprobs, unfolded):
+            torch.testing.assert_close(torch.tensor(got), torch.tensor(ref), rtol=0, atol=2e-5)
 
 
 def test_prefill_unfold_setting_is_checked():

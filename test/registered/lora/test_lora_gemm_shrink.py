@@ -69,7 +69,9 @@ def test_gemm_shrink_pack_matches_shrink_pack(stack, in_dim):
     assert torch.equal(x_aug[:, :in_dim], x)  # x is left as it was
     values = expected[:, in_dim:] != 0
     assert torch.equal(x_aug[:, in_dim:] != 0, values)  # the same columns hold values, the rest zeros
-    torch.testing.assert_close(x_aug, expected, rtol=1e-5, atol=1e-5)
+    # Float32 sums of in_dim products in two orders (a BLAS GEMM, whose kernel and order depend on the
+    # host's CPU, against the interpreted shrink_pack): 1.1e-5 apart on an AVX-512 host.
+    torch.testing.assert_close(x_aug, expected, rtol=1e-5, atol=5e-5)
 
 
 def test_gemm_shrink_pack_on_a_bucket_grid():
