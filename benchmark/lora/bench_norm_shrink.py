@@ -300,28 +300,26 @@ def main() -> None:
                 tiles.append(f"| {shape} | {bs} | {tile} | {us:.0f} | {us - base:.0f} | {tile_diff:.1e} |")
         lines.append("")
     if args.tile_elements:
-        lines += [f"`fused` with other column tiles (default TILE_ELEMENTS {nsp.TILE_ELEMENTS})", "",
-                  "| model | decode bs | TILE_ELEMENTS | fused µs/step | LoRA fused | max rel diff |",
-                  "|---|---:|---:|---:|---:|---:|", *tiles, ""]
+        lines += table_section(f"`fused` with other column tiles (default TILE_ELEMENTS {nsp.TILE_ELEMENTS})",
+                               ["model", "decode bs", "TILE_ELEMENTS", "fused µs/step", "LoRA fused", "max rel diff"],
+                               tiles)
     if args.row_loop:
-        lines += ["`fused` with norm_shrink_pack's row loop at every batch (GPU µs per step; `saves / launch`: per "
-                  "norm-fed module, the half of the step's modules that run the kernel)", "",
-                  "| model | decode bs | LOOP_COLUMNS | tile µs/step | row loop µs/step | saves µs/step | saves µs/launch | "
-                  "outputs equal the tile's |",
-                  "|---|---:|---:|---:|---:|---:|---:|---|", *loops, ""]
+        lines += table_section("`fused` with norm_shrink_pack's row loop at every batch (GPU µs per step; `saves / "
+                               "launch`: per norm-fed module, the half of the step's modules that run the kernel)",
+                               ["model", "decode bs", "LOOP_COLUMNS", "tile µs/step", "row loop µs/step",
+                                "saves µs/step", "saves µs/launch", "outputs equal the tile's"], loops)
     if args.afold:
-        lines += ["`afold`: o_proj / down_proj A-folded (W_a = [W; A of every slot], the next norm adds the delta); "
-                  "LoRA µs per step over the base, and step / base", "",
-                  "| model | decode bs | base µs/step | LoRA fused | LoRA rowwise | LoRA afold | LoRA afold_expand | "
-                  "afold / best | afold step / base | best step / base |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|", *afolds, ""]
+        lines += table_section("`afold`: o_proj / down_proj A-folded (W_a = [W; A of every slot], the next norm adds "
+                               "the delta); LoRA µs per step over the base, and step / base",
+                               ["model", "decode bs", "base µs/step", "LoRA fused", "LoRA rowwise", "LoRA afold",
+                                "LoRA afold_expand", "afold / best", "afold step / base", "best step / base"], afolds)
     if args.early_start:
-        lines += [f"`fused` with the early-start knobs (default: the norm kernel a PDL dependent up to "
-                  f"{nsp.PDL_MAX_ROWS} rows, SiLU-and-mul releasing at its start; GPU µs per step, the same graph "
-                  "of the four folded modules)", "",
-                  "| model | decode bs | default | norm kernel never PDL | norm kernel always PDL | "
-                  "SiLU-and-mul without early release | all off | all off - default | outputs equal |",
-                  "|---|---:|---:|---:|---:|---:|---:|---:|---|", *early, ""]
+        lines += table_section(f"`fused` with the early-start knobs (default: the norm kernel a PDL dependent up to "
+                               f"{nsp.PDL_MAX_ROWS} rows, SiLU-and-mul releasing at its start; GPU µs per step, the "
+                               "same graph of the four folded modules)",
+                               ["model", "decode bs", "default", "norm kernel never PDL", "norm kernel always PDL",
+                                "SiLU-and-mul without early release", "all off", "all off - default",
+                                "outputs equal"], early)
     emit_table(lines, args.out)
 
 
@@ -366,6 +364,14 @@ def fused_with_tile(step: "Step", tile: int, ref: list[torch.Tensor], dry: bool)
         return (float("nan") if dry else graph_us(lambda _: step.fused())), diff
     finally:
         nsp.TILE_ELEMENTS = saved
+
+
+def table_section(title: str, header: list[str], rows: list[str]) -> list[str]:
+    """A titled markdown table: the first column left-aligned (a name), the others right-aligned,
+    except a last column of yes / no."""
+    last = "---" if header[-1].startswith("outputs equal") else "---:"
+    aligns = ["---"] + ["---:"] * (len(header) - 2) + [last]
+    return [title, "", "| " + " | ".join(header) + " |", "|" + "|".join(aligns) + "|", *rows, ""]
 
 
 def fused_with_row_loop(step: "Step", cols: int, ref: list[torch.Tensor], dry: bool) -> tuple[float, bool]:
