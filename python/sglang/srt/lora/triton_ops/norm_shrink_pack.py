@@ -13,7 +13,8 @@ output bit for bit) and reduces BLOCK_J columns of its row's adapter, `A[slot, j
 The column-tile-0 program also writes the new residual, the normalised row and the zeros (every
 extra column that is not one of the row's own values, all of E for a row without an adapter);
 the other programs write only their values. So every element is written once, and nothing needs
-clearing between launches.
+clearing between launches. Past ROW_LOOP_ABOVE_ROWS rows (off by default) a program reduces its
+columns one A row at a time instead of holding the tile: fewer registers, more programs an SM.
 
 The new residual goes to its own buffer, never over the old one: the other programs of the row
 read the old residual while the first writes.
