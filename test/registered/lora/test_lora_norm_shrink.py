@@ -237,19 +237,11 @@ def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, row_loop: 
 def hopper_usage(**variant) -> dict[str, int]:
     """Registers a thread and stack bytes (spills) of a variant compiled for sm_90, as the bundled
     cuobjdump reports them (REG, STACK)."""
-    import os
-    import re
-    import subprocess
-    import tempfile
+    cubin = hopper_ptx(asm="cubin", **variant)
+    from kernel_resources import usage  # benchmark/: on the path once hopper_ptx has compiled
 
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(hopper_ptx(asm="cubin", **variant))
-        f.flush()
-        out = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
-    return {key: int(re.search(rf"{key}:(\d+)", out).group(1)) for key in ("REG", "STACK")}
+    found = usage(cubin)
+    return {"REG": found.registers, "STACK": found.stack}
 
 
 def a_before_wait(ptx: str) -> bool:

@@ -238,17 +238,14 @@ def _compile_for_hopper(kernel, tensors: dict, ints: list[str], constexprs: dict
                         asm: str = "ptx", **options):
     """Compile for sm_90 without a GPU (bundled ptxas), the way the JIT specialises real shapes:
     16-byte aligned pointers and ints divisible by 16 (`floats`: fp32 scalars after the ints).
-    Returns the `asm` stage: "ptx" (text) or "cubin" (bytes)."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    import triton
+    Returns the `asm` stage: "ptx" (text) or "cubin" (bytes). benchmark/kernel_resources.py's."""
+    import os
+    import sys
 
-    sig = {**tensors, **{n: "i32" for n in ints}, **{n: "fp32" for n in floats}, **{k: "constexpr" for k in constexprs}}
-    names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in list(tensors) + ints}
-    src = ASTSource(fn=kernel, signature=sig, constexprs={(names.index(k),): v for k, v in constexprs.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm[asm]
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "benchmark"))
+    from kernel_resources import compile_sm90
+
+    return compile_sm90(kernel, tensors, ints, constexprs, floats, asm=asm, **options)
 
 
 SEGMENT_PTRS = {"perm_ptr": "*i32", "seg_indptr_ptr": "*i32", "weight_indices_ptr": "*i32"}
