@@ -4,8 +4,8 @@ it), with --reasoning-parser deepseek-r1 on (whose parser would take a reply wit
 reasoning: forced calls bypass it), through the official `openai` client on the echo checkpoint
 (echo_checkpoint.py: the model repeats a scripted reply).
 
-Checked: a scripted valid call becomes message.tool_calls with finish_reason "tool_calls" and null
-content, whole and streamed (the stream adds up to the same call; a named call's arguments stream
+Checked: a scripted valid call becomes message.tool_calls with null content and finish_reason
+"tool_calls" (for "required"; "stop" for a named function, as OpenAI's API answers), whole and streamed (the stream adds up to the same call; a named call's arguments stream
 in pieces); the grammar holds when the model writes something else (the echo model's script is
 plain text or a wrong value, and the reply is still one schema-valid call); `strict: true` tools
 are taken there, and under "auto" need the parser like any tools (strict under "auto" itself:
@@ -57,7 +57,7 @@ def test_a_named_function_call(server, client) -> None:
     args = '{"city": "Paris"}'
     body = echo_body(server, args, tools=TOOLS, tool_choice=named("get_weather"))
     choice = ask(client, body).choices[0]
-    assert choice.finish_reason == "tool_calls"
+    assert choice.finish_reason == "stop"  # OpenAI's for a named tool_choice; "tool_calls" for "required"
     assert choice.message.content is None and getattr(choice.message, "reasoning_content", None) is None
     [tc] = choice.message.tool_calls
     assert tc.type == "function" and tc.id.startswith("call_") and len(tc.id) == 29
@@ -92,7 +92,7 @@ def test_the_grammar_holds_a_named_call_to_its_schema(server, client) -> None:
     body = echo_body(server, "I refuse to call it.", tools=[SET_UNIT], tool_choice=named("set_unit"), max_tokens=40)
     choice = ask(client, body).choices[0]
     [tc] = choice.message.tool_calls
-    assert choice.finish_reason == "tool_calls" and tc.function.name == "set_unit"
+    assert choice.finish_reason == "stop" and tc.function.name == "set_unit"
     assert json.loads(tc.function.arguments)["unit"] in UNITS and set(json.loads(tc.function.arguments)) == {"unit"}
     streamed, _ = ask_streamed(client, body)
     same_reply(streamed[0], choice)

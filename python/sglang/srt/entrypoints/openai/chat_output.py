@@ -82,6 +82,13 @@ class OutputSpec:
         """Nothing to parse: the text is the content."""
         return self.reasoning is None and self.tool_format is None and self.forced is None
 
+    @property
+    def calls_finish_reason(self) -> str:
+        """The finish_reason of a reply that stopped with tool calls in it: "tool_calls", except
+        under a tool_choice naming the function, where OpenAI's API says "stop" (stream or not;
+        vLLM answers the same)."""
+        return "stop" if self.forced is not None and self.forced.function is not None else "tool_calls"
+
     def parser(self) -> "ChatOutputParser":
         return ChatOutputParser(self)
 

@@ -221,7 +221,7 @@ class OpenAIServingChat:
                 parsed = spec.parser().parse(out["text"])
                 message = reply_message(parsed)
                 if parsed.tool_calls and reason == "stop":
-                    reason = "tool_calls"
+                    reason = spec.calls_finish_reason
             choices.append(ChatChoice(
                 index=i, message=message, logprobs=self._logprobs(req, out),
                 finish_reason=reason, matched_stop=matched,
@@ -276,7 +276,7 @@ class OpenAIServingChat:
                 deltas = part_deltas(parts, sent_calls[index])
                 sent_calls[index] = parser.num_tool_calls
                 if reason == "stop" and parser.num_tool_calls:
-                    reason = "tool_calls"
+                    reason = spec.calls_finish_reason
             if not deltas and reason is None and not (logprobs and logprobs.content):
                 continue
             deltas = deltas or [DeltaMessage()]
