@@ -123,6 +123,7 @@ class Step:
             self.scratch.append((workspace, counters))
             self.launches.append(prepare_pack(plan, bs, n_segs, self.x[m.in_dim], m.a, width, use_pdl))
         self.outs: list[torch.Tensor] = []
+        self.row_loop = False  # the row-wise kernels one A row at a time (fused_with_row_loop)
 
     def _input(self, m: Module) -> torch.Tensor:
         """The module's x: the norm's output (residual add fused), SiLU-and-mul's, or its own."""
@@ -142,15 +143,16 @@ class Step:
         x = self.x[m.in_dim]
         if m.act:
             silu_shrink_pack(self.gate_up, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings, m.rank,
-                             use_pdl=self.use_pdl)
+                             use_pdl=self.use_pdl, row_loop=self.row_loop)
         elif m.norm:
             # The new residual to its own buffer (ping-pong), as the fused engine does.
             new = norm_shrink_pack(x, self.res_work, m.norm_w, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks,
-                                   self.scalings, m.stack, m.rank, residual_out=self.res_out, use_pdl=self.use_pdl)
+                                   self.scalings, m.stack, m.rank, residual_out=self.res_out, use_pdl=self.use_pdl,
+                                   row_loop=self.row_loop)
             self.res_work, self.res_out = new, self.res_work
         else:
             norm_shrink_pack(x, None, None, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings,
-                             m.stack, m.rank, use_pdl=self.use_pdl)
+                             m.stack, m.rank, use_pdl=self.use_pdl, row_loop=self.row_loop)
 
     def base(self) -> None:
         self.outs = []
@@ -236,7 +238,7 @@ def main() -> None:
                    help="also time `fused` with norm_shrink_pack.TILE_ELEMENTS set to each (its column tile: "
                         "fewer, wider programs per row re-normalise the row fewer times)")
     p.add_argument("--row-loop", nargs="*", type=int, default=[],
-                   help="also time `fused` with norm_shrink_pack's row loop at every batch (ROW_LOOP_ABOVE_ROWS 0) "
+                   help="also time `fused` with norm_shrink_pack's row loop at every batch "
                         "and LOOP_COLUMNS set to each: one A row at a time, fewer registers, more programs an SM")
     p.add_argument("--afold", action="store_true",
                    help="also time `afold`: o_proj / down_proj A-folded, their deltas added by the next norm")
@@ -377,14 +379,14 @@ def table_section(title: str, header: list[str], rows: list[str]) -> list[str]:
 def fused_with_row_loop(step: "Step", cols: int, ref: list[torch.Tensor], dry: bool) -> tuple[float, bool]:
     """`fused` (GPU µs per step) with norm_shrink_pack's row loop at every batch and `cols` columns a
     program, and whether its outputs equal `ref` (the tile's) bit for bit."""
-    saved = nsp.ROW_LOOP_ABOVE_ROWS, nsp.LOOP_COLUMNS
-    nsp.ROW_LOOP_ABOVE_ROWS, nsp.LOOP_COLUMNS = 0, cols
+    saved = nsp.LOOP_COLUMNS
+    nsp.LOOP_COLUMNS, step.row_loop = cols, True
     try:
         step.fused()
         equal = all(torch.equal(o, r) for o, r in zip(step.outs, ref))
         return (float("nan") if dry else graph_us(lambda _: step.fused())), equal
     finally:
-        nsp.ROW_LOOP_ABOVE_ROWS, nsp.LOOP_COLUMNS = saved
+        nsp.LOOP_COLUMNS, step.row_loop = saved, False
 
 
 if __name__ == "__main__":

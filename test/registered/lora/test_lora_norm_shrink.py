@@ -15,7 +15,6 @@ import torch
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd
 from sglang.srt.lora.fold import fold_extra_columns
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_and_mul_fwd
-from sglang.srt.lora.triton_ops import norm_shrink_pack as nsp
 from sglang.srt.lora.triton_ops.norm_shrink_pack import (
     LOOP_COLUMNS,
     DeferredDelta,
@@ -43,22 +42,22 @@ def inputs(in_dim: int, stack: int, dtype: torch.dtype, seed: int):
     return slots, x, residual, norm_w, a, extra
 
 
-@pytest.fixture(params=[None, 0], ids=["tile", "row-loop"])
-def structure(request, monkeypatch):
-    """Both structures of the kernel: the A tile (the default) and the row loop at every batch."""
-    monkeypatch.setattr(nsp, "ROW_LOOP_ABOVE_ROWS", request.param)
+@pytest.fixture(params=[False, True], ids=["tile", "row-loop"])
+def row_loop(request) -> bool:
+    """Both structures of the kernel: the A tile (the default) and the row loop."""
+    return request.param
 
 
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("stack", [1, 2, 3])
 @pytest.mark.parametrize("in_dim", [40, 300])
-def test_writes_the_norm_and_the_packed_shrink(in_dim, stack, with_residual, structure):
+def test_writes_the_norm_and_the_packed_shrink(in_dim, stack, with_residual, row_loop):
     slots, x, residual, norm_w, a, extra = inputs(in_dim, stack, torch.float32, 7 * stack + in_dim)
     rows = slots.numel()
     res_in = residual.clone()
     x_aug = torch.full((rows, in_dim + extra), float("nan"))
     new_res = norm_shrink_pack(x, residual if with_residual else None, norm_w, EPS, a, x_aug, slots, RANKS_T,
-                               SCALINGS_T, stack, R)
+                               SCALINGS_T, stack, R, row_loop=row_loop)
     ref_res = residual.clone()
     normed = rmsnorm_fwd(x, norm_w, EPS, residual=ref_res if with_residual else None)
     assert not torch.isnan(x_aug).any()
@@ -75,11 +74,12 @@ def test_writes_the_norm_and_the_packed_shrink(in_dim, stack, with_residual, str
 
 
 @pytest.mark.parametrize("stack", [1, 3])
-def test_without_a_norm_it_is_shrink_pack_row_by_row(stack, structure):
+def test_without_a_norm_it_is_shrink_pack_row_by_row(stack, row_loop):
     """o_proj / down_proj have no norm before them: the same kernel then packs x itself."""
     slots, x, _, _, a, extra = inputs(300, stack, torch.float32, 5 + stack)
     x_aug = torch.full((slots.numel(), 300 + extra), float("nan"))
-    assert norm_shrink_pack(x, None, None, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, stack, R) is None
+    assert norm_shrink_pack(x, None, None, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, stack, R,
+                            row_loop=row_loop) is None
     unfused = torch.empty_like(x_aug)
     shrink_pack(x, a, unfused, slots, RANKS_T, SCALINGS_T, stack, R)
     assert torch.equal(x_aug[:, :300], x)
@@ -87,14 +87,14 @@ def test_without_a_norm_it_is_shrink_pack_row_by_row(stack, structure):
 
 
 @pytest.mark.parametrize("stack", [1, 2, 3])
-def test_unfolded_layout_is_rmsnorm_then_token_shrink(stack, structure):
+def test_unfolded_layout_is_rmsnorm_then_token_shrink(stack, row_loop):
     """An unfolded module: the normed rows to their own tensor, the compact unscaled shrink to xa
     (token_shrink's layout); rows without an adapter and columns past c*r are left alone."""
     slots, x, residual, norm_w, a, _ = inputs(300, stack, torch.float32, 20 + stack)
     rows, width = slots.numel(), stack * R
     normed = torch.full((rows, 300), float("nan"))
     xa = torch.full((rows, width), -777.0)
-    new_res = norm_shrink(x, residual, norm_w, EPS, a, normed, xa, slots, RANKS_T, stack, R)
+    new_res = norm_shrink(x, residual, norm_w, EPS, a, normed, xa, slots, RANKS_T, stack, R, row_loop=row_loop)
     ref_res = residual.clone()
     ref = rmsnorm_fwd(x, norm_w, EPS, residual=ref_res)
     assert torch.equal(normed, ref) and torch.equal(new_res, ref_res)
@@ -107,7 +107,7 @@ def test_unfolded_layout_is_rmsnorm_then_token_shrink(stack, structure):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_silu_and_mul_before_down_proj(dtype, structure):
+def test_silu_and_mul_before_down_proj(dtype, row_loop):
     """down_proj's input is SiLU-and-mul of [gate | up]: the same bits as silu_and_mul_fwd, then
     the packed (folded) or compact (unfolded) shrink of it."""
     slots, _, _, _, a, extra = inputs(300, 1, dtype, 31)
@@ -115,7 +115,7 @@ def test_silu_and_mul_before_down_proj(dtype, structure):
     gate_up = (2 * torch.randn(slots.numel(), 600, generator=gen)).to(dtype)
     act = silu_and_mul_fwd(gate_up)
     x_aug = torch.full((slots.numel(), 300 + extra), float("nan"), dtype=dtype)
-    silu_shrink_pack(gate_up, a, x_aug, slots, RANKS_T, SCALINGS_T, R)
+    silu_shrink_pack(gate_up, a, x_aug, slots, RANKS_T, SCALINGS_T, R, row_loop=row_loop)
     # The torch reference of the packed row, in float32 from the same bf16 inputs (the interpreter's
     # bf16 tl.dot is not a reference).
     expected = ref_x_aug(act.float(), a.float(), ROW_SLOTS, 1, extra)
@@ -124,7 +124,7 @@ def test_silu_and_mul_before_down_proj(dtype, structure):
     torch.testing.assert_close(x_aug.float(), expected, **tol)
     act_out = torch.empty_like(act)
     xa = torch.full((slots.numel(), R), -777.0, dtype=dtype)
-    silu_shrink(gate_up, a, act_out, xa, slots, RANKS_T, R)
+    silu_shrink(gate_up, a, act_out, xa, slots, RANKS_T, R, row_loop=row_loop)
     assert torch.equal(act_out, act)
     for t, s in enumerate(ROW_SLOTS):
         r = RANKS[s] if s >= 0 else 0
@@ -134,7 +134,7 @@ def test_silu_and_mul_before_down_proj(dtype, structure):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_deferred_delta_of_an_a_folded_module(dtype, structure):
+def test_deferred_delta_of_an_a_folded_module(dtype, row_loop):
     """x is an A-folded module's base output (a strided view of its GEMM's [T, N + S*R] output),
     and the row's delta scaling * s[slot block] @ B^T is added before the residual: rmsnorm_fwd of
     the module output computed in torch (float32 sum of the delta, one rounding), and the packed
@@ -150,7 +150,7 @@ def test_deferred_delta_of_an_a_folded_module(dtype, structure):
     x_aug = torch.full((rows, 300 + extra), float("nan"), dtype=dtype)
     res_in = residual.clone()
     new_res = norm_shrink_pack(base_out, residual, norm_w, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 3, R,
-                               delta=DeferredDelta(shrink, bt, SCALINGS_T, R))
+                               delta=DeferredDelta(shrink, bt, SCALINGS_T, R), row_loop=row_loop)
     module_out = base_out.float().clone()
     for t, s in enumerate(ROW_SLOTS):
         r = RANKS[s] if s >= 0 else 0
@@ -173,10 +173,10 @@ def test_deferred_delta_of_an_a_folded_module(dtype, structure):
     assert not torch.equal(new_res, ref_plain)
 
 
-def test_bf16_norm_is_rmsnorm_bit_for_bit(structure):
+def test_bf16_norm_is_rmsnorm_bit_for_bit(row_loop):
     slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.bfloat16, 1)
     x_aug = torch.empty((slots.numel(), 300 + extra), dtype=torch.bfloat16)
-    new_res = norm_shrink_pack(x, residual, norm_w, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 3, R)
+    new_res = norm_shrink_pack(x, residual, norm_w, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 3, R, row_loop=row_loop)
     ref_res = residual.clone()
     normed = rmsnorm_fwd(x, norm_w, EPS, residual=ref_res)
     assert torch.equal(x_aug[:, :300], normed) and torch.equal(new_res, ref_res)
@@ -184,16 +184,16 @@ def test_bf16_norm_is_rmsnorm_bit_for_bit(structure):
     torch.testing.assert_close(x_aug.float(), expected, rtol=2e-2, atol=2e-2)
 
 
-def test_rows_do_not_depend_on_the_row_count(structure):
+def test_rows_do_not_depend_on_the_row_count(row_loop):
     slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.float32, 2)
     live = slots.numel()
     bucket = torch.cat([slots, torch.full((21,), -1, dtype=torch.int32)])
     xb = torch.cat([x, torch.randn(21, 300)])
     rb = torch.cat([residual, torch.randn(21, 300)])
     eager = torch.empty(live, 300 + extra)
-    norm_shrink_pack(x, residual, norm_w, EPS, a, eager, slots, RANKS_T, SCALINGS_T, 3, R)
+    norm_shrink_pack(x, residual, norm_w, EPS, a, eager, slots, RANKS_T, SCALINGS_T, 3, R, row_loop=row_loop)
     replay = torch.empty(bucket.numel(), 300 + extra)
-    norm_shrink_pack(xb, rb, norm_w, EPS, a, replay, bucket, RANKS_T, SCALINGS_T, 3, R)
+    norm_shrink_pack(xb, rb, norm_w, EPS, a, replay, bucket, RANKS_T, SCALINGS_T, 3, R, row_loop=row_loop)
     assert torch.equal(replay[:live], eager)
     assert torch.equal(replay[live:, 300:], torch.zeros(21, extra))
 
@@ -215,7 +215,7 @@ def test_column_tile_is_a_layer_constant():
 def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, row_loop: bool = False, asm: str = "ptx"):
     """The kernel compiled for sm_90 at Qwen3-4B shapes: qkv after its norm (with `delta`, adding
     the deferred delta of the A-folded down_proj before it), or down_proj after SiLU-and-mul (run
-    without TRITON_INTERPRET); `row_loop`: the structure past ROW_LOOP_ABOVE_ROWS."""
+    without TRITON_INTERPRET); `row_loop`: the row-loop structure."""
     from sglang.srt.lora.triton_ops.norm_shrink_pack import _norm_shrink_pack_kernel
     from test_lora_token_kernels import _compile_for_hopper
 

@@ -48,14 +48,14 @@ TILE_ELEMENTS = 16384
 # that the GEMM before still drains). The rows are a graph bucket's static count, and the launch
 # mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others.
 PDL_MAX_ROWS = 32
-# Past this many rows the kernel reduces its columns one A row at a time (ROW_LOOP) instead of
+# Past this many rows the kernel reduces its columns one A row at a time (`row_loop`) instead of
 # holding a BLOCK_J x next_pow2(K) tile. Compiled for sm_90 at 8 warps as the JIT specialises real
 # shapes (Qwen3-4B qkv_proj, K 2,560), the tile takes 64 registers a thread, four programs an SM,
 # so a 64-row batch (768 programs) runs in two waves; the loop takes 40, six programs an SM, one
 # wave. The tile, loaded before the norm, overlaps its latency with the norm's, which pays at a
-# batch of one wave. Must be a decode graph bucket's size (or None: never): a batch of live rows and
-# its padded bucket then fall on the same side, so graph == eager holds even where the two
-# structures round differently.
+# batch of one wave. None: never. The token backend reads it when it is built and decides each
+# batch by its decode graph bucket, as the row-wise and A-fold bounds (so a batch and its replay
+# agree even where the two structures round differently); the functions below take the decision.
 ROW_LOOP_ABOVE_ROWS: Optional[int] = None
 # The loop's columns per program: the tile's BLOCK_J bound (registers) does not hold for it.
 LOOP_COLUMNS = 4
@@ -182,7 +182,7 @@ def column_tile(in_dim: int) -> int:
 
 def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_ranks, scalings, stack_num, max_rank,
             residual_out, packed: bool, silu: bool = False, use_pdl: bool = False,
-            delta: Optional[DeferredDelta] = None) -> Optional[torch.Tensor]:
+            delta: Optional[DeferredDelta] = None, row_loop: bool = False) -> Optional[torch.Tensor]:
     rows = x.shape[0]
     in_dim = x.shape[1] // 2 if silu else x.shape[1]  # SiLU-and-mul: x = [gate | up]
     assert not silu or (norm_weight is None and residual is None and x.shape[1] == 2 * in_dim)
@@ -199,7 +199,6 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
     if rows == 0:
         return residual_out
     block = triton.next_power_of_2(in_dim)
-    row_loop = ROW_LOOP_ABOVE_ROWS is not None and rows > ROW_LOOP_ABOVE_ROWS
     block_j = LOOP_COLUMNS if row_loop else column_tile(in_dim)
     extra = out.shape[1] - in_dim if packed else 0
     r = residual if residual is not None else x
@@ -247,6 +246,7 @@ def norm_shrink_pack(
     residual_out: Optional[torch.Tensor] = None,
     use_pdl: bool = False,
     delta: Optional[DeferredDelta] = None,
+    row_loop: bool = False,
 ) -> Optional[torch.Tensor]:
     """x_aug [T, K + E] = [RMSNorm(x (+ residual)) | its packed pre-scaled shrink] in one launch.
 
@@ -259,28 +259,31 @@ def norm_shrink_pack(
     `use_pdl` (the backend's decision; every function here takes it): a programmatic dependent
     launch at batches of up to PDL_MAX_ROWS rows. `delta`: x is an A-folded module's base output,
     and its row's LoRA delta is added (and rounded, as the module's output) before the residual.
+    `row_loop`: one A row at a time (see ROW_LOOP_ABOVE_ROWS), where the caller's plan says so.
     """
     assert x_aug.shape[1] - x.shape[1] >= (weights.shape[0] - 1) * stack_num * max_rank, x_aug.shape
     return _launch(x, residual, norm_weight, eps, weights, x_aug, None, row_slots, lora_ranks, scalings, stack_num,
-                   max_rank, residual_out, packed=True, use_pdl=use_pdl, delta=delta)
+                   max_rank, residual_out, packed=True, use_pdl=use_pdl, delta=delta, row_loop=row_loop)
 
 
 def silu_shrink_pack(gate_up: torch.Tensor, weights: torch.Tensor, x_aug: torch.Tensor, row_slots: torch.Tensor,
-                     lora_ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, use_pdl: bool = False) -> None:
+                     lora_ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, use_pdl: bool = False,
+                     row_loop: bool = False) -> None:
     """x_aug [T, d + E] = [silu(gate) * up | its packed pre-scaled shrink] from gate_up [T, 2d]:
     the SiLU-and-mul before a folded down_proj and its shrink_pack in one launch."""
     d = gate_up.shape[1] // 2
     assert x_aug.shape[1] - d >= (weights.shape[0] - 1) * max_rank, x_aug.shape
     _launch(gate_up, None, None, 0.0, weights, x_aug, None, row_slots, lora_ranks, scalings, 1, max_rank, None,
-            packed=True, silu=True, use_pdl=use_pdl)
+            packed=True, silu=True, use_pdl=use_pdl, row_loop=row_loop)
 
 
 def silu_shrink(gate_up: torch.Tensor, weights: torch.Tensor, act_out: torch.Tensor, xa: torch.Tensor,
-                row_slots: torch.Tensor, lora_ranks: torch.Tensor, max_rank: int, use_pdl: bool = False) -> None:
+                row_slots: torch.Tensor, lora_ranks: torch.Tensor, max_rank: int, use_pdl: bool = False,
+                row_loop: bool = False) -> None:
     """act_out [T, d] = silu(gate) * up and xa its compact unscaled shrink (an unfolded down_proj)."""
     assert act_out.shape == (gate_up.shape[0], gate_up.shape[1] // 2) and act_out.stride(1) == 1
     _launch(gate_up, None, None, 0.0, weights, xa, act_out, row_slots, lora_ranks, lora_ranks, 1, max_rank, None,
-            packed=False, silu=True, use_pdl=use_pdl)
+            packed=False, silu=True, use_pdl=use_pdl, row_loop=row_loop)
 
 
 def norm_shrink(
@@ -298,6 +301,7 @@ def norm_shrink(
     residual_out: Optional[torch.Tensor] = None,
     use_pdl: bool = False,
     delta: Optional[DeferredDelta] = None,
+    row_loop: bool = False,
 ) -> Optional[torch.Tensor]:
     """For an unfolded module: normed_out [T, K] = RMSNorm(x (+ residual)) and xa [T, stack*max_rank]
     its shrink, xa[t, :c*r] = normed[t] @ A[slot(t), :c*r]^T (unscaled; what token_shrink writes, and
@@ -307,7 +311,7 @@ def norm_shrink(
     assert xa.shape[1] >= stack_num * max_rank, xa.shape
     # No scalings here (the expand applies them): the kernel's scalings argument goes unread.
     return _launch(x, residual, norm_weight, eps, weights, xa, normed_out, row_slots, lora_ranks, lora_ranks,
-                   stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl, delta=delta)
+                   stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl, delta=delta, row_loop=row_loop)
 
 
 __all__ = ["DeferredDelta", "norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
