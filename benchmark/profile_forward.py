@@ -133,6 +133,9 @@ LORA_VARIANTS = {
     # a program): one A row at a time, 40 registers a thread against the tile's 64.
     "lora-row-loop": ("auto", "small"),
     "lora-row-loop-8": ("auto", "small"),
+    # The row loop past 16 rows launched as a programmatic dependent up to 128 rows (PDL_MAX_ROWS;
+    # 32 by default, where the tile's 768 programs of 64 registers lost at 64 rows).
+    "lora-row-loop-pdl": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -148,6 +151,8 @@ VARIANT_KNOBS = {
     "lora-row-loop": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "ROW_LOOP_ABOVE_ROWS", 16),),
     "lora-row-loop-8": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "ROW_LOOP_ABOVE_ROWS", 16),
                         ("sglang.srt.lora.triton_ops.norm_shrink_pack", "LOOP_COLUMNS", 8)),
+    "lora-row-loop-pdl": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "ROW_LOOP_ABOVE_ROWS", 16),
+                          ("sglang.srt.lora.triton_ops.norm_shrink_pack", "PDL_MAX_ROWS", 128)),
 }
 # Server arguments a variant's runner is built with, over the default's.
 VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}
@@ -323,7 +328,8 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
     overrides: dict[str, Any] = {}
     if not on_gpu:  # dry run: eager only, float32, the reference attention
         overrides = dict(device="cpu", dtype="float32", attention_backend="torch_native",
-                         disable_cuda_graph=True, max_total_tokens=4096, max_running_requests=8)
+                         disable_cuda_graph=True, max_total_tokens=4096,
+                         max_running_requests=max(8, *args.decode_bs))
     overrides.setdefault("max_running_requests", max(64, *args.decode_bs))
     if args.max_total_tokens is not None:
         overrides["max_total_tokens"] = args.max_total_tokens

@@ -189,14 +189,14 @@ if [[ " $PARTS " == *" row_loop "* ]]; then
   # GPU_SUITE_STEPS_MODELS picks shapes).
   say "== norm_shrink_pack: the row loop against the tile"
   start=$(date +%s)
-  $PY benchmark/lora/bench_norm_shrink.py --models ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b} --row-loop 4 8 \
+  $PY benchmark/lora/bench_norm_shrink.py --models ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b} --row-loop 4 8 16 \
     --decode-bs 1 8 32 64 128 --out "$OUT/row_loop.md" >"$OUT/row_loop.log" 2>&1 || status=1
   say "row_loop kernels: $(( $(date +%s) - start ))s"
   grep -E "^\| (qwen|llama)" "$OUT/row_loop.md" 2>/dev/null | tee -a "$SUMMARY"
   : >"$OUT/row_loop_steps.md"
   for model in ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b}; do
     lora_step_rows "$model" "$OUT/row_loop_steps.md" "$OUT/row_loop.log" "" \
-      --lora none,lora,lora-row-loop,lora-row-loop-8 --decode-bs 1,32,64,128 --decode-adapters 8 --rounds 3
+      --lora ${GPU_SUITE_ROW_LOOP_VARIANTS:-none,lora,lora-row-loop,lora-row-loop-8,lora-row-loop-pdl} --decode-bs 1,32,64,128 --decode-adapters 8 --rounds 3
   done
 fi
 
