@@ -84,8 +84,8 @@ NORM_SHRINK_INTS = ["stride_x", "stride_r", "stride_ro", "stride_xaug", "stride_
 
 
 def norm_shrink_rows(shape: str, rows: list[int], rank: int, slots: int) -> list[str]:
-    """norm_shrink_pack before qkv_proj and gate_up_proj (folded: packed; as at many slots:
-    unfolded), the tile and the row loop: one table row each."""
+    """norm_shrink_pack before qkv_proj and gate_up_proj, folded (packed) and, as at many slots,
+    unfolded: one table row each."""
     import triton
 
     from sglang.srt.layers.triton_ops.rmsnorm import row_warps
@@ -95,19 +95,18 @@ def norm_shrink_rows(shape: str, rows: list[int], rank: int, slots: int) -> list
     out = []
     for module, stack in (("qkv_proj", 3), ("gate_up_proj", 2)):
         for packed in (True, False):
-            for loop in (False, True):
-                block_j = nsp.LOOP_COLUMNS if loop else nsp.column_tile(hidden)
-                warps = row_warps(hidden)
-                cubin = compile_sm90(
-                    nsp._norm_shrink_pack_kernel, NORM_SHRINK_TENSORS, NORM_SHRINK_INTS,
-                    dict(STACK=stack, MAX_RANK=rank, E_COLS=slots * stack * rank if packed else 0,
-                         BLOCK=triton.next_power_of_2(hidden), BLOCK_J=block_j, BLOCK_E=512, HAS_NORM=True,
-                         HAS_RESIDUAL=True, HAS_SILU=False, PACKED=packed, EMULATE_RNE=False, USE_PDL=False,
-                         DELTA_RANK=0, ROW_LOOP=loop),
-                    floats=("eps",), num_warps=warps)
-                grid_per_row = triton.cdiv(stack * rank, block_j)
-                name = f"norm_shrink_pack {module} {'folded' if packed else 'unfolded'} {'row loop' if loop else 'tile'}"
-                out.append(table_row(shape, name, usage(cubin), warps, [r * grid_per_row for r in rows]))
+            block_j = nsp.column_tile(hidden)
+            warps = row_warps(hidden)
+            cubin = compile_sm90(
+                nsp._norm_shrink_pack_kernel, NORM_SHRINK_TENSORS, NORM_SHRINK_INTS,
+                dict(STACK=stack, MAX_RANK=rank, E_COLS=slots * stack * rank if packed else 0,
+                     BLOCK=triton.next_power_of_2(hidden), BLOCK_J=block_j, BLOCK_E=512, HAS_NORM=True,
+                     HAS_RESIDUAL=True, HAS_SILU=False, PACKED=packed, EMULATE_RNE=False, USE_PDL=False,
+                     DELTA_RANK=0),
+                floats=("eps",), num_warps=warps)
+            grid_per_row = triton.cdiv(stack * rank, block_j)
+            name = f"norm_shrink_pack {module} {'folded' if packed else 'unfolded'}"
+            out.append(table_row(shape, name, usage(cubin), warps, [r * grid_per_row for r in rows]))
     return out
 
 

@@ -129,13 +129,6 @@ LORA_VARIANTS = {
     # default takes it at prefills up to 1,024 tokens), and with it never (=0).
     "lora-afold-qkv": ("auto", "small"),
     "lora-no-afold-qkv": ("auto", "small"),
-    # The default with norm_shrink_pack's row loop past 16 rows (ROW_LOOP_ABOVE_ROWS; 4 or 8 columns
-    # a program): one A row at a time, 40 registers a thread against the tile's 64.
-    "lora-row-loop": ("auto", "small"),
-    "lora-row-loop-8": ("auto", "small"),
-    # The row loop past 16 rows launched as a programmatic dependent up to 128 rows (PDL_MAX_ROWS;
-    # 32 by default, where the tile's 768 programs of 64 registers lost at 64 rows).
-    "lora-row-loop-pdl": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -148,11 +141,6 @@ VARIANT_KNOBS = {
     "lora-norm-release": (("sglang.srt.layers.triton_ops.rmsnorm", "RELEASE_AT_START", True),),
     "lora-expand-silu-256": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (256, 4)),),
     "lora-expand-silu-64": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (64, 4)),),
-    "lora-row-loop": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "ROW_LOOP_ABOVE_ROWS", 16),),
-    "lora-row-loop-8": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "ROW_LOOP_ABOVE_ROWS", 16),
-                        ("sglang.srt.lora.triton_ops.norm_shrink_pack", "LOOP_COLUMNS", 8)),
-    "lora-row-loop-pdl": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "ROW_LOOP_ABOVE_ROWS", 16),
-                          ("sglang.srt.lora.triton_ops.norm_shrink_pack", "PDL_MAX_ROWS", 128)),
 }
 # Server arguments a variant's runner is built with, over the default's.
 VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}

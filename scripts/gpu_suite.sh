@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "row_loop", "norm_segments", "expand_silu", "lora_steps", "penalties", "expand_tiles", "stacked_afold", "afold_qkv", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "norm_segments", "expand_silu", "lora_steps", "penalties", "expand_tiles", "stacked_afold", "afold_qkv", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -179,25 +179,6 @@ if [[ " $PARTS " == *" norm_shrink "* && "${GPU_SUITE_NORM_STEPS:-1}" != 0 ]]; t
   # norm computing the shrink with --lora-fuse-norm on.
   lora_step_rows qwen3-4b "$OUT/norm_shrink_steps.md" "$OUT/norm_shrink.log" "unfolded " \
     --lora none,lora-unfused,lora-fused --lora-fold off --decode-bs 1,64 --decode-adapters 1,8
-fi
-
-if [[ " $PARTS " == *" row_loop "* ]]; then
-  # Issue 16: norm_shrink_pack's row loop (ROW_LOOP_ABOVE_ROWS, off by default; 40 registers a
-  # thread against the tile's 64 at sm_90, benchmark/kernel_resources.py): the kernels against the
-  # tile per decode batch, their outputs compared bit for bit (bench_norm_shrink --row-loop), then
-  # whole steps with the loop past 16 rows at 4 and 8 columns a program (~4 min for both shapes;
-  # GPU_SUITE_STEPS_MODELS picks shapes).
-  say "== norm_shrink_pack: the row loop against the tile"
-  start=$(date +%s)
-  $PY benchmark/lora/bench_norm_shrink.py --models ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b} --row-loop 4 8 16 \
-    --decode-bs 1 8 32 64 128 --out "$OUT/row_loop.md" >"$OUT/row_loop.log" 2>&1 || status=1
-  say "row_loop kernels: $(( $(date +%s) - start ))s"
-  grep -E "^\| (qwen|llama)" "$OUT/row_loop.md" 2>/dev/null | tee -a "$SUMMARY"
-  : >"$OUT/row_loop_steps.md"
-  for model in ${GPU_SUITE_STEPS_MODELS:-qwen3-4b llama-3.1-8b}; do
-    lora_step_rows "$model" "$OUT/row_loop_steps.md" "$OUT/row_loop.log" "" \
-      --lora ${GPU_SUITE_ROW_LOOP_VARIANTS:-none,lora,lora-row-loop,lora-row-loop-8,lora-row-loop-pdl} --decode-bs 1,32,64,128 --decode-adapters 8 --rounds 3
-  done
 fi
 
 if [[ " $PARTS " == *" norm_segments "* ]]; then

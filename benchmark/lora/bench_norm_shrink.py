@@ -123,7 +123,6 @@ class Step:
             self.scratch.append((workspace, counters))
             self.launches.append(prepare_pack(plan, bs, n_segs, self.x[m.in_dim], m.a, width, use_pdl))
         self.outs: list[torch.Tensor] = []
-        self.row_loop = False  # the row-wise kernels one A row at a time (fused_with_row_loop)
 
     def _input(self, m: Module) -> torch.Tensor:
         """The module's x: the norm's output (residual add fused), SiLU-and-mul's, or its own."""
@@ -143,16 +142,15 @@ class Step:
         x = self.x[m.in_dim]
         if m.act:
             silu_shrink_pack(self.gate_up, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings, m.rank,
-                             use_pdl=self.use_pdl, row_loop=self.row_loop)
+                             use_pdl=self.use_pdl)
         elif m.norm:
             # The new residual to its own buffer (ping-pong), as the fused engine does.
             new = norm_shrink_pack(x, self.res_work, m.norm_w, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks,
-                                   self.scalings, m.stack, m.rank, residual_out=self.res_out, use_pdl=self.use_pdl,
-                                   row_loop=self.row_loop)
+                                   self.scalings, m.stack, m.rank, residual_out=self.res_out, use_pdl=self.use_pdl)
             self.res_work, self.res_out = new, self.res_work
         else:
             norm_shrink_pack(x, None, None, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings,
-                             m.stack, m.rank, use_pdl=self.use_pdl, row_loop=self.row_loop)
+                             m.stack, m.rank, use_pdl=self.use_pdl)
 
     def base(self) -> None:
         self.outs = []
@@ -237,9 +235,6 @@ def main() -> None:
     p.add_argument("--tile-elements", nargs="*", type=int, default=[],
                    help="also time `fused` with norm_shrink_pack.TILE_ELEMENTS set to each (its column tile: "
                         "fewer, wider programs per row re-normalise the row fewer times)")
-    p.add_argument("--row-loop", nargs="*", type=int, default=[],
-                   help="also time `fused` with norm_shrink_pack's row loop at every batch "
-                        "and LOOP_COLUMNS set to each: one A row at a time, fewer registers, more programs an SM")
     p.add_argument("--afold", action="store_true",
                    help="also time `afold`: o_proj / down_proj A-folded, their deltas added by the next norm")
     add_output_args(p)
@@ -247,7 +242,7 @@ def main() -> None:
     dry, device, dtype, models = target(args)
     bss = [1, 3] if dry else args.decode_bs
     slots = args.adapters + 1
-    lines, tiles, early, afolds, loops = [], [], [], [], []
+    lines, tiles, early, afolds = [], [], [], []
     for shape in models:
         mods = build(shape, args.rank, slots, dtype, device)
         layers = model_dims(shape)[5]
@@ -288,15 +283,6 @@ def main() -> None:
                     print(afolds[-1], flush=True)
             if args.early_start:
                 early += early_start_rows(shape, step, dry)
-            if args.row_loop:
-                step.fused()
-                tile_outs = [o.clone() for o in step.outs]
-                tile_us = float("nan") if dry else graph_us(lambda _: step.fused())
-            for cols in args.row_loop:
-                us, equal = fused_with_row_loop(step, cols, tile_outs, dry)
-                loops.append(f"| {shape} | {bs} | {cols} | {tile_us:.0f} | {us:.0f} | {tile_us - us:.0f} | "
-                             f"{(tile_us - us) / len(mods) * 2:.2f} | {'yes' if equal else 'no'} |")
-                print(loops[-1], flush=True)
             for tile in args.tile_elements:
                 us, tile_diff = fused_with_tile(step, tile, ref, dry)
                 tiles.append(f"| {shape} | {bs} | {tile} | {us:.0f} | {us - base:.0f} | {tile_diff:.1e} |")
@@ -305,11 +291,6 @@ def main() -> None:
         lines += table_section(f"`fused` with other column tiles (default TILE_ELEMENTS {nsp.TILE_ELEMENTS})",
                                ["model", "decode bs", "TILE_ELEMENTS", "fused µs/step", "LoRA fused", "max rel diff"],
                                tiles)
-    if args.row_loop:
-        lines += table_section("`fused` with norm_shrink_pack's row loop at every batch (GPU µs per step; `saves / "
-                               "launch`: per norm-fed module, the half of the step's modules that run the kernel)",
-                               ["model", "decode bs", "LOOP_COLUMNS", "tile µs/step", "row loop µs/step",
-                                "saves µs/step", "saves µs/launch", "outputs equal the tile's"], loops)
     if args.afold:
         lines += table_section("`afold`: o_proj / down_proj A-folded (W_a = [W; A of every slot], the next norm adds "
                                "the delta); LoRA µs per step over the base, and step / base",
@@ -374,19 +355,6 @@ def table_section(title: str, header: list[str], rows: list[str]) -> list[str]:
     last = "---" if header[-1].startswith("outputs equal") else "---:"
     aligns = ["---"] + ["---:"] * (len(header) - 2) + [last]
     return [title, "", "| " + " | ".join(header) + " |", "|" + "|".join(aligns) + "|", *rows, ""]
-
-
-def fused_with_row_loop(step: "Step", cols: int, ref: list[torch.Tensor], dry: bool) -> tuple[float, bool]:
-    """`fused` (GPU µs per step) with norm_shrink_pack's row loop at every batch and `cols` columns a
-    program, and whether its outputs equal `ref` (the tile's) bit for bit."""
-    saved = nsp.LOOP_COLUMNS
-    nsp.LOOP_COLUMNS, step.row_loop = cols, True
-    try:
-        step.fused()
-        equal = all(torch.equal(o, r) for o, r in zip(step.outs, ref))
-        return (float("nan") if dry else graph_us(lambda _: step.fused())), equal
-    finally:
-        nsp.LOOP_COLUMNS, step.row_loop = saved, False
 
 
 if __name__ == "__main__":

@@ -339,36 +339,6 @@ def test_rowwise_small_decides_by_the_graph_bucket(name, modules, monkeypatch):
     assert_outputs_close(setup.run(x, inter), reference(modules, small, [1] * 5, x, inter, ForwardMode.DECODE))
 
 
-@pytest.mark.parametrize("name", ["csgmv", "triton"])
-def test_row_loop_decides_by_the_graph_bucket(name, modules, monkeypatch):
-    """norm_shrink_pack's ROW_LOOP_ABOVE_ROWS, read when the backend is built, decides each decode
-    batch by its graph bucket, as the row-wise bound does: with a bound that is no bucket (8, between
-    buckets 4 and 12), a batch of 5-8 live rows and its bucket of 12 both take the loop, so an eager
-    pass and its replay run the same kernel; prefills never; the outputs are the module's."""
-    from sglang.srt.lora.triton_ops import norm_shrink_pack as nsp
-
-    monkeypatch.setenv("SGLANG_LORA_ROWWISE_DECODE", "1")  # the row-wise kernels at every decode batch
-    monkeypatch.setattr(nsp, "ROW_LOOP_ABOVE_ROWS", 8)
-    setup = make(name, True, modules)
-    backend = setup.backend
-    backend.enable_norm_fusion()
-    backend.init_cuda_graph_batch_info(24, 1, buckets=[4, 12, 24])
-
-    def fill(rows, path, mode=ForwardMode.DECODE):
-        slots = ([A_SLOT, B_SLOT, BASE_SLOT] * rows)[:rows]
-        lens = [1] * rows if mode == ForwardMode.DECODE else [3] * rows
-        backend.fill_batch_info(make_batch(lens, mode), slots, RANKS, SCALINGS, path)
-        return backend.batch_info.row_loop
-
-    for rows, loop in ((3, False), (4, False), (5, True), (8, True), (12, True), (20, True)):
-        assert fill(rows, ForwardPath.DECODE_GRAPH) is loop and fill(rows, ForwardPath.EAGER) is loop, rows
-    assert not fill(5, ForwardPath.EAGER, ForwardMode.EXTEND)
-    small = [A_SLOT, B_SLOT, BASE_SLOT, A_SLOT, B_SLOT]
-    assert fill(len(small), ForwardPath.EAGER)
-    x, inter = inputs(len(small), seed=9)
-    assert_outputs_close(setup.run(x, inter), reference(modules, small, [1] * 5, x, inter, ForwardMode.DECODE))
-
-
 def test_staged_copy_rewrites_its_tensor_in_place():
     from sglang.srt.lora.backend._staging import StagedCopy
 

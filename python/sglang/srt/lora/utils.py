@@ -48,9 +48,6 @@ class LoRABatchInfo:
     # Whether A-folded o_proj / down_proj leave their delta to the fused norm after them
     # (SGLANG_LORA_AFOLD, backend/token_backend.py); decided like `rowwise`.
     defer: bool = False
-    # Whether the row-wise norm / shrink kernels reduce one A row at a time (norm_shrink_pack's
-    # ROW_LOOP_ABOVE_ROWS); decided like `rowwise`.
-    row_loop: bool = False
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,7 @@ output bit for bit) and reduces BLOCK_J columns of its row's adapter, `A[slot, j
 The column-tile-0 program also writes the new residual, the normalised row and the zeros (every
 extra column that is not one of the row's own values, all of E for a row without an adapter);
 the other programs write only their values. So every element is written once, and nothing needs
-clearing between launches. Past ROW_LOOP_ABOVE_ROWS rows (off by default) a program reduces its
-columns one A row at a time instead of holding the tile: fewer registers, more programs an SM.
+clearing between launches.
 
 The new residual goes to its own buffer, never over the old one: the other programs of the row
 read the old residual while the first writes.
@@ -38,7 +37,11 @@ from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize, row_wa
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_mul
 from sglang.srt.lora.utils import DeferredDelta
 
-# Elements of one A tile a program holds in registers (BLOCK_J x next_pow2(K)).
+# Elements of one A tile a program holds in registers (BLOCK_J x next_pow2(K)). At Qwen3-4B's
+# qkv_proj that is 64 registers a thread at sm_90 (benchmark/kernel_resources.py), four programs an
+# SM, so 64 decode rows run in two waves. Reducing one A row at a time instead (40 registers, one
+# wave) was slower at every batch on an H100 (2026-12-07: +1.5 to +11 µs a launch at 1-128 rows, 4-16
+# columns a program): the tile's loads, issued before the norm, hide their latency behind it.
 TILE_ELEMENTS = 16384
 # With `use_pdl` (the backend's: Hopper, SGLANG_LORA_PDL not 0), launched as a programmatic
 # dependent of the kernel before at batches of up to this many rows: the prologue (slot, rank, A
@@ -48,17 +51,6 @@ TILE_ELEMENTS = 16384
 # that the GEMM before still drains). The rows are a graph bucket's static count, and the launch
 # mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others.
 PDL_MAX_ROWS = 32
-# Past this many rows the kernel reduces its columns one A row at a time (`row_loop`) instead of
-# holding a BLOCK_J x next_pow2(K) tile. Compiled for sm_90 at 8 warps as the JIT specialises real
-# shapes (Qwen3-4B qkv_proj, K 2,560), the tile takes 64 registers a thread, four programs an SM,
-# so a 64-row batch (768 programs) runs in two waves; the loop takes 40, six programs an SM, one
-# wave. The tile, loaded before the norm, overlaps its latency with the norm's, which pays at a
-# batch of one wave. None: never. The token backend reads it when it is built and decides each
-# batch by its decode graph bucket, as the row-wise and A-fold bounds (so a batch and its replay
-# agree even where the two structures round differently); the functions below take the decision.
-ROW_LOOP_ABOVE_ROWS: Optional[int] = None
-# The loop's columns per program: the tile's BLOCK_J bound (registers) does not hold for it.
-LOOP_COLUMNS = 4
 
 
 @triton.jit
@@ -80,7 +72,6 @@ def _norm_shrink_pack_kernel(
     EMULATE_RNE: tl.constexpr,
     USE_PDL: tl.constexpr,
     DELTA_RANK: tl.constexpr,
-    ROW_LOOP: tl.constexpr,
 ):
     # PACKED (a folded module): XAUG is x_aug [T, K + E], Y unused. Otherwise (an unfolded one) Y
     # gets the normalised rows [T, K] and XAUG is the shrink output [T, STACK * MAX_RANK], each
@@ -98,10 +89,8 @@ def _norm_shrink_pack_kernel(
     rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
     offs_n = tile * BLOCK_J + tl.arange(0, BLOCK_J)
     col_mask = offs_n < STACK * rank
-    a_rows = A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s
-    if not ROW_LOOP:
-        a = tl.load(a_rows + offs_n[:, None] * a_stride_n + offs[None, :], mask=col_mask[:, None] & mask[None, :],
-                    other=0.0)
+    a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
+                mask=col_mask[:, None] & mask[None, :], other=0.0)
     if USE_PDL:
         # Launched as a programmatic dependent: the slot, rank and A tile above do not depend on
         # the kernel before (the GEMM or attention that wrote X / R), so their loads overlap its
@@ -156,16 +145,7 @@ def _norm_shrink_pack_kernel(
 
     # ---- this tile's columns of the row's shrink: compact column n = k*r + j of A[slot] --------
     if tile * BLOCK_J < STACK * rank:
-        if ROW_LOOP:
-            yf = y.to(tl.float32)
-            acc = tl.zeros((BLOCK_J,), dtype=tl.float32)
-            for jj in tl.static_range(BLOCK_J):
-                n = tile * BLOCK_J + jj
-                a_row = tl.load(a_rows + n * a_stride_n + offs, mask=offs < tl.where(n < STACK * rank, K, 0),
-                                other=0.0)
-                acc = tl.where(tl.arange(0, BLOCK_J) == jj, tl.sum(a_row.to(tl.float32) * yf, axis=0), acc)
-        else:
-            acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
+        acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
         if PACKED:
             scaling = tl.load(SCALINGS + slot)
             k_slice = offs_n // rank
@@ -182,7 +162,7 @@ def column_tile(in_dim: int) -> int:
 
 def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_ranks, scalings, stack_num, max_rank,
             residual_out, packed: bool, silu: bool = False, use_pdl: bool = False,
-            delta: Optional[DeferredDelta] = None, row_loop: bool = False) -> Optional[torch.Tensor]:
+            delta: Optional[DeferredDelta] = None) -> Optional[torch.Tensor]:
     rows = x.shape[0]
     in_dim = x.shape[1] // 2 if silu else x.shape[1]  # SiLU-and-mul: x = [gate | up]
     assert not silu or (norm_weight is None and residual is None and x.shape[1] == 2 * in_dim)
@@ -199,7 +179,7 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
     if rows == 0:
         return residual_out
     block = triton.next_power_of_2(in_dim)
-    block_j = LOOP_COLUMNS if row_loop else column_tile(in_dim)
+    block_j = column_tile(in_dim)
     extra = out.shape[1] - in_dim if packed else 0
     r = residual if residual is not None else x
     ro = residual_out if residual is not None else x
@@ -223,7 +203,6 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
         BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_SILU=silu, PACKED=packed,
         EMULATE_RNE=interpreting(), USE_PDL=pdl, DELTA_RANK=delta.max_rank if delta is not None else 0,
-        ROW_LOOP=row_loop,
         # rmsnorm_fwd's warps for the row: the same reduction tree, so the norm equals its output.
         num_warps=row_warps(in_dim),
         **({"launch_pdl": True} if pdl else {}),
@@ -246,7 +225,6 @@ def norm_shrink_pack(
     residual_out: Optional[torch.Tensor] = None,
     use_pdl: bool = False,
     delta: Optional[DeferredDelta] = None,
-    row_loop: bool = False,
 ) -> Optional[torch.Tensor]:
     """x_aug [T, K + E] = [RMSNorm(x (+ residual)) | its packed pre-scaled shrink] in one launch.
 
@@ -259,31 +237,28 @@ def norm_shrink_pack(
     `use_pdl` (the backend's decision; every function here takes it): a programmatic dependent
     launch at batches of up to PDL_MAX_ROWS rows. `delta`: x is an A-folded module's base output,
     and its row's LoRA delta is added (and rounded, as the module's output) before the residual.
-    `row_loop`: one A row at a time (see ROW_LOOP_ABOVE_ROWS), where the caller's plan says so.
     """
     assert x_aug.shape[1] - x.shape[1] >= (weights.shape[0] - 1) * stack_num * max_rank, x_aug.shape
     return _launch(x, residual, norm_weight, eps, weights, x_aug, None, row_slots, lora_ranks, scalings, stack_num,
-                   max_rank, residual_out, packed=True, use_pdl=use_pdl, delta=delta, row_loop=row_loop)
+                   max_rank, residual_out, packed=True, use_pdl=use_pdl, delta=delta)
 
 
 def silu_shrink_pack(gate_up: torch.Tensor, weights: torch.Tensor, x_aug: torch.Tensor, row_slots: torch.Tensor,
-                     lora_ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, use_pdl: bool = False,
-                     row_loop: bool = False) -> None:
+                     lora_ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, use_pdl: bool = False) -> None:
     """x_aug [T, d + E] = [silu(gate) * up | its packed pre-scaled shrink] from gate_up [T, 2d]:
     the SiLU-and-mul before a folded down_proj and its shrink_pack in one launch."""
     d = gate_up.shape[1] // 2
     assert x_aug.shape[1] - d >= (weights.shape[0] - 1) * max_rank, x_aug.shape
     _launch(gate_up, None, None, 0.0, weights, x_aug, None, row_slots, lora_ranks, scalings, 1, max_rank, None,
-            packed=True, silu=True, use_pdl=use_pdl, row_loop=row_loop)
+            packed=True, silu=True, use_pdl=use_pdl)
 
 
 def silu_shrink(gate_up: torch.Tensor, weights: torch.Tensor, act_out: torch.Tensor, xa: torch.Tensor,
-                row_slots: torch.Tensor, lora_ranks: torch.Tensor, max_rank: int, use_pdl: bool = False,
-                row_loop: bool = False) -> None:
+                row_slots: torch.Tensor, lora_ranks: torch.Tensor, max_rank: int, use_pdl: bool = False) -> None:
     """act_out [T, d] = silu(gate) * up and xa its compact unscaled shrink (an unfolded down_proj)."""
     assert act_out.shape == (gate_up.shape[0], gate_up.shape[1] // 2) and act_out.stride(1) == 1
     _launch(gate_up, None, None, 0.0, weights, xa, act_out, row_slots, lora_ranks, lora_ranks, 1, max_rank, None,
-            packed=False, silu=True, use_pdl=use_pdl, row_loop=row_loop)
+            packed=False, silu=True, use_pdl=use_pdl)
 
 
 def norm_shrink(
@@ -301,7 +276,6 @@ def norm_shrink(
     residual_out: Optional[torch.Tensor] = None,
     use_pdl: bool = False,
     delta: Optional[DeferredDelta] = None,
-    row_loop: bool = False,
 ) -> Optional[torch.Tensor]:
     """For an unfolded module: normed_out [T, K] = RMSNorm(x (+ residual)) and xa [T, stack*max_rank]
     its shrink, xa[t, :c*r] = normed[t] @ A[slot(t), :c*r]^T (unscaled; what token_shrink writes, and
@@ -311,7 +285,7 @@ def norm_shrink(
     assert xa.shape[1] >= stack_num * max_rank, xa.shape
     # No scalings here (the expand applies them): the kernel's scalings argument goes unread.
     return _launch(x, residual, norm_weight, eps, weights, xa, normed_out, row_slots, lora_ranks, lora_ranks,
-                   stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl, delta=delta, row_loop=row_loop)
+                   stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl, delta=delta)
 
 
 __all__ = ["DeferredDelta", "norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
