@@ -52,6 +52,9 @@ def client(server) -> openai.OpenAI:
     # "007" is a string by its schema; an unknown function stays content, markup and all
     (call("get_weather", {"city": "007"}), None, [("get_weather", {"city": "007"})]),
     ("Trying.\n" + call("launch_rocket", {}), "Trying.\n" + call("launch_rocket", {}), []),
+    # a call written without its <tool_call> block
+    ("Sure.\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>", "Sure.",
+     [("get_time", {"tz": "UTC"})]),
 ])
 def test_qwen3_coder_calls(server, client, text: str, content, calls: list) -> None:
     body = echo_body(server, text, tools=TOOLS)

@@ -220,6 +220,17 @@ CASES: list[tuple[str, str, Expected]] = [
     # after a call, other text ends the block: it is content
     ("qwen3_coder", "<tool_call>\n<function=get_time>\n</function>\nthen <function=launch>",
      [TIME, "\nthen <function=launch>"]),
+    # a call without its <tool_call>: a call when the name is a tool's; the functions after it and a
+    # closing </tool_call> are its section's; else the markup stays content
+    ("qwen3_coder", "<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n</function>", [weather("Paris")]),
+    ("qwen3_coder", "Let me check.\n<function=get_time>\n</function>\n</tool_call>\nDone.",
+     ["Let me check.", TIME, "\nDone."]),
+    ("qwen3_coder", "<function=get_time>\n</function>\n<function=get_weather>\n<parameter=city>\nOslo\n"
+     "</parameter>\n</function>", [TIME, weather("Oslo")]),
+    ("qwen3_coder", "<function=get_weather>\n<parameter=city>\nParis", [ParsedCall("get_weather", "{}")]),
+    ("qwen3_coder", "Use <function=launch> to start, or <function=get_wea", ["Use <function=launch> to start, or "
+                                                                           "<function=get_wea"]),
+    ("qwen3_coder", "x <function=get weather>\n</function>", ["x <function=get weather>\n</function>"]),
 ]
 
 

@@ -78,6 +78,10 @@ class ToolCallFormat:
 
     name: ClassVar[str]
     start_markers: ClassVar[tuple[str, ...]] = ()
+    # Of start_markers, those that are a call's own first tag rather than a wrapper around calls
+    # (Qwen3-Coder's `<function=` written without its `<tool_call>`): the section opens at such a
+    # marker, and the scanner of `new_inline_section` reads it as the start of its text.
+    inline_markers: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, tools: Optional[Sequence[Mapping[str, Any]]] = None) -> None:
         self.tools: tuple[Mapping[str, Any], ...] = tuple(tools or ())
@@ -88,6 +92,11 @@ class ToolCallFormat:
         return False
 
     def new_section(self, names: frozenset[str]) -> SectionScanner:
+        raise NotImplementedError
+
+    def new_inline_section(self, names: frozenset[str]) -> SectionScanner:
+        """The scanner of a section opened by one of `inline_markers`. Its text starts with the
+        marker; when it holds no call it must consume at least the marker (which stays content)."""
         raise NotImplementedError
 
     def new_call_id(self) -> str:

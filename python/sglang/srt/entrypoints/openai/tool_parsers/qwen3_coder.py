@@ -21,7 +21,10 @@ other text after `<tool_call>`) leaves the section as content, as with the other
 
 Lenient where Qwen3-Coder is known to slip: a value also ends at the next `<parameter=`,
 `</function>` or `</tool_call>` when its `</parameter>` is missing, a call at `</tool_call>` when
-its `</function>` is, and one `<tool_call>` may hold several functions.
+its `</function>` is, and one `<tool_call>` may hold several functions. A call written without its
+`<tool_call>` (`<function=NAME>` in the content, as other engines' parsers also read it) is a call
+when NAME is one of the request's tools; the functions that follow it belong to its section, and a
+`</tool_call>` after them closes it. Else `<function=` stays content.
 """
 
 from __future__ import annotations
@@ -73,9 +76,10 @@ class _TagFinder:
 
 
 class _Qwen3CoderSection(SectionScanner):
-    def __init__(self, names: frozenset[str], schemas: Mapping[str, Mapping[str, Any]]) -> None:
+    def __init__(self, names: frozenset[str], schemas: Mapping[str, Mapping[str, Any]], inline: bool = False) -> None:
         self.names = names
         self.schemas = schemas
+        self.inline = inline  # opened at a bare `<function=` (the text starts with it), not after `<tool_call>`
         self.state = "function"  # "function" (before <function=), "parameters", "value"
         self.pos = 0  # where the state's text starts
         self.calls = 0  # calls started in this section
@@ -128,8 +132,11 @@ class _Qwen3CoderSection(SectionScanner):
 
     def _not_a_call(self) -> Section:
         """What follows is not a call: with calls read, the section ends after them; without, the
-        section was only its marker, which stays content with all that follows."""
-        return Section(self.pos, []) if self.calls else Section(0, None)
+        section was only its marker, which stays content with all that follows (an inline section's
+        marker is its text's first tag, consumed so that the content after it is scanned again)."""
+        if self.calls:
+            return Section(self.pos, [])
+        return Section(len(FUNCTION) if self.inline else 0, None)
 
     def _parameters(self, text: str, final: bool) -> Any:
         found = self.finder.find(text)
@@ -189,7 +196,8 @@ class _Qwen3CoderSection(SectionScanner):
 
 class Qwen3CoderFormat(ToolCallFormat):
     name = "qwen3_coder"
-    start_markers = ("<tool_call>",)
+    start_markers = ("<tool_call>", FUNCTION)
+    inline_markers = (FUNCTION,)
 
     def __init__(self, tools: Optional[Sequence[Mapping[str, Any]]] = None) -> None:
         super().__init__(tools)
@@ -197,3 +205,6 @@ class Qwen3CoderFormat(ToolCallFormat):
 
     def new_section(self, names: frozenset[str]) -> SectionScanner:
         return _Qwen3CoderSection(names, self.schemas)
+
+    def new_inline_section(self, names: frozenset[str]) -> SectionScanner:
+        return _Qwen3CoderSection(names, self.schemas, inline=True)

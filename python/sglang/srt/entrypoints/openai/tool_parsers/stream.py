@@ -77,6 +77,9 @@ class ToolCallStream:
                     return _merged(out)
                 rest = self.section_text[found.consumed:]
                 if found.calls is None:
+                    # An inline section gives its text back from the marker on: consuming nothing
+                    # would open it again at the same marker, forever.
+                    assert self.marker or found.consumed > 0, "an inline section must consume its marker"
                     self._text(out, self.marker + self.section_text[:found.consumed])
                 else:
                     self.held_ws = ""  # it only separated the text before from the calls
@@ -102,6 +105,10 @@ class ToolCallStream:
                     self._open("", stripped)
                     continue
             at, marker = _first_marker(text, self.fmt.start_markers)
+            if marker in self.fmt.inline_markers:  # a call's own first tag: it opens the section and is its text
+                self._text(out, text[:at])
+                self._open("", text[at:], inline=True)
+                continue
             if marker:
                 self._text(out, text[:at])
                 self._open(marker, text[at + len(marker):])
@@ -125,8 +132,8 @@ class ToolCallStream:
                 out.append(e)
                 self.num_calls += 1
 
-    def _open(self, marker: str, rest: str) -> None:
-        self.section = self.fmt.new_section(self.names)
+    def _open(self, marker: str, rest: str, inline: bool = False) -> None:
+        self.section = self.fmt.new_inline_section(self.names) if inline else self.fmt.new_section(self.names)
         self.marker, self.section_text, self.pending = marker, "", rest
 
     def _text(self, out: list[Event], text: str) -> None:
