@@ -19,13 +19,14 @@ the diagonal blocks. Softmax is online, in fp32, in base 2 (`sm_scale * log2(e)`
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from sglang.srt.layers.triton_ops.common import interpreting
 
 # Finite "minus infinity": a fully masked tile then yields exp2(0) = 1 garbage that the next real
 # tile wipes out (alpha = exp2(-1e30 - m) = 0) instead of the NaN that (-inf) - (-inf) would give.
@@ -42,7 +43,8 @@ class ExtendConfig:
 
 
 def _interpreting(device: torch.device) -> bool:
-    return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+    """Kernels on the CPU (Triton's interpreter), where the GPU's tile choices do not apply."""
+    return device.type != "cuda" or interpreting()
 
 
 @functools.lru_cache(maxsize=None)
