@@ -15,7 +15,7 @@ extra column that is not one of the row's own values, all of E for a row without
 the other programs write only their values. So every element is written once, and nothing needs
 clearing between launches.
 
-`rows_per_program` > 1 (an experiment; no caller in the engine yet): a program takes that many
+`rows_per_program` > 1 (an experiment, off by default: GROUP_ROWS_ABOVE_ROWS): a program takes that many
 consecutive rows of a permutation that groups rows by slot, one after another, and reads its A tile
 again only where the slot changes. Each row's values are computed as with one row a program (bit for
 bit), so only the bytes read differ: at 64 decode rows the kernel seems bound by the ~27 MB its
@@ -58,6 +58,12 @@ TILE_ELEMENTS = 16384
 # that the GEMM before still drains). The rows are a graph bucket's static count, and the launch
 # mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others.
 PDL_MAX_ROWS = 32
+# Past this many rows (None: never, the default) the token backend runs these kernels with
+# GROUP_ROWS rows a program (`rows_per_program`), grouped by slot. Read when a backend is built and
+# decided per decode graph bucket, so a batch and its replay group alike. An experiment until the
+# GPU has timed it (benchmark/RESULTS.md, thirty-fourth session).
+GROUP_ROWS_ABOVE_ROWS: Optional[int] = None
+GROUP_ROWS = 4
 
 
 @triton.jit
