@@ -38,9 +38,10 @@ def hermes(name: str, args: Any) -> str:
     return "<tool_call>\n" + json.dumps({"name": name, "arguments": args}) + "\n</tool_call>"
 
 
-def coder(name: str, params: dict[str, str]) -> str:
+def coder(name: str, params: dict[str, str], wrapped: bool = True) -> str:
     body = "".join(f"<parameter={k}>\n{v}\n</parameter>\n" for k, v in params.items())
-    return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
+    call = f"<function={name}>\n{body}</function>"
+    return f"<tool_call>\n{call}\n</tool_call>" if wrapped else call
 
 
 def mistral_array(*calls: tuple[str, Any]) -> str:
@@ -60,8 +61,11 @@ def test_each_parser_triggers_on_its_call_marker() -> None:
         '<tool_call>\n{"name": "forecast", "arguments": ', '<tool_call>\n{"name": "note", "arguments": ']
     assert tag["format"]["tags"][0]["content"]["excludes"] == ["</tool_call>"]
     coder_tag = strict_tools_tag("qwen3_coder", tools)["format"]
-    assert coder_tag["triggers"] == ["<tool_call>"] and coder_tag["tags"][0]["content"]["style"] == "qwen_xml"
-    assert coder_tag["tags"][1]["begin"] == "<tool_call>\n<function=note>\n"
+    assert coder_tag["triggers"] == ["<tool_call>", "<function="]
+    assert coder_tag["tags"][0]["content"]["style"] == "qwen_xml"
+    assert [t["begin"] for t in coder_tag["tags"]] == ["<tool_call>\n<function=forecast>\n",
+                                                       "<tool_call>\n<function=note>\n", "<function=forecast>\n",
+                                                       "<function=note>\n"]
     mistral = strict_tools_tag("mistral", tools, parallel_tool_calls=False)["format"]
     assert mistral["triggers"] == ["[TOOL_CALLS]"] and mistral["stop_after_first"]
     assert [t["begin"] for t in mistral["tags"]] == ["[TOOL_CALLS] [", "[TOOL_CALLS][", "[TOOL_CALLS]forecast[ARGS]",
@@ -141,10 +145,14 @@ def test_qwen3_coder_holds_its_xml_parameters_to_the_schema(grammar) -> None:
     assert grammar("qwen3_coder", PROSE + coder("forecast", {"city": "Paris", "days": "3"}))
     assert grammar("qwen3_coder", coder("note", {"whatever": "free text"}) + " done")
     assert grammar("qwen3_coder", "Just text.")
-    for bad in (coder("forecast", {"city": "Paris", "days": "three"}), coder("forecast", {"days": "3"}),
-                coder("forecast", {"city": "Paris", "hours": "3"}), coder("launch", {}),
-                coder("forecast", {"city": "a</tool_call>"})):
-        assert not grammar("qwen3_coder", PROSE + bad), bad
+    # a call written without its <tool_call> block (the parser reads it too) is held the same
+    assert grammar("qwen3_coder", PROSE + coder("forecast", {"city": "Paris", "days": "3"}, wrapped=False) + " ok")
+    for wrapped in (True, False):
+        for bad in (coder("forecast", {"city": "Paris", "days": "three"}, wrapped),
+                    coder("forecast", {"days": "3"}, wrapped),
+                    coder("forecast", {"city": "Paris", "hours": "3"}, wrapped),
+                    coder("launch", {}, wrapped), coder("forecast", {"city": "a</tool_call>"}, wrapped)):
+            assert not grammar("qwen3_coder", PROSE + bad), bad
 
 
 def test_mistral_holds_both_syntaxes(grammar) -> None:
@@ -176,6 +184,8 @@ def test_the_reasoning_block_is_free_and_the_calls_after_it_are_held(grammar, re
 @pytest.mark.parametrize("parser, text, calls", [
     ("qwen25", PROSE + hermes("forecast", {"city": "Paris", "days": 3}), [("forecast", {"city": "Paris", "days": 3})]),
     ("qwen3_coder", PROSE + coder("forecast", {"city": "Paris", "days": "3"}),
+     [("forecast", {"city": "Paris", "days": 3})]),
+    ("qwen3_coder", PROSE + coder("forecast", {"city": "Paris", "days": "3"}, wrapped=False),
      [("forecast", {"city": "Paris", "days": 3})]),
     ("mistral", PROSE + mistral_array(("forecast", {"city": "Paris"}), ("note", {"text": "hi"})),
      [("forecast", {"city": "Paris"}), ("note", {"text": "hi"})]),
@@ -243,7 +253,7 @@ def _spelled(parser: str, name: str) -> list[str]:
     if parser == "qwen25":
         return [hermes(name, {})]
     if parser == "qwen3_coder":
-        return [coder(name, {})]
+        return [coder(name, {}), coder(name, {}, wrapped=False)]
     return [mistral_array((name, {})), mistral_named(name, {})]
 
 

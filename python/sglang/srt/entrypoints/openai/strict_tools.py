@@ -16,7 +16,8 @@ Per parser:
 * hermes (qwen25, qwen): trigger `<tool_call>`; a JSON string in the arguments cannot hold
   `</tool_call>` (the parser would end the call there).
 * qwen3_coder: trigger `<tool_call>`, then `<function=NAME>` and the parameters as XML
-  (xgrammar's `qwen_xml` style: each value raw text typed by its schema, as the parser types it).
+  (xgrammar's `qwen_xml` style: each value raw text typed by its schema, as the parser types it);
+  also trigger `<function=`, the same call without its `<tool_call>` block, which the parser reads too.
 * mistral: trigger `[TOOL_CALLS]`, then either syntax the parser reads: a JSON array of
   `{"name", "arguments"}` or (tokenizer v11+) `NAME[ARGS]{...}`.
 * llama3: not expressible, refused (NOT_EXPRESSIBLE says why).
@@ -72,9 +73,10 @@ def _tag(begin: str, content: Format, end: str) -> Format:
     return {"type": "tag", "begin": begin, "content": content, "end": end}
 
 
-def _triggered(trigger: str, tags: list[Format], parallel: bool) -> Format:
+def _triggered(trigger: str, tags: list[Format], parallel: bool, *more_triggers: str) -> Format:
     # stop_after_first: the first call ends the reply (parallel_tool_calls false).
-    return {"type": "triggered_tags", "triggers": [trigger], "tags": tags, "stop_after_first": not parallel}
+    return {"type": "triggered_tags", "triggers": [trigger, *more_triggers], "tags": tags,
+            "stop_after_first": not parallel}
 
 
 def _hermes(tools: list[ToolGrammar], parallel: bool) -> Format:
@@ -88,7 +90,10 @@ def _qwen3_coder(tools: list[ToolGrammar], parallel: bool) -> Format:
     ends = ("<parameter=", "</function>", "</tool_call>")
     tags = [_tag(f"<tool_call>\n<function={t.name}>\n", _json(t.arguments, excludes=ends, style="qwen_xml"),
                  "</function>\n</tool_call>") for t in tools]
-    return _triggered("<tool_call>", tags, parallel)
+    # The parser also reads a call written without its <tool_call> (its inline marker): held the same.
+    tags += [_tag(f"<function={t.name}>\n", _json(t.arguments, excludes=ends, style="qwen_xml"), "</function>")
+             for t in tools]
+    return _triggered("<tool_call>", tags, parallel, "<function=")
 
 
 def _mistral(tools: list[ToolGrammar], parallel: bool) -> Format:
