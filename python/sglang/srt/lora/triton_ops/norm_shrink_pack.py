@@ -107,9 +107,7 @@ def _norm_shrink_pack_kernel(
     # 2.3 µs less per norm-fed module at decode 1 and 1.6 µs at 64; bench_norm_shrink.py).
     slot = tl.load(ROW_SLOTS + row)
     rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
-    col_mask = offs_n < STACK * rank
-    a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
-                mask=col_mask[:, None] & mask[None, :], other=0.0)
+    a = _a_tile(A, slot, rank, a_stride_s, a_stride_n, offs, mask, offs_n, STACK)
     if USE_PDL:
         # Launched as a programmatic dependent: the slot, rank and A tile above do not depend on
         # the kernel before (the GEMM or attention that wrote X / R), so their loads overlap its
@@ -122,20 +120,29 @@ def _norm_shrink_pack_kernel(
                               HAS_RESIDUAL, HAS_SILU, PACKED, EMULATE_RNE, DELTA_RANK)
     else:
         # The rows one after another (a loop, not unrolled: one row's values in registers at a
-        # time beside the tile), the tile read again only where the slot changes.
+        # time beside the tile), the tile read again only where the slot changes. The first row's
+        # slot is read again in the loop (two scalar loads): the tile above had to be issued before
+        # the PDL wait.
         prev_slot = slot
         for idx in range(first, tl.minimum(first + ROWS, n_rows)):
             row = tl.load(PERM + idx).to(tl.int64)
             slot = tl.load(ROW_SLOTS + row)
             rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
             if slot != prev_slot:
-                a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n
-                            + offs[None, :], mask=(offs_n < STACK * rank)[:, None] & mask[None, :], other=0.0)
+                a = _a_tile(A, slot, rank, a_stride_s, a_stride_n, offs, mask, offs_n, STACK)
             prev_slot = slot
             _norm_shrink_pack_row(X, R, R_OUT, NORM_W, XAUG, Y, SCALINGS, D_S, D_BT, D_SCALINGS, row, tile, slot,
                                   rank, a, stride_x, stride_r, stride_ro, stride_xaug, stride_y, stride_ds,
                                   dbt_stride_s, dbt_stride_r, K, eps, STACK, MAX_RANK, E_COLS, BLOCK, BLOCK_J,
                                   BLOCK_E, HAS_NORM, HAS_RESIDUAL, HAS_SILU, PACKED, EMULATE_RNE, DELTA_RANK)
+
+
+@triton.jit
+def _a_tile(A, slot, rank, a_stride_s, a_stride_n, offs, mask, offs_n, STACK: tl.constexpr):
+    """This program's columns `offs_n` of the slot's A (zeros past its stacked rank)."""
+    col_mask = offs_n < STACK * rank
+    return tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
+                   mask=col_mask[:, None] & mask[None, :], other=0.0)
 
 
 @triton.jit
