@@ -73,27 +73,25 @@ def _tag(begin: str, content: Format, end: str) -> Format:
     return {"type": "tag", "begin": begin, "content": content, "end": end}
 
 
-def _triggered(trigger: str, tags: list[Format], parallel: bool, *more_triggers: str) -> Format:
+def _triggered(triggers: list[str], tags: list[Format], parallel: bool) -> Format:
     # stop_after_first: the first call ends the reply (parallel_tool_calls false).
-    return {"type": "triggered_tags", "triggers": [trigger, *more_triggers], "tags": tags,
-            "stop_after_first": not parallel}
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags, "stop_after_first": not parallel}
 
 
 def _hermes(tools: list[ToolGrammar], parallel: bool) -> Format:
     tags = [_tag('<tool_call>\n{"name": ' + json.dumps(t.name, ensure_ascii=False) + ', "arguments": ',
                  _json(t.arguments, excludes=("</tool_call>",)), "}\n</tool_call>") for t in tools]
-    return _triggered("<tool_call>", tags, parallel)
+    return _triggered(["<tool_call>"], tags, parallel)
 
 
 def _qwen3_coder(tools: list[ToolGrammar], parallel: bool) -> Format:
     # What would end a value early for the parser cannot be inside one.
     ends = ("<parameter=", "</function>", "</tool_call>")
-    tags = [_tag(f"<tool_call>\n<function={t.name}>\n", _json(t.arguments, excludes=ends, style="qwen_xml"),
-                 "</function>\n</tool_call>") for t in tools]
+    params = [_json(t.arguments, excludes=ends, style="qwen_xml") for t in tools]
+    tags = [_tag(f"<tool_call>\n<function={t.name}>\n", p, "</function>\n</tool_call>") for t, p in zip(tools, params)]
     # The parser also reads a call written without its <tool_call> (its inline marker): held the same.
-    tags += [_tag(f"<function={t.name}>\n", _json(t.arguments, excludes=ends, style="qwen_xml"), "</function>")
-             for t in tools]
-    return _triggered("<tool_call>", tags, parallel, "<function=")
+    tags += [_tag(f"<function={t.name}>\n", p, "</function>") for t, p in zip(tools, params)]
+    return _triggered(["<tool_call>", "<function="], tags, parallel)
 
 
 def _mistral(tools: list[ToolGrammar], parallel: bool) -> Format:
@@ -105,7 +103,7 @@ def _mistral(tools: list[ToolGrammar], parallel: bool) -> Format:
     # or without the space; then the v11+ syntax, a tag per tool.
     tags = [_tag(begin, array, "]") for begin in ("[TOOL_CALLS] [", "[TOOL_CALLS][")]
     tags += [_tag(f"[TOOL_CALLS]{t.name}[ARGS]", _json(t.arguments), "") for t in tools]
-    return _triggered("[TOOL_CALLS]", tags, parallel)
+    return _triggered(["[TOOL_CALLS]"], tags, parallel)
 
 
 BUILDERS = {"hermes": _hermes, "qwen3_coder": _qwen3_coder, "mistral": _mistral}

@@ -105,13 +105,12 @@ class ToolCallStream:
                     self._open("", stripped)
                     continue
             at, marker = _first_marker(text, self.fmt.start_markers)
-            if marker in self.fmt.inline_markers:  # a call's own first tag: it opens the section and is its text
-                self._text(out, text[:at])
-                self._open("", text[at:], inline=True)
-                continue
             if marker:
                 self._text(out, text[:at])
-                self._open(marker, text[at + len(marker):])
+                if marker in self.fmt.inline_markers:  # a call's own first tag: the section's text starts with it
+                    self._open("", text[at:], inline=True)
+                else:
+                    self._open(marker, text[at + len(marker):])
                 continue
             keep = 0 if final else longest_partial_stop(text, self.fmt.start_markers)
             self._text(out, text[:len(text) - keep])
