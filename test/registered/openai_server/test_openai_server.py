@@ -265,8 +265,8 @@ def test_tokenize_and_detokenize(url, client) -> None:
     msgs = [{"role": "user", "content": "Say something."}]
     chat = post(url, "/v1/tokenize", {"model": "demo", "messages": msgs}).json()
     assert chat["count"] == client.chat.completions.create(model="demo", messages=msgs, max_tokens=1).usage.prompt_tokens
-    parts = [{"role": "user", "content": [{"type": "text", "text": "Say "}, {"type": "text", "text": "something."}]}]
-    assert post(url, "/tokenize", {"messages": parts}).json() == chat  # text parts count as their text
+    parts = [{"role": "user", "content": [{"type": "text", "text": "Say"}, {"type": "text", "text": "something."}]}]
+    assert post(url, "/tokenize", {"messages": parts}).json() == chat  # a string template joins them by a space
     back = post(url, "/detokenize", {"tokens": bare["tokens"]}).json()
     assert back["text"] == back["prompt"] == text
     both = post(url, "/v1/detokenize", {"tokens": [bare["tokens"], []]}).json()

@@ -11,6 +11,12 @@ from typing import Any, AsyncIterator, Optional
 from fastapi.responses import Response
 
 from sglang.srt.entrypoints.json_text import JSONBody
+from sglang.srt.entrypoints.openai.chat_content import (
+    ContentFormat,
+    content_chars,
+    content_for_template,
+    template_content_format,
+)
 from sglang.srt.entrypoints.openai.chat_output import ChatOutputParser, OutputSpec, part_deltas, reply_message
 from sglang.srt.entrypoints.openai.chat_tools import (
     message_tool_fields,
@@ -61,7 +67,8 @@ CHAT_PARAMS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                "text": "messages", "prompt": "messages"}
 
 
-def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
+def _message_dicts(req: ChatCompletionRequest, fmt: ContentFormat = "string") -> list[dict[str, Any]]:
+    """The request's messages as the chat template takes them (`fmt`: see chat_content)."""
     out = []
     for i, msg in enumerate(req.messages):
         if msg.role not in CHAT_ROLES:
@@ -82,7 +89,7 @@ def _message_dicts(req: ChatCompletionRequest) -> list[dict[str, Any]]:
                         param=f"messages[{i}].content",
                     )
                 texts.append(part["text"])
-            content = "".join(texts)
+            content = content_for_template(texts, fmt)
         item: dict[str, Any] = {"role": msg.role, "content": content if content is not None else ""}
         if msg.name:
             item["name"] = msg.name
@@ -99,6 +106,12 @@ def _developer_as_system(messages: list[dict[str, Any]], template: Any) -> list[
     if "developer" in str(template or ""):
         return messages
     return [{**m, "role": "system"} if m["role"] == "developer" else m for m in messages]
+
+
+def template_messages(tm: TokenizerManager, req: Any) -> list[dict[str, Any]]:
+    """The request's messages as the server's chat template gets them."""
+    template = getattr(tm.tokenizer, "chat_template", None)
+    return _developer_as_system(_message_dicts(req, template_content_format(template)), template)
 
 
 async def chat_prompt_ids(tm: TokenizerManager, req: Any) -> list[int]:
@@ -120,8 +133,8 @@ async def chat_prompt_ids(tm: TokenizerManager, req: Any) -> list[int]:
     kwargs = {"add_generation_prompt": add_generation_prompt, **kwargs}
     if req.continue_final_message:
         kwargs["continue_final_message"] = True
-    messages = _developer_as_system(_message_dicts(req), getattr(tm.tokenizer, "chat_template", None))
-    chars = sum(len(m["content"]) for m in messages)
+    messages = template_messages(tm, req)
+    chars = sum(content_chars(m["content"]) for m in messages)
     tools = template_tools(req)
     if tools:
         kwargs["tools"] = tools

@@ -10,19 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from sglang.srt.entrypoints.openai.chat_content import content_chars
 from sglang.srt.entrypoints.openai.protocol import DetokenizeRequest, TokenizeRequest
-from sglang.srt.entrypoints.openai.serving_chat import chat_prompt_ids
+from sglang.srt.entrypoints.openai.serving_chat import chat_prompt_ids, template_messages
 from sglang.srt.managers.generate_request import InvalidRequestError
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
-
-
-def _chars(content: Any) -> int:
-    """Characters of a message's content: a string, or a list of text parts."""
-    if isinstance(content, str):
-        return len(content)
-    if isinstance(content, list):
-        return sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
-    return 0
 
 
 class OpenAIServingTokenize:
@@ -42,7 +34,7 @@ class OpenAIServingTokenize:
             raise InvalidRequestError("tools go with messages", param="tools")
         if req.messages is not None:
             ids = await chat_prompt_ids(self.tm, req)
-            chars = sum(_chars(m.content) for m in req.messages)
+            chars = sum(content_chars(m["content"]) for m in template_messages(self.tm, req))
             return self._tokens_reply(req, ids, chars)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if not prompts:
