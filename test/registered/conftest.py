@@ -65,6 +65,22 @@ def zoo_server(lora_ckpt, adapter_zoo, request):
     assert kill_server(proc) == 0, read_log(proc)[-3000:]
 
 
+@pytest.fixture(scope="module")
+def offline_tokenizer_manager():
+    """A real TokenizerManager over the tiny Qwen3 checkpoint whose scheduler client is never
+    started: for what the manager does before a request reaches a scheduler."""
+    from server_helpers import tiny_checkpoint
+    from sglang.srt.managers.scheduler_client import SchedulerClient
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang.srt.server_args import ServerArgs
+    from sglang.srt.server_configs import build_run_configs
+
+    configs = build_run_configs(ServerArgs(model_path=tiny_checkpoint("qwen3"), device="cpu"))
+    client = SchedulerClient(configs.scheduler, configs.tp)
+    return TokenizerManager(configs.tokenizer_manager, client,
+                            {"context_len": 256, "max_total_num_tokens": 512, "vocab_size": 512})
+
+
 # ---------------------------------------------------------------------------- echo tool servers
 def _echo_flags(item):
     flags = getattr(getattr(item, "module", None), "ECHO_SERVER_FLAGS", None)

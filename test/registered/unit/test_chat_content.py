@@ -9,14 +9,10 @@ import asyncio
 
 import pytest
 
-from server_helpers import tiny_checkpoint
 from sglang.srt.entrypoints.openai.chat_content import content_chars, template_content_format
 from sglang.srt.entrypoints.openai.protocol import ChatCompletionRequest
 from sglang.srt.entrypoints.openai.serving_chat import chat_prompt_ids
-from sglang.srt.managers.scheduler_client import SchedulerClient
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
-from sglang.srt.server_args import ServerArgs
-from sglang.srt.server_configs import build_run_configs
 
 # The text of each message, however its content arrives.
 STRING_TEMPLATE = (
@@ -55,11 +51,8 @@ def test_content_chars() -> None:
 
 
 @pytest.fixture(scope="module")
-def tm() -> TokenizerManager:
-    configs = build_run_configs(ServerArgs(model_path=tiny_checkpoint("qwen3"), device="cpu"))
-    client = SchedulerClient(configs.scheduler, configs.tp)
-    return TokenizerManager(configs.tokenizer_manager, client,
-                            {"context_len": 256, "max_total_num_tokens": 512, "vocab_size": 512})
+def tm(offline_tokenizer_manager) -> TokenizerManager:
+    return offline_tokenizer_manager
 
 
 def _rendered(tm: TokenizerManager, template: str, content) -> str:

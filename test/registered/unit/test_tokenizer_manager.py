@@ -8,20 +8,13 @@ import threading
 
 import pytest
 
-from server_helpers import tiny_checkpoint
 from sglang.srt.managers.generate_request import GenerateReqInput
-from sglang.srt.managers.scheduler_client import SchedulerClient
 from sglang.srt.managers.tokenizer_manager import OFF_LOOP_CHARS, TokenizerManager
-from sglang.srt.server_args import ServerArgs
-from sglang.srt.server_configs import build_run_configs
 
 
 @pytest.fixture(scope="module")
-def tm() -> TokenizerManager:
-    configs = build_run_configs(ServerArgs(model_path=tiny_checkpoint("qwen3"), device="cpu"))
-    client = SchedulerClient(configs.scheduler, configs.tp)
-    return TokenizerManager(configs.tokenizer_manager, client,
-                            {"context_len": 256, "max_total_num_tokens": 512, "vocab_size": 512})
+def tm(offline_tokenizer_manager) -> TokenizerManager:
+    return offline_tokenizer_manager
 
 
 def test_long_texts_are_tokenised_off_the_event_loop(tm) -> None:
