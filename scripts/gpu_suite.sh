@@ -5,7 +5,7 @@
 #
 # Writes its logs and tables to $GPU_SUITE_OUT (default ./gpu-results) and ends with a summary.
 # GPU_SUITE_PARTS picks sections (default: "tests bench graph_bench serving"; also "adapter_reads", "lora_decode",
-# "lora_serving", "many_adapters", "norm_shrink", "norm_segments", "expand_silu", "lora_steps", "penalties", "expand_tiles", "stacked_afold", "afold_qkv", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
+# "lora_serving", "many_adapters", "norm_shrink", "expand_silu", "lora_steps", "penalties", "expand_tiles", "stacked_afold", "afold_qkv", "many_steps", "blas_env", "scheduler", "host", "gemv", "decode_chain", "profile", "profile_compare", "prefix_cache", "soak", and "tp" on a
 # machine with 2 GPUs). Files past the summary and the markdown tables are packed into logs.tar.gz at the end.
 # GPU_SUITE_PYTEST_ARGS adds pytest arguments (split on spaces, e.g. "-v -x"); GPU_SUITE_PYTEST_K
 # is a -k expression (may hold spaces). Wheels fetched by scripts/fetch_gpu_wheels.sh into ./.whl
@@ -179,21 +179,6 @@ if [[ " $PARTS " == *" norm_shrink "* && "${GPU_SUITE_NORM_STEPS:-1}" != 0 ]]; t
   # norm computing the shrink with --lora-fuse-norm on.
   lora_step_rows qwen3-4b "$OUT/norm_shrink_steps.md" "$OUT/norm_shrink.log" "unfolded " \
     --lora none,lora-unfused,lora-fused --lora-fold off --decode-bs 1,64 --decode-adapters 1,8
-fi
-
-if [[ " $PARTS " == *" norm_segments "* ]]; then
-  # Issue 16: the norm and a folded module's shrink in one launch by segments (SGLANG_LORA_NORM_SEGMENTS,
-  # off by default; benchmark/lora/probe_norm_segment_pack.py): µs per launch against norm + shrink_pack
-  # and the row-wise kernel, and its parts; then whole steps of both shapes with it (~2 min).
-  say "== norm + shrink in one launch by segments"
-  start=$(date +%s)
-  $PY benchmark/lora/probe_norm_segment_pack.py --out "$OUT/norm_segments.md" >"$OUT/norm_segments.log" 2>&1 || status=1
-  say "norm_segments probe: $(( $(date +%s) - start ))s"
-  grep -E "^\| (qwen|llama)" "$OUT/norm_segments.md" 2>/dev/null >>"$SUMMARY"
-  for model in qwen3-4b llama-3.1-8b; do
-    lora_step_rows "$model" "$OUT/norm_segments.md" "$OUT/norm_segments.log" "" --lora none,lora,lora-norm-segments \
-      --decode-bs 32,64 --decode-adapters 8 --rounds 2 --max-total-tokens 24576
-  done
 fi
 
 if [[ " $PARTS " == *" expand_silu "* ]]; then

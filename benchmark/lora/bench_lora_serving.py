@@ -167,11 +167,6 @@ CONFIGS = {
     # shrink_pack, the default before 2026-12-05).
     "csgmv-gs1": Config("csgmv-gs1", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_LORA_GEMM_SHRINK", "1"),)),
     "csgmv-gs0": Config("csgmv-gs0", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_LORA_GEMM_SHRINK", "0"),)),
-    # SGLANG_LORA_NORM_SEGMENTS (triton_ops/norm_segment_pack.py): the norm before a folded qkv_proj /
-    # gate_up_proj and its shrink in one launch by segments, at prefill (-nsp) or also at decode
-    # batches past the row-wise bound (-ns).
-    "csgmv-ns": Config("csgmv-ns", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_LORA_NORM_SEGMENTS", "1"),)),
-    "csgmv-nsp": Config("csgmv-nsp", _lora("csgmv", NUM_ADAPTERS), env=(("SGLANG_LORA_NORM_SEGMENTS", "prefill"),)),
 }
 DISTINCT_ADAPTER_FILES = 32
 

@@ -303,39 +303,6 @@ def env_runner(env: str, value: str, lora_backend: str, graphs: bool, dtype: str
 
 
 @functools.lru_cache(maxsize=None)
-def norm_segments_runner(lora_backend: str, graphs: bool, mode: str, dtype: str = "bfloat16"):
-    """SGLANG_LORA_NORM_SEGMENTS=`mode`: the norm before a folded qkv_proj / gate_up_proj and its
-    shrink in one launch by segments (lora/triton_ops/norm_segment_pack.py)."""
-    return env_runner("SGLANG_LORA_NORM_SEGMENTS", mode, lora_backend, graphs, dtype)
-
-
-@pytest.mark.parametrize("lora_backend", ["csgmv", "triton"])
-def test_norm_segments_graph_equals_eager(lora_backend, monkeypatch):
-    """The norm and the shrink in one launch under the prefill and decode graphs: prompt logprobs of
-    adapter, base, mixed and 40-request prefills within TOL of eager, a 20-request decode (past the
-    row-wise bound) equal to eager bit for bit, the kernel really launched; in float32 the engine
-    with it matches the engine without it (its shrink is rounded differently) within 1e-3."""
-    from sglang.srt.lora.backend import token_backend
-
-    calls = []
-    original = token_backend.launch_norm_pack
-    monkeypatch.setattr(token_backend, "launch_norm_pack", lambda *a, **kw: calls.append(1) or original(*a, **kw))
-    g, e = norm_segments_runner(lora_backend, True, "1"), norm_segments_runner(lora_backend, False, "1")
-    prefill_graph_matches_eager(g, e, f"norm segments {lora_backend}")
-    assert calls, "no prefill took the norm segments"
-    decode_graph_matches_eager(g, e, calls.clear)
-    assert len(calls) >= 2 * len(g.model.model.layers) * 6, "decode past the row-wise bound did not take it"
-    on, off = norm_segments_runner(lora_backend, False, "1", "float32"), norm_segments_runner(lora_backend, False, "0", "float32")
-    for prompts_, names_ in ((MIXED, ["a", None, "b", None]), (MANY, ["a", "b"] * 20)):
-        diff = max_diff(prompt_logprobs(on, prompts_, names_)[0], prompt_logprobs(off, prompts_, names_)[0])
-        print(f"norm segments {lora_backend}: float32 prefill max |on - off| = {diff:.2e}")
-        assert diff < 1e-3, diff
-    o_tok, o_lp, _ = decode_logprobs(on, decode_prompts(), DECODE_NAMES, steps=6)
-    f_tok, f_lp, _ = decode_logprobs(off, decode_prompts(), DECODE_NAMES, steps=6)
-    assert o_tok == f_tok and float((o_lp - f_lp).abs().max()) < 1e-3
-
-
-@functools.lru_cache(maxsize=None)
 def split_shrink_runner(graphs: bool, split: str, dtype: str = "bfloat16"):
     """csgmv with every module unfolded (--lora-fold off, the norms apart) and
     SGLANG_LORA_CSGMV_SPLIT_SHRINK=`split`: the token backend's split-K shrink in place of the

@@ -452,33 +452,3 @@ def test_a_qkv_proj_with_a_bias_keeps_the_fold(tmp_path, monkeypatch):
         torch.testing.assert_close(torch.tensor(got), hf_prompt_logprobs(peft, prompt), rtol=0, atol=1e-4)
 
 
-@pytest.mark.parametrize("backend,mode,afold", [("triton", "prefill", "0"), ("csgmv", "1", "0"),
-                                                ("csgmv", "1", "small")])
-def test_norm_and_shrink_in_one_launch_by_segments(assets, backend, mode, afold, monkeypatch):
-    """SGLANG_LORA_NORM_SEGMENTS: the norm before a folded qkv_proj / gate_up_proj and the module's
-    shrink in one launch (norm_segment_pack.py): at prefill ("prefill", "1") in place of the norm
-    into x_aug and shrink_pack, and ("1") at decode batches past the row-wise bound in place of
-    norm_shrink_pack (with the A-fold's deferral at small batches, those keep norm_shrink_pack: it
-    adds the delta). The run equals the engine without it to float32 rounding."""
-    from sglang.srt.layers.triton_ops.dispatch import fused_kernels
-    from sglang.srt.lora.backend import token_backend
-
-    monkeypatch.setenv("SGLANG_LORA_NORM_SEGMENTS", mode)
-    runner = runner_for(assets, backend, fuse=True, afold=afold)
-    monkeypatch.delenv("SGLANG_LORA_NORM_SEGMENTS")
-    reference = runner_for(assets, backend, fuse=True, afold=afold)
-    launches = []
-    launch = token_backend.launch_norm_pack
-    monkeypatch.setattr(token_backend, "launch_norm_pack", lambda *a, **kw: launches.append(a[1].shape[0])
-                        or launch(*a, **kw))
-    steps = 3
-    with fused_kernels("triton"):
-        tokens, logprobs, _ = decode_run(runner, steps=steps)
-        monkeypatch.undo()
-        ref_tokens, ref_logprobs, _ = decode_run(reference, steps=steps)
-    layers = len(runner.model.model.layers)
-    prefill_rows = sum(len(p) for p in PROMPTS)
-    decode = [] if mode == "prefill" or afold == "small" else [len(PROMPTS)] * (2 * layers * steps)
-    assert launches == [prefill_rows] * (2 * layers) + decode
-    assert tokens == ref_tokens
-    torch.testing.assert_close(logprobs, ref_logprobs, rtol=0, atol=1e-5)

@@ -17,7 +17,7 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", ".."))
 REFERENCE_SCRIPTS = [("benchmark/bench_gemv.py", 10), ("benchmark/lora/bench_norm_shrink.py", 2),
                      ("benchmark/bench_decode_chain.py", 6), ("benchmark/bench_sampler.py", 10),
-                     ("benchmark/lora/bench_gemm_shrink.py", 6), ("benchmark/lora/probe_norm_segment_pack.py", 2)]
+                     ("benchmark/lora/bench_gemm_shrink.py", 6)]
 
 
 def _commands(tmp: str) -> dict[str, tuple[list[str], dict[str, str]]]:
@@ -82,7 +82,7 @@ def dry_runs(tmp_path_factory, request):
 
 # The dry runs, longest first (about 16 s down to 2.5 s one at a time on the CPU machine).
 _LONGEST_FIRST = ["forward_anchor", "host", "forward_rounds", "benchmark/bench_sampler.py", "scheduler",
-                  "benchmark/lora/probe_norm_segment_pack.py", "benchmark/bench_decode_chain.py", "adapter_reads",
+                  "benchmark/bench_decode_chain.py", "adapter_reads",
                   "benchmark/lora/bench_norm_shrink.py", "expand_tiles", "benchmark/bench_gemv.py",
                   "benchmark/lora/bench_gemm_shrink.py"]
 

@@ -83,12 +83,6 @@ class NormShrinkFusion:
         prepared = self.backend.in_place_input(self.target.lora, x.shape[0])
         if prepared is None:
             return None
-        fused = self.backend.norm_into_x_aug(self.target.lora, self.norm.weight, self.norm.variance_epsilon, x,
-                                             residual, prepared)
-        if fused is not None:  # the norm and the module's shrink in one launch
-            self.target.prepared, new_residual = fused
-            normed = self.target.prepared.normed
-            return normed if residual is None else (normed, new_residual)
         rmsnorm_fwd(x, self.norm.weight, self.norm.variance_epsilon, residual=residual, out=prepared.normed)
         self.target.prepared = prepared
         return prepared.normed if residual is None else (prepared.normed, residual)

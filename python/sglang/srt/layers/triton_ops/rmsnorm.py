@@ -72,8 +72,8 @@ def _rmsnorm_kernel(
 def row_warps(n_cols: int) -> int:
     """The warps of a program that normalises one row of `n_cols`: a launch constant of the layer,
     never of the batch, so graph buckets and eager passes of any token count run the same
-    reduction. Every kernel that gives rmsnorm_fwd's bits (lora/triton_ops/norm_shrink_pack.py,
-    norm_segment_pack.py) launches with these warps: the same reduction tree."""
+    reduction. Every kernel that gives rmsnorm_fwd's bits (lora/triton_ops/norm_shrink_pack.py)
+    launches with these warps: the same reduction tree."""
     block = triton.next_power_of_2(n_cols)
     return 8 if block >= 4096 else (4 if block >= 1024 else 2)
 

@@ -145,14 +145,6 @@ class BaseLoRABackend(abc.ABC):
         shrink_pack need not copy it there; None: the kernel writes its own output."""
         return None
 
-    def norm_into_x_aug(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
-                        residual: Optional[torch.Tensor], prepared: PreparedInput
-                        ) -> Optional[tuple[PreparedInput, Optional[torch.Tensor]]]:
-        """With `prepared` from in_place_input: the norm written there together with the module's
-        shrink in one launch, as (what the module then runs from, the new residual); None: the
-        norm runs alone and the module's shrink_pack follows (SGLANG_LORA_NORM_SEGMENTS)."""
-        return None
-
     def run_act(self, weights: LoRAModuleWeights, gate_up: torch.Tensor) -> PreparedInput:
         """SiLU-and-mul of gate_up with the shrink of the module it feeds (down_proj)."""
         raise NotImplementedError(f"LoRA backend {self.name} does not fuse activations")

@@ -35,9 +35,8 @@ kernel on the capture stream before capture begins.
 
 from __future__ import annotations
 
-import dataclasses
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Optional, Sequence
 
 import torch
@@ -52,7 +51,6 @@ from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, gemm_s
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
 from sglang.srt.lora.triton_ops import norm_shrink_pack as norm_shrink_pack_module
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack, silu_shrink, silu_shrink_pack
-from sglang.srt.lora.triton_ops.norm_segment_pack import launch_norm_pack, prepare_norm_pack, workspace_numel
 from sglang.srt.lora.triton_ops.token_lora import (
     SEGMENT_ROWS,
     pdl_available,
@@ -135,24 +133,6 @@ def gemm_shrink_bound(value: str) -> Optional[int]:
     return token_bound(value, "SGLANG_LORA_GEMM_SHRINK", every=0, least=0)
 
 
-# SGLANG_LORA_NORM_SEGMENTS: the norm before a folded qkv_proj / gate_up_proj runs in one launch with
-# the module's shrink, by segments (triton_ops/norm_segment_pack.py), in place of two dependent
-# launches. "prefill": where the in-place pack would launch shrink_pack after the norm (prefills
-# under the GEMM shrink's bound); "1": there and at decode batches past the row-wise bound, in place
-# of the row-wise norm_shrink_pack; "0": never (the default). H100, 2026-12-06, 8 adapters: LoRA /
-# base of a 128-token prefill 1.21 -> 1.19 wall with the GPU time unchanged (Qwen3-4B; 8B 1.15 ->
-# 1.15), a decode step of 64 requests 1.15 -> 1.18 (Qwen3-4B) and 1.12 -> 1.13 (8B).
-NORM_SEGMENTS_DEFAULT = "0"
-
-
-def norm_segments_modes(value: str) -> tuple[bool, bool]:
-    """SGLANG_LORA_NORM_SEGMENTS as (at prefill, at decode)."""
-    modes = {"0": (False, False), "prefill": (True, False), "1": (True, True)}
-    if value not in modes:
-        raise ValueError(f"SGLANG_LORA_NORM_SEGMENTS={value!r}: use 0, prefill or 1")
-    return modes[value]
-
-
 def _grouping(info: LoRABatchInfo, rows: int) -> dict:
     """The row-wise kernels' grouping arguments for a batch of `rows` rows: its permutation's first
     rows (live rows by slot, then a graph bucket's padding in order) when the plan groups them."""
@@ -206,9 +186,6 @@ class _ModuleLaunches:
     pack_in_place: Optional[PreparedLaunch] = None  # folded, x already in x_aug (SGLANG_LORA_PACK_IN_PLACE)
     shrink: Optional[PreparedLaunch] = None  # unfolded, token-major
     expand: Optional[PreparedLaunch] = None
-    # folded, the norm and the shrink in one launch (SGLANG_LORA_NORM_SEGMENTS), built on first use
-    # per (eps, with a residual, x's row stride)
-    norm_packs: dict[tuple[float, bool, int], PreparedLaunch] = field(default_factory=dict)
 
 
 class TokenLoRABackend(BaseLoRABackend):
@@ -266,8 +243,6 @@ class TokenLoRABackend(BaseLoRABackend):
         # 8192-token prefill of the Qwen3-4B shape 160 MB per layer for down_proj alone).
         self.pack_in_place = os.environ.get("SGLANG_LORA_PACK_IN_PLACE", "1") == "1"
         self.gemm_shrink_min_tokens = gemm_shrink_bound(os.environ.get("SGLANG_LORA_GEMM_SHRINK", GEMM_SHRINK_DEFAULT))
-        self.norm_segments_prefill, self.norm_segments_decode = norm_segments_modes(
-            os.environ.get("SGLANG_LORA_NORM_SEGMENTS", NORM_SEGMENTS_DEFAULT))
         self._gemm_shrink_now = False  # this batch is a prefill the bound admits
         self._gemm_shrink_cols: dict[str, int] = {}  # per module kind, set by init_modules
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
@@ -314,9 +289,6 @@ class TokenLoRABackend(BaseLoRABackend):
                 plan = plan_shrink(s.in_dim, s.stack * s.max_rank, elem, self.segment_rows)
                 workspace = max(workspace, plan.workspace_numel(rows))
                 counters = max(counters, plan.num_counters(self.segment_capacity(rows)))
-                if s.folded and (self.norm_segments_prefill or self.norm_segments_decode):
-                    pack = plan_pack(s.in_dim, s.stack, s.max_rank, s.extra_cols, elem, self.segment_rows)
-                    workspace = max(workspace, workspace_numel(pack, rows))
         dev = self.device
         gemm_cols = max(self._gemm_shrink_cols.values(), default=0)
         return _Scratch(
@@ -580,10 +552,6 @@ class TokenLoRABackend(BaseLoRABackend):
         if spec.folded:
             # The scratch x_aug: read by the module's GEMM, the very next kernel (as shrink_pack's is).
             x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
-            if (self.norm_segments_decode and delta is None and not (info.rowwise or info.defer)
-                    and self._norm_segments_fit(spec, x, residual)):
-                new_residual = self._norm_segment_pack(weights, norm_weight, eps, x, residual, x_aug)
-                return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug), new_residual
             new_residual = norm_shrink_pack(x, residual, norm_weight, eps, weights.A, x_aug, slots, self._slot_ranks,
                                             self._slot_scalings, spec.stack, spec.max_rank, use_pdl=self.use_pdl,
                                             delta=delta, **_grouping(info, rows))
@@ -625,47 +593,6 @@ class TokenLoRABackend(BaseLoRABackend):
             return None
         x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
         return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug, pack_pending=True)
-
-    def norm_into_x_aug(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
-                        residual: Optional[torch.Tensor], prepared: PreparedInput
-                        ) -> Optional[tuple[PreparedInput, Optional[torch.Tensor]]]:
-        spec = weights.spec
-        # The GEMM shrink's prefills keep the plain norm (their pack reads the normalised rows).
-        if (not self.norm_segments_prefill or not prepared.pack_pending
-                or (self._gemm_shrink_now and self._gemm_shrink_cols.get(spec.name))
-                or not self._norm_segments_fit(spec, x, residual)):
-            return None
-        new_residual = self._norm_segment_pack(weights, norm_weight, eps, x, residual, prepared.x_aug)
-        return dataclasses.replace(prepared, pack_pending=False), new_residual
-
-    def _norm_segments_fit(self, spec: LoRAModuleSpec, x: torch.Tensor, residual: Optional[torch.Tensor]) -> bool:
-        """Whether the rows' layout fits norm_segment_pack (dense rows of the module's width; else
-        the caller runs the two kernels)."""
-        k = spec.in_dim
-        return (x.dim() == 2 and x.shape[1] == k and x.stride(1) == 1 and x.shape[0] == self.batch_info.num_rows
-                and (residual is None or (residual.shape == x.shape and residual.stride() == (k, 1))))
-
-    def _norm_segment_pack(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float,
-                           x: torch.Tensor, residual: Optional[torch.Tensor], x_aug: torch.Tensor
-                           ) -> Optional[torch.Tensor]:
-        """x_aug = [norm(x (+ residual)) | packed shrink] in one launch (norm_segment_pack.py); returns
-        the new residual (None without one). The rows fit (_norm_segments_fit)."""
-        spec, info, scratch = weights.spec, self.batch_info, self._scratch
-        key = (float(eps), residual is not None, x.stride(0))
-        launches = self._launches[spec.name]
-        launch = launches.norm_packs.get(key)
-        if launch is None:
-            plan = plan_pack(spec.in_dim, spec.stack, spec.max_rank, spec.extra_cols, self.dtype.itemsize,
-                             self.segment_rows)
-            assert scratch.workspace.numel() >= workspace_numel(plan, x.shape[0])
-            launch = prepare_norm_pack(plan, x.shape[0], info.bs, eps, residual is not None, x, weights.A,
-                                       x_aug.stride(0))
-            launches.norm_packs[key] = launch
-        new_residual = torch.empty_like(residual) if residual is not None else None
-        launch_norm_pack(launch, x, residual, new_residual, norm_weight, weights.A, x_aug, scratch.workspace,
-                         scratch.counters, info.permutation, info.seg_indptr, info.weight_indices, info.lora_ranks,
-                         info.scalings)
-        return new_residual
 
     def run_prepared(self, weights: LoRAModuleWeights, prepared: PreparedInput, base_layer: torch.nn.Module) -> torch.Tensor:
         if prepared.x_aug is not None:
