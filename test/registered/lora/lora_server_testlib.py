@@ -188,6 +188,20 @@ def unload_adapter(url: str, name: str, prefix: str = "") -> requests.Response:
     return post(url, f"{prefix}/unload_lora_adapter", {"lora_name": name})
 
 
+def assert_unload_waits(url: str, unload: dict) -> None:
+    """An unload (its reply in `unload["r"]` once it answered) has not answered while its adapter's
+    request still runs in the scheduler.
+
+    What a client has read of that request's stream says nothing about it: the server's events wait
+    in socket buffers, and on a slow machine the test's own requests take long enough for the whole
+    generation to end meanwhile. So ask the scheduler, after looking at the unload: an answer seen
+    first and a request still running afterwards is the violation.
+    """
+    answered = "r" in unload
+    running = requests.get(f"{url}/get_server_info", timeout=TIMEOUT).json()["num_running_reqs"]
+    assert not (answered and running), "the unload answered while its adapter's request ran"
+
+
 def model_ids(url: str) -> list[str]:
     r = requests.get(f"{url}/v1/models", timeout=30)
     assert r.status_code == 200, r.text

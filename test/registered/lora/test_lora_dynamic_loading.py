@@ -30,6 +30,7 @@ import requests
 from lora_server_testlib import (
     PROMPTS,
     assert_same_answer,
+    assert_unload_waits,
     greedy,
     lora_info,
     load_adapter,
@@ -135,19 +136,6 @@ def test_load_use_unload_load_again_while_others_stream(zoo_server, adapter_zoo)
     completed = streamer.check()
     assert completed >= len(jobs)
     assert_same_answer(greedy(url, PROMPTS[0], None), base, what="the base model")
-
-
-def assert_unload_waits(url: str, unload: dict) -> None:
-    """The unload has not answered while its adapter's request still runs in the scheduler.
-
-    What the client has read of the stream says nothing about that (the server's events wait in
-    socket buffers, and on a slow machine the test's own requests take long enough for the whole
-    generation to end meanwhile), so ask the scheduler, after looking at the unload: an answer seen
-    first and a request still running afterwards is the violation.
-    """
-    answered = "r" in unload
-    running = requests.get(f"{url}/get_server_info", timeout=30).json()["num_running_reqs"]
-    assert not (answered and running), "the unload answered while its adapter's request ran"
 
 
 def test_unload_waits_for_in_flight_requests(zoo_server, adapter_zoo) -> None:
