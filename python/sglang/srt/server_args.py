@@ -45,6 +45,7 @@ from sglang.srt.server_args_cli import (  # the flags' choices: validated here, 
     LORA_FUSE_NORM_MODES,
     LORA_TARGET_MODULES,
     SCHEDULE_POLICIES,
+    ServerArgumentParser,
     add_cli_args,
 )
 from sglang.srt.utils import is_cpu, is_hip, is_mps, is_npu, is_xpu
@@ -493,7 +494,7 @@ def field_defaults() -> dict[str, Any]:
 
 def prepare_server_args(argv: list[str]) -> ServerArgs:
     """ServerArgs from launch_server's command line."""
-    parser = argparse.ArgumentParser(
+    parser = ServerArgumentParser(
         prog="python -m sglang.launch_server",
         description="Serve a Hugging Face checkpoint with many LoRA adapters under CUDA graphs.",
         formatter_class=DefaultsHelpFormatter,

@@ -312,6 +312,24 @@ class TestCli(unittest.TestCase):
         with self.assertRaisesRegex(ValueError, "--lora-fuse-norm"):
             ServerArgs(model_path="demo", lora_fuse_norm="sometimes")
 
+    def test_a_vllm_flag_is_refused_with_ours_named(self):
+        import contextlib
+        import io
+
+        def refusal(*flags: str) -> str:
+            err = io.StringIO()
+            with contextlib.redirect_stderr(err), self.assertRaises(SystemExit) as exit_:
+                prepare_server_args(["--model-path", "demo", *flags])
+            self.assertEqual(exit_.exception.code, 2)
+            return err.getvalue()
+
+        text = refusal("--lora-modules", "sql=/adapters/sql", "--max-model-len=4096")
+        self.assertIn("--lora-modules is vLLM's flag: here, use --lora-paths", text)
+        self.assertIn("--max-model-len is vLLM's flag: here, use --context-length", text)
+        self.assertNotIn("vLLM", refusal("--no-such-flag"))
+        # A vLLM flag that is a prefix of ours is that flag (argparse's abbreviations).
+        self.assertEqual(prepare_server_args(["--model-path", "demo", "--max-loras", "4"]).max_loras_per_batch, 4)
+
     def test_grammar_backend_flag_reaches_both_processes_configs(self):
         from sglang.srt.constrained.base import xgrammar_available
         from sglang.srt.server_configs import build_run_configs
