@@ -39,23 +39,23 @@ SCHEDULE_POLICIES = ("fcfs", "lpm")
 LOG_REQUESTS_LEVELS = (0, 1, 2)
 
 
-# Flags of `vllm serve` that users bring along, and this server's flag for the same purpose. An
-# unknown flag is refused either way; for these the refusal names the flag to use. They are not
+# Flags of `vllm serve` that users bring along, and what to do here instead. An unknown flag is
+# refused either way; for these the refusal says what to use. They are not
 # accepted as aliases: the meanings differ in details (e.g. --gpu-memory-utilization counts all of
 # the GPU's memory, --mem-fraction-static what is left after other processes), and a silently
 # reinterpreted flag is worse than a clear error. (vLLM flags that are a prefix of one of ours, such
 # as --max-loras or --tokenizer, are taken by argparse as that flag.)
 VLLM_FLAGS = {
-    "--lora-modules": "--lora-paths NAME=PATH ...",
-    "--max-cpu-loras": "--max-loaded-loras",
-    "--max-model-len": "--context-length",
-    "--gpu-memory-utilization": "--mem-fraction-static",
-    "--max-num-seqs": "--max-running-requests",
-    "--max-num-batched-tokens": "--chunked-prefill-size (and --max-prefill-tokens)",
-    "--enforce-eager": "--disable-cuda-graph",
-    "--seed": "--random-seed",
-    "--enable-prefix-caching": "nothing: the prefix cache is on by default (--disable-radix-cache turns it off)",
-    "--no-enable-prefix-caching": "--disable-radix-cache",
+    "--lora-modules": "use --lora-paths NAME=PATH ...",
+    "--max-cpu-loras": "use --max-loaded-loras",
+    "--max-model-len": "use --context-length",
+    "--gpu-memory-utilization": "use --mem-fraction-static",
+    "--max-num-seqs": "use --max-running-requests",
+    "--max-num-batched-tokens": "use --chunked-prefill-size (and --max-prefill-tokens)",
+    "--enforce-eager": "use --disable-cuda-graph",
+    "--seed": "use --random-seed",
+    "--enable-prefix-caching": "leave it out: the prefix cache is on by default",
+    "--no-enable-prefix-caching": "use --disable-radix-cache",
 }
 
 
@@ -65,7 +65,7 @@ class ServerArgumentParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         if message.startswith("unrecognized arguments:"):
             given = {word.split("=", 1)[0] for word in message.split(":", 1)[1].split()}
-            hints = [f"{flag} is vLLM's flag: here, use {ours}" for flag, ours in VLLM_FLAGS.items() if flag in given]
+            hints = [f"{flag} is vLLM's flag: here, {advice}" for flag, advice in VLLM_FLAGS.items() if flag in given]
             if hints:
                 message = f"{message} ({'; '.join(hints)})"
         super().error(message)

@@ -198,7 +198,7 @@ def assert_unload_waits(url: str, unload: dict) -> None:
     first and a request still running afterwards is the violation.
     """
     answered = "r" in unload
-    running = requests.get(f"{url}/get_server_info", timeout=TIMEOUT).json()["num_running_reqs"]
+    running = server_info(url)["num_running_reqs"]
     assert not (answered and running), "the unload answered while its adapter's request ran"
 
 
@@ -208,10 +208,14 @@ def model_ids(url: str) -> list[str]:
     return [m["id"] for m in r.json()["data"]]
 
 
-def lora_info(url: str) -> dict:
+def server_info(url: str) -> dict:
     r = requests.get(f"{url}/get_server_info", timeout=30)
     assert r.status_code == 200, r.text
-    return r.json()["lora"]
+    return r.json()
+
+
+def lora_info(url: str) -> dict:
+    return server_info(url)["lora"]
 
 
 def stream_generate(url: str, body: dict) -> dict:

@@ -67,7 +67,7 @@ CHAT_PARAMS = {"max_new_tokens": "max_tokens", "min_new_tokens": "min_tokens",
                "text": "messages", "prompt": "messages"}
 
 
-def _message_dicts(req: ChatCompletionRequest, fmt: ContentFormat = "string") -> list[dict[str, Any]]:
+def _message_dicts(req: ChatCompletionRequest, fmt: ContentFormat) -> list[dict[str, Any]]:
     """The request's messages as the chat template takes them (`fmt`: see chat_content)."""
     out = []
     for i, msg in enumerate(req.messages):
@@ -114,11 +114,12 @@ def template_messages(tm: TokenizerManager, req: Any) -> list[dict[str, Any]]:
     return _developer_as_system(_message_dicts(req, template_content_format(template)), template)
 
 
-async def chat_prompt_ids(tm: TokenizerManager, req: Any) -> list[int]:
+async def chat_prompt_ids(tm: TokenizerManager, req: Any,
+                          messages: Optional[list[dict[str, Any]]] = None) -> list[int]:
     """The prompt tokens of a chat request: its messages through the chat template, with
     `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `tools` (unless
     `tool_choice` is "none") (a ChatCompletionRequest, or /tokenize's request, which has the same
-    fields)."""
+    fields). `messages`: template_messages(tm, req), where the caller has them already."""
     kwargs = dict(req.chat_template_kwargs or {})
     reserved = sorted(set(kwargs) & RESERVED_TEMPLATE_KWARGS)
     if reserved:
@@ -133,7 +134,8 @@ async def chat_prompt_ids(tm: TokenizerManager, req: Any) -> list[int]:
     kwargs = {"add_generation_prompt": add_generation_prompt, **kwargs}
     if req.continue_final_message:
         kwargs["continue_final_message"] = True
-    messages = template_messages(tm, req)
+    if messages is None:
+        messages = template_messages(tm, req)
     chars = sum(content_chars(m["content"]) for m in messages)
     tools = template_tools(req)
     if tools:

@@ -33,8 +33,9 @@ class OpenAIServingTokenize:
         if req.tools is not None and req.messages is None:
             raise InvalidRequestError("tools go with messages", param="tools")
         if req.messages is not None:
-            ids = await chat_prompt_ids(self.tm, req)
-            chars = sum(content_chars(m["content"]) for m in template_messages(self.tm, req))
+            messages = template_messages(self.tm, req)
+            ids = await chat_prompt_ids(self.tm, req, messages)
+            chars = sum(content_chars(m["content"]) for m in messages)
             return self._tokens_reply(req, ids, chars)
         prompts = [req.prompt] if isinstance(req.prompt, str) else req.prompt
         if not prompts:
