@@ -78,15 +78,14 @@ def usage(cubin: bytes) -> Usage:
 
 
 NORM_SHRINK_TENSORS = {**{n: "*bf16" for n in ("X", "R", "R_OUT", "NORM_W", "A", "XAUG", "Y", "D_S", "D_BT")},
-                       "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32", "D_SCALINGS": "*fp32",
-                       "PERM": "*i32"}
+                       "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32", "D_SCALINGS": "*fp32"}
 NORM_SHRINK_INTS = ["stride_x", "stride_r", "stride_ro", "stride_xaug", "stride_y", "a_stride_s", "a_stride_n",
-                    "stride_ds", "dbt_stride_s", "dbt_stride_r", "K", "n_rows"]
+                    "stride_ds", "dbt_stride_s", "dbt_stride_r", "K"]
 
 
 def norm_shrink_rows(shape: str, rows: list[int], rank: int, slots: int) -> list[str]:
     """norm_shrink_pack before qkv_proj and gate_up_proj, folded (packed) and, as at many slots,
-    unfolded, with 1, 2 and 4 rows a program (rows_per_program): one table row each."""
+    unfolded: one table row each."""
     import triton
 
     from sglang.srt.layers.triton_ops.rmsnorm import row_warps
@@ -96,22 +95,18 @@ def norm_shrink_rows(shape: str, rows: list[int], rank: int, slots: int) -> list
     out = []
     for module, stack in (("qkv_proj", 3), ("gate_up_proj", 2)):
         for packed in (True, False):
-            for per_program in (1, 2, 4):
-                block_j = nsp.column_tile(hidden)
-                warps = row_warps(hidden)
-                cubin = compile_sm90(
-                    nsp._norm_shrink_pack_kernel, NORM_SHRINK_TENSORS, NORM_SHRINK_INTS,
-                    dict(STACK=stack, MAX_RANK=rank, E_COLS=slots * stack * rank if packed else 0,
-                         BLOCK=triton.next_power_of_2(hidden), BLOCK_J=block_j, BLOCK_E=512, HAS_NORM=True,
-                         HAS_RESIDUAL=True, HAS_SILU=False, PACKED=packed, EMULATE_RNE=False, USE_PDL=False,
-                         DELTA_RANK=0, ROWS=per_program),
-                    floats=("eps",), num_warps=warps)
-                grid_per_row = triton.cdiv(stack * rank, block_j)
-                name = f"norm_shrink_pack {module} {'folded' if packed else 'unfolded'}"
-                if per_program > 1:
-                    name += f", {per_program} rows a program"
-                out.append(table_row(shape, name, usage(cubin), warps,
-                                     [-(-r // per_program) * grid_per_row for r in rows]))
+            block_j = nsp.column_tile(hidden)
+            warps = row_warps(hidden)
+            cubin = compile_sm90(
+                nsp._norm_shrink_pack_kernel, NORM_SHRINK_TENSORS, NORM_SHRINK_INTS,
+                dict(STACK=stack, MAX_RANK=rank, E_COLS=slots * stack * rank if packed else 0,
+                     BLOCK=triton.next_power_of_2(hidden), BLOCK_J=block_j, BLOCK_E=512, HAS_NORM=True,
+                     HAS_RESIDUAL=True, HAS_SILU=False, PACKED=packed, EMULATE_RNE=False, USE_PDL=False,
+                     DELTA_RANK=0),
+                floats=("eps",), num_warps=warps)
+            grid_per_row = triton.cdiv(stack * rank, block_j)
+            name = f"norm_shrink_pack {module} {'folded' if packed else 'unfolded'}"
+            out.append(table_row(shape, name, usage(cubin), warps, [r * grid_per_row for r in rows]))
     return out
 
 

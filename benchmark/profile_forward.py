@@ -125,10 +125,6 @@ LORA_VARIANTS = {
     # default takes it at prefills up to 1,024 tokens), and with it never (=0).
     "lora-afold-qkv": ("auto", "small"),
     "lora-no-afold-qkv": ("auto", "small"),
-    # The default with norm_shrink_pack taking 2 or 4 rows a program past 16 rows (GROUP_ROWS_ABOVE_ROWS,
-    # GROUP_ROWS): rows grouped by slot, one A tile read for the rows of a slot.
-    "lora-grouped-2": ("auto", "small"),
-    "lora-grouped-4": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -141,10 +137,6 @@ VARIANT_KNOBS = {
     "lora-norm-release": (("sglang.srt.layers.triton_ops.rmsnorm", "RELEASE_AT_START", True),),
     "lora-expand-silu-256": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (256, 4)),),
     "lora-expand-silu-64": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (64, 4)),),
-    "lora-grouped-2": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "GROUP_ROWS_ABOVE_ROWS", 16),
-                       ("sglang.srt.lora.triton_ops.norm_shrink_pack", "GROUP_ROWS", 2)),
-    "lora-grouped-4": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "GROUP_ROWS_ABOVE_ROWS", 16),
-                       ("sglang.srt.lora.triton_ops.norm_shrink_pack", "GROUP_ROWS", 4)),
 }
 # Server arguments a variant's runner is built with, over the default's.
 VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}

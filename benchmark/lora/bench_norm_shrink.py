@@ -123,7 +123,6 @@ class Step:
             self.scratch.append((workspace, counters))
             self.launches.append(prepare_pack(plan, bs, n_segs, self.x[m.in_dim], m.a, width, use_pdl))
         self.outs: list[torch.Tensor] = []
-        self.rows_per_program = 1  # the row-wise kernels' rows a program (fused_with_grouped_rows)
 
     def _input(self, m: Module) -> torch.Tensor:
         """The module's x: the norm's output (residual add fused), SiLU-and-mul's, or its own."""
@@ -141,20 +140,17 @@ class Step:
         """The row-wise kernels: with the module's norm, with down_proj's SiLU-and-mul, or (o_proj)
         the row-wise pack alone."""
         x = self.x[m.in_dim]
-        # Grouped: consecutive rows of the segments' permutation (rows sorted by slot) a program.
-        group = dict(permutation=self.segments[0], rows_per_program=self.rows_per_program)
         if m.act:
             silu_shrink_pack(self.gate_up, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings, m.rank,
-                             use_pdl=self.use_pdl, **group)
+                             use_pdl=self.use_pdl)
         elif m.norm:
             # The new residual to its own buffer (ping-pong), as the fused engine does.
             new = norm_shrink_pack(x, self.res_work, m.norm_w, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks,
-                                   self.scalings, m.stack, m.rank, residual_out=self.res_out, use_pdl=self.use_pdl,
-                                   **group)
+                                   self.scalings, m.stack, m.rank, residual_out=self.res_out, use_pdl=self.use_pdl)
             self.res_work, self.res_out = new, self.res_work
         else:
             norm_shrink_pack(x, None, None, EPS, m.a, self.x_aug[i], self.row_slots, self.ranks, self.scalings,
-                             m.stack, m.rank, use_pdl=self.use_pdl, **group)
+                             m.stack, m.rank, use_pdl=self.use_pdl)
 
     def base(self) -> None:
         self.outs = []
@@ -239,9 +235,6 @@ def main() -> None:
     p.add_argument("--tile-elements", nargs="*", type=int, default=[],
                    help="also time `fused` with norm_shrink_pack.TILE_ELEMENTS set to each (its column tile: "
                         "fewer, wider programs per row re-normalise the row fewer times)")
-    p.add_argument("--rows-per-program", nargs="*", type=int, default=[],
-                   help="also time `fused` with norm_shrink_pack taking each many rows a program (rows grouped "
-                        "by slot: one A tile read for the rows of a slot)")
     p.add_argument("--afold", action="store_true",
                    help="also time `afold`: o_proj / down_proj A-folded, their deltas added by the next norm")
     add_output_args(p)
@@ -249,7 +242,7 @@ def main() -> None:
     dry, device, dtype, models = target(args)
     bss = [1, 3] if dry else args.decode_bs
     slots = args.adapters + 1
-    lines, tiles, early, afolds, grouped = [], [], [], [], []
+    lines, tiles, early, afolds = [], [], [], []
     for shape in models:
         mods = build(shape, args.rank, slots, dtype, device)
         layers = model_dims(shape)[5]
@@ -290,15 +283,6 @@ def main() -> None:
                     print(afolds[-1], flush=True)
             if args.early_start:
                 early += early_start_rows(shape, step, dry)
-            if args.rows_per_program:
-                step.fused()
-                tile_outs = [o.clone() for o in step.outs]
-                one_us = float("nan") if dry else graph_us(lambda _: step.fused())
-            for per_program in args.rows_per_program:
-                us, equal = fused_with_grouped_rows(step, per_program, tile_outs, dry)
-                grouped.append(f"| {shape} | {bs} | {per_program} | {one_us:.0f} | {us:.0f} | {one_us - us:.0f} | "
-                               f"{(one_us - us) / len(mods) * 2:.2f} | {'yes' if equal else 'no'} |")
-                print(grouped[-1], flush=True)
             for tile in args.tile_elements:
                 us, tile_diff = fused_with_tile(step, tile, ref, dry)
                 tiles.append(f"| {shape} | {bs} | {tile} | {us:.0f} | {us - base:.0f} | {tile_diff:.1e} |")
@@ -307,11 +291,6 @@ def main() -> None:
         lines += table_section(f"`fused` with other column tiles (default TILE_ELEMENTS {nsp.TILE_ELEMENTS})",
                                ["model", "decode bs", "TILE_ELEMENTS", "fused µs/step", "LoRA fused", "max rel diff"],
                                tiles)
-    if args.rows_per_program:
-        lines += table_section("`fused` with norm_shrink_pack taking several rows a program (GPU µs per step; "
-                               "`saves / launch`: per norm-fed module, the half of the step's modules that run the kernel)",
-                               ["model", "decode bs", "rows a program", "one row µs/step", "grouped µs/step",
-                                "saves µs/step", "saves µs/launch", "outputs equal one row's"], grouped)
     if args.afold:
         lines += table_section("`afold`: o_proj / down_proj A-folded (W_a = [W; A of every slot], the next norm adds "
                                "the delta); LoRA µs per step over the base, and step / base",
@@ -368,19 +347,6 @@ def fused_with_tile(step: "Step", tile: int, ref: list[torch.Tensor], dry: bool)
         return (float("nan") if dry else graph_us(lambda _: step.fused())), diff
     finally:
         nsp.TILE_ELEMENTS = saved
-
-
-def fused_with_grouped_rows(step: "Step", per_program: int, ref: list[torch.Tensor],
-                            dry: bool) -> tuple[float, bool]:
-    """`fused` (GPU µs per step) with `per_program` rows a program, and whether its outputs equal
-    `ref` (one row a program's) bit for bit."""
-    step.rows_per_program = per_program
-    try:
-        step.fused()
-        equal = all(torch.equal(o, r) for o, r in zip(step.outs, ref))
-        return (float("nan") if dry else graph_us(lambda _: step.fused())), equal
-    finally:
-        step.rows_per_program = 1
 
 
 def table_section(title: str, header: list[str], rows: list[str]) -> list[str]:

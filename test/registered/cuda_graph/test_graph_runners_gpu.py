@@ -503,27 +503,6 @@ def test_fused_norm_decode_graph_equals_eager(lora_backend, fuse, rowwise, fold,
     assert sum(fused_err) / len(fused_err) <= 2 * sum(unfused_err) / len(unfused_err) + 0.02
 
 
-@pytest.mark.parametrize("lora_backend", ["triton", "csgmv"])
-def test_grouped_rows_decode_graph_equals_one_row_a_program(lora_backend, monkeypatch):
-    """norm_shrink_pack with its rows grouped by slot (GROUP_ROWS_ABOVE_ROWS 2, two rows a program,
-    so the 5-request batch and its bucket both group): the decode graph equals eager, and both equal
-    the engine with one row a program, bit for bit (the fused norms, no A-fold)."""
-    from sglang.srt.lora.triton_ops import norm_shrink_pack as nsp
-
-    names = ["a", None, "b", "a", None]
-    prompts = _prompts([11, 4, 30, 17, 8], seed=6)
-    steps = 8
-    o_tok, o_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, afold="0"), prompts, names, steps)
-    monkeypatch.setattr(nsp, "GROUP_ROWS_ABOVE_ROWS", 2)
-    monkeypatch.setattr(nsp, "GROUP_ROWS", 2)
-    graph = fused_norm_runner(lora_backend, True, afold="0")
-    assert graph.lora_manager.lora_backend.group_rows_above == 2
-    g_tok, g_lp, used = decode_logprobs(graph, prompts, names, steps)
-    e_tok, e_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, afold="0"), prompts, names, steps)
-    assert all(used), "some decode steps did not replay the decode graph"
-    assert g_tok == e_tok == o_tok and torch.equal(g_lp, e_lp) and torch.equal(e_lp, o_lp)
-
-
 @pytest.mark.parametrize("lora_backend,prefill", CONFIGS)
 def test_forty_adapter_requests(lora_backend, prefill):
     assert runner(lora_backend, prefill).lora_manager.pool.fold_modules  # the folded path is what runs

@@ -339,49 +339,6 @@ def test_rowwise_small_decides_by_the_graph_bucket(name, modules, monkeypatch):
     assert_outputs_close(setup.run(x, inter), reference(modules, small, [1] * 5, x, inter, ForwardMode.DECODE))
 
 
-@pytest.mark.parametrize("name", ["csgmv", "triton"])
-def test_grouped_rows_decide_by_the_graph_bucket(name, modules, monkeypatch):
-    """norm_shrink_pack's GROUP_ROWS_ABOVE_ROWS, read when the backend is built, decides each decode
-    batch by its graph bucket, as the row-wise bound does: with a bound that is no bucket (8, between
-    buckets 4 and 12), a batch of 5-8 live rows and its bucket of 12 both group their rows, so an
-    eager pass and its replay run the same kernels; prefills never. Grouped, the outputs equal the
-    ungrouped backend's bit for bit (two rows a program over rows of three slots: slot changes
-    inside programs)."""
-    from sglang.srt.lora.triton_ops import norm_shrink_pack as nsp
-
-    monkeypatch.setenv("SGLANG_LORA_ROWWISE_DECODE", "1")  # the row-wise kernels at every decode batch
-    monkeypatch.setattr(nsp, "GROUP_ROWS", 2)
-    plain = make(name, True, modules)
-    monkeypatch.setattr(nsp, "GROUP_ROWS_ABOVE_ROWS", 8)
-    setup = make(name, True, modules)
-    for s in (plain, setup):
-        s.backend.enable_norm_fusion()
-        s.backend.init_cuda_graph_batch_info(24, 1, buckets=[4, 12, 24])
-
-    def fill(backend, rows, path, mode=ForwardMode.DECODE):
-        slots = ([A_SLOT, B_SLOT, BASE_SLOT] * rows)[:rows]
-        lens = [1] * rows if mode == ForwardMode.DECODE else [3] * rows
-        backend.fill_batch_info(make_batch(lens, mode), slots, RANKS, SCALINGS, path)
-        return backend.batch_info.rows_per_program
-
-    for rows, group in ((3, 1), (4, 1), (5, 2), (8, 2), (12, 2), (20, 2)):
-        assert fill(setup.backend, rows, ForwardPath.DECODE_GRAPH) == group, rows
-        assert fill(setup.backend, rows, ForwardPath.EAGER) == group, rows
-    assert fill(setup.backend, 5, ForwardPath.EAGER, ForwardMode.EXTEND) == 1
-    small = [A_SLOT, B_SLOT, BASE_SLOT, A_SLOT, B_SLOT, BASE_SLOT, A_SLOT]  # what fill gives 7 rows
-    assert fill(setup.backend, len(small), ForwardPath.EAGER) == 2 and fill(plain.backend, len(small),
-                                                                          ForwardPath.EAGER) == 1
-    x, inter = inputs(len(small), seed=9)
-    launched = []  # the rows a program each row-wise launch got
-    launch = nsp._launch
-    monkeypatch.setattr(nsp, "_launch", lambda *a, **k: launched.append(k.get("rows_per_program", 1)) or launch(*a, **k))
-    grouped = setup.run(x, inter)
-    assert launched and set(launched) == {2}, launched
-    assert_outputs_close(grouped, reference(modules, small, [1] * len(small), x, inter, ForwardMode.DECODE))
-    ungrouped = plain.run(x, inter)
-    assert grouped.keys() == ungrouped.keys() and all(torch.equal(grouped[k], ungrouped[k]) for k in grouped)
-
-
 def test_staged_copy_rewrites_its_tensor_in_place():
     from sglang.srt.lora.backend._staging import StagedCopy
 

@@ -190,32 +190,6 @@ def test_rows_do_not_depend_on_the_row_count():
     assert torch.equal(replay[live:, 300:], torch.zeros(21, extra))
 
 
-@pytest.mark.parametrize("per_program", [2, 3])
-def test_grouped_rows_equal_one_row_a_program(per_program):
-    """Several rows a program (rows taken in slot order, one A tile read per slot): every output,
-    folded and unfolded, after a norm or SiLU-and-mul, equals one row a program's bit for bit,
-    whatever rows share a program (slot changes inside a program, a short last program)."""
-    slots, x, residual, norm_w, a, extra = inputs(300, 3, torch.float32, 11)
-    rows = slots.numel()
-    perm = torch.sort(slots, stable=True).indices.to(torch.int32)
-    group = dict(permutation=perm, rows_per_program=per_program)
-    one, grouped = torch.full((rows, 300 + extra), float("nan")), torch.full((rows, 300 + extra), float("nan"))
-    res_one = norm_shrink_pack(x, residual, norm_w, EPS, a, one, slots, RANKS_T, SCALINGS_T, 3, R)
-    res_grouped = norm_shrink_pack(x, residual, norm_w, EPS, a, grouped, slots, RANKS_T, SCALINGS_T, 3, R, **group)
-    assert torch.equal(grouped, one) and torch.equal(res_grouped, res_one)
-    normed, normed_g = torch.empty(rows, 300), torch.empty(rows, 300)
-    xa, xa_g = torch.full((rows, 3 * R), -7.0), torch.full((rows, 3 * R), -7.0)
-    norm_shrink(x, residual, norm_w, EPS, a, normed, xa, slots, RANKS_T, 3, R)
-    norm_shrink(x, residual, norm_w, EPS, a, normed_g, xa_g, slots, RANKS_T, 3, R, **group)
-    assert torch.equal(normed_g, normed) and torch.equal(xa_g, xa)
-    gate_up = torch.randn(rows, 600, generator=torch.Generator().manual_seed(5))
-    a1 = a[:, :R]
-    silu_one, silu_g = torch.empty(rows, 300 + extra // 3), torch.empty(rows, 300 + extra // 3)
-    silu_shrink_pack(gate_up, a1.contiguous(), silu_one, slots, RANKS_T, SCALINGS_T, R)
-    silu_shrink_pack(gate_up, a1.contiguous(), silu_g, slots, RANKS_T, SCALINGS_T, R, **group)
-    assert torch.equal(silu_g, silu_one)
-
-
 def test_refuses_to_overwrite_the_residual_it_reads():
     slots, x, residual, norm_w, a, extra = inputs(40, 1, torch.float32, 3)
     x_aug = torch.empty((slots.numel(), 40 + extra))
@@ -230,10 +204,10 @@ def test_column_tile_is_a_layer_constant():
     assert all(RANKS[s] <= R for s in range(S))
 
 
-def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, asm: str = "ptx", rows: int = 1):
+def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, asm: str = "ptx"):
     """The kernel compiled for sm_90 at Qwen3-4B shapes: qkv after its norm (with `delta`, adding
     the deferred delta of the A-folded down_proj before it), or down_proj after SiLU-and-mul (run
-    without TRITON_INTERPRET); `rows` a program."""
+    without TRITON_INTERPRET)."""
     from sglang.srt.lora.triton_ops.norm_shrink_pack import _norm_shrink_pack_kernel
     from test_lora_token_kernels import _compile_for_hopper
 
@@ -241,12 +215,12 @@ def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, asm: str =
     bf16 = {n: "*bf16" for n in ("X", "R", "R_OUT", "NORM_W", "A", "XAUG", "Y")}
     return _compile_for_hopper(
         _norm_shrink_pack_kernel, {**bf16, "ROW_SLOTS": "*i32", "RANKS": "*i32", "SCALINGS": "*fp32",
-                                   "D_S": "*bf16", "D_BT": "*bf16", "D_SCALINGS": "*fp32", "PERM": "*i32"},
+                                   "D_S": "*bf16", "D_BT": "*bf16", "D_SCALINGS": "*fp32"},
         ["stride_x", "stride_r", "stride_ro", "stride_xaug", "stride_y", "a_stride_s", "a_stride_n", "stride_ds",
-         "dbt_stride_s", "dbt_stride_r", "K", "n_rows"],
+         "dbt_stride_s", "dbt_stride_r", "K"],
         dict(STACK=stack, MAX_RANK=16, E_COLS=9 * stack * 16, BLOCK=triton_next_pow2(k), BLOCK_J=column_tile(k),
              BLOCK_E=512, HAS_NORM=not silu, HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False,
-             USE_PDL=True, DELTA_RANK=16 if delta else 0, ROWS=rows),
+             USE_PDL=True, DELTA_RANK=16 if delta else 0),
         floats=("eps",), num_warps=8, asm=asm,
     )
 

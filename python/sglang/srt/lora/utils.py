@@ -48,9 +48,6 @@ class LoRABatchInfo:
     # Whether A-folded o_proj / down_proj leave their delta to the fused norm after them
     # (SGLANG_LORA_AFOLD, backend/token_backend.py); decided like `rowwise`.
     defer: bool = False
-    # The row-wise norm / shrink kernels' rows a program, grouped by slot through `permutation`
-    # (norm_shrink_pack's GROUP_ROWS_ABOVE_ROWS); decided like `rowwise`.
-    rows_per_program: int = 1
 
 
 @dataclass(frozen=True)

@@ -49,7 +49,6 @@ from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int
 from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, gemm_shrink_max_slots, gemm_shrink_pack,
                                                      gemm_shrink_width)
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
-from sglang.srt.lora.triton_ops import norm_shrink_pack as norm_shrink_pack_module
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack, silu_shrink, silu_shrink_pack
 from sglang.srt.lora.triton_ops.token_lora import (
     SEGMENT_ROWS,
@@ -131,14 +130,6 @@ def token_bound(value: str, name: str, every: int, least: int = 1) -> Optional[i
 def gemm_shrink_bound(value: str) -> Optional[int]:
     """SGLANG_LORA_GEMM_SHRINK's least bucket (None: never)."""
     return token_bound(value, "SGLANG_LORA_GEMM_SHRINK", every=0, least=0)
-
-
-def _grouping(info: LoRABatchInfo, rows: int) -> dict:
-    """The row-wise kernels' grouping arguments for a batch of `rows` rows: its permutation's first
-    rows (live rows by slot, then a graph bucket's padding in order) when the plan groups them."""
-    if info.rows_per_program == 1:
-        return {}
-    return {"permutation": info.permutation[:rows], "rows_per_program": info.rows_per_program}
 
 
 @dataclass
@@ -232,10 +223,6 @@ class TokenLoRABackend(BaseLoRABackend):
         # batches (SGLANG_LORA_AFOLD: 0, 1, small, rows:N; the pool lays out W_aug for it only when on).
         self.afold_max_rows = rowwise_decode_bound(os.environ.get("SGLANG_LORA_AFOLD", AFOLD_DEFAULT),
                                                    AFOLD_SMALL_ROWS, "SGLANG_LORA_AFOLD")
-        # The row-wise kernels' rows a program past a bound (norm_shrink_pack's knobs, read once:
-        # benchmarks set them while they build a backend).
-        self.group_rows_above = norm_shrink_pack_module.GROUP_ROWS_ABOVE_ROWS
-        self.group_rows = norm_shrink_pack_module.GROUP_ROWS
         # SGLANG_LORA_PACK_IN_PLACE (1 by default; 0 copies): where no kernel fuses the norm (prefill), the norm before a
         # folded qkv_proj / gate_up_proj and the SiLU-and-mul before a folded down_proj write their
         # output straight into x_aug's first columns (in_place_input), and shrink_pack only adds
@@ -246,7 +233,7 @@ class TokenLoRABackend(BaseLoRABackend):
         self._gemm_shrink_now = False  # this batch is a prefill the bound admits
         self._gemm_shrink_cols: dict[str, int] = {}  # per module kind, set by init_modules
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
-        self._row_plans: dict[tuple[int, bool], tuple[bool, bool, int, int]] = {}  # _row_plan_for's
+        self._row_plans: dict[tuple[int, bool], tuple[bool, bool, int]] = {}  # _row_plan_for's
         self._prefill_buckets: list[int] = []  # the prefill graphs' token counts, for prefill_bucket
 
     def enable_norm_fusion(self) -> None:
@@ -369,7 +356,7 @@ class TokenLoRABackend(BaseLoRABackend):
         # Decode rows are requests: each row's slot, for the fused norm kernels.
         fused = self.fuse_norm and not extend
         assert not fused or num_rows == bs, (num_rows, bs)
-        rowwise, defer, capacity, group = self._row_plan_for(num_rows, fused)
+        rowwise, defer, capacity = self._row_plan_for(num_rows, fused)
         bound = self.gemm_shrink_min_tokens
         self._gemm_shrink_now = bound is not None and extend and self.prefill_bucket(num_rows) >= bound
         if path.is_graph:
@@ -393,7 +380,7 @@ class TokenLoRABackend(BaseLoRABackend):
                 meta.filled_for, meta.filled_segments = key, segs.num_segments
             info, scratch = meta.info, meta.scratch
             info.num_rows, info.num_segments = num_rows, meta.filled_segments
-            info.rowwise, info.defer, info.rows_per_program = rowwise, defer, group
+            info.rowwise, info.defer = rowwise, defer
             # The grid's segment axis for this row count: at capture, the bucket's capacity.
             info.bs = capacity
         else:
@@ -407,7 +394,7 @@ class TokenLoRABackend(BaseLoRABackend):
                 num_rows, self._slot_ranks, self._slot_scalings, bs=n, num_segments=n, max_len=self.segment_rows,
                 permutation=packed[:num_rows], seg_indptr=packed[num_rows : num_rows + n + 1],
                 weight_indices=packed[num_rows + n + 1 : end], row_slots=packed[end:] if fused else None,
-                rowwise=rowwise, defer=defer, rows_per_program=group,
+                rowwise=rowwise, defer=defer,
             )
             scratch = self._eager_scratch_for(num_rows)
         self._scratch = scratch
@@ -485,8 +472,8 @@ class TokenLoRABackend(BaseLoRABackend):
         holds on one server; two servers with other bucket ladders may decide a size differently."""
         return self._bucket_within(rows, self.rowwise_max_rows)
 
-    def _row_plan_for(self, num_rows: int, fused: bool) -> tuple[bool, bool, int, int]:
-        """(rowwise, defer, segment capacity, rows a program) of a batch of `num_rows` rows: functions of the row
+    def _row_plan_for(self, num_rows: int, fused: bool) -> tuple[bool, bool, int]:
+        """(rowwise, defer, segment capacity) of a batch of `num_rows` rows: functions of the row
         count and of settings fixed before the first batch (the decode buckets, the norm fusion),
         so computed once per count."""
         key = (num_rows, fused)
@@ -494,10 +481,8 @@ class TokenLoRABackend(BaseLoRABackend):
         if plan is None:
             if len(self._row_plans) >= _LAUNCH_CACHE_SIZE:
                 self._row_plans.clear()
-            grouped = (fused and self.group_rows_above is not None
-                       and not self._bucket_within(num_rows, self.group_rows_above))
             plan = (fused and self.rowwise_fits(num_rows), fused and self._bucket_within(num_rows, self.afold_max_rows),
-                    self.segment_capacity(num_rows), self.group_rows if grouped else 1)
+                    self.segment_capacity(num_rows))
             self._row_plans[key] = plan
         return plan
 
@@ -554,14 +539,13 @@ class TokenLoRABackend(BaseLoRABackend):
             x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
             new_residual = norm_shrink_pack(x, residual, norm_weight, eps, weights.A, x_aug, slots, self._slot_ranks,
                                             self._slot_scalings, spec.stack, spec.max_rank, use_pdl=self.use_pdl,
-                                            delta=delta, **_grouping(info, rows))
+                                            delta=delta)
             return PreparedInput(x_aug[:, : spec.in_dim], x_aug=x_aug), new_residual
         # Unfolded: the shrink output in the scratch, read by the expand after the base GEMM.
         normed = torch.empty(x.shape, dtype=x.dtype, device=x.device)  # dense, whatever x's row stride
         xa = self._scratch.matrix(rows, spec.stack * spec.max_rank)
         new_residual = norm_shrink(x, residual, norm_weight, eps, weights.A, normed, xa, slots, self._slot_ranks,
-                                   spec.stack, spec.max_rank, use_pdl=self.use_pdl, delta=delta,
-                                   **_grouping(info, rows))
+                                   spec.stack, spec.max_rank, use_pdl=self.use_pdl, delta=delta)
         return PreparedInput(normed, xa=xa), new_residual
 
     def run_act(self, weights: LoRAModuleWeights, gate_up: torch.Tensor) -> PreparedInput:
@@ -572,12 +556,11 @@ class TokenLoRABackend(BaseLoRABackend):
         if spec.folded:
             x_aug = self._scratch.matrix(rows, spec.in_dim + spec.extra_cols)
             silu_shrink_pack(gate_up, weights.A, x_aug, slots, self._slot_ranks, self._slot_scalings, spec.max_rank,
-                             use_pdl=self.use_pdl, **_grouping(info, rows))
+                             use_pdl=self.use_pdl)
             return PreparedInput(x_aug[:, :d], x_aug=x_aug)
         act = torch.empty((rows, d), dtype=gate_up.dtype, device=gate_up.device)
         xa = self._scratch.matrix(rows, spec.max_rank)
-        silu_shrink(gate_up, weights.A, act, xa, slots, self._slot_ranks, spec.max_rank, use_pdl=self.use_pdl,
-                    **_grouping(info, rows))
+        silu_shrink(gate_up, weights.A, act, xa, slots, self._slot_ranks, spec.max_rank, use_pdl=self.use_pdl)
         return PreparedInput(act, xa=xa)
 
     def in_place_input(self, weights: LoRAModuleWeights, rows: int) -> Optional[PreparedInput]:
@@ -628,8 +611,7 @@ class TokenLoRABackend(BaseLoRABackend):
             x_aug = scratch.matrix(rows, spec.in_dim + spec.extra_cols)
             if info.rowwise:
                 norm_shrink_pack(x, None, None, 0.0, weights.A, x_aug, info.row_slots[:rows], info.lora_ranks,
-                                 info.scalings, spec.stack, spec.max_rank, use_pdl=self.use_pdl,
-                                 **_grouping(info, rows))
+                                 info.scalings, spec.stack, spec.max_rank, use_pdl=self.use_pdl)
             else:
                 launches.pack(x, weights.A, x_aug, scratch.workspace, scratch.counters, info.permutation,
                               info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings)

@@ -15,13 +15,6 @@ extra column that is not one of the row's own values, all of E for a row without
 the other programs write only their values. So every element is written once, and nothing needs
 clearing between launches.
 
-`rows_per_program` > 1 (an experiment, off by default: GROUP_ROWS_ABOVE_ROWS): a program takes that many
-consecutive rows of a permutation that groups rows by slot, one after another, and reads its A tile
-again only where the slot changes. Each row's values are computed as with one row a program (bit for
-bit), so only the bytes read differ: at 64 decode rows the kernel seems bound by the ~27 MB its
-programs read from L2, of which the A tiles, read again for every row of a slot, are ~60%
-(benchmark/RESULTS.md, thirty-fourth session). Time it with bench_norm_shrink --rows-per-program.
-
 The new residual goes to its own buffer, never over the old one: the other programs of the row
 read the old residual while the first writes.
 
@@ -58,20 +51,14 @@ TILE_ELEMENTS = 16384
 # that the GEMM before still drains). The rows are a graph bucket's static count, and the launch
 # mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others.
 PDL_MAX_ROWS = 32
-# Past this many rows (None: never, the default) the token backend runs these kernels with
-# GROUP_ROWS rows a program (`rows_per_program`), grouped by slot. Read when a backend is built and
-# decided per decode graph bucket, so a batch and its replay group alike. An experiment until the
-# GPU has timed it (benchmark/RESULTS.md, thirty-fourth session).
-GROUP_ROWS_ABOVE_ROWS: Optional[int] = None
-GROUP_ROWS = 4
 
 
 @triton.jit
 def _norm_shrink_pack_kernel(
-    X, R, R_OUT, NORM_W, A, XAUG, Y, ROW_SLOTS, RANKS, SCALINGS, D_S, D_BT, D_SCALINGS, PERM,
+    X, R, R_OUT, NORM_W, A, XAUG, Y, ROW_SLOTS, RANKS, SCALINGS, D_S, D_BT, D_SCALINGS,
     stride_x, stride_r, stride_ro, stride_xaug, stride_y, a_stride_s, a_stride_n, stride_ds, dbt_stride_s,
     dbt_stride_r,
-    K, eps, n_rows,
+    K, eps,
     STACK: tl.constexpr,
     MAX_RANK: tl.constexpr,
     E_COLS: tl.constexpr,
@@ -85,80 +72,31 @@ def _norm_shrink_pack_kernel(
     EMULATE_RNE: tl.constexpr,
     USE_PDL: tl.constexpr,
     DELTA_RANK: tl.constexpr,
-    ROWS: tl.constexpr,
 ):
     # PACKED (a folded module): XAUG is x_aug [T, K + E], Y unused. Otherwise (an unfolded one) Y
     # gets the normalised rows [T, K] and XAUG is the shrink output [T, STACK * MAX_RANK], each
     # row's compact c*r values, unscaled (the expand scales), as token_shrink writes it.
-    # ROWS > 1: the program takes ROWS consecutive rows of PERM (rows grouped by slot), and reads
-    # one A tile for all of them that share its slot; each row's values are what ROWS = 1 gives.
+    row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     offs = tl.arange(0, BLOCK)
     mask = offs < K
-    offs_n = tile * BLOCK_J + tl.arange(0, BLOCK_J)
+    block_w: tl.constexpr = STACK * MAX_RANK
 
-    if ROWS == 1:
-        row = tl.program_id(0).to(tl.int64)
-    else:
-        first = tl.program_id(0) * ROWS
-        row = tl.load(PERM + first).to(tl.int64)
     # The row's adapter first, and this program's A tile loaded before the norm: it does not depend
     # on the row, so its memory latency overlaps the norm's loads and reduction (the H200 measured
     # 2.3 µs less per norm-fed module at decode 1 and 1.6 µs at 64; bench_norm_shrink.py).
     slot = tl.load(ROW_SLOTS + row)
     rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
-    a = _a_tile(A, slot, rank, a_stride_s, a_stride_n, offs, mask, offs_n, STACK)
+    offs_n = tile * BLOCK_J + tl.arange(0, BLOCK_J)
+    col_mask = offs_n < STACK * rank
+    a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
+                mask=col_mask[:, None] & mask[None, :], other=0.0)
     if USE_PDL:
         # Launched as a programmatic dependent: the slot, rank and A tile above do not depend on
         # the kernel before (the GEMM or attention that wrote X / R), so their loads overlap its
         # tail; nothing it writes is read, and nothing is written, before its grid completes.
         gdc_wait()
-    if ROWS == 1:
-        _norm_shrink_pack_row(X, R, R_OUT, NORM_W, XAUG, Y, SCALINGS, D_S, D_BT, D_SCALINGS, row, tile, slot, rank, a,
-                              stride_x, stride_r, stride_ro, stride_xaug, stride_y, stride_ds, dbt_stride_s,
-                              dbt_stride_r, K, eps, STACK, MAX_RANK, E_COLS, BLOCK, BLOCK_J, BLOCK_E, HAS_NORM,
-                              HAS_RESIDUAL, HAS_SILU, PACKED, EMULATE_RNE, DELTA_RANK)
-    else:
-        # The rows one after another (a loop, not unrolled: one row's values in registers at a
-        # time beside the tile), the tile read again only where the slot changes. The first row's
-        # slot is read again in the loop (two scalar loads): the tile above had to be issued before
-        # the PDL wait.
-        prev_slot = slot
-        for idx in range(first, tl.minimum(first + ROWS, n_rows)):
-            row = tl.load(PERM + idx).to(tl.int64)
-            slot = tl.load(ROW_SLOTS + row)
-            rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
-            if slot != prev_slot:
-                a = _a_tile(A, slot, rank, a_stride_s, a_stride_n, offs, mask, offs_n, STACK)
-            prev_slot = slot
-            _norm_shrink_pack_row(X, R, R_OUT, NORM_W, XAUG, Y, SCALINGS, D_S, D_BT, D_SCALINGS, row, tile, slot,
-                                  rank, a, stride_x, stride_r, stride_ro, stride_xaug, stride_y, stride_ds,
-                                  dbt_stride_s, dbt_stride_r, K, eps, STACK, MAX_RANK, E_COLS, BLOCK, BLOCK_J,
-                                  BLOCK_E, HAS_NORM, HAS_RESIDUAL, HAS_SILU, PACKED, EMULATE_RNE, DELTA_RANK)
 
-
-@triton.jit
-def _a_tile(A, slot, rank, a_stride_s, a_stride_n, offs, mask, offs_n, STACK: tl.constexpr):
-    """This program's columns `offs_n` of the slot's A (zeros past its stacked rank)."""
-    col_mask = offs_n < STACK * rank
-    return tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
-                   mask=col_mask[:, None] & mask[None, :], other=0.0)
-
-
-@triton.jit
-def _norm_shrink_pack_row(
-    X, R, R_OUT, NORM_W, XAUG, Y, SCALINGS, D_S, D_BT, D_SCALINGS, row, tile, slot, rank, a, stride_x, stride_r,
-    stride_ro, stride_xaug, stride_y, stride_ds, dbt_stride_s, dbt_stride_r, K, eps,
-    STACK: tl.constexpr, MAX_RANK: tl.constexpr, E_COLS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_J: tl.constexpr,
-    BLOCK_E: tl.constexpr, HAS_NORM: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_SILU: tl.constexpr,
-    PACKED: tl.constexpr, EMULATE_RNE: tl.constexpr, DELTA_RANK: tl.constexpr,
-):
-    """One row's work with its A tile `a` (this program's column tile of the row's slot) in hand."""
-    block_w: tl.constexpr = STACK * MAX_RANK
-    offs = tl.arange(0, BLOCK)
-    mask = offs < K
-    offs_n = tile * BLOCK_J + tl.arange(0, BLOCK_J)
-    col_mask = offs_n < STACK * rank
     # ---- the module's input: the norm (_rmsnorm_kernel's own code), SiLU-and-mul of X = [gate |
     # up] (_silu_and_mul_kernel's), or the row as it is ------------------------------------------
     if HAS_SILU:
@@ -224,8 +162,7 @@ def column_tile(in_dim: int) -> int:
 
 def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_ranks, scalings, stack_num, max_rank,
             residual_out, packed: bool, silu: bool = False, use_pdl: bool = False,
-            delta: Optional[DeferredDelta] = None, rows_per_program: int = 1,
-            permutation: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+            delta: Optional[DeferredDelta] = None) -> Optional[torch.Tensor]:
     rows = x.shape[0]
     in_dim = x.shape[1] // 2 if silu else x.shape[1]  # SiLU-and-mul: x = [gate | up]
     assert not silu or (norm_weight is None and residual is None and x.shape[1] == 2 * in_dim)
@@ -256,19 +193,16 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
         d_strides = (delta.shrink.stride(0), delta.bt.stride(0), delta.bt.stride(1))
     else:
         d_s, d_bt, d_scalings, d_strides = x, x, scalings, (0, 0, 0)
-    if rows_per_program > 1:
-        assert permutation is not None and permutation.shape == (rows,), "grouped rows come in a permutation"
-    _norm_shrink_pack_kernel[(triton.cdiv(rows, rows_per_program), triton.cdiv(stack_num * max_rank, block_j))](
+    _norm_shrink_pack_kernel[(rows, triton.cdiv(stack_num * max_rank, block_j))](
         x, r, ro, norm_weight if norm_weight is not None else x, weights, out, y, row_slots, lora_ranks, scalings,
-        d_s, d_bt, d_scalings, permutation if rows_per_program > 1 else row_slots,
+        d_s, d_bt, d_scalings,
         x.stride(0), r.stride(0), ro.stride(0), out.stride(0), y.stride(0), weights.stride(0), weights.stride(1),
         *d_strides,
-        in_dim, eps, rows,
+        in_dim, eps,
         STACK=stack_num, MAX_RANK=max_rank, E_COLS=extra, BLOCK=block, BLOCK_J=block_j,
         BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_SILU=silu, PACKED=packed,
         EMULATE_RNE=interpreting(), USE_PDL=pdl, DELTA_RANK=delta.max_rank if delta is not None else 0,
-        ROWS=rows_per_program,
         # rmsnorm_fwd's warps for the row: the same reduction tree, so the norm equals its output.
         num_warps=row_warps(in_dim),
         **({"launch_pdl": True} if pdl else {}),
@@ -291,8 +225,6 @@ def norm_shrink_pack(
     residual_out: Optional[torch.Tensor] = None,
     use_pdl: bool = False,
     delta: Optional[DeferredDelta] = None,
-    permutation: Optional[torch.Tensor] = None,
-    rows_per_program: int = 1,
 ) -> Optional[torch.Tensor]:
     """x_aug [T, K + E] = [RMSNorm(x (+ residual)) | its packed pre-scaled shrink] in one launch.
 
@@ -305,34 +237,28 @@ def norm_shrink_pack(
     `use_pdl` (the backend's decision; every function here takes it): a programmatic dependent
     launch at batches of up to PDL_MAX_ROWS rows. `delta`: x is an A-folded module's base output,
     and its row's LoRA delta is added (and rounded, as the module's output) before the residual.
-    `rows_per_program` > 1 (every function here takes it): a program takes that many consecutive
-    rows of `permutation` (int32 [T], the rows grouped by slot) and reads one A tile for those of
-    one slot; every row's values are those of one row a program.
     """
     assert x_aug.shape[1] - x.shape[1] >= (weights.shape[0] - 1) * stack_num * max_rank, x_aug.shape
     return _launch(x, residual, norm_weight, eps, weights, x_aug, None, row_slots, lora_ranks, scalings, stack_num,
-                   max_rank, residual_out, packed=True, use_pdl=use_pdl, delta=delta,
-                   rows_per_program=rows_per_program, permutation=permutation)
+                   max_rank, residual_out, packed=True, use_pdl=use_pdl, delta=delta)
 
 
 def silu_shrink_pack(gate_up: torch.Tensor, weights: torch.Tensor, x_aug: torch.Tensor, row_slots: torch.Tensor,
-                     lora_ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, use_pdl: bool = False,
-                     permutation: Optional[torch.Tensor] = None, rows_per_program: int = 1) -> None:
+                     lora_ranks: torch.Tensor, scalings: torch.Tensor, max_rank: int, use_pdl: bool = False) -> None:
     """x_aug [T, d + E] = [silu(gate) * up | its packed pre-scaled shrink] from gate_up [T, 2d]:
     the SiLU-and-mul before a folded down_proj and its shrink_pack in one launch."""
     d = gate_up.shape[1] // 2
     assert x_aug.shape[1] - d >= (weights.shape[0] - 1) * max_rank, x_aug.shape
     _launch(gate_up, None, None, 0.0, weights, x_aug, None, row_slots, lora_ranks, scalings, 1, max_rank, None,
-            packed=True, silu=True, use_pdl=use_pdl, rows_per_program=rows_per_program, permutation=permutation)
+            packed=True, silu=True, use_pdl=use_pdl)
 
 
 def silu_shrink(gate_up: torch.Tensor, weights: torch.Tensor, act_out: torch.Tensor, xa: torch.Tensor,
-                row_slots: torch.Tensor, lora_ranks: torch.Tensor, max_rank: int, use_pdl: bool = False,
-                permutation: Optional[torch.Tensor] = None, rows_per_program: int = 1) -> None:
+                row_slots: torch.Tensor, lora_ranks: torch.Tensor, max_rank: int, use_pdl: bool = False) -> None:
     """act_out [T, d] = silu(gate) * up and xa its compact unscaled shrink (an unfolded down_proj)."""
     assert act_out.shape == (gate_up.shape[0], gate_up.shape[1] // 2) and act_out.stride(1) == 1
     _launch(gate_up, None, None, 0.0, weights, xa, act_out, row_slots, lora_ranks, lora_ranks, 1, max_rank, None,
-            packed=False, silu=True, use_pdl=use_pdl, rows_per_program=rows_per_program, permutation=permutation)
+            packed=False, silu=True, use_pdl=use_pdl)
 
 
 def norm_shrink(
@@ -350,8 +276,6 @@ def norm_shrink(
     residual_out: Optional[torch.Tensor] = None,
     use_pdl: bool = False,
     delta: Optional[DeferredDelta] = None,
-    permutation: Optional[torch.Tensor] = None,
-    rows_per_program: int = 1,
 ) -> Optional[torch.Tensor]:
     """For an unfolded module: normed_out [T, K] = RMSNorm(x (+ residual)) and xa [T, stack*max_rank]
     its shrink, xa[t, :c*r] = normed[t] @ A[slot(t), :c*r]^T (unscaled; what token_shrink writes, and
@@ -361,8 +285,7 @@ def norm_shrink(
     assert xa.shape[1] >= stack_num * max_rank, xa.shape
     # No scalings here (the expand applies them): the kernel's scalings argument goes unread.
     return _launch(x, residual, norm_weight, eps, weights, xa, normed_out, row_slots, lora_ranks, lora_ranks,
-                   stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl, delta=delta,
-                   rows_per_program=rows_per_program, permutation=permutation)
+                   stack_num, max_rank, residual_out, packed=False, use_pdl=use_pdl, delta=delta)
 
 
 __all__ = ["DeferredDelta", "norm_shrink_pack", "norm_shrink", "silu_shrink_pack", "silu_shrink", "column_tile"]
