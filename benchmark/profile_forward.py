@@ -125,6 +125,8 @@ LORA_VARIANTS = {
     # default takes it at prefills up to 1,024 tokens), and with it never (=0).
     "lora-afold-qkv": ("auto", "small"),
     "lora-no-afold-qkv": ("auto", "small"),
+    # The default with norm_shrink_pack's A tile loaded on the slot alone (A_EARLY), not on its rank.
+    "lora-a-early": ("auto", "small"),
 }
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
@@ -137,6 +139,7 @@ VARIANT_KNOBS = {
     "lora-norm-release": (("sglang.srt.layers.triton_ops.rmsnorm", "RELEASE_AT_START", True),),
     "lora-expand-silu-256": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (256, 4)),),
     "lora-expand-silu-64": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (64, 4)),),
+    "lora-a-early": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "A_EARLY", True),),
 }
 # Server arguments a variant's runner is built with, over the default's.
 VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}

@@ -190,6 +190,46 @@ def test_rows_do_not_depend_on_the_row_count():
     assert torch.equal(replay[live:, 300:], torch.zeros(21, extra))
 
 
+def _every_variant(dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each of the kernel's entry points on A poisoned with NaN past every adapter's prefix: packed
+    and compact, after a norm, after SiLU-and-mul and with a deferred delta; their outputs."""
+    slots, x, residual, norm_w, a, extra = inputs(300, 3, dtype, 51)
+    rows, gen = slots.numel(), torch.Generator().manual_seed(52)
+    outs = []
+    x_aug = torch.full((rows, 300 + extra), float("nan"), dtype=dtype)
+    outs += [norm_shrink_pack(x, residual, norm_w, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 3, R), x_aug]
+    normed, xa = torch.empty_like(x), torch.full((rows, 3 * R), -777.0, dtype=dtype)
+    outs += [norm_shrink(x, residual, norm_w, EPS, a, normed, xa, slots, RANKS_T, 3, R), normed, xa]
+    a1 = inputs(300, 1, dtype, 53)[4]
+    gate_up = (2 * torch.randn(rows, 600, generator=gen)).to(dtype)
+    x_aug1 = torch.full((rows, 300 + inputs(300, 1, dtype, 53)[5]), float("nan"), dtype=dtype)
+    silu_shrink_pack(gate_up, a1, x_aug1, slots, RANKS_T, SCALINGS_T, R)
+    act, xa1 = torch.empty(rows, 300, dtype=dtype), torch.full((rows, R), -777.0, dtype=dtype)
+    silu_shrink(gate_up, a1, act, xa1, slots, RANKS_T, R)
+    gemm_out = (3 * torch.randn(rows, 300 + S * R, generator=gen)).to(dtype)
+    bt = torch.randn(S, R, 300, generator=gen).to(dtype)
+    x_aug_d = torch.full((rows, 300 + extra), float("nan"), dtype=dtype)
+    outs += [x_aug1, act, xa1, x_aug_d,
+             norm_shrink_pack(gemm_out[:, :300], residual, norm_w, EPS, a, x_aug_d, slots, RANKS_T, SCALINGS_T, 3, R,
+                              delta=DeferredDelta(gemm_out[:, 300:], bt, SCALINGS_T, R))]
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_tile_unmasked_by_the_rank_gives_the_same_bits(dtype, monkeypatch):
+    """A_EARLY loads the slot's whole block of A rows, NaN past each adapter's prefix here, without
+    waiting for its rank: the columns those rows feed are masked at the store, so every output of
+    every entry point equals the rank-masked load's bit for bit, and none holds a NaN."""
+    import sglang.srt.lora.triton_ops.norm_shrink_pack as nsp
+
+    monkeypatch.setattr(nsp, "A_EARLY", False)
+    masked = _every_variant(dtype)
+    monkeypatch.setattr(nsp, "A_EARLY", True)
+    early = _every_variant(dtype)
+    for m, e in zip(masked, early):
+        assert torch.equal(m, e) and not torch.isnan(e).any()
+
+
 def test_refuses_to_overwrite_the_residual_it_reads():
     slots, x, residual, norm_w, a, extra = inputs(40, 1, torch.float32, 3)
     x_aug = torch.empty((slots.numel(), 40 + extra))
@@ -204,7 +244,7 @@ def test_column_tile_is_a_layer_constant():
     assert all(RANKS[s] <= R for s in range(S))
 
 
-def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, asm: str = "ptx"):
+def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, asm: str = "ptx", a_early: bool = False):
     """The kernel compiled for sm_90 at Qwen3-4B shapes: qkv after its norm (with `delta`, adding
     the deferred delta of the A-folded down_proj before it), or down_proj after SiLU-and-mul (run
     without TRITON_INTERPRET)."""
@@ -220,7 +260,7 @@ def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, asm: str =
          "dbt_stride_s", "dbt_stride_r", "K"],
         dict(STACK=stack, MAX_RANK=16, E_COLS=9 * stack * 16, BLOCK=triton_next_pow2(k), BLOCK_J=column_tile(k),
              BLOCK_E=512, HAS_NORM=not silu, HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False,
-             USE_PDL=True, DELTA_RANK=16 if delta else 0),
+             USE_PDL=True, DELTA_RANK=16 if delta else 0, A_EARLY=a_early),
         floats=("eps",), num_warps=8, asm=asm,
     )
 
@@ -258,7 +298,7 @@ def test_compiles_for_hopper():
     python_dir = os.path.join(here, "..", "..", "..", "python")  # this checkout's package, not an installed one
     code = (f"import sys; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
             "import test_lora_norm_shrink as t; ptx = [t.hopper_ptx(p, s) for p, s in ((True, False), (False, False), "
-            "(True, True), (False, True))] + [t.hopper_ptx(True, delta=True)]; "
+            "(True, True), (False, True))] + [t.hopper_ptx(True, delta=True), t.hopper_ptx(True, a_early=True)]; "
             "print('ok', all('st.global' in p and t.a_before_wait(p) for p in ptx))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
@@ -279,10 +319,11 @@ def test_registers_at_hopper():
     here = os.path.dirname(os.path.abspath(__file__))
     python_dir = os.path.join(here, "..", "..", "..", "python")
     code = (f"import sys; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; import test_lora_norm_shrink as t; "
-            "print([t.hopper_usage(packed=p, delta=d) for p, d in ((True, False), (True, True), (False, True))])")
+            "print([t.hopper_usage(packed=p, delta=d, a_early=e) for p, d, e in ((True, False, False), (True, True, False), "
+            "(False, True, False), (True, False, True))])")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     usage = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
     assert all(u["STACK"] == 0 for u in usage), usage
-    assert usage[0]["REG"] <= 64, usage  # qkv_proj's packed kernel, no delta
+    assert usage[0]["REG"] <= 64 and usage[3]["REG"] <= 64, usage  # qkv_proj's packed kernel, no delta

@@ -51,6 +51,13 @@ TILE_ELEMENTS = 16384
 # that the GEMM before still drains). The rows are a graph bucket's static count, and the launch
 # mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others.
 PDL_MAX_ROWS = 32
+# The A tile's load waits for the slot alone, not for the slot's rank as well (one dependent load
+# fewer before it; the rank's load goes out beside it): unmasked by the rank, it reads the slot's
+# rows past its compact prefix too (zeros or an earlier adapter's rows, whatever they hold), and
+# the columns they feed are masked at the store by the rank, as before. The same values, bit for
+# bit (each column's sum is its own). The expand's B_EARLY does the same for B (sgemm_lora_b.py).
+# A module knob, so benchmarks can time the rank-masked load against it.
+A_EARLY = False
 
 
 @triton.jit
@@ -72,6 +79,7 @@ def _norm_shrink_pack_kernel(
     EMULATE_RNE: tl.constexpr,
     USE_PDL: tl.constexpr,
     DELTA_RANK: tl.constexpr,
+    A_EARLY: tl.constexpr,
 ):
     # PACKED (a folded module): XAUG is x_aug [T, K + E], Y unused. Otherwise (an unfolded one) Y
     # gets the normalised rows [T, K] and XAUG is the shrink output [T, STACK * MAX_RANK], each
@@ -89,8 +97,14 @@ def _norm_shrink_pack_kernel(
     rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
     offs_n = tile * BLOCK_J + tl.arange(0, BLOCK_J)
     col_mask = offs_n < STACK * rank
+    if A_EARLY:
+        # The slot's block_w rows (none for a base row); a bound, not `& (slot >= 0)` (the
+        # interpreter rejects a block & a scalar).
+        a_rows = offs_n < tl.where(slot >= 0, block_w, 0)
+    else:
+        a_rows = col_mask
     a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
-                mask=col_mask[:, None] & mask[None, :], other=0.0)
+                mask=a_rows[:, None] & mask[None, :], other=0.0)
     if USE_PDL:
         # Launched as a programmatic dependent: the slot, rank and A tile above do not depend on
         # the kernel before (the GEMM or attention that wrote X / R), so their loads overlap its
@@ -203,6 +217,7 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
         BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_SILU=silu, PACKED=packed,
         EMULATE_RNE=interpreting(), USE_PDL=pdl, DELTA_RANK=delta.max_rank if delta is not None else 0,
+        A_EARLY=A_EARLY,
         # rmsnorm_fwd's warps for the row: the same reduction tree, so the norm equals its output.
         num_warps=row_warps(in_dim),
         **({"launch_pdl": True} if pdl else {}),
