@@ -125,9 +125,17 @@ LORA_VARIANTS = {
     # default takes it at prefills up to 1,024 tokens), and with it never (=0).
     "lora-afold-qkv": ("auto", "small"),
     "lora-no-afold-qkv": ("auto", "small"),
-    # The default with norm_shrink_pack's A tile loaded on the slot alone (A_EARLY), not on its rank.
-    "lora-a-early": ("auto", "small"),
+    # The default with norm_shrink_pack's loads that need only the slot issued early (EARLY_LOADS)
+    # and RMSNorm's weight loaded with the row (WEIGHT_FIRST).
+    "lora-early-loads": ("auto", "small"),
+    # The base model with RMSNorm loading its weight with the row (rmsnorm.WEIGHT_FIRST).
+    "none-norm-early": ("off", "0"),
 }
+
+
+def is_base(lora: str) -> bool:
+    """Whether a variant runs the base model (no LoRA): `none` and its knob variants."""
+    return lora == "none" or lora.startswith("none-")
 # Module constants that a variant's runner is built (and its graphs captured) with, against the
 # default: (module path, name, value). lora-late: every early-start knob off (the norm kernel's
 # PDL launch, the kernels before a LoRA shrink releasing it at their start).
@@ -139,7 +147,9 @@ VARIANT_KNOBS = {
     "lora-norm-release": (("sglang.srt.layers.triton_ops.rmsnorm", "RELEASE_AT_START", True),),
     "lora-expand-silu-256": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (256, 4)),),
     "lora-expand-silu-64": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (64, 4)),),
-    "lora-a-early": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "A_EARLY", True),),
+    "lora-early-loads": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "EARLY_LOADS", True),
+                         ("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", True)),
+    "none-norm-early": (("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", True),),
 }
 # Server arguments a variant's runner is built with, over the default's.
 VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}
@@ -318,7 +328,7 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
     if args.max_total_tokens is not None:
         overrides["max_total_tokens"] = args.max_total_tokens
     fuse_norm, rowwise = LORA_VARIANTS[lora]
-    if lora != "none":
+    if not is_base(lora):
         overrides["lora_fuse_norm"] = fuse_norm
         overrides["lora_fold"] = args.lora_fold
         overrides.update(VARIANT_ARGS.get(lora, {}))
@@ -328,7 +338,7 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
     buckets = sorted(set(args.tokens) | {sum(lens) for lens in args.prefill_batches})
     # Graphs keep the kernels as captured: the knobs need only hold while they are built.
     with variant_knobs(lora):
-        runner = build_runner(ckpt, None if lora == "none" else args.lora_backend, adapters,
+        runner = build_runner(ckpt, None if is_base(lora) else args.lora_backend, adapters,
                               prefill_buckets=buckets, decode_buckets=args.decode_bs, **overrides)
     os.environ.pop("SGLANG_LORA_ROWWISE_DECODE")
     for name in env:
@@ -337,15 +347,15 @@ def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str
     if on_gpu:
         graphs["breakable"] = runner.prefill_graph_runner
         if args.paths != "graph":
-            graphs["full"] = PrefillCudaGraphRunner(runner, Backend.FULL, capture_lora=lora != "none")
-        if lora == "none":  # base models only: compiled code cannot follow LoRA metadata
+            graphs["full"] = PrefillCudaGraphRunner(runner, Backend.FULL, capture_lora=not is_base(lora))
+        if is_base(lora):  # base models only: compiled code cannot follow LoRA metadata
             for mode in args.tc_modes:
                 t1 = time.perf_counter()
                 graphs[f"tc_piecewise/{mode}"] = PrefillCudaGraphRunner(
                     runner, Backend.TC_PIECEWISE, capture_lora=False, compile_mode=mode)
                 log(f"{shape}: tc_piecewise ({mode}) compiled and captured in {time.perf_counter() - t1:.1f}s")
     log(f"{shape} lora={lora}: runner and graphs ready in {time.perf_counter() - t0:.1f}s")
-    names = [None] if lora == "none" else sorted(adapters)
+    names = [None] if is_base(lora) else sorted(adapters)
     return EngineSetup(lora, runner, graphs, runner.decode_graph_runner, names,
                        runner.model_config.num_hidden_layers)
 
@@ -392,13 +402,13 @@ def measure_setup(args, setup: EngineSetup, mode: str, host: bool = False) -> li
     decode_graph = setup.decode_graph
     decode_paths = (("graph", decode_graph),) if args.paths == "graph" else (("eager", None), ("graph", decode_graph))
     for bs in args.decode_bs:
-        for k in ([1] if lora == "none" else [k for k in args.decode_adapters if k <= min(bs, len(names))]):
+        for k in ([1] if is_base(lora) else [k for k in args.decode_adapters if k <= min(bs, len(names))]):
             fb, req_rows, slots = decode_batch(runner, bs, names[:k])
             for path, graph in decode_paths:
                 if path == "graph" and graph is None:
                     continue
                 runner.decode_graph_runner = graph
-                measure(f"decode bs{bs}" + ("" if lora == "none" else f" x{k}"), path, fb, graph is not None)
+                measure(f"decode bs{bs}" + ("" if is_base(lora) else f" x{k}"), path, fb, graph is not None)
             release(runner, req_rows, slots)
     runner.decode_graph_runner = decode_graph
     return out
@@ -560,7 +570,7 @@ def to_markdown(rows: list[Row], notes: list[str], tc_modes: tuple[str, ...] = (
         out += ["", "Against the anchor (wall):", *ratios]
     vs_base = []
     for r in rows:
-        if r.lora == "none" or r.path.startswith("HF"):
+        if r.lora == "none" or r.path.startswith("HF"):  # a base variant is timed against the base
             continue
         base = table.get((r.model, "none", r.case.split(" x")[0], r.path))
         if base is not None:

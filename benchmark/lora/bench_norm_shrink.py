@@ -235,6 +235,9 @@ def main() -> None:
     p.add_argument("--tile-elements", nargs="*", type=int, default=[],
                    help="also time `fused` with norm_shrink_pack.TILE_ELEMENTS set to each (its column tile: "
                         "fewer, wider programs per row re-normalise the row fewer times)")
+    p.add_argument("--early-loads", action="store_true",
+                   help="also time `base`, `fused` and `rowwise` with norm_shrink_pack.EARLY_LOADS (the loads that need "
+                        "only the slot go out with the row) and rmsnorm.WEIGHT_FIRST (the norm's weight with the row)")
     p.add_argument("--afold", action="store_true",
                    help="also time `afold`: o_proj / down_proj A-folded, their deltas added by the next norm")
     add_output_args(p)
@@ -242,7 +245,7 @@ def main() -> None:
     dry, device, dtype, models = target(args)
     bss = [1, 3] if dry else args.decode_bs
     slots = args.adapters + 1
-    lines, tiles, early, afolds = [], [], [], []
+    lines, tiles, early, afolds, loads = [], [], [], [], []
     for shape in models:
         mods = build(shape, args.rank, slots, dtype, device)
         layers = model_dims(shape)[5]
@@ -283,6 +286,8 @@ def main() -> None:
                     print(afolds[-1], flush=True)
             if args.early_start:
                 early += early_start_rows(shape, step, dry)
+            if args.early_loads:
+                loads.append(early_loads_row(shape, step, dry))
             for tile in args.tile_elements:
                 us, tile_diff = fused_with_tile(step, tile, ref, dry)
                 tiles.append(f"| {shape} | {bs} | {tile} | {us:.0f} | {us - base:.0f} | {tile_diff:.1e} |")
@@ -303,7 +308,38 @@ def main() -> None:
                                ["model", "decode bs", "default", "norm kernel never PDL", "norm kernel always PDL",
                                 "SiLU-and-mul without early release", "all off", "all off - default",
                                 "outputs equal"], early)
+    if args.early_loads:
+        lines += table_section("Early loads: each variant as it is and with norm_shrink_pack.EARLY_LOADS and "
+                               "rmsnorm.WEIGHT_FIRST (GPU µs per step, the same graph of the four folded modules)",
+                               ["model", "decode bs", "base", "base early", "fused", "fused early", "rowwise",
+                                "rowwise early", "fused saves µs/launch", "outputs equal"], loads)
     emit_table(lines, args.out)
+
+
+def early_loads_row(shape: str, step: "Step", dry: bool) -> str:
+    """`base`, `fused` and `rowwise` with the early-load knobs off and on: GPU µs per step, and
+    whether every output equals the knobs-off one bit for bit (the knobs move loads, never sums)."""
+    from sglang.srt.layers.triton_ops import rmsnorm
+
+    saved = (nsp.EARLY_LOADS, rmsnorm.WEIGHT_FIRST)
+    times, outs = [], {}
+    try:
+        for on in (False, True):
+            nsp.EARLY_LOADS = rmsnorm.WEIGHT_FIRST = on
+            for variant in (step.base, step.fused, step.rowwise):
+                variant()
+                outs[(variant.__name__, on)] = [o.clone() for o in step.outs]
+                times.append(float("nan") if dry else graph_us(lambda _, v=variant: v()))
+    finally:
+        nsp.EARLY_LOADS, rmsnorm.WEIGHT_FIRST = saved
+    equal = all(torch.equal(a, b) for name in ("base", "fused", "rowwise")
+                for a, b in zip(outs[(name, False)], outs[(name, True)]))
+    # The norm-fed half of the step's modules runs norm_shrink_pack in `fused`.
+    per_launch = 2 * (times[1] - times[4]) / len(step.mods)
+    row = (f"| {shape} | {step.bs} | {times[0]:.0f} | {times[3]:.0f} | {times[1]:.0f} | {times[4]:.0f} | "
+           f"{times[2]:.0f} | {times[5]:.0f} | {per_launch:.2f} | {'yes' if equal else 'NO'} |")
+    print(row, flush=True)
+    return row
 
 
 EARLY_KNOBS = ((nsp, "PDL_MAX_ROWS"), (common, "RELEASE_DEPENDENTS"))

@@ -42,11 +42,12 @@ def compile_kernel(kernel, types: dict[str, str], consts: dict[str, object]) -> 
 def main() -> None:
     # bf16, the serving dtype (float32 runs the same code with other types); a few variants each.
     p = "*bf16"
-    for residual, release in ((True, False), (False, False), (True, True)):
+    for residual, release, weight_first in ((True, False, False), (False, False, False), (True, True, False),
+                                            (True, False, True)):
         compile_kernel(
             rmsnorm._rmsnorm_kernel,
             dict(X=p, R=p, W=p, Y=p, stride_x="i64", stride_r="i64", stride_y="i64", n_cols="i32", eps="fp32"),
-            dict(BLOCK=4096, HAS_RESIDUAL=residual, EMULATE_RNE=False, RELEASE=release),
+            dict(BLOCK=4096, HAS_RESIDUAL=residual, EMULATE_RNE=False, RELEASE=release, WEIGHT_FIRST=weight_first),
         )
     for release in (False, True):
         compile_kernel(

@@ -69,6 +69,27 @@ def test_rmsnorm_matches_reference(hidden: int, dtype: torch.dtype) -> None:
     assert_matches(new_res, ref_res)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rmsnorm_weight_first_gives_the_same_bits(dtype: torch.dtype, monkeypatch) -> None:
+    """WEIGHT_FIRST loads the weight with the row, before the reduction: the same values, bit for
+    bit, with and without a residual (whose new value the kernel writes back first)."""
+    from sglang.srt.layers.triton_ops import rmsnorm
+
+    gen = torch.Generator().manual_seed(5)
+    norm = _norm(2560, dtype, gen)
+    x = (3 * torch.randn(5, 2560, generator=gen)).to(dtype)
+    res = torch.randn(5, 2560, generator=gen).to(dtype)
+    outs = {}
+    for first in (False, True):
+        monkeypatch.setattr(rmsnorm, "WEIGHT_FIRST", first)
+        r = res.clone()
+        outs[first] = (rmsnorm_fwd(x, norm.weight, norm.variance_epsilon),
+                       rmsnorm_fwd(x, norm.weight, norm.variance_epsilon, residual=r), r)
+    for old, new in zip(outs[False], outs[True]):
+        assert torch.equal(old, new)
+    assert_matches(outs[True][0], norm.forward_torch(x))
+
+
 def test_rmsnorm_without_residual_keeps_its_input_and_handles_3d() -> None:
     gen = torch.Generator().manual_seed(1)
     norm = _norm(96, torch.float32, gen)

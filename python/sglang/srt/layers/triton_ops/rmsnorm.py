@@ -32,17 +32,37 @@ def rms_normalize(x, W, offs, mask, n_cols, eps, OUT_DTYPE: tl.constexpr, EMULAT
     """The normalised row (a row `x` in the model dtype, already summed with its residual) times
     the weight, in OUT_DTYPE, with the roundings above. Shared by every kernel that normalises a
     row (lora/triton_ops/norm_shrink_pack.py), so they all give the same bits."""
-    xf = x.to(tl.float32)
-    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
-    normed = cast_rne(xf * rstd, x.dtype, EMULATE_RNE).to(tl.float32)
+    # The weight's load after the reduction, in program order: moving it before (rms_scale) changes
+    # the compiled kernels' registers (norm_shrink_pack's qkv_proj tile: 64 -> 73 at sm_90).
+    normed = _rms_normed(x, n_cols, eps, EMULATE_RNE)
     w = tl.load(W + offs, mask=mask, other=0.0).to(tl.float32)
     return cast_rne(normed * w, OUT_DTYPE, EMULATE_RNE)
+
+
+@triton.jit
+def rms_scale(x, w, n_cols, eps, OUT_DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
+    """rms_normalize with the weight's row `w` already loaded: a kernel that loads it with its input
+    has it in hand when the reduction ends, one round trip to memory fewer per program."""
+    normed = _rms_normed(x, n_cols, eps, EMULATE_RNE)
+    return cast_rne(normed * w.to(tl.float32), OUT_DTYPE, EMULATE_RNE)
+
+
+@triton.jit
+def _rms_normed(x, n_cols, eps, EMULATE_RNE: tl.constexpr):
+    """The row times its reciprocal RMS, rounded to the row's dtype, in float32."""
+    xf = x.to(tl.float32)
+    rstd = tl.math.rsqrt(tl.sum(xf * xf, axis=0) / n_cols + eps)
+    return cast_rne(xf * rstd, x.dtype, EMULATE_RNE).to(tl.float32)
 
 
 # Whether the kernel releases its programmatic dependents at its start (with RELEASE_DEPENDENTS, see
 # common.py): only a LoRA shrink_pack at prefill is one. Off until the GPU measures it
 # (profile_forward's `lora-norm-release` variant against `lora`).
 RELEASE_AT_START = False
+# Whether the kernel loads the weight's row with the input's, before the row's reduction, rather
+# than after it: one dependent round trip to memory fewer per program, the same bits. Off until the
+# GPU times it (profile_forward's `none-norm-early` variant against `none`).
+WEIGHT_FIRST = False
 
 
 @triton.jit
@@ -54,6 +74,7 @@ def _rmsnorm_kernel(
     HAS_RESIDUAL: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
     RELEASE: tl.constexpr,
+    WEIGHT_FIRST: tl.constexpr,
 ):
     # A LoRA shrink_pack launched as a programmatic dependent (a folded qkv_proj's or
     # gate_up_proj's where no kernel fuses the norm: prefill) reads its segments meanwhile; it
@@ -62,10 +83,15 @@ def _rmsnorm_kernel(
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < n_cols
+    if WEIGHT_FIRST:
+        w = tl.load(W + offs, mask=mask, other=0.0)
     x = load_row(X, R, row, stride_x, stride_r, offs, mask, HAS_RESIDUAL, EMULATE_RNE)
     if HAS_RESIDUAL:
         tl.store(R + row * stride_r + offs, x, mask=mask)
-    y = rms_normalize(x, W, offs, mask, n_cols, eps, Y.dtype.element_ty, EMULATE_RNE)
+    if WEIGHT_FIRST:
+        y = rms_scale(x, w, n_cols, eps, Y.dtype.element_ty, EMULATE_RNE)
+    else:
+        y = rms_normalize(x, W, offs, mask, n_cols, eps, Y.dtype.element_ty, EMULATE_RNE)
     tl.store(Y + row * stride_y + offs, y, mask=mask)
 
 
@@ -121,6 +147,7 @@ def rmsnorm_fwd(
         HAS_RESIDUAL=residual is not None,
         EMULATE_RNE=interpreting(),
         RELEASE=RELEASE_AT_START and release_enabled(x.device),
+        WEIGHT_FIRST=WEIGHT_FIRST,
         num_warps=num_warps,
     )
     return out

@@ -51,13 +51,17 @@ TILE_ELEMENTS = 16384
 # that the GEMM before still drains). The rows are a graph bucket's static count, and the launch
 # mode moves no sum: graph == eager holds. A module knob, so benchmarks can time others.
 PDL_MAX_ROWS = 32
-# The A tile's load waits for the slot alone, not for the slot's rank as well (one dependent load
-# fewer before it; the rank's load goes out beside it): unmasked by the rank, it reads the slot's
-# rows past its compact prefix too (zeros or an earlier adapter's rows, whatever they hold), and
-# the columns they feed are masked at the store by the rank, as before. The same values, bit for
-# bit (each column's sum is its own). The expand's B_EARLY does the same for B (sgemm_lora_b.py).
-# A module knob, so benchmarks can time the rank-masked load against it.
-A_EARLY = False
+# The loads that need only the row's slot go out in the round after it: the A tile's without waiting
+# for the slot's rank as well (the rank's load goes out beside it), and the scaling's at the start
+# rather than after the reduction (a packed module's). Unmasked by the rank, the tile reads the
+# slot's rows past its compact prefix too (zeros or an earlier adapter's rows); the columns they
+# feed are masked at the store by the rank, as before. The same values, bit for bit (each column's
+# sum is its own). Compiled for sm_90 (Qwen3-4B qkv_proj, no PDL), the program's dependent global
+# loads go from four rounds (slot -> rank and row -> A -> ... -> scaling) to two (slot and row ->
+# rank, A and scaling), at 64 registers a thread as before (the norm's weight loaded with the row
+# too would take 74: three programs an SM rather than four). The expand's B_EARLY does the same
+# for B (sgemm_lora_b.py). A module knob, so benchmarks can time the old order against it.
+EARLY_LOADS = False
 
 
 @triton.jit
@@ -79,7 +83,7 @@ def _norm_shrink_pack_kernel(
     EMULATE_RNE: tl.constexpr,
     USE_PDL: tl.constexpr,
     DELTA_RANK: tl.constexpr,
-    A_EARLY: tl.constexpr,
+    EARLY_LOADS: tl.constexpr,
 ):
     # PACKED (a folded module): XAUG is x_aug [T, K + E], Y unused. Otherwise (an unfolded one) Y
     # gets the normalised rows [T, K] and XAUG is the shrink output [T, STACK * MAX_RANK], each
@@ -97,10 +101,12 @@ def _norm_shrink_pack_kernel(
     rank = tl.where(slot >= 0, tl.load(RANKS + tl.maximum(slot, 0)), 0)
     offs_n = tile * BLOCK_J + tl.arange(0, BLOCK_J)
     col_mask = offs_n < STACK * rank
-    if A_EARLY:
+    if EARLY_LOADS:
         # The slot's block_w rows (none for a base row); a bound, not `& (slot >= 0)` (the
         # interpreter rejects a block & a scalar).
         a_rows = offs_n < tl.where(slot >= 0, block_w, 0)
+        if PACKED:
+            scaling = tl.load(SCALINGS + tl.maximum(slot, 0))
     else:
         a_rows = col_mask
     a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
@@ -161,7 +167,8 @@ def _norm_shrink_pack_kernel(
     if tile * BLOCK_J < STACK * rank:
         acc = tl.sum(a.to(tl.float32) * y.to(tl.float32)[None, :], axis=1)
         if PACKED:
-            scaling = tl.load(SCALINGS + slot)
+            if not EARLY_LOADS:
+                scaling = tl.load(SCALINGS + slot)
             k_slice = offs_n // rank
             col = slot * block_w + k_slice * MAX_RANK + (offs_n - k_slice * rank)
             tl.store(XAUG + row * stride_xaug + K + col, (acc * scaling).to(XAUG.dtype.element_ty), mask=col_mask)
@@ -217,7 +224,7 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
         BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_SILU=silu, PACKED=packed,
         EMULATE_RNE=interpreting(), USE_PDL=pdl, DELTA_RANK=delta.max_rank if delta is not None else 0,
-        A_EARLY=A_EARLY,
+        EARLY_LOADS=EARLY_LOADS,
         # rmsnorm_fwd's warps for the row: the same reduction tree, so the norm equals its output.
         num_warps=row_warps(in_dim),
         **({"launch_pdl": True} if pdl else {}),
