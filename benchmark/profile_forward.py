@@ -126,10 +126,11 @@ LORA_VARIANTS = {
     "lora-afold-qkv": ("auto", "small"),
     "lora-no-afold-qkv": ("auto", "small"),
     # The default with norm_shrink_pack's loads that need only the slot issued early (EARLY_LOADS)
-    # and RMSNorm's weight loaded with the row (WEIGHT_FIRST).
+    # and none-early-loads' two.
     "lora-early-loads": ("auto", "small"),
-    # The base model with RMSNorm loading its weight with the row (rmsnorm.WEIGHT_FIRST).
-    "none-norm-early": ("off", "0"),
+    # The base model with RMSNorm loading its weight with the row (rmsnorm.WEIGHT_FIRST) and the RoPE
+    # kernel its KV-cache slot at its start (rope.LOC_FIRST).
+    "none-early-loads": ("off", "0"),
 }
 
 
@@ -148,8 +149,10 @@ VARIANT_KNOBS = {
     "lora-expand-silu-256": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (256, 4)),),
     "lora-expand-silu-64": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (64, 4)),),
     "lora-early-loads": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "EARLY_LOADS", True),
-                         ("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", True)),
-    "none-norm-early": (("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", True),),
+                         ("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", True),
+                         ("sglang.srt.layers.triton_ops.rope", "LOC_FIRST", True)),
+    "none-early-loads": (("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", True),
+                         ("sglang.srt.layers.triton_ops.rope", "LOC_FIRST", True)),
 }
 # Server arguments a variant's runner is built with, over the default's.
 VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}

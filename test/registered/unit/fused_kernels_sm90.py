@@ -68,8 +68,9 @@ def main() -> None:
     )
     # (head_dim, rotary_dim, q/k norm, KV store): Qwen3, partial rotary, a head dim that is not a
     # multiple of 16, Llama.
-    for head_dim, rotary, qk_norm, store in ((128, 128, True, True), (128, 64, True, True),
-                                             (72, 72, False, False), (128, 128, False, True)):
+    for head_dim, rotary, qk_norm, store, loc_first in ((128, 128, True, True, False), (128, 64, True, True, False),
+                                                        (72, 72, False, False, False), (128, 128, False, True, False),
+                                                        (128, 128, True, True, True)):
         half, pass_dims = rotary // 2, head_dim - rotary
         block_half = triton.next_power_of_2(half)
         compile_kernel(
@@ -77,7 +78,8 @@ def main() -> None:
             rope_types,
             dict(NUM_Q_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=head_dim, HALF=half, SIN_OFFSET=3 * half,
                  BLOCK_HALF=block_half, PASS=pass_dims, BLOCK_PASS=triton.next_power_of_2(max(pass_dims, 1)),
-                 BLOCK_H=max(1, 256 // block_half), QK_NORM=qk_norm, STORE_KV=store, EMULATE_RNE=False),
+                 BLOCK_H=max(1, 256 // block_half), QK_NORM=qk_norm, STORE_KV=store, EMULATE_RNE=False,
+                 LOC_FIRST=loc_first),
         )
     # The Sampler's top-k / top-p threshold search: its default launch, and the no-write variant.
     for write_out in (True, False):

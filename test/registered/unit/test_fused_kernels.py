@@ -133,9 +133,14 @@ ROPE_CASES = [
 ]
 
 
+@pytest.mark.parametrize("loc_first", [False, True])  # rope.LOC_FIRST: the slot loaded at the start
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("heads,kv_heads,head_dim,rotary_dim,qk_norm,llama3", ROPE_CASES)
-def test_qkv_rope_matches_reference_and_stores_kv(heads, kv_heads, head_dim, rotary_dim, qk_norm, llama3, dtype):
+def test_qkv_rope_matches_reference_and_stores_kv(heads, kv_heads, head_dim, rotary_dim, qk_norm, llama3, dtype,
+                                                   loc_first, monkeypatch):
+    from sglang.srt.layers.triton_ops import rope as rope_ops
+
+    monkeypatch.setattr(rope_ops, "LOC_FIRST", loc_first)
     gen = torch.Generator().manual_seed(heads * 1000 + head_dim)
     max_pos = 8192 if llama3 else 256
     rope = RotaryEmbedding(head_dim, max_pos, 500000.0 if llama3 else 10000.0,

@@ -30,4 +30,4 @@ def test_fused_kernels_compile_for_sm90() -> None:
         env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert proc.stdout.count("ok ") == 14  # 4 rmsnorm, 2 x (silu, decode merge), 4 rope, 2 top-k/top-p
+    assert proc.stdout.count("ok ") == 15  # 4 rmsnorm, 2 x (silu, decode merge), 5 rope, 2 top-k/top-p

@@ -61,7 +61,7 @@ def _rms_normed(x, n_cols, eps, EMULATE_RNE: tl.constexpr):
 RELEASE_AT_START = False
 # Whether the kernel loads the weight's row with the input's, before the row's reduction, rather
 # than after it: one dependent round trip to memory fewer per program, the same bits. Off until the
-# GPU times it (profile_forward's `none-norm-early` variant against `none`).
+# GPU times it (profile_forward's `none-early-loads` variant against `none`).
 WEIGHT_FIRST = False
 
 

@@ -48,6 +48,13 @@ class KVStore:
     loc: torch.Tensor
 
 
+# Whether the kernel loads the token's KV-cache slot at its start rather than just before the store:
+# the load otherwise follows the q/k stores (the compiler keeps it after them: they might alias), one
+# more round trip to memory at the program's end. The same bits. Off until the GPU times it
+# (profile_forward's `none-early-loads` variant against `none`).
+LOC_FIRST = False
+
+
 @triton.jit
 def _round(x, DTYPE: tl.constexpr, EMULATE_RNE: tl.constexpr):
     """float32 -> DTYPE -> float32: one rounding of the reference's model-dtype arithmetic."""
@@ -73,8 +80,11 @@ def _qkv_rope_kernel(
     QK_NORM: tl.constexpr,
     STORE_KV: tl.constexpr,
     EMULATE_RNE: tl.constexpr,
+    LOC_FIRST: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
+    if STORE_KV and LOC_FIRST:
+        loc = tl.load(LOC + t).to(tl.int64)
     heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     is_k = (heads >= NUM_Q_HEADS) & (heads < NUM_Q_HEADS + NUM_KV_HEADS)
     is_rot = heads < NUM_Q_HEADS + NUM_KV_HEADS  # q and k heads
@@ -132,7 +142,8 @@ def _qkv_rope_kernel(
     tl.store(rows + HALF + offs_h[None, :], o2.to(dt), mask=m_rot)
 
     if STORE_KV:
-        loc = tl.load(LOC + t).to(tl.int64)
+        if not LOC_FIRST:
+            loc = tl.load(LOC + t).to(tl.int64)
         kv_head = tl.where(is_k, heads - NUM_Q_HEADS, heads - NUM_Q_HEADS - NUM_KV_HEADS)
         kv_head = tl.where(is_k | is_v, kv_head, 0)[:, None]
         k_rows = K_BUF + loc * stride_kb_slot + kv_head * stride_kb_head
@@ -220,6 +231,7 @@ def qkv_rope_fwd(
         QK_NORM=qk_norm is not None,
         STORE_KV=kv_store is not None,
         EMULATE_RNE=interpreting(),
+        LOC_FIRST=LOC_FIRST,
         num_warps=4 if block_h * block_half >= 512 else 2,
     )
 
