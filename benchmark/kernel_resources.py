@@ -102,7 +102,8 @@ def norm_shrink_rows(shape: str, rows: list[int], rank: int, slots: int) -> list
                 dict(STACK=stack, MAX_RANK=rank, E_COLS=slots * stack * rank if packed else 0,
                      BLOCK=triton.next_power_of_2(hidden), BLOCK_J=block_j, BLOCK_E=512, HAS_NORM=True,
                      HAS_RESIDUAL=True, HAS_SILU=False, PACKED=packed, EMULATE_RNE=False, USE_PDL=False,
-                     DELTA_RANK=0, EARLY_LOADS=nsp.EARLY_LOADS),
+                     DELTA_RANK=0, EARLY_LOADS=nsp.EARLY_LOADS,
+                     NORM_WEIGHT_EARLY=nsp.NORM_WEIGHT_EARLY),
                 floats=("eps",), num_warps=warps)
             grid_per_row = triton.cdiv(stack * rank, block_j)
             name = f"norm_shrink_pack {module} {'folded' if packed else 'unfolded'}"

@@ -218,17 +218,19 @@ def _every_variant(dtype: torch.dtype) -> list[torch.Tensor]:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_early_loads_give_the_same_bits(dtype, monkeypatch):
     """EARLY_LOADS loads the slot's whole block of A rows, NaN past each adapter's prefix here,
-    without waiting for its rank, and the scaling before the reduction: the columns those rows feed
-    are masked at the store, so every output of every entry point equals the old order's bit for
-    bit, and none holds a NaN."""
+    without waiting for its rank, and the scaling before the reduction (with NORM_WEIGHT_EARLY the
+    norm's weight too): the columns those rows feed are masked at the store, so every output of
+    every entry point equals the old order's bit for bit, and none holds a NaN."""
     import sglang.srt.lora.triton_ops.norm_shrink_pack as nsp
 
     monkeypatch.setattr(nsp, "EARLY_LOADS", False)
     masked = _every_variant(dtype)
     monkeypatch.setattr(nsp, "EARLY_LOADS", True)
     early = _every_variant(dtype)
-    for m, e in zip(masked, early):
-        assert torch.equal(m, e) and not torch.isnan(e).any()
+    monkeypatch.setattr(nsp, "NORM_WEIGHT_EARLY", True)
+    weight_too = _every_variant(dtype)
+    for m, e, w in zip(masked, early, weight_too):
+        assert torch.equal(m, e) and torch.equal(m, w) and not torch.isnan(e).any()
 
 
 def test_refuses_to_overwrite_the_residual_it_reads():
@@ -245,7 +247,8 @@ def test_column_tile_is_a_layer_constant():
     assert all(RANKS[s] <= R for s in range(S))
 
 
-def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, asm: str = "ptx", early_loads: bool = False):
+def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, asm: str = "ptx", early_loads: bool = False,
+               norm_weight_early: bool = False):
     """The kernel compiled for sm_90 at Qwen3-4B shapes: qkv after its norm (with `delta`, adding
     the deferred delta of the A-folded down_proj before it), or down_proj after SiLU-and-mul (run
     without TRITON_INTERPRET)."""
@@ -261,7 +264,8 @@ def hopper_ptx(packed: bool, silu: bool = False, delta: bool = False, asm: str =
          "dbt_stride_s", "dbt_stride_r", "K"],
         dict(STACK=stack, MAX_RANK=16, E_COLS=9 * stack * 16, BLOCK=triton_next_pow2(k), BLOCK_J=column_tile(k),
              BLOCK_E=512, HAS_NORM=not silu, HAS_RESIDUAL=not silu, HAS_SILU=silu, PACKED=packed, EMULATE_RNE=False,
-             USE_PDL=True, DELTA_RANK=16 if delta else 0, EARLY_LOADS=early_loads),
+             USE_PDL=True, DELTA_RANK=16 if delta else 0, EARLY_LOADS=early_loads,
+             NORM_WEIGHT_EARLY=norm_weight_early),
         floats=("eps",), num_warps=8, asm=asm,
     )
 
@@ -299,7 +303,8 @@ def test_compiles_for_hopper():
     python_dir = os.path.join(here, "..", "..", "..", "python")  # this checkout's package, not an installed one
     code = (f"import sys; sys.path[:0] = {[here, python_dir] + sys.path[:3]!r}; "
             "import test_lora_norm_shrink as t; ptx = [t.hopper_ptx(p, s) for p, s in ((True, False), (False, False), "
-            "(True, True), (False, True))] + [t.hopper_ptx(True, delta=True), t.hopper_ptx(True, early_loads=True)]; "
+            "(True, True), (False, True))] + [t.hopper_ptx(True, delta=True), t.hopper_ptx(True, early_loads=True), "
+            "t.hopper_ptx(True, early_loads=True, norm_weight_early=True)]; "
             "print('ok', all('st.global' in p and t.a_before_wait(p) for p in ptx))")
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from sglang.srt.layers.triton_ops.common import cast_rne, gdc_wait, interpreting
-from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize, row_warps
+from sglang.srt.layers.triton_ops.rmsnorm import load_row, rms_normalize, rms_scale, row_warps
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_mul
 from sglang.srt.lora.utils import DeferredDelta
 
@@ -59,9 +59,11 @@ PDL_MAX_ROWS = 32
 # sum is its own). Compiled for sm_90 (Qwen3-4B qkv_proj, no PDL), the program's dependent global
 # loads go from four rounds (slot -> rank and row -> A -> ... -> scaling) to two (slot and row ->
 # rank, A and scaling), at 64 registers a thread as before (the norm's weight loaded with the row
-# too would take 74: three programs an SM rather than four). The expand's B_EARLY does the same
-# for B (sgemm_lora_b.py). A module knob, so benchmarks can time the old order against it.
+# too would take 74: three programs an SM rather than four; NORM_WEIGHT_EARLY, with EARLY_LOADS, to
+# time it). The expand's B_EARLY does the same for B (sgemm_lora_b.py). Module knobs, so benchmarks
+# can time the old order against them.
 EARLY_LOADS = False
+NORM_WEIGHT_EARLY = False
 
 
 @triton.jit
@@ -84,6 +86,7 @@ def _norm_shrink_pack_kernel(
     USE_PDL: tl.constexpr,
     DELTA_RANK: tl.constexpr,
     EARLY_LOADS: tl.constexpr,
+    NORM_WEIGHT_EARLY: tl.constexpr,
 ):
     # PACKED (a folded module): XAUG is x_aug [T, K + E], Y unused. Otherwise (an unfolded one) Y
     # gets the normalised rows [T, K] and XAUG is the shrink output [T, STACK * MAX_RANK], each
@@ -107,6 +110,8 @@ def _norm_shrink_pack_kernel(
         a_rows = offs_n < tl.where(slot >= 0, block_w, 0)
         if PACKED:
             scaling = tl.load(SCALINGS + tl.maximum(slot, 0))
+        if NORM_WEIGHT_EARLY and HAS_NORM:  # a weight, not the kernel before's: also before the PDL wait
+            norm_w = tl.load(NORM_W + offs, mask=mask, other=0.0)
     else:
         a_rows = col_mask
     a = tl.load(A + tl.maximum(slot, 0).to(tl.int64) * a_stride_s + offs_n[:, None] * a_stride_n + offs[None, :],
@@ -149,7 +154,10 @@ def _norm_shrink_pack_kernel(
         if HAS_RESIDUAL and tile == 0:
             tl.store(R_OUT + row * stride_ro + offs, x, mask=mask)
         if HAS_NORM:
-            y = rms_normalize(x, NORM_W, offs, mask, K, eps, XAUG.dtype.element_ty, EMULATE_RNE)
+            if EARLY_LOADS and NORM_WEIGHT_EARLY:
+                y = rms_scale(x, norm_w, K, eps, XAUG.dtype.element_ty, EMULATE_RNE)
+            else:
+                y = rms_normalize(x, NORM_W, offs, mask, K, eps, XAUG.dtype.element_ty, EMULATE_RNE)
         else:  # the row-wise shrink_pack alone (a module with nothing fused before it)
             y = x
 
@@ -224,7 +232,7 @@ def _launch(x, residual, norm_weight, eps, weights, out, y, row_slots, lora_rank
         BLOCK_E=min(1024, triton.next_power_of_2(max(extra, 16))),
         HAS_NORM=norm_weight is not None, HAS_RESIDUAL=residual is not None, HAS_SILU=silu, PACKED=packed,
         EMULATE_RNE=interpreting(), USE_PDL=pdl, DELTA_RANK=delta.max_rank if delta is not None else 0,
-        EARLY_LOADS=EARLY_LOADS,
+        EARLY_LOADS=EARLY_LOADS, NORM_WEIGHT_EARLY=NORM_WEIGHT_EARLY,
         # rmsnorm_fwd's warps for the row: the same reduction tree, so the norm equals its output.
         num_warps=row_warps(in_dim),
         **({"launch_pdl": True} if pdl else {}),
