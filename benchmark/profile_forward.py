@@ -580,10 +580,11 @@ def to_markdown(rows: list[Row], notes: list[str], tc_modes: tuple[str, ...] = (
             p = r.prof
             per = f", {p.lora_us / p.lora_launches:.1f} µs per launch" if p.lora_launches else ""
             busy = f"{p.busy_ms / base.prof.busy_ms:.2f}" if base.prof.busy_ms > 0 else "—"
-            vs_base.append(f"- {r.model} {r.case} {r.path}{'' if r.lora == 'lora' else f' ({r.lora})'}: LoRA / base = {r.wall_ms:.3f} / {base.wall_ms:.3f} = "
-                           f"**{r.wall_ms / base.wall_ms:.2f}** (GPU busy {busy}); "
-                           f"LoRA kernels {p.lora_us:.0f} µs in {p.lora_launches:.0f} launches{per}"
-                           + "".join(f"; `{name}` {us:.0f} µs ×{calls:.0f}" for name, us, calls in p.lora_by_kernel))
+            kernels = ("" if is_base(r.lora) else f"; LoRA kernels {p.lora_us:.0f} µs in {p.lora_launches:.0f} launches{per}"
+                       + "".join(f"; `{name}` {us:.0f} µs ×{calls:.0f}" for name, us, calls in p.lora_by_kernel))
+            vs_base.append(f"- {r.model} {r.case} {r.path}{'' if r.lora == 'lora' else f' ({r.lora})'}: "
+                           f"{'variant' if is_base(r.lora) else 'LoRA'} / base = {r.wall_ms:.3f} / {base.wall_ms:.3f} = "
+                           f"**{r.wall_ms / base.wall_ms:.2f}** (GPU busy {busy}){kernels}")
     if vs_base:
         out += ["", "LoRA against the base model, same case and path (wall):", *vs_base]
     vs_breakable = []

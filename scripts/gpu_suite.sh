@@ -52,7 +52,7 @@ lora_step_rows() {
     --tokens 128 --tc-modes "" "$@" --out "$tmp" >>"$log" 2>&1 || status=1
   cat "$tmp" >>"$md" 2>/dev/null
   say "$prefix$model steps: $(( $(date +%s) - start ))s"
-  grep -E "LoRA / base" "$tmp" 2>/dev/null | sed "s/^/$prefix/" | tee -a "$SUMMARY"
+  grep -E "(LoRA|variant) / base" "$tmp" 2>/dev/null | sed "s/^/$prefix/" | tee -a "$SUMMARY"
 }
 if [[ " $PARTS " == *" tests "* ]]; then
   say "== GPU tests (pytest -m gpu)"

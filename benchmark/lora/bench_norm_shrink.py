@@ -237,7 +237,8 @@ def main() -> None:
                         "fewer, wider programs per row re-normalise the row fewer times)")
     p.add_argument("--early-loads", action="store_true",
                    help="also time `base`, `fused` and `rowwise` with norm_shrink_pack.EARLY_LOADS (the loads that need "
-                        "only the slot go out with the row) and rmsnorm.WEIGHT_FIRST (the norm's weight with the row)")
+                        "only the slot go out with the row) and rmsnorm.WEIGHT_FIRST (the norm's weight with the row), "
+                        "and `fused` with NORM_WEIGHT_EARLY as well")
     p.add_argument("--afold", action="store_true",
                    help="also time `afold`: o_proj / down_proj A-folded, their deltas added by the next norm")
     add_output_args(p)
@@ -310,7 +311,8 @@ def main() -> None:
                                 "outputs equal"], early)
     if args.early_loads:
         lines += table_section("Early loads: each variant as it is and with norm_shrink_pack.EARLY_LOADS and "
-                               "rmsnorm.WEIGHT_FIRST (GPU µs per step, the same graph of the four folded modules)",
+                               "rmsnorm.WEIGHT_FIRST (`fused` also with NORM_WEIGHT_EARLY; GPU µs per step, the same "
+                               "graph of the four folded modules)",
                                ["model", "decode bs", "base", "base early", "fused", "fused early",
                                 "fused early + norm weight", "rowwise", "rowwise early", "fused early saves µs/launch",
                                 "outputs equal"], loads)

@@ -200,9 +200,9 @@ def _every_variant(dtype: torch.dtype) -> list[torch.Tensor]:
     outs += [norm_shrink_pack(x, residual, norm_w, EPS, a, x_aug, slots, RANKS_T, SCALINGS_T, 3, R), x_aug]
     normed, xa = torch.empty_like(x), torch.full((rows, 3 * R), -777.0, dtype=dtype)
     outs += [norm_shrink(x, residual, norm_w, EPS, a, normed, xa, slots, RANKS_T, 3, R), normed, xa]
-    a1 = inputs(300, 1, dtype, 53)[4]
+    *_, a1, extra1 = inputs(300, 1, dtype, 53)
     gate_up = (2 * torch.randn(rows, 600, generator=gen)).to(dtype)
-    x_aug1 = torch.full((rows, 300 + inputs(300, 1, dtype, 53)[5]), float("nan"), dtype=dtype)
+    x_aug1 = torch.full((rows, 300 + extra1), float("nan"), dtype=dtype)
     silu_shrink_pack(gate_up, a1, x_aug1, slots, RANKS_T, SCALINGS_T, R)
     act, xa1 = torch.empty(rows, 300, dtype=dtype), torch.full((rows, R), -777.0, dtype=dtype)
     silu_shrink(gate_up, a1, act, xa1, slots, RANKS_T, R)
