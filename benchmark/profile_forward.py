@@ -125,12 +125,14 @@ LORA_VARIANTS = {
     # default takes it at prefills up to 1,024 tokens), and with it never (=0).
     "lora-afold-qkv": ("auto", "small"),
     "lora-no-afold-qkv": ("auto", "small"),
-    # The default with norm_shrink_pack's loads that need only the slot issued early (EARLY_LOADS)
-    # and none-early-loads' two.
-    "lora-early-loads": ("auto", "small"),
-    # The base model with RMSNorm loading its weight with the row (rmsnorm.WEIGHT_FIRST) and the RoPE
-    # kernel its KV-cache slot at its start (rope.LOC_FIRST).
-    "none-early-loads": ("off", "0"),
+    # The default with the loads of 2026-12-06 in their old order: norm_shrink_pack's A tile and
+    # scaling after the slot's rank (EARLY_LOADS off) and none-late-loads' two.
+    "lora-late-loads": ("auto", "small"),
+    # The default with norm_shrink_pack's norm weight loaded with the row too (NORM_WEIGHT_EARLY).
+    "lora-norm-weight-early": ("auto", "small"),
+    # The base model with RMSNorm loading its weight after the row's reduction (rmsnorm.WEIGHT_FIRST
+    # off) and the RoPE kernel its KV-cache slot before the store (rope.LOC_FIRST off).
+    "none-late-loads": ("off", "0"),
 }
 
 
@@ -148,11 +150,12 @@ VARIANT_KNOBS = {
     "lora-norm-release": (("sglang.srt.layers.triton_ops.rmsnorm", "RELEASE_AT_START", True),),
     "lora-expand-silu-256": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (256, 4)),),
     "lora-expand-silu-64": (("sglang.srt.lora.triton_ops.expand_silu", "EXPAND_SILU_TILES", (64, 4)),),
-    "lora-early-loads": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "EARLY_LOADS", True),
-                         ("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", True),
-                         ("sglang.srt.layers.triton_ops.rope", "LOC_FIRST", True)),
-    "none-early-loads": (("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", True),
-                         ("sglang.srt.layers.triton_ops.rope", "LOC_FIRST", True)),
+    "lora-late-loads": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "EARLY_LOADS", False),
+                        ("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", False),
+                        ("sglang.srt.layers.triton_ops.rope", "LOC_FIRST", False)),
+    "lora-norm-weight-early": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "NORM_WEIGHT_EARLY", True),),
+    "none-late-loads": (("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", False),
+                        ("sglang.srt.layers.triton_ops.rope", "LOC_FIRST", False)),
 }
 # Server arguments a variant's runner is built with, over the default's.
 VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}

@@ -310,7 +310,7 @@ def main() -> None:
                                 "SiLU-and-mul without early release", "all off", "all off - default",
                                 "outputs equal"], early)
     if args.early_loads:
-        lines += table_section("Early loads: each variant as it is and with norm_shrink_pack.EARLY_LOADS and "
+        lines += table_section("Early loads: each variant with norm_shrink_pack.EARLY_LOADS and "
                                "rmsnorm.WEIGHT_FIRST (`fused` also with NORM_WEIGHT_EARLY; GPU µs per step, the same "
                                "graph of the four folded modules)",
                                ["model", "decode bs", "base", "base early", "fused", "fused early",

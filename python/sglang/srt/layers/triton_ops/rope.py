@@ -50,9 +50,10 @@ class KVStore:
 
 # Whether the kernel loads the token's KV-cache slot at its start rather than just before the store:
 # the load otherwise follows the q/k stores (the compiler keeps it after them: they might alias), one
-# more round trip to memory at the program's end. The same bits. Off until the GPU times it
-# (profile_forward's `none-early-loads` variant against `none`).
-LOC_FIRST = False
+# more round trip to memory at the program's end. The same bits. On since the H100 timed it with
+# WEIGHT_FIRST (2026-12-07: the whole base step 1.00-0.98 of the old order; profile_forward's
+# `none-late-loads` variant turns both off).
+LOC_FIRST = True
 
 
 @triton.jit

@@ -60,9 +60,11 @@ PDL_MAX_ROWS = 32
 # loads go from four rounds (slot -> rank and row -> A -> ... -> scaling) to two (slot and row ->
 # rank, A and scaling), at 64 registers a thread as before (the norm's weight loaded with the row
 # too would take 74: three programs an SM rather than four; NORM_WEIGHT_EARLY, with EARLY_LOADS, to
-# time it). The expand's B_EARLY does the same for B (sgemm_lora_b.py). Module knobs, so benchmarks
-# can time the old order against them.
-EARLY_LOADS = False
+# time it: it lost or tied above 32 rows on the H100, 2026-12-07). The expand's B_EARLY does the same
+# for B (sgemm_lora_b.py). On by default since the H100 timed it (2026-12-07: the Qwen3-4B decode
+# step's norm_shrink_pack 476 -> 449 µs at 64 rows x 8 adapters, 426 -> 404 at 8); module knobs, so
+# benchmarks can time the old order against them.
+EARLY_LOADS = True
 NORM_WEIGHT_EARLY = False
 
 
