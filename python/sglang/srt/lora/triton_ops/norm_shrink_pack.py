@@ -58,12 +58,14 @@ PDL_MAX_ROWS = 32
 # feed are masked at the store by the rank, as before. The same values, bit for bit (each column's
 # sum is its own). Compiled for sm_90 (Qwen3-4B qkv_proj, no PDL), the program's dependent global
 # loads go from four rounds (slot -> rank and row -> A -> ... -> scaling) to two (slot and row ->
-# rank, A and scaling), at 64 registers a thread as before (the norm's weight loaded with the row
-# too would take 74: three programs an SM rather than four; NORM_WEIGHT_EARLY, with EARLY_LOADS, to
-# time it: it lost or tied above 32 rows on the H100, 2026-12-07). The expand's B_EARLY does the same
-# for B (sgemm_lora_b.py). On by default since the H100 timed it (2026-12-07: the Qwen3-4B decode
-# step's norm_shrink_pack 476 -> 449 µs at 64 rows x 8 adapters, 426 -> 404 at 8); module knobs, so
-# benchmarks can time the old order against them.
+# rank, A and scaling), at 64 registers a thread as before. The expand's B_EARLY does the same for B
+# (sgemm_lora_b.py). On by default since an H100 timed it (2026-12-07, the whole Qwen3-4B decode
+# step with 8 adapters: norm_shrink_pack 476 -> 449 µs a step at 64 rows, 430 -> 407 at 8; alone in
+# bench_norm_shrink it won up to 32 rows and lost up to 40 µs a step at 64-128). NORM_WEIGHT_EARLY
+# (with EARLY_LOADS) loads the norm's weight with the row too: 74 registers, three programs an SM
+# rather than four. The same H100 measured it 13 µs a step cheaper at 64 x 8, 5 dearer at 8 x 8,
+# and 17-20 cheaper at 1-8 rows alone; off until the GPU tests have run with it on. Module knobs,
+# so benchmarks can time the old order against them.
 EARLY_LOADS = True
 NORM_WEIGHT_EARLY = False
 
