@@ -8,7 +8,8 @@ For a model shape (dummy bf16 weights), with and without rank-16 LoRA adapters o
 projections (`--adapters N` loaded, N pool slots), for each path — eager, breakable prefill graph,
 full prefill graph (one request of each `--tokens`; several requests with `--prefill-batches
 4x512`, on the adapters in turn), decode graph (`--decode-bs`, 256 tokens of context; with LoRA,
-for every `--decode-adapters k`, the requests take the first k adapters in turn) — it reports:
+for every `--decode-adapters k`, the requests take the first k adapters in turn; k is capped at the
+batch's requests and the adapters loaded) — it reports:
   wall ms      median of whole forwards (body + logits + sampling + the copy to the host),
                synchronised around each; every wall of the process (all variants and rounds, the
                HF anchor's) is measured before the first profiler session, which slows the rest
@@ -134,6 +135,13 @@ LORA_VARIANTS = {
     # off) and the RoPE kernel its KV-cache slot before the store (rope.LOC_FIRST off).
     "none-late-loads": ("off", "0"),
 }
+
+
+def decode_adapter_counts(wanted: list[int], bs: int, loaded: int) -> list[int]:
+    """The distinct adapters a decode batch of `bs` requests takes for each `--decode-adapters`
+    count: at most one per request and the adapters loaded (so `--decode-bs 1,64 --decode-adapters
+    8` measures 1 x 1 and 64 x 8), each count once, in order."""
+    return sorted({min(k, bs, loaded) for k in wanted})
 
 
 def is_base(lora: str) -> bool:
@@ -408,7 +416,7 @@ def measure_setup(args, setup: EngineSetup, mode: str, host: bool = False) -> li
     decode_graph = setup.decode_graph
     decode_paths = (("graph", decode_graph),) if args.paths == "graph" else (("eager", None), ("graph", decode_graph))
     for bs in args.decode_bs:
-        for k in ([1] if is_base(lora) else [k for k in args.decode_adapters if k <= min(bs, len(names))]):
+        for k in [1] if is_base(lora) else decode_adapter_counts(args.decode_adapters, bs, len(names)):
             fb, req_rows, slots = decode_batch(runner, bs, names[:k])
             for path, graph in decode_paths:
                 if path == "graph" and graph is None:

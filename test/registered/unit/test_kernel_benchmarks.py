@@ -231,6 +231,18 @@ def test_profile_forward_idle_before_sums_gaps_by_the_waiting_event():
     assert got == {"embed": (4.0, 0.5), "gemm": (3.5, 1.5)}, got
 
 
+def test_profile_forward_caps_the_decode_adapters_at_the_batch():
+    """A batch of one request takes one adapter when 8 are asked for (not no LoRA row at all), and
+    never more than the adapters loaded; each count once."""
+    sys.path.insert(0, os.path.join(ROOT, "benchmark"))
+    from profile_forward import decode_adapter_counts
+
+    assert decode_adapter_counts([8], 1, 8) == [1]
+    assert decode_adapter_counts([8], 64, 8) == [8]
+    assert decode_adapter_counts([1, 8, 32], 64, 8) == [1, 8]
+    assert decode_adapter_counts([4, 8], 2, 8) == [2]
+
+
 def test_adapter_reads_dry_run_times_every_way(dry_runs):
     """bench_adapter_reads' CPU dry run: every read way at 1 and 2 threads, with positive times."""
     _, out = finished(dry_runs, "adapter_reads")
