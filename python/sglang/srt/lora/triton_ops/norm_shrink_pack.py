@@ -26,6 +26,7 @@ values. At prefill sizes every row would read its adapter's A again; there shrin
 
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -64,10 +65,11 @@ PDL_MAX_ROWS = 32
 # bench_norm_shrink it won up to 32 rows and lost up to 40 µs a step at 64-128). NORM_WEIGHT_EARLY
 # (with EARLY_LOADS) loads the norm's weight with the row too: 74 registers, three programs an SM
 # rather than four. The same H100 measured it 13 µs a step cheaper at 64 x 8, 5 dearer at 8 x 8,
-# and 17-20 cheaper at 1-8 rows alone; off until the GPU tests have run with it on. Module knobs,
+# and 17-20 cheaper at 1-8 rows alone; off until the GPU tests have run with it on
+# (SGLANG_LORA_NORM_WEIGHT_EARLY=1 turns it on for a whole process: tests, servers). Module knobs,
 # so benchmarks can time the old order against them.
 EARLY_LOADS = True
-NORM_WEIGHT_EARLY = False
+NORM_WEIGHT_EARLY = os.environ.get("SGLANG_LORA_NORM_WEIGHT_EARLY", "0") == "1"
 
 
 @triton.jit
