@@ -129,8 +129,10 @@ LORA_VARIANTS = {
     # The default with the loads of 2026-12-06 in their old order: norm_shrink_pack's A tile and
     # scaling after the slot's rank (EARLY_LOADS off) and none-late-loads' two.
     "lora-late-loads": ("auto", "small"),
-    # The default with norm_shrink_pack's norm weight loaded with the row too (NORM_WEIGHT_EARLY).
+    # The default with norm_shrink_pack's norm weight loaded with the row too (NORM_WEIGHT_EARLY), and
+    # without it (for a process that turned it on: SGLANG_LORA_NORM_WEIGHT_EARLY=1).
     "lora-norm-weight-early": ("auto", "small"),
+    "lora-norm-weight-late": ("auto", "small"),
     # The base model with RMSNorm loading its weight after the row's reduction (rmsnorm.WEIGHT_FIRST
     # off) and the RoPE kernel its KV-cache slot before the store (rope.LOC_FIRST off).
     "none-late-loads": ("off", "0"),
@@ -162,6 +164,7 @@ VARIANT_KNOBS = {
                         ("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", False),
                         ("sglang.srt.layers.triton_ops.rope", "LOC_FIRST", False)),
     "lora-norm-weight-early": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "NORM_WEIGHT_EARLY", True),),
+    "lora-norm-weight-late": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "NORM_WEIGHT_EARLY", False),),
     "none-late-loads": (("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", False),
                         ("sglang.srt.layers.triton_ops.rope", "LOC_FIRST", False)),
 }
