@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import random
+import sys
 from typing import Optional, Union
 
 import pytest
@@ -276,18 +277,42 @@ def test_text_before_a_call_streams_before_the_call_is_complete() -> None:
     assert stream.finish() == []
 
 
-def test_a_long_call_section_is_scanned_in_linear_time() -> None:
-    # 20k one-character chunks of an argument: rescanning the section from its start on every
-    # chunk would take ~2e8 steps; this finishes in well under a second.
-    import time
+def lines_executed(work) -> int:
+    """Python lines run by `work()` (every frame it calls): a count of the work done that does not
+    depend on the machine's speed, so a test can tell linear from quadratic without a clock."""
+    count = 0
 
-    stream = ToolCallStream(tool_call_format("mistral"), NAMES)
-    start = time.monotonic()
-    stream.feed('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "')
-    for _ in range(20000):
-        stream.feed("a")
-    assert stream.feed('"}}]') == [weather("a" * 20000)]
-    assert time.monotonic() - start < 5
+    def local(frame, event, arg):
+        nonlocal count
+        if event == "line":
+            count += 1
+        return local
+
+    previous = sys.gettrace()
+    sys.settrace(lambda frame, event, arg: local)
+    try:
+        work()
+    finally:
+        sys.settrace(previous)
+    return count
+
+
+def grows_linearly(feed_chunks) -> bool:
+    """Twice the one-character chunks cost about twice the lines (2.0 for linear work; rescanning the
+    section from its start on every chunk would cost 4x)."""
+    small, large = lines_executed(lambda: feed_chunks(1000)), lines_executed(lambda: feed_chunks(2000))
+    return large < 2.5 * small
+
+
+def test_a_long_call_section_is_scanned_in_linear_time() -> None:
+    def feed_chunks(n: int) -> None:
+        stream = ToolCallStream(tool_call_format("mistral"), NAMES)
+        stream.feed('[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "')
+        for _ in range(n):
+            stream.feed("a")
+        assert stream.feed('"}}]') == [weather("a" * n)]
+
+    assert grows_linearly(feed_chunks)
 
 
 def test_qwen3_coder_streams_a_call_by_parameter() -> None:
@@ -339,17 +364,35 @@ def test_mistral_named_calls_stream_each_as_it_closes() -> None:
     assert stream.feed("[TOOL_CALLS]get_time[CALL_ID]a1 b") == ["[TOOL_CALLS]get_time[CALL_ID]a1 b"]
 
 
-def test_a_long_qwen3_coder_value_is_scanned_in_linear_time() -> None:
-    import time
+def test_a_long_qwen3_coder_value_is_scanned_in_linear_time(monkeypatch) -> None:
+    import sglang.srt.entrypoints.openai.tool_parsers.qwen3_coder as qwen3_coder
 
-    stream = ToolCallStream(tool_call_format("qwen3_coder", TOOLS), NAMES)
-    start = time.monotonic()
-    assert stream.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\n") == [CallStart("get_weather")]
-    for _ in range(20000):
-        assert stream.feed("a") == []
-    assert stream.feed("\n</parameter>\n</function>\n</tool_call>") == [
-        CallArguments('{"city": "' + "a" * 20000 + '"'), CallArguments("}")]
-    assert time.monotonic() - start < 5
+    # The tag search is str.find from where the last one stopped: C code, invisible to the line
+    # count, so the characters each search may look at are counted too.
+    searched = 0
+    find = qwen3_coder._TagFinder.find
+
+    def counting_find(self, text: str):
+        nonlocal searched
+        searched += len(text) - self.pos
+        return find(self, text)
+
+    monkeypatch.setattr(qwen3_coder._TagFinder, "find", counting_find)
+
+    def feed_chunks(n: int) -> None:
+        nonlocal searched
+        searched = 0
+        stream = ToolCallStream(tool_call_format("qwen3_coder", TOOLS), NAMES)
+        assert stream.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\n") == [CallStart("get_weather")]
+        for _ in range(n):
+            assert stream.feed("a") == []
+        assert stream.feed("\n</parameter>\n</function>\n</tool_call>") == [
+            CallArguments('{"city": "' + "a" * n + '"'), CallArguments("}")]
+        # Each character is searched a bounded number of times (a tag's length held back, per tag
+        # finder), not once per chunk after it.
+        assert searched < 100 * n, (searched, n)
+
+    assert grows_linearly(feed_chunks)
 
 
 def test_parser_names() -> None:
