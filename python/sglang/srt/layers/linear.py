@@ -28,16 +28,14 @@ and `tp_group`; keep them.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
-from sglang.srt.model_loader.weight_utils import LoadedWeight, check_rows, load_into
-
-ShardId = Optional[Union[str, int]]
+from sglang.srt.model_loader.weight_utils import LoadedWeight, ShardId, check_rows, load_into
 
 
 class LinearBase(nn.Module):

@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
-from sglang.srt.model_loader.weight_utils import LoadedWeight, load_into
+from sglang.srt.model_loader.weight_utils import LoadedWeight, ShardId, load_into
 from sglang.srt.utils import cdiv
 
 
@@ -49,7 +49,7 @@ class VocabParallelEmbedding(nn.Module):
         self.weight.weight_loader = self.weight_loader
         self.weight.full_shape = (num_embeddings, embedding_dim)
 
-    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id=None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         assert shard_id is None
         if tuple(loaded_weight.shape) != (self.num_embeddings, self.embedding_dim):
             raise ValueError(

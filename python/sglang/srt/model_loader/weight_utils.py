@@ -21,6 +21,8 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 # A torch.Tensor, or a lazy checkpoint slice with `shape`, `narrow(dim, start, length)` and
 # `materialize()` (CheckpointTensor below): what every parameter's weight_loader receives.
 LoadedWeight = Any
+# Which part of a fused parameter a checkpoint tensor fills: "q" / "k" / "v", a gate_up index, or None.
+ShardId = Optional[Union[str, int]]
 
 
 def load_into(dst: torch.Tensor, loaded: LoadedWeight, what: str) -> None:
@@ -73,7 +75,7 @@ class CheckpointTensor:
 
 
 def default_weight_loader(
-    param: torch.Tensor, loaded_weight: Union[torch.Tensor, CheckpointTensor], shard_id=None
+    param: torch.Tensor, loaded_weight: Union[torch.Tensor, CheckpointTensor], shard_id: ShardId = None
 ) -> None:
     """Loader of parameters that are neither sharded nor fused (norms, unsplit biases)."""
     assert shard_id is None

@@ -17,7 +17,7 @@ import shutil
 import sys
 import tempfile
 from dataclasses import dataclass, field
-from typing import Callable, Optional
+from typing import Callable, Optional, TextIO
 
 from sglang.srt.lora.lora_config import PEFT_PROJECTIONS
 from sglang.srt.utils import get_cache_dir
@@ -173,7 +173,7 @@ def demo_lora_paths(demo: Optional[DemoModel] = None) -> list[str]:
     return [f"{name}={path}" for name, path in demo.adapters.items()]
 
 
-def print_demo_banner(cache_dir: Optional[str] = None, file=sys.stderr, with_adapters: bool = True) -> None:
+def print_demo_banner(cache_dir: Optional[str] = None, file: TextIO = sys.stderr, with_adapters: bool = True) -> None:
     line = "=" * 78
     names = ", ".join(spec.name for spec in DEMO_ADAPTERS)
     adapters = (

@@ -19,11 +19,14 @@ import argparse
 import json
 import math
 import os
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from sglang.srt.tools._corpus import CORPUS
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig, PreTrainedModel, PreTrainedTokenizerFast
 
 SPECIAL_TOKENS = ["<|endoftext|>", "<|begin_of_text|>", "<|im_start|>", "<|im_end|>", "<|pad|>"]
 EOS, BOS, IM_START, IM_END, PAD = SPECIAL_TOKENS
@@ -99,7 +102,7 @@ PRESETS: dict[str, dict[str, Any]] = {
 _TINY_ARCH_SHAPE = {"qwen3": dict(hidden_size=64, head_dim=32)}
 
 
-def build_tokenizer():
+def build_tokenizer() -> "PreTrainedTokenizerFast":
     """A byte-level BPE trained on CORPUS (deterministic), wrapped for transformers."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
@@ -140,7 +143,8 @@ def _rope_kwargs(shape: dict) -> dict:
     return {"rope_theta": theta, "rope_scaling": scaling}
 
 
-def build_config(arch: str, preset: str, tokenizer, dtype: str, **overrides: Any):
+def build_config(arch: str, preset: str, tokenizer: "PreTrainedTokenizerFast", dtype: str,
+                 **overrides: Any) -> "PretrainedConfig":
     import transformers
 
     if arch not in ARCHS:
@@ -191,7 +195,7 @@ def _probe_ids(vocab: int, seed: int) -> torch.Tensor:
 
 
 @torch.no_grad()
-def peakedness(model, input_ids: torch.Tensor) -> dict[str, float]:
+def peakedness(model: "PreTrainedModel", input_ids: torch.Tensor) -> dict[str, float]:
     """How informative a model's next-token distributions are on `input_ids`."""
     logits = model(input_ids=input_ids).logits.float()
     probs = logits.softmax(-1)

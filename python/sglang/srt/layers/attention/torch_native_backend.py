@@ -64,12 +64,14 @@ class TorchNativeAttnBackend(AttentionBackend):
         self.metadata = _Metadata(kv_indices, q_starts, q_lens, prefix_lens)
 
     def forward_extend(
-        self, q, k, v, layer: "RadixAttention", forward_batch: ForwardBatch, out: Optional[torch.Tensor] = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", forward_batch: ForwardBatch,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         return self._run(q, layer, causal=True, out=out)
 
     def forward_decode(
-        self, q, k, v, layer: "RadixAttention", forward_batch: ForwardBatch, out: Optional[torch.Tensor] = None
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: "RadixAttention", forward_batch: ForwardBatch,
+        out: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         return self._run(q, layer, causal=False, out=out)
 
