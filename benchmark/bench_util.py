@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
-from typing import Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -21,6 +22,20 @@ def model_dims(name: str) -> tuple[int, int, int, int, int, int]:
     head_dim = s.get("head_dim", s["hidden_size"] // s["num_attention_heads"])
     return (s["hidden_size"], s["num_attention_heads"] * head_dim, s["num_key_value_heads"] * head_dim,
             s["intermediate_size"], s["vocab_size"], s["num_hidden_layers"])
+
+
+@contextlib.contextmanager
+def module_knobs(settings: list[tuple[Any, str, Any]]) -> Iterator[None]:
+    """Each (module, name, value): the module constant set while the block runs, restored after
+    (also when it raises). Kernels read such knobs at launch, runners when they capture."""
+    saved = [(mod, name, getattr(mod, name)) for mod, name, _ in settings]
+    try:
+        for mod, name, value in settings:
+            setattr(mod, name, value)
+        yield
+    finally:
+        for mod, name, value in reversed(saved):
+            setattr(mod, name, value)
 
 
 def graph_us(fn: Callable[[int], None], calls: int = 1, warmup: int = 10, rep: int = 100) -> float:

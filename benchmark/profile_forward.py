@@ -59,6 +59,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import host_phases  # noqa: E402
+from bench_util import module_knobs  # noqa: E402
 from runner_lib import (  # noqa: E402
     SHAPES,
     build_runner,
@@ -317,18 +318,10 @@ class EngineSetup:
     layers: int
 
 
-@contextlib.contextmanager
-def variant_knobs(lora: str):
+def variant_knobs(lora: str) -> contextlib.AbstractContextManager:
     """The module constants of VARIANT_KNOBS[lora] set while the block runs, restored after."""
-    knobs = [(importlib.import_module(mod), name, value) for mod, name, value in VARIANT_KNOBS.get(lora, ())]
-    saved = [getattr(mod, name) for mod, name, _ in knobs]
-    try:
-        for mod, name, value in knobs:
-            setattr(mod, name, value)
-        yield
-    finally:
-        for (mod, name, _), value in zip(knobs, saved):
-            setattr(mod, name, value)
+    knobs = VARIANT_KNOBS.get(lora, ())
+    return module_knobs([(importlib.import_module(mod), name, value) for mod, name, value in knobs])
 
 
 def build_setup(args, shape: str, ckpt: str, adapters: dict[str, str], lora: str) -> EngineSetup:

@@ -39,7 +39,7 @@ if "--cpu-dry-run" in sys.argv:
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from bench_util import add_output_args, emit_table, graph_us, model_dims, target  # noqa: E402
+from bench_util import add_output_args, emit_table, graph_us, model_dims, module_knobs, target  # noqa: E402
 from sglang.srt.layers.triton_ops.rmsnorm import rmsnorm_fwd  # noqa: E402
 from sglang.srt.lora.fold import fold_extra_columns  # noqa: E402
 from sglang.srt.lora.triton_ops import chunked_sgmv_lora_expand_forward  # noqa: E402
@@ -324,21 +324,18 @@ def early_loads_row(shape: str, step: "Step", dry: bool) -> str:
     whether every output equals the knobs-off one bit for bit (the knobs move loads, never sums)."""
     from sglang.srt.layers.triton_ops import rmsnorm
 
-    saved = (nsp.EARLY_LOADS, nsp.NORM_WEIGHT_EARLY, rmsnorm.WEIGHT_FIRST)
     times, outs = [], {}
-    try:
-        for on in (False, True):
-            nsp.EARLY_LOADS = rmsnorm.WEIGHT_FIRST = on
+    for on in (False, True):
+        with module_knobs([(nsp, "EARLY_LOADS", on), (rmsnorm, "WEIGHT_FIRST", on), (nsp, "NORM_WEIGHT_EARLY", False)]):
             for variant in (step.base, step.fused, step.rowwise):
                 variant()
                 outs[(variant.__name__, on)] = [o.clone() for o in step.outs]
                 times.append(float("nan") if dry else graph_us(lambda _, v=variant: v()))
-        nsp.NORM_WEIGHT_EARLY = True  # and the norm's weight with the row (74 registers, not 64)
+    # And the norm's weight with the row (74 registers, not 64).
+    with module_knobs([(nsp, "EARLY_LOADS", True), (rmsnorm, "WEIGHT_FIRST", True), (nsp, "NORM_WEIGHT_EARLY", True)]):
         step.fused()
         outs[("fused", "weight")] = [o.clone() for o in step.outs]
         times.append(float("nan") if dry else graph_us(lambda _: step.fused()))
-    finally:
-        nsp.EARLY_LOADS, nsp.NORM_WEIGHT_EARLY, rmsnorm.WEIGHT_FIRST = saved
     equal = all(torch.equal(a, b) for name in ("base", "fused", "rowwise")
                 for a, b in zip(outs[(name, False)], outs[(name, True)]))
     equal = equal and all(torch.equal(a, b) for a, b in zip(outs[("fused", False)], outs[("fused", "weight")]))
@@ -358,22 +355,17 @@ def early_start_rows(shape: str, step: "Step", dry: bool) -> list[str]:
     """`fused` with the early-start knobs as they are (the default), the norm kernel never and
     always a PDL dependent, SiLU-and-mul without its early release, all off: GPU µs per step, and
     whether every output equals the default's bit for bit (the knobs move loads, never sums)."""
-    saved = [getattr(mod, name) for mod, name in EARLY_KNOBS]
-    settings = [tuple(saved), (0, saved[1]), (ALWAYS, saved[1]), (saved[0], False), (0, False)]
+    defaults = [getattr(mod, name) for mod, name in EARLY_KNOBS]
+    settings = [tuple(defaults), (0, defaults[1]), (ALWAYS, defaults[1]), (defaults[0], False), (0, False)]
     times, equal, ref = [], True, None
-    try:
-        for setting in settings:
-            for (mod, name), value in zip(EARLY_KNOBS, setting):
-                setattr(mod, name, value)
+    for setting in settings:
+        with module_knobs([(mod, name, value) for (mod, name), value in zip(EARLY_KNOBS, setting)]):
             step.fused()
             outs = [o.clone() for o in step.outs]
             if ref is None:
                 ref = outs
             equal = equal and all(torch.equal(o, r) for o, r in zip(outs, ref))
             times.append(float("nan") if dry else graph_us(lambda _: step.fused()))
-    finally:
-        for (mod, name), value in zip(EARLY_KNOBS, saved):
-            setattr(mod, name, value)
     row = f"| {shape} | {step.bs} | " + " | ".join(f"{t:.0f}" for t in times)
     row += f" | {times[-1] - times[0]:.0f} | {'yes' if equal else 'NO'} |"
     print(row, flush=True)
@@ -383,14 +375,10 @@ def early_start_rows(shape: str, step: "Step", dry: bool) -> list[str]:
 def fused_with_tile(step: "Step", tile: int, ref: list[torch.Tensor], dry: bool) -> tuple[float, float]:
     """`fused` (GPU µs per step) with norm_shrink_pack's column tile from `tile` elements, and its
     max relative difference from `unfused`'s outputs."""
-    saved = nsp.TILE_ELEMENTS
-    nsp.TILE_ELEMENTS = tile
-    try:
+    with module_knobs([(nsp, "TILE_ELEMENTS", tile)]):
         step.fused()
         diff = max(float((o.float() - r).abs().max() / r.abs().max().clamp_min(1e-6)) for o, r in zip(step.outs, ref))
         return (float("nan") if dry else graph_us(lambda _: step.fused())), diff
-    finally:
-        nsp.TILE_ELEMENTS = saved
 
 
 def table_section(title: str, header: list[str], rows: list[str]) -> list[str]:
