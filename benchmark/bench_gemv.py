@@ -104,26 +104,39 @@ def gemv(x: torch.Tensor, w: torch.Tensor, out: torch.Tensor, block_n: int, bloc
     return out
 
 
-# (BLOCK_N, BLOCK_K, warps, stages): 12 configurations, ~1 min for both shapes.
-CONFIGS = list(itertools.product((16, 32, 64), (256, 512), (4,), (3, 5)))
+# (BLOCK_N, BLOCK_K, warps, stages): 16 configurations, ~1 min for both shapes.
+CONFIGS = list(itertools.product((16, 32, 64), (256, 512), (4,), (3, 5))) + [
+    (32, 256, 8, 4), (64, 256, 8, 4), (128, 128, 8, 4), (16, 1024, 4, 2)]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-4b"])
     p.add_argument("--bs", nargs="+", type=int, default=[1, 4, 8])
+    p.add_argument("--fold-slots", type=int, default=0,
+                   help="also time cuBLAS over a LoRA-folded W_aug [N, K + slots*slices*rank] (lora/fold.py)")
+    p.add_argument("--fold-rank", type=int, default=16)
+    p.add_argument("--modules", nargs="+", default=None, help="a subset of the modules")
     add_output_args(p)
     args = p.parse_args()
     dry, device, dtype, models = target(args)
     configs = CONFIGS[:1] if dry else CONFIGS
     lines = [f"GEMMs at decode batch sizes ({'CPU dry run' if dry else torch.cuda.get_device_name(0)}), "
              "GPU µs per call under graph replay, weights cycled past L2", ""]
+    fold_head = " cuBLAS over W_aug µs | GEMV / that |" if args.fold_slots else ""
     lines += ["| model | module | N x K | bs | cuBLAS µs | cuBLAS % HBM | GEMV µs | GEMV % HBM | GEMV / cuBLAS | "
-              "best config | max rel diff |", "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|"]
+              "best config | max rel diff |" + fold_head,
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|" + ("---:|---:|" if args.fold_slots else "")]
     gen = torch.Generator().manual_seed(0)
     for shape in models:
         for module, (n, k) in gemms(shape).items():
+            if args.modules and module not in args.modules:
+                continue
             nbytes = n * k * 2
+            # The fold's extra columns (lora/fold.py: E = S*c*R rounded up to 16): qkv 3 slices,
+            # gate_up 2, the others 1.
+            slices = {"qkv_proj": 3, "gate_up_proj": 2}.get(module, 1)
+            extra = -(-args.fold_slots * slices * args.fold_rank // 16) * 16
             copies = 1 if dry else max(2, -(-2 * L2_BYTES // nbytes))
             ws = [(torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device) for _ in range(copies)]
             for bs in args.bs if not dry else [1, 3]:
@@ -150,10 +163,18 @@ def main() -> None:
                 got = gemv(x, ws[0], outs[0], *cfg)
                 diff = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
                 pct = lambda t: 100 * nbytes / (t * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
+                fold = ""
+                if extra and module != "lm_head":
+                    # The folded GEMM as served: x_aug [bs, K + E] against W_aug [N, K + E].
+                    wa = [torch.cat([w, torch.zeros(n, extra, dtype=dtype, device=device)], 1) for w in ws]
+                    xa = torch.cat([x, torch.zeros(bs, extra, dtype=dtype, device=device)], 1)
+                    folded = graph_us(lambda i: torch.matmul(xa, wa[i % copies].t(), out=outs[i % copies]), copies, 5, 50)
+                    fold = f" {folded:.1f} | {us / folded:.2f} |"
+                    wa = None
                 lines.append(f"| {shape} | {module} | {n} x {k} | {bs} | {cublas:.1f} | {pct(cublas):.0f}% | {us:.1f} | "
-                             f"{pct(us):.0f}% | {us / cublas:.2f} | {cfg} | {diff:.1e} |")
+                             f"{pct(us):.0f}% | {us / cublas:.2f} | {cfg} | {diff:.1e} |" + fold)
                 print(lines[-1], flush=True)
-            del ws
+            ws = None  # free the copies before the next module's
     emit_table(lines, args.out)
 
 

@@ -503,6 +503,39 @@ def test_fused_norm_decode_graph_equals_eager(lora_backend, fuse, rowwise, fold,
     assert sum(fused_err) / len(fused_err) <= 2 * sum(unfused_err) / len(unfused_err) + 0.02
 
 
+@pytest.mark.parametrize("lora_backend", ["triton", "csgmv"])
+def test_one_row_decode_graph_takes_the_fold_gemv(lora_backend, monkeypatch):
+    """A one-request decode (the graph bucket of one row) runs its folded modules' GEMM through
+    fold_gemv (SGLANG_LORA_FOLD_GEMV, on by default), which reads the row's slot block only: the
+    replay equals eager bit for bit, and the error against the float32 engine is no worse than
+    with cuBLAS's GEMM over all of W_aug (the switch off), within the fused-norm test's margin."""
+    import sglang.srt.lora.backend.token_backend as token_backend
+
+    prompts, names, steps = _prompts([23], seed=8), ["b"], 12
+    g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, "small", fuse="auto"), prompts, names,
+                                        steps)
+    calls, real = [], token_backend.fold_gemv
+    monkeypatch.setattr(token_backend, "fold_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    e_tok, e_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names,
+                                     steps)
+    monkeypatch.setattr(token_backend, "fold_gemv", real)
+    assert all(used) and calls, (used, len(calls))
+    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
+    monkeypatch.setenv("SGLANG_LORA_FOLD_GEMV", "0")
+    c_tok, c_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names,
+                                     steps)
+    monkeypatch.delenv("SGLANG_LORA_FOLD_GEMV")
+    ref = fused_norm_runner(lora_backend, False, False, fuse="off", dtype="float32")
+    r_tok, r_lp, _ = decode_logprobs(ref, prompts, names, steps)
+    gemv_err, cublas_err = agreeing_diffs([(r_tok, r_lp), (e_tok, e_lp), (c_tok, c_lp)], steps)
+    print(f"{lora_backend} one row: {len(gemv_err)} of {steps} tokens compared; |bf16 - fp32| max / mean: "
+          f"fold_gemv {max(gemv_err):.3e} / {sum(gemv_err) / len(gemv_err):.3e}, "
+          f"cuBLAS {max(cublas_err):.3e} / {sum(cublas_err) / len(cublas_err):.3e}")
+    assert len(gemv_err) >= 3
+    assert max(gemv_err) <= 2 * max(cublas_err) + 0.05
+    assert sum(gemv_err) / len(gemv_err) <= 2 * sum(cublas_err) / len(cublas_err) + 0.02
+
+
 @pytest.mark.parametrize("lora_backend,prefill", CONFIGS)
 def test_forty_adapter_requests(lora_backend, prefill):
     assert runner(lora_backend, prefill).lora_manager.pool.fold_modules  # the folded path is what runs

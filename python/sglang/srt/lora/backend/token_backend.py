@@ -48,6 +48,7 @@ from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
 from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, gemm_shrink_max_slots, gemm_shrink_pack,
                                                      gemm_shrink_width)
+from sglang.srt.lora.triton_ops.fold_gemv import fold_gemv
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack, silu_shrink, silu_shrink_pack
 from sglang.srt.lora.triton_ops.token_lora import (
@@ -230,6 +231,10 @@ class TokenLoRABackend(BaseLoRABackend):
         # 8192-token prefill of the Qwen3-4B shape 160 MB per layer for down_proj alone).
         self.pack_in_place = os.environ.get("SGLANG_LORA_PACK_IN_PLACE", "1") == "1"
         self.gemm_shrink_min_tokens = gemm_shrink_bound(os.environ.get("SGLANG_LORA_GEMM_SHRINK", GEMM_SHRINK_DEFAULT))
+        # SGLANG_LORA_FOLD_GEMV (1 by default; 0 keeps cuBLAS): a folded module's GEMM for a
+        # one-row decode batch reads W and the row's own slot block only (triton_ops/fold_gemv.py),
+        # not every slot's B. Decided by the batch's row count, so graph and eager alike.
+        self.fold_gemv = os.environ.get("SGLANG_LORA_FOLD_GEMV", "1") == "1"
         self._gemm_shrink_now = False  # this batch is a prefill the bound admits
         self._gemm_shrink_cols: dict[str, int] = {}  # per module kind, set by init_modules
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
@@ -588,11 +593,11 @@ class TokenLoRABackend(BaseLoRABackend):
                                      info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings,
                                      spec.stack, spec.max_rank, self._slot_ranks.numel() - 1, info.bs,
                                      self.segment_rows)
-                    return F.linear(prepared.x_aug, weights.folded, weights.bias)
+                    return self._folded_gemm(weights, prepared.x_aug)
                 self._launches[weights.spec.name].pack_in_place(
                     prepared.normed, weights.A, prepared.x_aug, scratch.workspace, scratch.counters,
                     info.permutation, info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings)
-            return F.linear(prepared.x_aug, weights.folded, weights.bias)
+            return self._folded_gemm(weights, prepared.x_aug)
         out = base_layer(prepared.normed)
         self._expand_unfolded(weights, prepared.xa, out, self._launches[weights.spec.name])
         return out
@@ -615,10 +620,19 @@ class TokenLoRABackend(BaseLoRABackend):
             else:
                 launches.pack(x, weights.A, x_aug, scratch.workspace, scratch.counters, info.permutation,
                               info.seg_indptr, info.weight_indices, info.lora_ranks, info.scalings)
-            return F.linear(x_aug, weights.folded, weights.bias)
+            return self._folded_gemm(weights, x_aug)
         out = base_layer(x)
         self._add_unfolded(weights, x, out, launches)
         return out
+
+    def _folded_gemm(self, weights: LoRAModuleWeights, x_aug: torch.Tensor) -> torch.Tensor:
+        """The folded GEMM `x_aug @ W_aug^T (+ bias)`: at a one-row decode batch (its slot on the
+        device in row_slots) the GEMV that reads the row's own slot block only, else cuBLAS."""
+        info, spec = self.batch_info, weights.spec
+        if self.fold_gemv and x_aug.shape[0] == 1 and info is not None and info.row_slots is not None:
+            return fold_gemv(x_aug, weights.folded, spec.in_dim, info.row_slots[:1], self._slot_ranks.numel() - 1,
+                             spec.stack * spec.max_rank, weights.bias)
+        return F.linear(x_aug, weights.folded, weights.bias)
 
     def _add_unfolded(self, weights: LoRAModuleWeights, x: torch.Tensor, out: torch.Tensor,
                       launches: _ModuleLaunches) -> None:

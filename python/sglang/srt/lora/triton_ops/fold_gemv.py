@@ -1,0 +1,103 @@
+"""A folded module's GEMM for a decode batch of one row, reading only that row's adapter block.
+
+A folded module (lora/fold.py) runs one cuBLAS GEMM `x_aug @ W_aug^T` over W_aug [N, K + E], where
+E = S*c*R holds the B of every adapter slot. At decode batch 1 the GEMM is a GEMV bound by the
+weight bytes, and a row uses one slot at most, so cuBLAS reads S*c*R columns of which at most c*R
+(of one slot) can be non-zero: on the Qwen3-4B shape with 8 slots of rank 16, 4.7 MB of qkv_proj's
+31 MB and 10 MB of gate_up_proj's 100 MB in every layer. Here one program per BLOCK_N output rows
+streams W's K columns, then reads the row's slot block (its slot from the batch's `row_slots`, on
+the device, so a graph replays it for whatever adapter the row has) and skips the other slots.
+The base model's slot and idle rows (-1) have no block.
+
+The result is the folded GEMM's, summed in another order (fp32 over BLOCK_K tiles, then the slot
+block; cuBLAS's order is its own). The backend takes this kernel for every one-row decode batch,
+in graphs and eager alike, so a replay equals an eager pass bit for bit.
+
+bench_gemv.py --fold-slots 8 (H100, 2026-12-07, µs per call, weights past L2), this kernel's GEMV
+over W against cuBLAS over W_aug: Qwen3-4B qkv_proj 16.4 / 18.8, gate_up_proj 43.1 / 46.5;
+Llama-3.1-8B 23.8 / 26.3 and 84.3 / 91.0. On W alone the two were within 1-4% of each other.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+def fold_gemv_config(n: int, k: int) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps, stages), the fastest of bench_gemv.py's 16 for these shapes on an
+    H100: (32, 512) for the wide, short-K gate_up_proj of Qwen3-4B (N 19,456, K 2,560), (64, 256)
+    for the rest (Qwen3-4B qkv_proj; Llama-3.1-8B qkv_proj and gate_up_proj)."""
+    if n >= 16384 and k <= 3072:
+        return 32, 512, 4, 3
+    return 64, 256, 4, 3
+
+
+@triton.jit
+def _fold_gemv_kernel(
+    x_ptr,  # x_aug [1, K + E]
+    w_ptr,  # W_aug [N, K + E], unit column stride
+    bias_ptr,
+    y_ptr,  # [1, N]
+    slot_ptr,  # the row's slot: row_slots[0]
+    N,
+    K,
+    stride_w,
+    num_blocks,  # slots with a block in W_aug (the base model's has none)
+    BLOCK_COLS: tl.constexpr,  # c*R: a slot block's columns
+    LORA_TILE: tl.constexpr,  # BLOCK_COLS rounded up to a power of two, at least 16
+    HAS_BIAS: tl.constexpr,
+    PRECISION: tl.constexpr,  # "ieee" for float32 (cuBLAS's default there), else the dtype's own
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    # The slot loads first, so its latency hides behind the K loop.
+    slot = tl.load(slot_ptr)
+    # tl.dot needs 16 rows: the live row is row 0, the others are masked loads of zero.
+    offs_b = tl.arange(0, 16)
+    b_mask = offs_b < 1
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_mask = offs_n < N
+    w_rows = w_ptr + offs_n.to(tl.int64)[None, :] * stride_w
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_mask = offs_k < K - k0
+        x = tl.load(x_ptr + k0 + offs_k[None, :] + offs_b[:, None] * 0, mask=b_mask[:, None] & k_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_rows + k0 + offs_k[:, None], mask=k_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if (slot >= 0) & (slot < num_blocks):
+        col0 = K + slot * BLOCK_COLS
+        offs_r = tl.arange(0, LORA_TILE)
+        r_mask = offs_r < BLOCK_COLS
+        x = tl.load(x_ptr + col0 + offs_r[None, :] + offs_b[:, None] * 0, mask=b_mask[:, None] & r_mask[None, :],
+                    other=0.0)
+        w = tl.load(w_rows + col0 + offs_r[:, None], mask=r_mask[:, None] & n_mask[None, :], other=0.0)
+        acc = tl.dot(x, w, acc, input_precision=PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[None, :]
+    tl.store(y_ptr + offs_b[:, None] * 0 + offs_n[None, :], acc.to(y_ptr.dtype.element_ty),
+             mask=b_mask[:, None] & n_mask[None, :])
+
+
+def fold_gemv(x_aug: torch.Tensor, w_aug: torch.Tensor, in_dim: int, slot: torch.Tensor, num_blocks: int,
+              block_cols: int, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """`F.linear(x_aug, w_aug, bias)` for one row whose adapter slot is `slot` (an int32 tensor of one
+    element on the device): W_aug's first `in_dim` columns and the slot's `block_cols` columns at
+    `in_dim + slot * block_cols`, the other slots skipped (their x_aug columns are zero for this row)."""
+    assert x_aug.dim() == 2 and x_aug.shape[0] == 1 and x_aug.stride(1) == 1, x_aug.shape
+    n, width = w_aug.shape
+    assert w_aug.stride(1) == 1 and width == x_aug.shape[1], (w_aug.shape, x_aug.shape)
+    assert in_dim + num_blocks * block_cols <= width, (in_dim, num_blocks, block_cols, width)
+    assert slot.dtype == torch.int32 and slot.numel() >= 1, slot
+    y = torch.empty((1, n), dtype=x_aug.dtype, device=x_aug.device)
+    block_n, block_k, warps, stages = fold_gemv_config(n, in_dim)
+    _fold_gemv_kernel[(triton.cdiv(n, block_n),)](
+        x_aug, w_aug, bias if bias is not None else y, y, slot, n, in_dim, w_aug.stride(0), num_blocks,
+        BLOCK_COLS=block_cols, LORA_TILE=max(16, triton.next_power_of_2(block_cols)), HAS_BIAS=bias is not None,
+        PRECISION="ieee" if x_aug.dtype == torch.float32 else "tf32", BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=stages)
+    return y
