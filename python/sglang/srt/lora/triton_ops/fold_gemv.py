@@ -16,6 +16,8 @@ in graphs and eager alike, so a replay equals an eager pass bit for bit.
 bench_gemv.py --fold-slots 8 (H100, 2026-12-07, µs per call, weights past L2), this kernel's GEMV
 over W against cuBLAS over W_aug: Qwen3-4B qkv_proj 16.4 / 18.8, gate_up_proj 43.1 / 46.5;
 Llama-3.1-8B 23.8 / 26.3 and 84.3 / 91.0. On W alone the two were within 1-4% of each other.
+Whole one-request decode steps (profile_forward, the same H100): LoRA / base 1.11 -> 1.10 on
+Qwen3-4B, 1.06 -> 1.04 on Llama-3.1-8B.
 """
 
 from __future__ import annotations
