@@ -503,14 +503,26 @@ def test_fused_norm_decode_graph_equals_eager(lora_backend, fuse, rowwise, fold,
     assert sum(fused_err) / len(fused_err) <= 2 * sum(unfused_err) / len(unfused_err) + 0.02
 
 
-@pytest.mark.parametrize("lora_backend", ["triton", "csgmv"])
-def test_one_row_decode_graph_takes_the_fold_gemv(lora_backend, monkeypatch):
+def eager_afold_gemv_calls(token_backend, lora_backend: str, prompts, names, monkeypatch) -> bool:
+    """Whether an eager one-row decode step (the environment's SGLANG_LORA_AFOLD_GEMV) calls a_fold_gemv."""
+    calls, real = [], token_backend.a_fold_gemv
+    monkeypatch.setattr(token_backend, "a_fold_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names, 1)
+    monkeypatch.setattr(token_backend, "a_fold_gemv", real)
+    return bool(calls)
+
+
+@pytest.mark.parametrize("lora_backend,afold_gemv", [("triton", "0"), ("csgmv", "0"), ("triton", "1"),
+                                                     ("csgmv", "1")])
+def test_one_row_decode_graph_takes_the_fold_gemv(lora_backend, afold_gemv, monkeypatch):
     """A one-request decode (the graph bucket of one row) runs its folded modules' GEMM through
-    fold_gemv (SGLANG_LORA_FOLD_GEMV, on by default), which reads the row's slot block only: the
-    replay equals eager bit for bit, and the error against the float32 engine is no worse than
-    with cuBLAS's GEMM over all of W_aug (the switch off), within the fused-norm test's margin."""
+    fold_gemv (SGLANG_LORA_FOLD_GEMV, on by default), which reads the row's slot block only, and
+    with SGLANG_LORA_AFOLD_GEMV=1 its A-folded o_proj / down_proj's too: the replay equals eager
+    bit for bit, and the error against the float32 engine is no worse than with cuBLAS's GEMMs
+    over all slots (both switches off), within the fused-norm test's margin."""
     import sglang.srt.lora.backend.token_backend as token_backend
 
+    monkeypatch.setenv("SGLANG_LORA_AFOLD_GEMV", afold_gemv)
     prompts, names, steps = _prompts([23], seed=8), ["b"], 12
     g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, "small", fuse="auto"), prompts, names,
                                         steps)
@@ -521,14 +533,17 @@ def test_one_row_decode_graph_takes_the_fold_gemv(lora_backend, monkeypatch):
     monkeypatch.setattr(token_backend, "fold_gemv", real)
     assert all(used) and calls, (used, len(calls))
     assert g_tok == e_tok and torch.equal(g_lp, e_lp)
+    assert eager_afold_gemv_calls(token_backend, lora_backend, prompts, names, monkeypatch) == (afold_gemv == "1")
     monkeypatch.setenv("SGLANG_LORA_FOLD_GEMV", "0")
+    monkeypatch.setenv("SGLANG_LORA_AFOLD_GEMV", "0")
     c_tok, c_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names,
                                      steps)
     monkeypatch.delenv("SGLANG_LORA_FOLD_GEMV")
     ref = fused_norm_runner(lora_backend, False, False, fuse="off", dtype="float32")
     r_tok, r_lp, _ = decode_logprobs(ref, prompts, names, steps)
     gemv_err, cublas_err = agreeing_diffs([(r_tok, r_lp), (e_tok, e_lp), (c_tok, c_lp)], steps)
-    print(f"{lora_backend} one row: {len(gemv_err)} of {steps} tokens compared; |bf16 - fp32| max / mean: "
+    print(f"{lora_backend} one row (A-fold GEMV {afold_gemv}): {len(gemv_err)} of {steps} tokens compared; "
+          "|bf16 - fp32| max / mean: "
           f"fold_gemv {max(gemv_err):.3e} / {sum(gemv_err) / len(gemv_err):.3e}, "
           f"cuBLAS {max(cublas_err):.3e} / {sum(cublas_err) / len(cublas_err):.3e}")
     assert len(gemv_err) >= 3

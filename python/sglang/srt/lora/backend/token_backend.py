@@ -48,7 +48,7 @@ from sglang.srt.lora.backend.base_backend import BaseLoRABackend
 from sglang.srt.lora.segments import Segments, build_segments, idle_slot_of, int32_tensor, segment_capacity
 from sglang.srt.lora.triton_ops.gemm_shrink import (GEMM_SHRINK_MAX_COLS, gemm_shrink_max_slots, gemm_shrink_pack,
                                                      gemm_shrink_width)
-from sglang.srt.lora.triton_ops.fold_gemv import fold_gemv
+from sglang.srt.lora.triton_ops.fold_gemv import a_fold_gemv, fold_gemv
 from sglang.srt.lora.triton_ops.launch import PreparedLaunch
 from sglang.srt.lora.triton_ops.norm_shrink_pack import norm_shrink, norm_shrink_pack, silu_shrink, silu_shrink_pack
 from sglang.srt.lora.triton_ops.token_lora import (
@@ -235,6 +235,9 @@ class TokenLoRABackend(BaseLoRABackend):
         # one-row decode batch reads W and the row's own slot block only (triton_ops/fold_gemv.py),
         # not every slot's B. Decided by the batch's row count, so graph and eager alike.
         self.fold_gemv = os.environ.get("SGLANG_LORA_FOLD_GEMV", "1") == "1"
+        # SGLANG_LORA_AFOLD_GEMV (0 by default until a GPU has timed it; 1 on): likewise an A-folded
+        # o_proj / down_proj's GEMM over [W; A of every slot] reads W and the row's slot's A only.
+        self.afold_gemv = os.environ.get("SGLANG_LORA_AFOLD_GEMV", "0") == "1"
         self._gemm_shrink_now = False  # this batch is a prefill the bound admits
         self._gemm_shrink_cols: dict[str, int] = {}  # per module kind, set by init_modules
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits
@@ -524,12 +527,18 @@ class TokenLoRABackend(BaseLoRABackend):
         base, shrink = self._a_folded_gemm(weights, x)
         return base, DeferredDelta(shrink, weights.bt, self._slot_scalings, weights.spec.max_rank)
 
-    @staticmethod
-    def _a_folded_gemm(weights: LoRAModuleWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(the base output, every adapter slot's unscaled shrink): views of one GEMM over [W; A]."""
+    def _a_folded_gemm(self, weights: LoRAModuleWeights, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the base output, every adapter slot's unscaled shrink): views of one GEMM over [W; A].
+        With SGLANG_LORA_AFOLD_GEMV at a one-row decode batch, the GEMV that reads W and the row's
+        own slot's A (the other slots' shrink is zeros: what reads it takes the row's block only)."""
         assert weights.bias is None, "an A-folded module has no bias"
-        out = F.linear(x, weights.a_folded)  # [x W^T | x A^T of every adapter slot]
-        n = weights.spec.out_dim
+        spec, info, n = weights.spec, self.batch_info, weights.spec.out_dim
+        if self.afold_gemv and x.shape[0] == 1 and info is not None and info.row_slots is not None:
+            if x.stride(1) != 1:
+                x = x.contiguous()
+            out = a_fold_gemv(x, weights.a_folded, n, info.row_slots[:1], spec.stack * spec.max_rank)
+        else:
+            out = F.linear(x, weights.a_folded)  # [x W^T | x A^T of every adapter slot]
         return out[:, :n], out[:, n:]
 
     def run_norm(self, weights: LoRAModuleWeights, norm_weight: torch.Tensor, eps: float, x: torch.Tensor,
