@@ -109,6 +109,46 @@ CONFIGS = list(itertools.product((16, 32, 64), (256, 512), (4,), (3, 5))) + [
     (32, 256, 8, 4), (64, 256, 8, 4), (128, 128, 8, 4), (16, 1024, 4, 2)]
 
 
+def fold_case(module: str, x: torch.Tensor, ws: list[torch.Tensor], n: int, k: int, extra: int, slots: int,
+              rank: int, copies: int):
+    """(cuBLAS(i), the engine's one-row GEMV(i), the columns both compute alike) for `module`'s folded
+    GEMM with `slots` adapter slots of `rank` and the row's adapter in slot 0, over weight copy i:
+    B-folded (x_aug [bs, K + E] against W_aug [N, K + E]; the row's slot block of x_aug holds its
+    shrink, the other slots' are zero) for qkv_proj and gate_up_proj, A-folded ([W; A of every slot],
+    N + slots*rank rows; the GEMV leaves the other slots' shrink zero) for the others."""
+    from sglang.srt.lora.triton_ops.fold_gemv import a_fold_gemv, fold_gemv
+
+    bs, dtype, device = x.shape[0], x.dtype, x.device
+    slot = torch.zeros(1, dtype=torch.int32, device=device)
+    if module in ("qkv_proj", "gate_up_proj"):
+        block = (3 if module == "qkv_proj" else 2) * rank
+        wa = [torch.cat([w, torch.randn(n, extra, dtype=dtype, device=device) / k**0.5], 1) for w in ws]
+        xa = torch.cat([x, torch.zeros(bs, extra, dtype=dtype, device=device)], 1)
+        xa[:, k : k + block] = torch.randn(bs, block, dtype=dtype, device=device)
+        out = torch.empty(bs, n, dtype=dtype, device=device)
+        return (lambda i: torch.matmul(xa, wa[i % copies].t(), out=out),
+                lambda i: fold_gemv(xa, wa[i % copies], k, slot, slots, block), n)
+    wa = [torch.cat([w, torch.randn(slots * rank, k, dtype=dtype, device=device) / k**0.5], 0) for w in ws]
+    out = torch.empty(bs, n + slots * rank, dtype=dtype, device=device)
+    return (lambda i: torch.matmul(x, wa[i % copies].t(), out=out),
+            lambda i: a_fold_gemv(x, wa[i % copies], n, slot, rank), n + rank)
+
+
+def fold_times(case, bs: int, copies: int) -> tuple[float, float]:
+    """(cuBLAS µs, the engine's one-row GEMV µs, or 0 past one row) of a fold_case."""
+    cublas, ours, _ = case
+    return graph_us(cublas, copies, 5, 50), (graph_us(ours, copies, 5, 50) if bs == 1 else 0.0)
+
+
+def check_fold(case, bs: int) -> None:
+    """A dry run's check: the one-row GEMV equals cuBLAS on the columns both compute alike."""
+    cublas, ours, cols = case
+    if bs == 1:
+        ref, got = cublas(0), ours(0)
+        torch.testing.assert_close(got[:, :cols], ref[:, :cols], rtol=1e-4, atol=1e-4)
+        assert not got[:, cols:].any(), "the other slots' shrink must be zero"
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--models", nargs="+", default=["llama-3.1-8b", "qwen3-4b"])
@@ -123,10 +163,17 @@ def main() -> None:
     configs = CONFIGS[:1] if dry else CONFIGS
     lines = [f"GEMMs at decode batch sizes ({'CPU dry run' if dry else torch.cuda.get_device_name(0)}), "
              "GPU µs per call under graph replay, weights cycled past L2", ""]
-    fold_head = " cuBLAS over W_aug µs | GEMV / that |" if args.fold_slots else ""
+    # With --fold-slots: the module's LoRA-folded GEMM as served at 8 slots, cuBLAS over all of it
+    # against the engine's one-row GEMV (lora/triton_ops/fold_gemv.py): qkv_proj / gate_up_proj B-folded
+    # (x_aug [1, K + E] @ W_aug^T, fold_gemv), o_proj / down_proj A-folded (x @ [W; A of every slot]^T,
+    # a_fold_gemv), the row's adapter in slot 0; and the best GEMV above over W alone against that cuBLAS.
+    timed_fold = args.fold_slots and not dry  # a dry run checks the folded paths instead (check_fold)
+    fold_head = (" folded: cuBLAS µs | fold_gemv µs | fold_gemv / cuBLAS | GEMV over W / cuBLAS |"
+                 if timed_fold else "")
     lines += ["| model | module | N x K | bs | cuBLAS µs | cuBLAS % HBM | GEMV µs | GEMV % HBM | GEMV / cuBLAS | "
               "best config | max rel diff |" + fold_head,
-              "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|" + ("---:|---:|" if args.fold_slots else "")]
+              "|---|---|---|---:|---:|---:|---:|---:|---:|---|---:|"
+              + ("---:|---:|---:|---:|" if timed_fold else "")]
     gen = torch.Generator().manual_seed(0)
     for shape in models:
         for module, (n, k) in gemms(shape).items():
@@ -147,6 +194,8 @@ def main() -> None:
                 got = gemv(x, ws[0], outs[0], *cfg0)
                 diff = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
                 if dry:
+                    if extra and module != "lm_head":
+                        check_fold(fold_case(module, x, ws, n, k, extra, args.fold_slots, args.fold_rank, copies), bs)
                     lines.append(f"| {shape} | {module} | {n} x {k} | {bs} | - | - | - | - | - | {cfg0} | {diff:.1e} |")
                     continue
                 cublas = graph_us(lambda i: torch.matmul(x, ws[i % copies].t(), out=outs[i % copies]), copies, 5, 50)
@@ -165,12 +214,10 @@ def main() -> None:
                 pct = lambda t: 100 * nbytes / (t * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
                 fold = ""
                 if extra and module != "lm_head":
-                    # The folded GEMM as served: x_aug [bs, K + E] against W_aug [N, K + E].
-                    wa = [torch.cat([w, torch.zeros(n, extra, dtype=dtype, device=device)], 1) for w in ws]
-                    xa = torch.cat([x, torch.zeros(bs, extra, dtype=dtype, device=device)], 1)
-                    folded = graph_us(lambda i: torch.matmul(xa, wa[i % copies].t(), out=outs[i % copies]), copies, 5, 50)
-                    fold = f" {folded:.1f} | {us / folded:.2f} |"
-                    wa = None
+                    case = fold_case(module, x, ws, n, k, extra, args.fold_slots, args.fold_rank, copies)
+                    folded, ours = fold_times(case, bs, copies)
+                    fold = (f" {folded:.1f} | {ours:.1f} | {ours / folded:.2f} | {us / folded:.2f} |" if ours else
+                            f" {folded:.1f} | - | - | {us / folded:.2f} |")
                 lines.append(f"| {shape} | {module} | {n} x {k} | {bs} | {cublas:.1f} | {pct(cublas):.0f}% | {us:.1f} | "
                              f"{pct(us):.0f}% | {us / cublas:.2f} | {cfg} | {diff:.1e} |" + fold)
                 print(lines[-1], flush=True)

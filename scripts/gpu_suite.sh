@@ -244,9 +244,11 @@ if [[ " $PARTS " == *" gemv "* ]]; then
   # candidate Triton GEMV (benchmark/bench_gemv.py), before anything is built on it (~1.5 min).
   say "== decode GEMMs: cuBLAS vs a Triton GEMV"
   start=$(date +%s)
-  $PY benchmark/bench_gemv.py --out "$OUT/gemv.md" >"$OUT/gemv.log" 2>&1 || status=1
+  # GPU_SUITE_GEMV_ARGS adds arguments, e.g. "--bs 1 --fold-slots 8": the LoRA-folded GEMMs, cuBLAS
+  # against the engine's one-row GEMVs (lora/triton_ops/fold_gemv.py).
+  $PY benchmark/bench_gemv.py ${GPU_SUITE_GEMV_ARGS:-} --out "$OUT/gemv.md" >"$OUT/gemv.log" 2>&1 || status=1
   say "gemv: $(( $(date +%s) - start ))s"
-  grep -E "^\| (llama|qwen)" "$OUT/gemv.md" 2>/dev/null | cut -d'|' -f2-10 >>"$SUMMARY"
+  grep -E "^\| (llama|qwen)" "$OUT/gemv.md" 2>/dev/null | cut -d'|' -f2-16 >>"$SUMMARY"
 fi
 
 if [[ " $PARTS " == *" decode_chain "* ]]; then

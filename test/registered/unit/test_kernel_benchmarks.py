@@ -20,10 +20,14 @@ REFERENCE_SCRIPTS = [("benchmark/bench_gemv.py", 10), ("benchmark/lora/bench_nor
                      ("benchmark/lora/bench_gemm_shrink.py", 6)]
 
 
+# bench_gemv also checks the engine's one-row folded GEMVs against cuBLAS's folded GEMM.
+EXTRA_ARGS = {"benchmark/bench_gemv.py": ["--fold-slots", "2"]}
+
+
 def _commands(tmp: str) -> dict[str, tuple[list[str], dict[str, str]]]:
     """Each test's dry run: name -> (argv after the interpreter, extra environment), its files in `tmp`."""
     interpret = {"TRITON_INTERPRET": "1"}
-    cmds = {script: ([script, "--cpu-dry-run", "--out", f"{tmp}/{i}.md"], interpret)
+    cmds = {script: ([script, "--cpu-dry-run", *EXTRA_ARGS.get(script, []), "--out", f"{tmp}/{i}.md"], interpret)
             for i, (script, _) in enumerate(REFERENCE_SCRIPTS)}
     cmds["expand_tiles"] = (["benchmark/lora/bench_expand_tiles.py", "--cpu-dry-run", "--out", f"{tmp}/tiles.md"],
                             interpret)
