@@ -142,6 +142,10 @@ LORA_VARIANTS = {
     # The base model with RMSNorm loading its weight after the row's reduction (rmsnorm.WEIGHT_FIRST
     # off) and the RoPE kernel its KV-cache slot before the store (rope.LOC_FIRST off).
     "none-late-loads": ("off", "0"),
+    # The base model and the default LoRA with the linear layers' one-row GEMV (gemv.ONE_ROW_GEMV,
+    # SGLANG_ONE_ROW_GEMV=1) in place of cuBLAS at decode batch 1.
+    "none-gemv": ("off", "0"),
+    "lora-gemv": ("auto", "small"),
 }
 
 
@@ -173,6 +177,8 @@ VARIANT_KNOBS = {
     "lora-norm-weight-late": (("sglang.srt.lora.triton_ops.norm_shrink_pack", "NORM_WEIGHT_EARLY", False),),
     "none-late-loads": (("sglang.srt.layers.triton_ops.rmsnorm", "WEIGHT_FIRST", False),
                         ("sglang.srt.layers.triton_ops.rope", "LOC_FIRST", False)),
+    "none-gemv": (("sglang.srt.layers.triton_ops.gemv", "ONE_ROW_GEMV", True),),
+    "lora-gemv": (("sglang.srt.layers.triton_ops.gemv", "ONE_ROW_GEMV", True),),
 }
 # Server arguments a variant's runner is built with, over the default's.
 VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {"max_lora_chunk_size": 64}}

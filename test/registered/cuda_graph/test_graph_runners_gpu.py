@@ -503,6 +503,40 @@ def test_fused_norm_decode_graph_equals_eager(lora_backend, fuse, rowwise, fold,
     assert sum(fused_err) / len(fused_err) <= 2 * sum(unfused_err) / len(unfused_err) + 0.02
 
 
+def base_decode_runner(graphs: bool, dtype: str = "bfloat16"):
+    mode = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
+                cuda_graph_bs_decode=DECODE_BUCKETS) if graphs else dict(disable_cuda_graph=True)
+    return make_runner(assets()[0], device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
+                       max_running_requests=64, **mode)
+
+
+def test_one_row_gemv_decode_graph_equals_eager(monkeypatch):
+    """SGLANG_ONE_ROW_GEMV (layers/triton_ops/gemv.py): a one-request decode of the base model runs
+    its linear layers through the GEMV, the decode graph's replay equals eager bit for bit, and
+    the error against the float32 engine is no worse than cuBLAS's (the switch off)."""
+    import sglang.srt.layers.triton_ops.gemv as gemv_mod
+
+    prompts, names, steps = _prompts([29], seed=9), [None], 12
+    monkeypatch.setattr(gemv_mod, "ONE_ROW_GEMV", True)
+    g_tok, g_lp, used = decode_logprobs(base_decode_runner(True), prompts, names, steps)
+    calls, real = [], gemv_mod.gemv
+    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    e_tok, e_lp, _ = decode_logprobs(base_decode_runner(False), prompts, names, steps)
+    monkeypatch.setattr(gemv_mod, "gemv", real)
+    assert all(used) and calls, (used, len(calls))
+    assert g_tok == e_tok and torch.equal(g_lp, e_lp)
+    monkeypatch.setattr(gemv_mod, "ONE_ROW_GEMV", False)
+    c_tok, c_lp, _ = decode_logprobs(base_decode_runner(False), prompts, names, steps)
+    r_tok, r_lp, _ = decode_logprobs(base_decode_runner(False, dtype="float32"), prompts, names, steps)
+    gemv_err, cublas_err = agreeing_diffs([(r_tok, r_lp), (e_tok, e_lp), (c_tok, c_lp)], steps)
+    print(f"base one row: {len(gemv_err)} of {steps} tokens compared; |bf16 - fp32| max / mean: "
+          f"gemv {max(gemv_err):.3e} / {sum(gemv_err) / len(gemv_err):.3e}, "
+          f"cuBLAS {max(cublas_err):.3e} / {sum(cublas_err) / len(cublas_err):.3e}")
+    assert len(gemv_err) >= 3
+    assert max(gemv_err) <= 2 * max(cublas_err) + 0.05
+    assert sum(gemv_err) / len(gemv_err) <= 2 * sum(cublas_err) / len(cublas_err) + 0.02
+
+
 def eager_afold_gemv_calls(token_backend, lora_backend: str, prompts, names, monkeypatch) -> bool:
     """Whether an eager one-row decode step (the environment's SGLANG_LORA_AFOLD_GEMV) calls a_fold_gemv."""
     calls, real = [], token_backend.a_fold_gemv
@@ -533,7 +567,8 @@ def test_one_row_decode_graph_takes_the_fold_gemv(lora_backend, afold_gemv, monk
     monkeypatch.setattr(token_backend, "fold_gemv", real)
     assert all(used) and calls, (used, len(calls))
     assert g_tok == e_tok and torch.equal(g_lp, e_lp)
-    assert eager_afold_gemv_calls(token_backend, lora_backend, prompts, names, monkeypatch) == (afold_gemv == "1")
+    afold_calls = eager_afold_gemv_calls(token_backend, lora_backend, prompts, names, monkeypatch)
+    assert afold_calls == (afold_gemv == "1")
     monkeypatch.setenv("SGLANG_LORA_FOLD_GEMV", "0")
     monkeypatch.setenv("SGLANG_LORA_AFOLD_GEMV", "0")
     c_tok, c_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names,

@@ -31,10 +31,10 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.distributed import SINGLE_RANK, TensorParallelGroup
+from sglang.srt.layers.triton_ops.gemv import linear
 from sglang.srt.model_loader.weight_utils import LoadedWeight, ShardId, check_rows, load_into
 
 
@@ -80,7 +80,7 @@ class LinearBase(nn.Module):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)  # F.linear, or a one-row GEMV (triton_ops/gemv.py)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: LoadedWeight, shard_id: ShardId = None) -> None:
         raise NotImplementedError
@@ -149,7 +149,7 @@ class RowParallelLinear(LinearBase):
     def forward_partial(self, x: torch.Tensor) -> torch.Tensor:
         """This rank's partial output (x: [..., input_size], this rank's input slice): summed over
         the ranks it is the full output."""
-        return F.linear(x, self.weight, self.partial_bias)
+        return linear(x, self.weight, self.partial_bias)
 
     def reduce(self, partial: torch.Tensor) -> torch.Tensor:
         """Sum the ranks' partial outputs, in place (identity at tp_size 1 or reduce_results=False)."""

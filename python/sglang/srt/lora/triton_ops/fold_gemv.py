@@ -10,8 +10,9 @@ the device, so a graph replays it for whatever adapter the row has) and skips th
 The base model's slot and idle rows (-1) have no block.
 
 The result is the folded GEMM's, summed in another order (fp32 over BLOCK_K tiles, then the slot
-block; cuBLAS's order is its own). The backend takes this kernel for every one-row decode batch,
-in graphs and eager alike, so a replay equals an eager pass bit for bit.
+block; cuBLAS's order is its own). The backend takes this kernel for every one-row decode batch
+whose rows carry their slot (the fused norms' row_slots), in graphs and eager alike, so a replay
+equals an eager pass bit for bit.
 
 bench_gemv.py --fold-slots 8 (H100, 2026-12-07, µs per call, weights past L2), this kernel's GEMV
 over W against cuBLAS over W_aug: Qwen3-4B qkv_proj 16.4 / 18.8, gate_up_proj 43.1 / 46.5;
@@ -36,31 +37,7 @@ import torch
 import triton
 import triton.language as tl
 
-def fold_gemv_config(n: int, k: int, a_rows: bool = False) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps, stages), the fastest of bench_gemv.py's 16 for these shapes on an
-    H100. B-folded modules (K the hidden size): (32, 512) for the wide, short-K gate_up_proj of
-    Qwen3-4B (N 19,456, K 2,560), (64, 256) for the rest (Qwen3-4B qkv_proj; Llama-3.1-8B qkv_proj
-    and gate_up_proj). A-folded ones (o_proj, down_proj: long K, N the hidden size), five stages:
-    32 rows a program on the narrow Qwen3-4B (N 2,560: 80 programs rather than 40) with 512 columns
-    over its down_proj's K of 9,728, (64, 256) on the 8B."""
-    if a_rows:
-        return (32, 512 if k > 8192 else 256, 4, 5) if n < 4096 else (64, 256, 4, 5)
-    if n >= 16384 and k <= 3072:
-        return 32, 512, 4, 3
-    return 64, 256, 4, 3
-
-
-@triton.jit
-def _dot_k(x_ptr, w_rows, acc, read, K, offs_b, b_mask, PRECISION: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc += x[:, :K] @ W[read rows, :K]^T, over BLOCK_K tiles (rows not read load zeros)."""
-    offs_k = tl.arange(0, BLOCK_K)
-    for k0 in range(0, K, BLOCK_K):
-        k_mask = offs_k < K - k0
-        x = tl.load(x_ptr + k0 + offs_k[None, :] + offs_b[:, None] * 0, mask=b_mask[:, None] & k_mask[None, :],
-                    other=0.0)
-        w = tl.load(w_rows + k0 + offs_k[:, None], mask=k_mask[:, None] & read[None, :], other=0.0)
-        acc = tl.dot(x, w, acc, input_precision=PRECISION)
-    return acc
+from sglang.srt.layers.triton_ops.gemv import dot_k, dot_precision, gemv_config
 
 
 @triton.jit
@@ -79,7 +56,7 @@ def _fold_gemv_kernel(
     LORA_TILE: tl.constexpr,  # BLOCK_COLS rounded up to a power of two, at least 16
     A_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,  # "ieee" for float32 (cuBLAS's default there), else the dtype's own
+    PRECISION: tl.constexpr,  # gemv.dot_precision's
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -103,9 +80,9 @@ def _fold_gemv_kernel(
     acc = tl.zeros((16, BLOCK_N), dtype=tl.float32)
     if A_ROWS:
         if tl.max(read.to(tl.int32), axis=0) > 0:  # a program of other slots' A rows reads nothing
-            acc = _dot_k(x_ptr, w_rows, acc, read, K, offs_b, b_mask, PRECISION, BLOCK_K)
+            acc = dot_k(x_ptr, w_rows, acc, read, K, offs_b, b_mask, PRECISION, BLOCK_K)
     else:
-        acc = _dot_k(x_ptr, w_rows, acc, read, K, offs_b, b_mask, PRECISION, BLOCK_K)
+        acc = dot_k(x_ptr, w_rows, acc, read, K, offs_b, b_mask, PRECISION, BLOCK_K)
         if has_block:  # the row's slot block of x_aug's extra columns; the other slots' are skipped
             col0 = K + slot * BLOCK_COLS
             offs_r = tl.arange(0, LORA_TILE)
@@ -127,11 +104,12 @@ def _launch(x: torch.Tensor, w: torch.Tensor, k: int, slot: torch.Tensor, num_bl
     assert slot.dtype == torch.int32 and slot.numel() >= 1, slot
     n = w.shape[0]
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
-    block_n, block_k, warps, stages = fold_gemv_config(n_base if a_rows else n, k, a_rows)
+    # The configuration of a plain GEMV over W (the slots' part is a few columns or rows more).
+    block_n, block_k, warps, stages = gemv_config(n_base if a_rows else n, k)
     _fold_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else y, y, slot, n, k, w.stride(0), num_blocks, n_base,
         BLOCK_COLS=block, LORA_TILE=max(16, triton.next_power_of_2(block)), A_ROWS=a_rows, HAS_BIAS=bias is not None,
-        PRECISION="ieee" if x.dtype == torch.float32 else "tf32", BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=dot_precision(x.dtype), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)
     return y
 
