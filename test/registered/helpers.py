@@ -206,3 +206,19 @@ class EngineDriver:
         finally:
             for seq in seqs:
                 self.release(seq)
+
+
+def greedy_decode_one(driver: EngineDriver, seq: Seq, out, steps: int,
+                      calls: Optional[list[int]] = None) -> tuple[list[int], torch.Tensor]:
+    """`steps` greedy decode steps of one sequence after the forward whose output is `out` (its
+    prefill): the tokens and their logprobs (float64). `calls`, when given, gets a new counter (0)
+    before each step, for a wrapped kernel to count into."""
+    tokens, logprobs = [], []
+    for _ in range(steps):
+        seq.tokens.append(out.next_token_ids.tolist()[0])
+        if calls is not None:
+            calls.append(0)
+        out = driver.decode([seq], return_logprob=True)
+        tokens.append(out.next_token_ids.tolist()[0])
+        logprobs.append(out.next_token_logprobs[0])
+    return tokens, torch.tensor(logprobs, dtype=torch.float64)

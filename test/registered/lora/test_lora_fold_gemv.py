@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sglang.srt.lora.backend.token_backend as token_backend
-from helpers import EngineDriver, make_runner
+from helpers import EngineDriver, greedy_decode_one, make_runner
 from lora_testlib import two_adapter_assets
 from sglang.srt.lora.triton_ops.fold_gemv import a_fold_gemv, fold_gemv
 
@@ -95,15 +95,9 @@ def _decode_one(assets, backend: str, gemv: str, name, monkeypatch, steps: int =
     seq = driver.add([5, 9, 13, 200, 7, 3, 99], lora_id=ids[name])
     out = driver.extend([seq])
     assert runner.lora_manager.pool.lora_id_to_slot[ids[name]] == 1
-    tokens, logprobs = [], []
-    for _ in range(steps):
-        seq.tokens.append(out.next_token_ids.tolist()[0])
-        calls.append(0)
-        out = driver.decode([seq], return_logprob=True)
-        tokens.append(out.next_token_ids.tolist()[0])
-        logprobs.append(out.next_token_logprobs[0])
+    tokens, logprobs = greedy_decode_one(driver, seq, out, steps, calls)
     monkeypatch.setattr(token_backend, counted, real)
-    return tokens, torch.tensor(logprobs, dtype=torch.float64), calls
+    return tokens, logprobs, calls
 
 
 @pytest.mark.parametrize("backend", ["triton", "csgmv"])

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import sglang.srt.layers.triton_ops.gemv as gemv_mod
-from helpers import EngineDriver, make_runner, tiny_checkpoint
+from helpers import EngineDriver, greedy_decode_one, make_runner, tiny_checkpoint
 from sglang.srt.layers.triton_ops.dispatch import fused_kernels
 from sglang.srt.layers.triton_ops.gemv import gemv, gemv_config, linear
 
@@ -67,16 +67,9 @@ def _decode(switch: bool, monkeypatch, steps: int = 4):
     runner = make_runner(tiny_checkpoint("qwen3"))
     driver = EngineDriver(runner)
     seq = driver.add([5, 9, 13, 200, 7, 3, 99])
-    tokens, logprobs = [], []
     with fused_kernels("triton"):
-        out = driver.extend([seq])
-        for _ in range(steps):
-            seq.tokens.append(out.next_token_ids.tolist()[0])
-            calls.append(0)
-            out = driver.decode([seq], return_logprob=True)
-            tokens.append(out.next_token_ids.tolist()[0])
-            logprobs.append(out.next_token_logprobs[0])
-    return tokens, torch.tensor(logprobs, dtype=torch.float64), calls, runner
+        tokens, logprobs = greedy_decode_one(driver, seq, driver.extend([seq]), steps, calls)
+    return tokens, logprobs, calls, runner
 
 
 def test_one_request_decode_with_the_gemv_equals_the_default(monkeypatch):
