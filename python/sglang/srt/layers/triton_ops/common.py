@@ -15,6 +15,12 @@ except ImportError:  # pragma: no cover - triton without the intrinsics
     gdc_launch_dependents = gdc_wait = None
 
 
+def dot_precision(*tensors: torch.Tensor) -> str:
+    """tl.dot's input precision: fp32 inputs must not silently drop to tf32 (the torch reference and
+    cuBLAS's default are exact fp32); other dtypes take their own."""
+    return "ieee" if any(t.dtype == torch.float32 for t in tensors) else "tf32"
+
+
 def interpreting() -> bool:
     """True under TRITON_INTERPRET=1 (kernels run on the CPU through numpy)."""
     return os.environ.get("TRITON_INTERPRET", "0") == "1"

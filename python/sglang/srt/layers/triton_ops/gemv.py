@@ -27,6 +27,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from sglang.srt.layers.triton_ops.common import dot_precision
 from sglang.srt.layers.triton_ops.dispatch import use_triton
 
 ONE_ROW_GEMV = os.environ.get("SGLANG_ONE_ROW_GEMV", "0") == "1"
@@ -78,11 +79,6 @@ def _gemv_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, N, K, stride_w, HAS_BIAS: tl.con
              mask=b_mask[:, None] & n_mask[None, :])
 
 
-def dot_precision(dtype: torch.dtype) -> str:
-    """tl.dot's input precision: "ieee" for float32 (cuBLAS's default there), else the dtype's own."""
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """`F.linear(x, w, bias)` for one row x [1, K], W [N, K] with unit column strides."""
     assert x.dim() == 2 and x.shape[0] == 1 and x.stride(1) == 1 and w.stride(1) == 1, (x.shape, w.stride())
@@ -91,7 +87,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None) 
     y = torch.empty((1, n), dtype=x.dtype, device=x.device)
     block_n, block_k, warps, stages = gemv_config(n, k)
     _gemv_kernel[(triton.cdiv(n, block_n),)](x, w, bias if bias is not None else y, y, n, k, w.stride(0),
-                                             HAS_BIAS=bias is not None, PRECISION=dot_precision(x.dtype),
+                                             HAS_BIAS=bias is not None, PRECISION=dot_precision(x),
                                              BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages)
     return y
 

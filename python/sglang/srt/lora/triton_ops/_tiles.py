@@ -18,7 +18,6 @@ few values these counts take (powers of two, fixed shapes) keep the compile cach
 
 from __future__ import annotations
 
-import torch
 import triton
 
 # Programs one segment should be able to occupy: about two per SM of an H200 (132 SMs).
@@ -53,6 +52,3 @@ def rank_block(max_rank_cols: int, cap: int = 64) -> int:
     return max(16, min(cap, triton.next_power_of_2(max(1, max_rank_cols))))
 
 
-def dot_precision(*tensors: torch.Tensor) -> str:
-    """fp32 inputs must not silently drop to tf32 (the torch reference is exact fp32)."""
-    return "ieee" if any(t.dtype == torch.float32 for t in tensors) else "tf32"

@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.triton_ops.common import interpreting
+from sglang.srt.layers.triton_ops.common import dot_precision, interpreting
 from sglang.srt.layers.triton_ops.silu_and_mul import silu_mul
-from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block, token_block, token_lanes
+from sglang.srt.lora.triton_ops._tiles import rank_block, token_block, token_lanes
 from sglang.srt.lora.triton_ops._token_rows import segment_lane_start
 from sglang.srt.lora.utils import LoRABatchInfo
 

@@ -37,7 +37,8 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.triton_ops.gemv import dot_k, dot_precision, gemv_config
+from sglang.srt.layers.triton_ops.common import dot_precision
+from sglang.srt.layers.triton_ops.gemv import dot_k, gemv_config
 
 
 @triton.jit
@@ -56,7 +57,7 @@ def _fold_gemv_kernel(
     LORA_TILE: tl.constexpr,  # BLOCK_COLS rounded up to a power of two, at least 16
     A_ROWS: tl.constexpr,
     HAS_BIAS: tl.constexpr,
-    PRECISION: tl.constexpr,  # gemv.dot_precision's
+    PRECISION: tl.constexpr,  # common.dot_precision's
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
 ):
@@ -109,7 +110,7 @@ def _launch(x: torch.Tensor, w: torch.Tensor, k: int, slot: torch.Tensor, num_bl
     _fold_gemv_kernel[(triton.cdiv(n, block_n),)](
         x, w, bias if bias is not None else y, y, slot, n, k, w.stride(0), num_blocks, n_base,
         BLOCK_COLS=block, LORA_TILE=max(16, triton.next_power_of_2(block)), A_ROWS=a_rows, HAS_BIAS=bias is not None,
-        PRECISION=dot_precision(x.dtype), BLOCK_N=block_n, BLOCK_K=block_k,
+        PRECISION=dot_precision(x), BLOCK_N=block_n, BLOCK_K=block_k,
         num_warps=warps, num_stages=stages)
     return y
 

@@ -12,7 +12,8 @@ import triton
 import triton.language as tl
 
 from sglang.srt.lora.triton_ops._token_rows import segment_lane_start, segment_slot_rank
-from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block, token_lanes
+from sglang.srt.layers.triton_ops.common import dot_precision
+from sglang.srt.lora.triton_ops._tiles import rank_block, token_lanes
 from sglang.srt.lora.utils import LoRABatchInfo
 
 

@@ -26,9 +26,9 @@ import torch
 import triton
 import triton.language as tl
 
-from sglang.srt.layers.triton_ops.common import gdc_wait
+from sglang.srt.layers.triton_ops.common import dot_precision, gdc_wait
 from sglang.srt.lora.triton_ops._token_rows import segment_lane_start, slice_columns
-from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block, token_block, token_lanes
+from sglang.srt.lora.triton_ops._tiles import rank_block, token_block, token_lanes
 from sglang.srt.lora.utils import LoRABatchInfo
 
 

@@ -28,9 +28,9 @@ from typing import Optional
 import torch
 import triton
 
-from sglang.srt.layers.triton_ops.common import pdl_available
+from sglang.srt.layers.triton_ops.common import dot_precision, pdl_available
 from sglang.srt.lora.segments import build_segments, idle_slot_of
-from sglang.srt.lora.triton_ops._tiles import dot_precision, rank_block
+from sglang.srt.lora.triton_ops._tiles import rank_block
 from sglang.srt.lora.triton_ops.launch import BoundKernel, PreparedLaunch
 from sglang.srt.lora.triton_ops.shrink_pack import _shrink_pack_kernel
 from sglang.srt.lora.triton_ops.sgemm_lora_b import qkv_offset_alignment
