@@ -532,11 +532,10 @@ class TokenLoRABackend(BaseLoRABackend):
         With SGLANG_LORA_AFOLD_GEMV at a one-row decode batch, the GEMV that reads W and the row's
         own slot's A (the other slots' shrink is zeros: what reads it takes the row's block only)."""
         assert weights.bias is None, "an A-folded module has no bias"
-        spec, info, n = weights.spec, self.batch_info, weights.spec.out_dim
-        if self.afold_gemv and x.shape[0] == 1 and info is not None and info.row_slots is not None:
-            if x.stride(1) != 1:
-                x = x.contiguous()
-            out = a_fold_gemv(x, weights.a_folded, n, info.row_slots[:1], spec.stack * spec.max_rank)
+        spec, n = weights.spec, weights.spec.out_dim
+        slot = self._one_row_slot(x) if self.afold_gemv else None
+        if slot is not None:
+            out = a_fold_gemv(x.contiguous(), weights.a_folded, n, slot, spec.stack * spec.max_rank)
         else:
             out = F.linear(x, weights.a_folded)  # [x W^T | x A^T of every adapter slot]
         return out[:, :n], out[:, n:]
@@ -637,11 +636,20 @@ class TokenLoRABackend(BaseLoRABackend):
     def _folded_gemm(self, weights: LoRAModuleWeights, x_aug: torch.Tensor) -> torch.Tensor:
         """The folded GEMM `x_aug @ W_aug^T (+ bias)`: at a one-row decode batch (its slot on the
         device in row_slots) the GEMV that reads the row's own slot block only, else cuBLAS."""
-        info, spec = self.batch_info, weights.spec
-        if self.fold_gemv and x_aug.shape[0] == 1 and info is not None and info.row_slots is not None:
-            return fold_gemv(x_aug, weights.folded, spec.in_dim, info.row_slots[:1], self._slot_ranks.numel() - 1,
+        spec = weights.spec
+        slot = self._one_row_slot(x_aug) if self.fold_gemv else None
+        if slot is not None:
+            return fold_gemv(x_aug, weights.folded, spec.in_dim, slot, self._slot_ranks.numel() - 1,
                              spec.stack * spec.max_rank, weights.bias)
         return F.linear(x_aug, weights.folded, weights.bias)
+
+    def _one_row_slot(self, x: torch.Tensor) -> Optional[torch.Tensor]:
+        """The row's slot (row_slots[:1], on the device) when `x` is a one-row decode batch whose rows
+        carry their slot: where the one-row GEMVs (triton_ops/fold_gemv.py) run; else None."""
+        info = self.batch_info
+        if x.shape[0] != 1 or info is None or info.row_slots is None:
+            return None
+        return info.row_slots[:1]
 
     def _add_unfolded(self, weights: LoRAModuleWeights, x: torch.Tensor, out: torch.Tensor,
                       launches: _ModuleLaunches) -> None:
