@@ -222,3 +222,17 @@ def greedy_decode_one(driver: EngineDriver, seq: Seq, out, steps: int,
         tokens.append(out.next_token_ids.tolist()[0])
         logprobs.append(out.next_token_logprobs[0])
     return tokens, torch.tensor(logprobs, dtype=torch.float64)
+
+
+def count_calls(monkeypatch, module: Any, name: str) -> list[int]:
+    """Wrap `module.name` (through monkeypatch, undone at the test's end) so that every call adds 1
+    to the last entry of the returned list, which starts as [0]: append a 0 to count a new phase."""
+    calls = [0]
+    real = getattr(module, name)
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        calls[-1] += 1
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(module, name, counting)
+    return calls

@@ -25,7 +25,7 @@ import tempfile
 import pytest
 import torch
 
-from helpers import EngineDriver, hf_model, make_runner, tiny_checkpoint
+from helpers import EngineDriver, count_calls, hf_model, make_runner, tiny_checkpoint
 from lora_testlib import write_peft_adapter
 
 pytestmark = pytest.mark.gpu
@@ -519,11 +519,9 @@ def test_one_row_gemv_decode_graph_equals_eager(monkeypatch):
     prompts, names, steps = _prompts([29], seed=9), [None], 12
     monkeypatch.setattr(gemv_mod, "ONE_ROW_GEMV", True)
     g_tok, g_lp, used = decode_logprobs(base_decode_runner(True), prompts, names, steps)
-    calls, real = [], gemv_mod.gemv
-    monkeypatch.setattr(gemv_mod, "gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_calls(monkeypatch, gemv_mod, "gemv")
     e_tok, e_lp, _ = decode_logprobs(base_decode_runner(False), prompts, names, steps)
-    monkeypatch.setattr(gemv_mod, "gemv", real)
-    assert all(used) and calls, (used, len(calls))
+    assert all(used) and calls[0], (used, calls)
     assert g_tok == e_tok and torch.equal(g_lp, e_lp)
     monkeypatch.setattr(gemv_mod, "ONE_ROW_GEMV", False)
     c_tok, c_lp, _ = decode_logprobs(base_decode_runner(False), prompts, names, steps)
@@ -539,11 +537,9 @@ def test_one_row_gemv_decode_graph_equals_eager(monkeypatch):
 
 def eager_afold_gemv_calls(token_backend, lora_backend: str, prompts, names, monkeypatch) -> bool:
     """Whether an eager one-row decode step (the environment's SGLANG_LORA_AFOLD_GEMV) calls a_fold_gemv."""
-    calls, real = [], token_backend.a_fold_gemv
-    monkeypatch.setattr(token_backend, "a_fold_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_calls(monkeypatch, token_backend, "a_fold_gemv")
     decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names, 1)
-    monkeypatch.setattr(token_backend, "a_fold_gemv", real)
-    return bool(calls)
+    return calls[0] > 0
 
 
 @pytest.mark.parametrize("lora_backend,afold_gemv", [("triton", "0"), ("csgmv", "0"), ("triton", "1"),
@@ -560,12 +556,10 @@ def test_one_row_decode_graph_takes_the_fold_gemv(lora_backend, afold_gemv, monk
     prompts, names, steps = _prompts([23], seed=8), ["b"], 12
     g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, "small", fuse="auto"), prompts, names,
                                         steps)
-    calls, real = [], token_backend.fold_gemv
-    monkeypatch.setattr(token_backend, "fold_gemv", lambda *a, **k: calls.append(1) or real(*a, **k))
+    calls = count_calls(monkeypatch, token_backend, "fold_gemv")
     e_tok, e_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names,
                                      steps)
-    monkeypatch.setattr(token_backend, "fold_gemv", real)
-    assert all(used) and calls, (used, len(calls))
+    assert all(used) and calls[0], (used, calls)
     assert g_tok == e_tok and torch.equal(g_lp, e_lp)
     afold_calls = eager_afold_gemv_calls(token_backend, lora_backend, prompts, names, monkeypatch)
     assert afold_calls == (afold_gemv == "1")

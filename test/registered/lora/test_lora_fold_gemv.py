@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import sglang.srt.lora.backend.token_backend as token_backend
-from helpers import EngineDriver, greedy_decode_one, make_runner
+from helpers import EngineDriver, count_calls, greedy_decode_one, make_runner
 from lora_testlib import two_adapter_assets
 from sglang.srt.lora.triton_ops.fold_gemv import a_fold_gemv, fold_gemv
 
@@ -78,14 +78,7 @@ def _decode_one(assets, backend: str, gemv: str, name, monkeypatch, steps: int =
     ckpt, paths = assets
     runner = make_runner(ckpt, lora_paths=[f"{n}={p}" for n, p in paths.items()], lora_backend=backend,
                          max_lora_rank=8)
-    calls = [0]  # the prefills'
-    real = getattr(token_backend, counted)
-
-    def counting(*args, **kwargs):
-        calls[-1] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(token_backend, counted, counting)
+    calls = count_calls(monkeypatch, token_backend, counted)  # [the prefills', then a step's each]
     ids = {r.lora_name: i for i, r in runner.lora_manager.refs.items()}
     driver = EngineDriver(runner)
     # The other adapter's request prefills first, so that it takes the pool's first slot and `name`
@@ -96,7 +89,6 @@ def _decode_one(assets, backend: str, gemv: str, name, monkeypatch, steps: int =
     out = driver.extend([seq])
     assert runner.lora_manager.pool.lora_id_to_slot[ids[name]] == 1
     tokens, logprobs = greedy_decode_one(driver, seq, out, steps, calls)
-    monkeypatch.setattr(token_backend, counted, real)
     return tokens, logprobs, calls
 
 

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 import sglang.srt.layers.triton_ops.gemv as gemv_mod
-from helpers import EngineDriver, greedy_decode_one, make_runner, tiny_checkpoint
+from helpers import EngineDriver, count_calls, greedy_decode_one, make_runner, tiny_checkpoint
 from sglang.srt.layers.triton_ops.dispatch import fused_kernels
 from sglang.srt.layers.triton_ops.gemv import gemv, gemv_config, linear
 
@@ -38,23 +38,11 @@ def test_gemv_config_follows_the_measured_shapes():
     assert gemv_config(4096, 14336) == (64, 256, 4, 5)  # down_proj
 
 
-def _count_gemv(monkeypatch) -> list[int]:
-    calls = [0]
-    real = gemv_mod.gemv
-
-    def counting(*args, **kwargs):
-        calls[-1] += 1
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(gemv_mod, "gemv", counting)
-    return calls
-
-
 @pytest.mark.parametrize("switch,mode,rows,taken", [(True, "triton", 1, True), (True, "triton", 2, False),
                                                    (False, "triton", 1, False), (True, "torch", 1, False)])
 def test_linear_takes_the_gemv_for_one_row_only(switch, mode, rows, taken, monkeypatch):
     monkeypatch.setattr(gemv_mod, "ONE_ROW_GEMV", switch)
-    calls = _count_gemv(monkeypatch)
+    calls = count_calls(monkeypatch, gemv_mod, "gemv")
     x, w = torch.randn(rows, 32), torch.randn(48, 32)
     with fused_kernels(mode):
         torch.testing.assert_close(linear(x, w), F.linear(x, w), rtol=1e-5, atol=1e-5)
@@ -63,7 +51,7 @@ def test_linear_takes_the_gemv_for_one_row_only(switch, mode, rows, taken, monke
 
 def _decode(switch: bool, monkeypatch, steps: int = 4):
     monkeypatch.setattr(gemv_mod, "ONE_ROW_GEMV", switch)
-    calls = _count_gemv(monkeypatch)
+    calls = count_calls(monkeypatch, gemv_mod, "gemv")
     runner = make_runner(tiny_checkpoint("qwen3"))
     driver = EngineDriver(runner)
     seq = driver.add([5, 9, 13, 200, 7, 3, 99])
