@@ -553,7 +553,9 @@ def test_one_row_decode_graph_takes_the_fold_gemv(lora_backend, afold_gemv, monk
     import sglang.srt.lora.backend.token_backend as token_backend
 
     monkeypatch.setenv("SGLANG_LORA_AFOLD_GEMV", afold_gemv)
-    prompts, names, steps = _prompts([23], seed=8), ["b"], 12
+    # Adapter "a": it targets o_proj and down_proj too ("b" only q_proj / v_proj, so a batch of
+    # "b" alone runs no LoRA on the A-folded modules).
+    prompts, names, steps = _prompts([23], seed=8), ["a"], 12
     g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, "small", fuse="auto"), prompts, names,
                                         steps)
     calls = count_calls(monkeypatch, token_backend, "fold_gemv")
