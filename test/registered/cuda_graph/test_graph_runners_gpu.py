@@ -535,11 +535,20 @@ def test_one_row_gemv_decode_graph_equals_eager(monkeypatch):
     assert sum(gemv_err) / len(gemv_err) <= 2 * sum(cublas_err) / len(cublas_err) + 0.02
 
 
-def eager_afold_gemv_calls(token_backend, lora_backend: str, prompts, names, monkeypatch) -> bool:
-    """Whether an eager one-row decode step (the environment's SGLANG_LORA_AFOLD_GEMV) calls a_fold_gemv."""
+def eager_afold_gemv_calls(token_backend, lora_backend: str, prompts, names, monkeypatch) -> tuple[bool, str]:
+    """Whether an eager one-row decode step (the environment's SGLANG_LORA_AFOLD_GEMV) calls
+    a_fold_gemv, and what decides it (for the assertion's message: the pool's A-folded modules,
+    the backend's switches, each wrapped module's deferral)."""
     calls = count_calls(monkeypatch, token_backend, "a_fold_gemv")
-    decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names, 1)
-    return calls[0] > 0
+    r = fused_norm_runner(lora_backend, False, "small", fuse="auto")
+    decode_logprobs(r, prompts, names, 1)
+    manager, backend = r.lora_manager, r.lora_manager.lora_backend
+    layer0 = next(iter(manager.lora_modules.values()))
+    why = (f"a_fold_modules {manager.pool.a_fold_modules}, afold_gemv {backend.afold_gemv}, afold_max_rows "
+           f"{backend.afold_max_rows}, fuse_norm {backend.fuse_norm}, defers_to_norm "
+           f"{ {n: getattr(m, 'defers_to_norm', None) for n, m in layer0.items()} }, last batch "
+           f"{ {k: getattr(backend.batch_info, k, None) for k in ('num_rows', 'rowwise', 'defer')} }")
+    return calls[0] > 0, why
 
 
 @pytest.mark.parametrize("lora_backend,afold_gemv", [("triton", "0"), ("csgmv", "0"), ("triton", "1"),
@@ -563,8 +572,8 @@ def test_one_row_decode_graph_takes_the_fold_gemv(lora_backend, afold_gemv, monk
                                      steps)
     assert all(used) and calls[0], (used, calls)
     assert g_tok == e_tok and torch.equal(g_lp, e_lp)
-    afold_calls = eager_afold_gemv_calls(token_backend, lora_backend, prompts, names, monkeypatch)
-    assert afold_calls == (afold_gemv == "1")
+    afold_calls, why = eager_afold_gemv_calls(token_backend, lora_backend, prompts, names, monkeypatch)
+    assert afold_calls == (afold_gemv == "1"), why
     monkeypatch.setenv("SGLANG_LORA_FOLD_GEMV", "0")
     monkeypatch.setenv("SGLANG_LORA_AFOLD_GEMV", "0")
     c_tok, c_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names,
