@@ -562,8 +562,8 @@ def test_one_row_decode_graph_takes_the_fold_gemv(lora_backend, afold_gemv, monk
     import sglang.srt.lora.backend.token_backend as token_backend
 
     monkeypatch.setenv("SGLANG_LORA_AFOLD_GEMV", afold_gemv)
-    # Adapter "a": it targets o_proj and down_proj too ("b" only q_proj / v_proj, so a batch of
-    # "b" alone runs no LoRA on the A-folded modules).
+    # Adapter "a", which targets every module: its o_proj / down_proj slot blocks are non-zero
+    # ("b" has q_proj / v_proj only), so a kernel reading the wrong slot's A would show.
     prompts, names, steps = _prompts([23], seed=8), ["a"], 12
     g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, "small", fuse="auto"), prompts, names,
                                         steps)

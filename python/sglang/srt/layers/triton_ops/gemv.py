@@ -6,8 +6,8 @@ bytes. cuBLAS splits K for the long-K layers (o_proj, down_proj) and finishes wi
 the whole K, the row padded to 16 for `tl.dot` (the padding rows load nothing). A row's sums depend
 on nothing but that row and the tiles, so a graph replay equals an eager pass bit for bit.
 
-`SGLANG_ONE_ROW_GEMV=1` (read at import; off by default) makes LinearBase take it for every one-row input on a device that runs the Triton kernels
-(dispatch.use_triton). It sums in another order than cuBLAS, in graphs and eager alike.
+`SGLANG_ONE_ROW_GEMV=1` (read at import; off by default) makes LinearBase take it for every
+one-row input on a device that runs the Triton kernels (dispatch.use_triton). It sums in another order than cuBLAS, in graphs and eager alike.
 bench_gemv.py (H100, 2026-12-07, µs a call at one row, weights past L2; this kernel's best
 configuration against cuBLAS): Qwen3-4B qkv_proj 16.4 / 17.0, o_proj 13.5 / 14.5, gate_up_proj
 43.1 / 42.9, down_proj 26.0 / 25.8; Llama-3.1-8B 23.8 / 24.6, 17.5 / 19.3, 84.3 / 85.5, 47.6 / 49.0.
