@@ -541,13 +541,22 @@ def eager_afold_gemv_calls(token_backend, lora_backend: str, prompts, names, mon
     the backend's switches, each wrapped module's deferral)."""
     calls = count_calls(monkeypatch, token_backend, "a_fold_gemv")
     r = fused_norm_runner(lora_backend, False, "small", fuse="auto")
-    decode_logprobs(r, prompts, names, 1)
     manager, backend = r.lora_manager, r.lora_manager.lora_backend
+    reached = []  # each A-folded GEMM of the step: (its input's shape, whether its row's slot was found)
+    real_gemm = type(backend)._a_folded_gemm
+
+    def recording_gemm(self, weights, x):
+        reached.append((tuple(x.shape), self._one_row_slot(x) is not None))
+        return real_gemm(self, weights, x)
+
+    monkeypatch.setattr(type(backend), "_a_folded_gemm", recording_gemm)
+    decode_logprobs(r, prompts, names, 1)
     layer0 = next(iter(manager.lora_modules.values()))
     why = (f"a_fold_modules {manager.pool.a_fold_modules}, afold_gemv {backend.afold_gemv}, afold_max_rows "
            f"{backend.afold_max_rows}, fuse_norm {backend.fuse_norm}, defers_to_norm "
            f"{ {n: getattr(m, 'defers_to_norm', None) for n, m in layer0.items()} }, last batch "
-           f"{ {k: getattr(backend.batch_info, k, None) for k in ('num_rows', 'rowwise', 'defer')} }")
+           f"{ {k: getattr(backend.batch_info, k, None) for k in ('num_rows', 'rowwise', 'defer')} }, A-folded "
+           f"GEMMs reached (input shape, slot found) {reached}")
     return calls[0] > 0, why
 
 
