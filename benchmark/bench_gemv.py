@@ -34,6 +34,7 @@ import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
 from bench_util import add_output_args, emit_table, graph_us, model_dims, target  # noqa: E402
+from sglang.srt.lora.lora_config import FUSED_MODULES, get_stacked_multiply  # noqa: E402
 # Grid dependency control (Hopper PDL), for bench_decode_chain.py's variants; None where triton lacks it.
 from sglang.srt.layers.triton_ops.common import gdc_launch_dependents, gdc_wait  # noqa: E402,F401
 
@@ -109,19 +110,21 @@ CONFIGS = list(itertools.product((16, 32, 64), (256, 512), (4,), (3, 5))) + [
     (32, 256, 8, 4), (64, 256, 8, 4), (128, 128, 8, 4), (16, 1024, 4, 2)]
 
 
-def fold_case(module: str, x: torch.Tensor, ws: list[torch.Tensor], n: int, k: int, extra: int, slots: int,
-              rank: int, copies: int):
-    """(cuBLAS(i), the engine's one-row GEMV(i), the columns both compute alike) for `module`'s folded
-    GEMM with `slots` adapter slots of `rank` and the row's adapter in slot 0, over weight copy i:
-    B-folded (x_aug [bs, K + E] against W_aug [N, K + E]; the row's slot block of x_aug holds its
-    shrink, the other slots' are zero) for qkv_proj and gate_up_proj, A-folded ([W; A of every slot],
-    N + slots*rank rows; the GEMV leaves the other slots' shrink zero) for the others."""
+def fold_case(slices: int, x: torch.Tensor, ws: list[torch.Tensor], n: int, k: int, slots: int, rank: int,
+              copies: int):
+    """(cuBLAS(i), the engine's one-row GEMV(i), the columns both compute alike) for a module of
+    `slices` output slices, folded as the engine folds it, with `slots` adapter slots of `rank` and
+    the row's adapter in slot 0, over weight copy i: B-folded (x_aug [bs, K + E] against W_aug
+    [N, K + E]; the row's slot block of x_aug holds its shrink, the other slots' are zero) for
+    several slices (qkv_proj, gate_up_proj), A-folded ([W; A of every slot], N + slots*rank rows;
+    the GEMV leaves the other slots' shrink zero) for one (o_proj, down_proj)."""
+    from sglang.srt.lora.fold import fold_extra_columns
     from sglang.srt.lora.triton_ops.fold_gemv import a_fold_gemv, fold_gemv
 
     bs, dtype, device = x.shape[0], x.dtype, x.device
     slot = torch.zeros(1, dtype=torch.int32, device=device)
-    if module in ("qkv_proj", "gate_up_proj"):
-        block = (3 if module == "qkv_proj" else 2) * rank
+    if slices > 1:
+        block, extra = slices * rank, fold_extra_columns(slots, slices, rank)
         wa = [torch.cat([w, torch.randn(n, extra, dtype=dtype, device=device) / k**0.5], 1) for w in ws]
         xa = torch.cat([x, torch.zeros(bs, extra, dtype=dtype, device=device)], 1)
         xa[:, k : k + block] = torch.randn(bs, block, dtype=dtype, device=device)
@@ -180,10 +183,8 @@ def main() -> None:
             if args.modules and module not in args.modules:
                 continue
             nbytes = n * k * 2
-            # The fold's extra columns (lora/fold.py: E = S*c*R rounded up to 16): qkv 3 slices,
-            # gate_up 2, the others 1.
-            slices = {"qkv_proj": 3, "gate_up_proj": 2}.get(module, 1)
-            extra = -(-args.fold_slots * slices * args.fold_rank // 16) * 16
+            # The LoRA modules' output slices (lm_head takes no LoRA); 0: no folded GEMM to time.
+            slices = get_stacked_multiply(module) if args.fold_slots and module in FUSED_MODULES else 0
             copies = 1 if dry else max(2, -(-2 * L2_BYTES // nbytes))
             ws = [(torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device) for _ in range(copies)]
             for bs in args.bs if not dry else [1, 3]:
@@ -194,8 +195,8 @@ def main() -> None:
                 got = gemv(x, ws[0], outs[0], *cfg0)
                 diff = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
                 if dry:
-                    if extra and module != "lm_head":
-                        check_fold(fold_case(module, x, ws, n, k, extra, args.fold_slots, args.fold_rank, copies), bs)
+                    if slices:
+                        check_fold(fold_case(slices, x, ws, n, k, args.fold_slots, args.fold_rank, copies), bs)
                     lines.append(f"| {shape} | {module} | {n} x {k} | {bs} | - | - | - | - | - | {cfg0} | {diff:.1e} |")
                     continue
                 cublas = graph_us(lambda i: torch.matmul(x, ws[i % copies].t(), out=outs[i % copies]), copies, 5, 50)
@@ -213,8 +214,8 @@ def main() -> None:
                 diff = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
                 pct = lambda t: 100 * nbytes / (t * 1e-6) / HBM_BYTES_PER_S  # noqa: E731
                 fold = ""
-                if extra and module != "lm_head":
-                    case = fold_case(module, x, ws, n, k, extra, args.fold_slots, args.fold_rank, copies)
+                if slices:
+                    case = fold_case(slices, x, ws, n, k, args.fold_slots, args.fold_rank, copies)
                     folded, ours = fold_times(case, bs, copies)
                     fold = (f" {folded:.1f} | {ours:.1f} | {ours / folded:.2f} | {us / folded:.2f} |" if ours else
                             f" {folded:.1f} | - | - | {us / folded:.2f} |")
