@@ -137,9 +137,9 @@ LORA_VARIANTS = {
     # The default with cuBLAS's GEMM over all of W_aug at one-row decode batches, not fold_gemv
     # (SGLANG_LORA_FOLD_GEMV=0).
     "lora-no-fold-gemv": ("auto", "small"),
-    # The default with the A-folded o_proj / down_proj's one-row GEMV too (SGLANG_LORA_AFOLD_GEMV=1;
-    # the default, 0, runs cuBLAS over [W; A of every slot]).
-    "lora-afold-gemv": ("auto", "small"),
+    # The default without the A-folded o_proj / down_proj's one-row GEMV: cuBLAS over [W; A of
+    # every slot] (SGLANG_LORA_AFOLD_GEMV=0).
+    "lora-no-afold-gemv": ("auto", "small"),
     # The base model with RMSNorm loading its weight after the row's reduction (rmsnorm.WEIGHT_FIRST
     # off) and the RoPE kernel its KV-cache slot before the store (rope.LOC_FIRST off).
     "none-late-loads": ("off", "0"),
@@ -187,7 +187,7 @@ VARIANT_ARGS = {"lora-chunk-32": {"max_lora_chunk_size": 32}, "lora-chunk-64": {
 # BASE_ENV for every variant (csgmv's prefill unfold off, whatever the caller's environment), then the
 # variant's own; anything else keeps its default.
 BASE_ENV = {"SGLANG_LORA_PREFILL_UNFOLD": "0", "SGLANG_LORA_PACK_IN_PLACE": "1", "SGLANG_LORA_AFOLD_PREFILL": "1",
-            "SGLANG_LORA_FOLD_GEMV": "1", "SGLANG_LORA_AFOLD_GEMV": "0"}
+            "SGLANG_LORA_FOLD_GEMV": "1", "SGLANG_LORA_AFOLD_GEMV": "1"}
 VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora-no-afold": {"SGLANG_LORA_AFOLD": "0"},
                "lora-no-afold-expand": {"SGLANG_LORA_AFOLD_EXPAND": "0"},
                "lora-pack-in-place": {"SGLANG_LORA_AFOLD_PREFILL": "0"},
@@ -201,7 +201,7 @@ VARIANT_ENV = {"lora-prefill-unfold": {"SGLANG_LORA_PREFILL_UNFOLD": "1"}, "lora
                "lora-afold-qkv": {"SGLANG_LORA_AFOLD_QKV": "1"},
                "lora-no-afold-qkv": {"SGLANG_LORA_AFOLD_QKV": "0"},
                "lora-no-fold-gemv": {"SGLANG_LORA_FOLD_GEMV": "0"},
-               "lora-afold-gemv": {"SGLANG_LORA_AFOLD_GEMV": "1"}}
+               "lora-no-afold-gemv": {"SGLANG_LORA_AFOLD_GEMV": "0"}}
 # The engine's LoRA kernels (triton_ops/): shrink_pack, the token-major and the chunked SGMV ones, and
 # the row-wise norm_shrink_pack of --lora-fuse-norm (which also does the norm's work).
 LORA_KERNELS = ("_shrink_pack_kernel", "_token_shrink_kernel", "_token_expand_kernel", "_segment_shrink_kernel",

@@ -217,8 +217,8 @@ if [[ " $PARTS " == *" lora_steps "* ]]; then
   # writing into x_aug at prefill; lora-norm-release: RMSNorm releasing its PDL dependents;
   # lora-late-loads / none-late-loads: EARLY_LOADS, WEIGHT_FIRST, LOC_FIRST off; lora-norm-weight-early:
   # NORM_WEIGHT_EARLY on; lora-norm-weight-late: off, under SGLANG_LORA_NORM_WEIGHT_EARLY=1;
-  # lora-no-fold-gemv: cuBLAS over all of W_aug at one-row decode batches; lora-afold-gemv:
-  # the A-folded o_proj / down_proj's one-row GEMV, SGLANG_LORA_AFOLD_GEMV=1) and
+  # lora-no-fold-gemv: cuBLAS over all of W_aug at one-row decode batches; lora-no-afold-gemv:
+  # cuBLAS over the A-folded o_proj / down_proj's [W; A] at one row, SGLANG_LORA_AFOLD_GEMV=0) and
   # GPU_SUITE_STEPS_ARGS adds profile_forward arguments (e.g. "--prefill-batches 16x512").
   say "== LoRA steps: default (fused norms, row-wise at small batches) vs unfused vs segments only vs base"
   : >"$OUT/lora_steps.md"

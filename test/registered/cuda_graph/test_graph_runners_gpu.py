@@ -408,14 +408,21 @@ def test_afold_qkv_graph_equals_eager(monkeypatch):
 
 @functools.lru_cache(maxsize=None)
 def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = False, fold: str = "auto",
-                      fuse: str = "on", dtype: str = "bfloat16", afold: str = "small"):
+                      fuse: str = "on", dtype: str = "bfloat16", afold: str = "small", gemv: str | None = None,
+                      afold_gemv: str | None = None):
+    """A cached runner. Every environment switch the backend reads when it is built is one of its
+    arguments (so part of the cache's key): a switch set around the call instead would be ignored
+    whenever an earlier test had built the same arguments' runner. gemv / afold_gemv set
+    SGLANG_LORA_FOLD_GEMV / SGLANG_LORA_AFOLD_GEMV (None: the engine's default)."""
     ckpt, adapters = assets()
     mode = dict(disable_cuda_graph=False, cuda_graph_bs_prefill=PREFILL_BUCKETS,
                 cuda_graph_bs_decode=DECODE_BUCKETS) if graphs else dict(disable_cuda_graph=True)
     # Read when the backend is built: "1" (True) at every decode batch, "small" up to 16 rows; the
     # A-fold (SGLANG_LORA_AFOLD) likewise, "small" its default.
-    os.environ["SGLANG_LORA_ROWWISE_DECODE"] = {True: "1", False: "0"}.get(rowwise, rowwise)
-    os.environ["SGLANG_LORA_AFOLD"] = afold
+    env = {"SGLANG_LORA_ROWWISE_DECODE": {True: "1", False: "0"}.get(rowwise, rowwise), "SGLANG_LORA_AFOLD": afold,
+           "SGLANG_LORA_FOLD_GEMV": gemv, "SGLANG_LORA_AFOLD_GEMV": afold_gemv}
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update({k: v for k, v in env.items() if v is not None})
     try:
         return make_runner(
             ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
@@ -423,7 +430,11 @@ def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = Fal
             max_loras_per_batch=3, lora_backend=lora_backend, lora_fuse_norm=fuse, lora_fold=fold, **mode,
         )
     finally:
-        del os.environ["SGLANG_LORA_ROWWISE_DECODE"], os.environ["SGLANG_LORA_AFOLD"]
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def decode_logprobs(r, prompts, names, steps: int) -> tuple[list[list[int]], torch.Tensor, list[bool]]:
@@ -535,12 +546,13 @@ def test_one_row_gemv_decode_graph_equals_eager(monkeypatch):
     assert sum(gemv_err) / len(gemv_err) <= 2 * sum(cublas_err) / len(cublas_err) + 0.02
 
 
-def eager_afold_gemv_calls(token_backend, lora_backend: str, prompts, names, monkeypatch) -> tuple[bool, str]:
-    """Whether an eager one-row decode step (the environment's SGLANG_LORA_AFOLD_GEMV) calls
+def eager_afold_gemv_calls(token_backend, lora_backend: str, afold_gemv: str, prompts, names,
+                           monkeypatch) -> tuple[bool, str]:
+    """Whether an eager one-row decode step (SGLANG_LORA_AFOLD_GEMV=`afold_gemv`) calls
     a_fold_gemv, and what decides it (for the assertion's message: the pool's A-folded modules,
     the backend's switches, each wrapped module's deferral)."""
     calls = count_calls(monkeypatch, token_backend, "a_fold_gemv")
-    r = fused_norm_runner(lora_backend, False, "small", fuse="auto")
+    r = fused_norm_runner(lora_backend, False, "small", fuse="auto", afold_gemv=afold_gemv)
     manager, backend = r.lora_manager, r.lora_manager.lora_backend
     reached = []  # each A-folded GEMM of the step: (its input's shape, whether its row's slot was found)
     real_gemm = type(backend)._a_folded_gemm
@@ -570,24 +582,22 @@ def test_one_row_decode_graph_takes_the_fold_gemv(lora_backend, afold_gemv, monk
     over all slots (both switches off), within the fused-norm test's margin."""
     import sglang.srt.lora.backend.token_backend as token_backend
 
-    monkeypatch.setenv("SGLANG_LORA_AFOLD_GEMV", afold_gemv)
     # Adapter "a", which targets every module: its o_proj / down_proj slot blocks are non-zero
     # ("b" has q_proj / v_proj only), so a kernel reading the wrong slot's A would show.
     prompts, names, steps = _prompts([23], seed=8), ["a"], 12
-    g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, "small", fuse="auto"), prompts, names,
-                                        steps)
+    g_tok, g_lp, used = decode_logprobs(fused_norm_runner(lora_backend, True, "small", fuse="auto",
+                                                          afold_gemv=afold_gemv), prompts, names, steps)
     calls = count_calls(monkeypatch, token_backend, "fold_gemv")
-    e_tok, e_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names,
-                                     steps)
+    e_tok, e_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto",
+                                                       afold_gemv=afold_gemv), prompts, names, steps)
     assert all(used) and calls[0], (used, calls)
     assert g_tok == e_tok and torch.equal(g_lp, e_lp)
-    afold_calls, why = eager_afold_gemv_calls(token_backend, lora_backend, prompts, names, monkeypatch)
+    afold_calls, why = eager_afold_gemv_calls(token_backend, lora_backend, afold_gemv, prompts, names, monkeypatch)
     assert afold_calls == (afold_gemv == "1"), why
-    monkeypatch.setenv("SGLANG_LORA_FOLD_GEMV", "0")
-    monkeypatch.setenv("SGLANG_LORA_AFOLD_GEMV", "0")
-    c_tok, c_lp, _ = decode_logprobs(fused_norm_runner(lora_backend, False, "small", fuse="auto"), prompts, names,
-                                     steps)
-    monkeypatch.delenv("SGLANG_LORA_FOLD_GEMV")
+    # Both GEMVs off: cuBLAS over all of W_aug / [W; A], the error's yardstick.
+    cublas = fused_norm_runner(lora_backend, False, "small", fuse="auto", gemv="0", afold_gemv="0")
+    assert not cublas.lora_manager.lora_backend.fold_gemv and not cublas.lora_manager.lora_backend.afold_gemv
+    c_tok, c_lp, _ = decode_logprobs(cublas, prompts, names, steps)
     ref = fused_norm_runner(lora_backend, False, False, fuse="off", dtype="float32")
     r_tok, r_lp, _ = decode_logprobs(ref, prompts, names, steps)
     gemv_err, cublas_err = agreeing_diffs([(r_tok, r_lp), (e_tok, e_lp), (c_tok, c_lp)], steps)

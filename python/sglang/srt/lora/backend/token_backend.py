@@ -235,12 +235,10 @@ class TokenLoRABackend(BaseLoRABackend):
         # one-row decode batch reads W and the row's own slot block only (triton_ops/fold_gemv.py),
         # not every slot's B. Decided by the batch's row count, so graph and eager alike.
         self.fold_gemv = os.environ.get("SGLANG_LORA_FOLD_GEMV", "1") == "1"
-        # SGLANG_LORA_AFOLD_GEMV (0 by default; 1 on): likewise an A-folded o_proj / down_proj's
-        # GEMM over [W; A of every slot] reads W and the row's slot's A only. Timed on an H100
-        # (one-request steps, GPU busy -107 µs on Qwen3-4B, -51 µs on the 8B) but off until a GPU
-        # test has seen it taken: test_one_row_decode_graph_takes_the_fold_gemv's tiny model did
-        # not reach it on the GPU, where the same model on the CPU does (docs/lora-kernel-paths.md).
-        self.afold_gemv = os.environ.get("SGLANG_LORA_AFOLD_GEMV", "0") == "1"
+        # SGLANG_LORA_AFOLD_GEMV (1 by default; 0 keeps cuBLAS): likewise an A-folded o_proj /
+        # down_proj's GEMM over [W; A of every slot] reads W and the row's slot's A only. One-request
+        # steps on an H100: GPU busy -107 µs on Qwen3-4B, -51 µs on the 8B (docs/lora-kernel-paths.md).
+        self.afold_gemv = os.environ.get("SGLANG_LORA_AFOLD_GEMV", "1") == "1"
         self._gemm_shrink_now = False  # this batch is a prefill the bound admits
         self._gemm_shrink_cols: dict[str, int] = {}  # per module kind, set by init_modules
         self._decode_buckets: list[int] = []  # the decode graphs' batch sizes, for rowwise_fits

@@ -20,7 +20,7 @@ Llama-3.1-8B 23.8 / 26.3 and 84.3 / 91.0. On W alone the two were within 1-4% of
 Whole one-request decode steps (profile_forward, the same H100): LoRA / base 1.11 -> 1.10 on
 Qwen3-4B, 1.06 -> 1.04 on Llama-3.1-8B.
 
-The A-fold (`a_fold_gemv`, SGLANG_LORA_AFOLD_GEMV, off by default): an A-folded
+The A-fold (`a_fold_gemv`, SGLANG_LORA_AFOLD_GEMV, on by default): an A-folded
 o_proj / down_proj runs `x @ [W; A of every slot]^T`, the base output and every slot's shrink,
 of which the fused norm after it reads the row's own slot block only. The same kernel then reads
 W's rows and the row's slot's R rows of A, and writes zeros for the other slots' shrink columns
@@ -28,8 +28,8 @@ W's rows and the row's slot's R rows of A, and writes zeros for the other slots'
 down_proj. bench_gemv.py measured this GEMV over W alone at 0.91-0.93 of cuBLAS on both models'
 o_proj and 0.97-1.01 on their down_proj (H100, 2026-12-07). In a one-request Qwen3-4B step with
 8 slots it took 107 µs of GPU time and 71 kernels off (cuBLAS's split-K GEMMs and their reduces):
-LoRA / base 1.14 -> 1.11 (profile_forward, variant lora-afold-gemv, the same H100 day). Off until
-a GPU test has seen it taken (docs/lora-kernel-paths.md says why).
+LoRA / base 1.14 -> 1.11 (profile_forward, the default against variant lora-no-afold-gemv, the
+same H100 day).
 """
 
 from __future__ import annotations
