@@ -21,6 +21,7 @@ import functools
 from typing import Optional
 import os
 import tempfile
+from unittest import mock
 
 import pytest
 import torch
@@ -421,20 +422,12 @@ def fused_norm_runner(lora_backend: str, graphs: bool, rowwise: bool | str = Fal
     # A-fold (SGLANG_LORA_AFOLD) likewise, "small" its default.
     env = {"SGLANG_LORA_ROWWISE_DECODE": {True: "1", False: "0"}.get(rowwise, rowwise), "SGLANG_LORA_AFOLD": afold,
            "SGLANG_LORA_FOLD_GEMV": gemv, "SGLANG_LORA_AFOLD_GEMV": afold_gemv}
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: v for k, v in env.items() if v is not None})
-    try:
+    with mock.patch.dict(os.environ, {k: v for k, v in env.items() if v is not None}):
         return make_runner(
             ckpt, device="cuda", dtype=dtype, attention_backend="triton", max_total_tokens=16384,
             max_running_requests=64, lora_paths=[f"{n}={p}" for n, p in adapters.items()],
             max_loras_per_batch=3, lora_backend=lora_backend, lora_fuse_norm=fuse, lora_fold=fold, **mode,
         )
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def decode_logprobs(r, prompts, names, steps: int) -> tuple[list[list[int]], torch.Tensor, list[bool]]:
