@@ -80,6 +80,10 @@ class TokenizerLoRAMixin:
         if self.lora_registry is None or adapter is None:
             return adapter
         names = adapter if isinstance(adapter, list) else [adapter]
+        if "" in names:
+            # A malformed value, not an unknown model: refused as /generate refuses it (a 404 here
+            # named a model "<base>:" the client never asked for).
+            raise InvalidRequestError("'lora_path' has an invalid value ''", param="lora_path")
         unknown = sorted({n for n in names if isinstance(n, str) and self.lora_registry.get(n) is None
                           and self.resolver_path(n) is None})
         if unknown:
