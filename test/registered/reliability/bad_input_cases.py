@@ -274,6 +274,9 @@ def completion_cases() -> list[Case]:
         c({"model": "default:nope"}, "not loaded: nope", 404),
         c({"lora_path": "nope"}, "not loaded: nope", 404),
         c({"lora_path": ["keep", None]}, "lora_path has 2 entries"),
+        # An empty adapter name is a malformed value (400, as on /generate), not an unknown model.
+        c({"lora_path": ""}, "'lora_path' has an invalid value"),
+        c({"lora_path": ["keep", ""]}, "'lora_path' has an invalid value", prompt=["a", "b"]),
         c({"cache_salt": 5}, "cache_salt: Input should be a valid string"),
         c({"cache_salt": "s" * 513}, "cache_salt: String should have at most 512 characters"),
         c({"cache_salt": ""}, "cache_salt: String should have at least 1 character"),
@@ -366,6 +369,7 @@ def chat_cases() -> list[Case]:
         ch({"response_format": 5}, "response_format must be an object"),
         ch({"regex": "(", "max_tokens": 2}, "Invalid regex in 'regex'"),
         ch({"lora_path": ["keep"]}, "lora_path must be a string"),
+        ch({"lora_path": ""}, "'lora_path' has an invalid value"),
         ch({"chat_template_kwargs": 5}, "chat_template_kwargs"),
         ch({"chat_template_kwargs": {"messages": []}}, "may not set ['messages']"),
         ch({"chat_template_kwargs": {"tokenize": True}}, "may not set ['tokenize']"),
