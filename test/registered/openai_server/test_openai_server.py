@@ -126,6 +126,17 @@ def test_stop_string_is_removed_in_both_modes(client) -> None:
     for extra in ({"no_stop_trim": True}, {"include_stop_str_in_output": True}):
         kept = client.completions.create(stop=[stop], extra_body=extra, **kw).choices[0]
         assert kept.text == full.text + stop, extra
+    # A stop string that ends inside a token: vLLM's option ends the text with it, streamed or
+    # not; SGLang's keeps the rest of that token too.
+    longer = [w for w in words if len(w) >= 4]
+    assert longer, f"the greedy output should contain a longer word: {base!r}"
+    part = longer[0][:2]
+    cut = client.completions.create(stop=[part], **kw).choices[0].text
+    vllm_kw = dict(stop=[part], extra_body={"include_stop_str_in_output": True}, **kw)
+    assert client.completions.create(**vllm_kw).choices[0].text == cut + part
+    assert "".join(c.choices[0].text for c in client.completions.create(stream=True, **vllm_kw)) == cut + part
+    untrimmed = client.completions.create(stop=[part], extra_body={"no_stop_trim": True}, **kw).choices[0].text
+    assert untrimmed.startswith(cut + part) and base.startswith(untrimmed)
 
 
 def test_echo_with_prompt_logprobs(client) -> None:

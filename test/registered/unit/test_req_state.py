@@ -66,6 +66,14 @@ def test_stop_token_and_stop_string_are_trimmed(tokenizer) -> None:
     st3 = make_state(tokenizer, event, stop=[" gam"], no_stop_trim=True)
     st3.apply(news("a", ids, len(ids), {"type": "stop", "matched": " gam"}), 0)
     assert st3.text() == "alpha beta gamma"
+    # vLLM's include_stop_str_in_output keeps the stop string and ends there: not the rest of the
+    # token that completed it (" gamma"), as SGLang's no_stop_trim does.
+    st4 = make_state(tokenizer, event, stop=[" gam"], include_stop_str_in_output=True)
+    st4.apply(news("a", ids, len(ids), {"type": "stop", "matched": " gam"}), 0)
+    assert st4.text() == "alpha beta gam"
+    st5 = make_state(tokenizer, event, stop_token_ids=[ids[-1]], include_stop_str_in_output=True)
+    st5.apply(news("a", ids, len(ids), {"type": "stop", "matched": ids[-1]}), 0)
+    assert st5.text() == "alpha beta gamma"  # a stop token's text is kept too, as vLLM keeps it
 
 
 def test_batch_non_stream_yields_one_list(tokenizer) -> None:

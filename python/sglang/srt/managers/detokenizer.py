@@ -93,15 +93,16 @@ def first_stop(text: str, stops: Sequence[str], protected: int = 0) -> Optional[
 
 
 def visible_text(text: str, stops: Sequence[str], finished: bool, trim_stop: bool = True,
-                 protected: int = 0) -> str:
+                 protected: int = 0, keep_stop: bool = False) -> str:
     """The part of `text` a client may see: cut at the first stop string (one ending within the
-    first `protected` characters does not count), and while running, without a tail that might
-    still grow into one."""
+    first `protected` characters does not count), or just after it with `keep_stop` (vLLM's
+    include_stop_str_in_output), and while running, without a tail that might still grow into
+    one. `trim_stop` False (SGLang's no_stop_trim): all of it."""
     if not stops or not trim_stop:
         return text
     found = first_stop(text, stops, protected)
     if found is not None:
-        return text[:found[0]]
+        return text[:found[0] + len(found[1])] if keep_stop else text[:found[0]]
     if finished:
         return text
     hold = longest_partial_stop(text, stops)

@@ -75,8 +75,9 @@ class ReqState:
         if self.detok is not None:
             text_ids = new_ids
             if (reason is not None and reason.get("type") == "stop" and isinstance(reason.get("matched"), int)
-                    and not self.params.no_stop_trim and text_ids and text_ids[-1] == reason["matched"]):
-                text_ids = text_ids[:-1]  # a matched stop token is not part of the text
+                    and not (self.params.no_stop_trim or self.params.include_stop_str_in_output)
+                    and text_ids and text_ids[-1] == reason["matched"]):
+                text_ids = text_ids[:-1]  # a matched stop token is not part of the text, unless asked for
             held = self.params.min_new_tokens - len(self.detok.ids)
             self.detok.add(text_ids)
             if 0 < held <= len(text_ids):
@@ -116,7 +117,8 @@ class ReqState:
         if self.detok is None:
             return ""
         return visible_text(self.detok.text, self.params.stop, self.finished,
-                            trim_stop=not self.params.no_stop_trim, protected=self.protected_chars)
+                            trim_stop=not self.params.no_stop_trim, protected=self.protected_chars,
+                            keep_stop=self.params.include_stop_str_in_output)
 
     def to_dict(self, token_text: Callable[[int], str]) -> dict[str, Any]:
         meta: dict[str, Any] = {

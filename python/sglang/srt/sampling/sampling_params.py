@@ -24,6 +24,7 @@ _FIELDS = {
     "presence_penalty",
     "repetition_penalty",
     "no_stop_trim",
+    "include_stop_str_in_output",
     "spaces_between_special_tokens",
     "min_new_tokens",
     "logit_bias",
@@ -85,6 +86,9 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     no_stop_trim: bool = False
+    # vLLM's option: the text keeps the stop string that ended it and stops right after it (where
+    # no_stop_trim, SGLang's, also keeps the rest of the token that completed the stop string).
+    include_stop_str_in_output: bool = False
     # Logit adjustments (sampling/logit_adjustments.py), applied before temperature and the filters,
     # to greedy requests too. The additive penalties count the request's generated tokens (OpenAI's
     # definition); the repetition penalty (HF's) also counts the prompt's.
@@ -140,7 +144,7 @@ class SamplingParams:
         if self.seed is not None and not -(2**63) <= self.seed < 2**63:
             # The sampler keys its generator by 64 bits: a larger seed would alias a smaller one.
             raise ValueError(f"seed must be a 64-bit signed integer, got {self.seed}")
-        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim"):
+        for name in ("ignore_eos", "skip_special_tokens", "no_stop_trim", "include_stop_str_in_output"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a boolean, got {getattr(self, name)!r}")
         if isinstance(self.stop, str):

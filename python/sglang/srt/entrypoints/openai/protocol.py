@@ -79,7 +79,7 @@ class _SamplingFields(BaseModel):
     stop_token_ids: Optional[list[Int]] = None
     skip_special_tokens: Bool = True
     no_stop_trim: Bool = False
-    include_stop_str_in_output: Optional[Bool] = None  # vLLM's name for no_stop_trim
+    include_stop_str_in_output: Optional[Bool] = None  # vLLM's: keep the stop string, cut after it
     lora_path: Optional[Union[str, list[Optional[str]]]] = None
     rid: Optional[str] = None
     # Prefix-cache isolation (vLLM's field): KV is reused only between requests with the same salt.
@@ -96,7 +96,8 @@ class _SamplingFields(BaseModel):
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
             "skip_special_tokens": self.skip_special_tokens,
-            "no_stop_trim": self.no_stop_trim or bool(self.include_stop_str_in_output),
+            "no_stop_trim": self.no_stop_trim,
+            "include_stop_str_in_output": bool(self.include_stop_str_in_output),
             "n": self.n,
         }
         if max_new_tokens is not None:
