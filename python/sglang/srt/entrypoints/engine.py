@@ -16,6 +16,7 @@ import asyncio
 import dataclasses
 import logging
 import queue
+import sys
 import threading
 import time
 from typing import Any, AsyncIterator, Iterator, Optional, Union
@@ -28,6 +29,9 @@ from sglang.srt.server_args import ServerArgs
 from sglang.srt.server_configs import build_run_configs
 
 logger = logging.getLogger(__name__)
+
+# The reply's finish message for calls still in flight at Engine.shutdown(), and the error of calls after it.
+SHUT_DOWN = "this Engine has been shut down"
 
 
 def launch_runtime(server_args: ServerArgs) -> TokenizerManager:
@@ -66,6 +70,13 @@ def _request(prompt: Any, sampling_params: Any, input_ids: Any, return_logprob: 
     )
 
 
+def _serve_loop(loop: asyncio.AbstractEventLoop) -> None:
+    """The engine's loop thread. Once shutdown() stops the loop it is closed, so that a call
+    submitted later fails at once instead of waiting for a loop that will never run it."""
+    loop.run_forever()
+    loop.close()
+
+
 class Engine:
     def __init__(self, server_args: Optional[ServerArgs] = None, **kwargs: Any) -> None:
         if server_args is None:
@@ -76,7 +87,8 @@ class Engine:
         self.server_args = server_args
         self.tokenizer_manager = launch_runtime(server_args)
         self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="sglang-engine-loop", daemon=True)
+        # The thread must not hold the Engine: an Engine nobody references is shut down by __del__.
+        self._thread = threading.Thread(target=_serve_loop, args=(self.loop,), name="sglang-engine-loop", daemon=True)
         self._thread.start()
         started = threading.Event()
 
@@ -138,6 +150,7 @@ class Engine:
             asyncio.run_coroutine_threadsafe(self.tokenizer_manager.generate_one(obj), self.loop))
 
     async def _async_stream(self, obj: GenerateReqInput) -> AsyncIterator[dict]:
+        self._check_open()  # first iterated after shutdown: the loop no longer runs
         caller = asyncio.get_running_loop()
         items: "asyncio.Queue[tuple[str, Any]]" = asyncio.Queue()
 
@@ -171,6 +184,7 @@ class Engine:
                 fut.cancel()  # the caller stopped early: the request is aborted, its KV freed
 
     def _stream(self, obj: GenerateReqInput) -> Iterator[dict]:
+        self._check_open()  # first iterated after shutdown: the loop no longer runs
         items: "queue.Queue[tuple[str, Any]]" = queue.Queue()
 
         async def pump() -> None:
@@ -225,17 +239,39 @@ class Engine:
 
     def _check_open(self) -> None:
         if self._closed:
-            raise RuntimeError("this Engine has been shut down")
+            raise RuntimeError(SHUT_DOWN)
 
     # ------------------------------------------------------------------ lifetime
+    async def _end_in_flight(self) -> None:
+        """On the loop, once the scheduler has exited: calls still waiting on it (a generate in
+        another thread, an open stream) end now, their replies cut short with SHUT_DOWN."""
+        self.tokenizer_manager.close(SHUT_DOWN)
+        others = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        if others:
+            # Let them hand their last replies over; whatever still runs after that is cancelled.
+            _, pending = await asyncio.wait(others, timeout=5.0)
+            for task in pending:
+                task.cancel()
+
     def shutdown(self) -> None:
         if self._closed:
             return
         self._closed = True
         self.tokenizer_manager.client.shutdown()
-        if self.loop.is_running():
-            self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=5.0)
+        # Waiting on the loop thread is pointless (and would hang until its timeout) from the loop
+        # thread itself (__del__ run by the GC there) and while the interpreter exits (__del__ of a
+        # global: daemon threads no longer run, and no caller is left waiting).
+        can_wait = threading.current_thread() is not self._thread and not sys.is_finalizing()
+        if not self.loop.is_running():
+            return
+        if can_wait:
+            try:
+                asyncio.run_coroutine_threadsafe(self._end_in_flight(), self.loop).result(timeout=10.0)
+            except Exception:  # noqa: BLE001 - shutting down regardless
+                logger.exception("Ending the calls in flight at shutdown failed")
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        if can_wait:
+            self._thread.join(timeout=5.0)
 
     def __enter__(self) -> "Engine":
         return self

@@ -221,6 +221,13 @@ class TokenizerManager(TokenizerLoRAMixin):
                 if self.dead_reason is None:
                     self.client.send(AbortReq(rid=rid))
 
+    def close(self, reason: str) -> None:
+        """The owner stopped the scheduler on purpose (Engine.shutdown, on the loop): the client
+        does not report that exit, so end here, with `reason`, every request and control call still
+        waiting for news that will not come, and refuse new ones."""
+        self.stopping_reason = reason
+        self._handle_scheduler_exit(reason)
+
     def _handle_scheduler_exit(self, reason: str) -> None:
         self.dead_reason = reason
         for rid in list(self._abandoned):  # no more news will come: count them as they stand
