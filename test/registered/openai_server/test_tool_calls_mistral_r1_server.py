@@ -3,7 +3,8 @@ deepseek-r1`, on the echo checkpoint (see test_tool_calls_server.py). Mistral's 
 special token of the tokenizer: the server keeps special tokens in the text of requests it parses
 for calls, and skips them as usual in the others. DeepSeek-R1's template opens the reasoning in the
 prompt (the test template's `open_think`), so the reply starts inside it without a tag. A `strict`
-tool under "auto" is held to its schema after the reasoning, in either of Mistral's syntaxes.
+tool under "auto" is held to its schema after the reasoning, in either of Mistral's syntaxes. A reply
+held to a JSON schema, regex or grammar from its first token is the content, not reasoning.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import requests
 
 from echo_checkpoint import echo_body
 from tool_calls_testlib import STRICT_FORECAST, TOOLS, ask, ask_streamed, same_reply, valid_forecast
@@ -106,3 +108,57 @@ def test_a_strict_tools_call_is_held_to_its_schema_after_the_reasoning(server, c
     assert tc.function.name == "forecast" and valid_forecast(tc.function.arguments), tc.function.arguments
     streamed, _ = ask_streamed(client, body)
     same_reply(streamed[0], choice)
+
+
+# Constraints that hold the output from its first token: it is the answer, with no room for a reasoning
+# block, so it is the content (DeepSeek-R1's parser would read a reply without </think> as reasoning).
+CITY = {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}
+FROM_THE_FIRST_TOKEN = {
+    "json_object": ({"response_format": {"type": "json_object"}}, '{"city": "Paris"}'),
+    "json_schema": ({"response_format": {"type": "json_schema", "json_schema": {"name": "c", "schema": CITY}}},
+                    '{"city": "Paris"}'),
+    "guided_json": ({"guided_json": CITY}, '{"city": "Paris"}'),
+    "regex": ({"regex": "(yes|no), [a-z]+"}, "yes, sir"),
+    "guided_choice": ({"guided_choice": ["yes", "no"]}, "no"),
+    "ebnf": ({"ebnf": 'root ::= "A" [0-9]+'}, "A42"),
+}
+
+
+def ask_raw(server: str, body: dict, stream: bool = False) -> dict:
+    """The first choice of a reply over plain HTTP (vLLM's and SGLang's extra fields at the top
+    level); streamed, its deltas put together: {"content", "reasoning_content", "finish_reason"}."""
+    r = requests.post(f"{server}/v1/chat/completions", json={**body, "stream": stream}, timeout=120, stream=stream)
+    assert r.status_code == 200, r.text
+    if not stream:
+        return r.json()["choices"][0]
+    out = {"content": "", "reasoning_content": "", "finish_reason": None}
+    for line in r.iter_lines():
+        if not line.startswith(b"data: ") or line == b"data: [DONE]":
+            continue
+        for choice in json.loads(line[6:])["choices"]:
+            out["content"] += choice["delta"].get("content") or ""
+            out["reasoning_content"] += choice["delta"].get("reasoning_content") or ""
+            out["finish_reason"] = choice["finish_reason"] or out["finish_reason"]
+    return out
+
+
+@pytest.mark.parametrize("name", list(FROM_THE_FIRST_TOKEN))
+def test_an_output_constrained_from_its_first_token_is_the_content(server, name: str) -> None:
+    fields, text = FROM_THE_FIRST_TOKEN[name]
+    body = echo_body(server, text, **R1, **fields)
+    choice = ask_raw(server, body)
+    assert choice["finish_reason"] == "stop"
+    assert (choice["message"]["content"], choice["message"]["reasoning_content"]) == (text, None)
+    assert ask_raw(server, body, stream=True) == {"content": text, "reasoning_content": "", "finish_reason": "stop"}
+
+
+def test_a_structural_tag_leaves_the_reasoning_free(server) -> None:
+    """A structural tag's text is free until a trigger: the model may reason first, and the reply is
+    split as without it."""
+    tag = {"type": "structural_tag", "triggers": ["<function="],
+           "structures": [{"begin": "<function=get_weather>", "schema": CITY, "end": "</function>"}]}
+    body = echo_body(server, "Easy.\n</think>\n\nParis.", response_format=tag, **R1)
+    choice = ask_raw(server, body)
+    assert (choice["message"]["reasoning_content"], choice["message"]["content"]) == ("Easy.", "Paris.")
+    assert ask_raw(server, body, stream=True) == {"content": "Paris.", "reasoning_content": "Easy.",
+                                                  "finish_reason": "stop"}

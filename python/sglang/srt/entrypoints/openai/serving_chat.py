@@ -3,6 +3,7 @@ calls and reasoning (chat_tools.py checks the request's side, chat_output.py par
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -173,7 +174,13 @@ class OpenAIServingChat:
         adapter = self.tm.adapter_from_model(req.model, req.lora_path)
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sampling_params = req.sampling_params(max_tokens)
-        await add_constraint(self.tm, req, sampling_params, plan.constraint)  # the tools', or the request's
+        constraint = await add_constraint(self.tm, req, sampling_params, plan.constraint)  # the tools', or the request's
+        if spec.reasoning is not None and constraint is not None and constraint.spec.kind != "structural_tag":
+            # A JSON schema, regex or grammar holds the output from its first token: it is the answer,
+            # with no room for a reasoning block, so it is the content. A parser that starts inside
+            # the block (deepseek-r1) would otherwise read all of it as reasoning and leave the
+            # content empty. A structural tag's text is free until a trigger: the model may reason.
+            spec = dataclasses.replace(spec, reasoning=None)
         input_ids = await chat_prompt_ids(self.tm, req)
         return GenerateReqInput(
             input_ids=input_ids,

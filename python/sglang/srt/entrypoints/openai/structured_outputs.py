@@ -175,11 +175,12 @@ def requested_constraint(request: Any, backend: str) -> Optional[Constraint]:
 
 
 async def add_constraint(tm: Any, request: Any, sampling_params: dict[str, Any],
-                         tool_constraint: Optional[Constraint] = None) -> None:
+                         tool_constraint: Optional[Constraint] = None) -> Optional[Constraint]:
     """Check the request's constraint at the door (a 400 naming its field unless it compiles on this
     server: the tokenizer manager's `check_grammar`) and put it into `sampling_params`.
     `tool_constraint`: a chat request's forced tool calls, or its strict tools' calls under "auto"
-    (chat_tools.ToolPlan.constraint), which take the request's one constraint."""
+    (chat_tools.ToolPlan.constraint), which take the request's one constraint. Returns the
+    constraint put in (None: none)."""
     backend = tm.config.grammar_backend
     constraint = requested_constraint(request, backend)
     if tool_constraint is not None:
@@ -194,8 +195,9 @@ async def add_constraint(tm: Any, request: Any, sampling_params: dict[str, Any],
                 f"(--grammar-backend none); to enable it, {how_to_enable()}", param=tool_constraint.asked_by)
         constraint = tool_constraint
     if constraint is None:
-        return
+        return None
     for spec, field in constraint.parts:
         await tm.check_grammar(spec, field)
     await tm.check_grammar(constraint.spec, constraint.field)
     sampling_params[constraint.spec.kind] = constraint.spec.value
+    return constraint
