@@ -27,6 +27,16 @@ def call(name: str, params: dict[str, str]) -> str:
     return f"<tool_call>\n<function={name}>\n{body}</function>\n</tool_call>"
 
 
+# Types a schema gives through a `$ref` (pydantic writes one for every enum and nested model), an
+# `allOf` around one, or the values of an `enum` / `const` without a `type`.
+MAIL = {"type": "function", "function": {"name": "mail", "parameters": {
+    "type": "object", "$defs": {"zip": {"type": "string"}, "n": {"type": "integer"}},
+    "properties": {"zip": {"$ref": "#/$defs/zip"}, "code": {"enum": ["1", "2"]}, "tag": {"const": "7"},
+                   "note": {"allOf": [{"$ref": "#/$defs/zip"}], "description": "free text"},
+                   "count": {"anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}},
+    "required": ["zip"]}}}
+MAIL_TEXT = {"zip": "75001", "code": "2", "tag": "7", "note": "true", "count": "4"}
+MAIL_ARGS = {"zip": "75001", "code": "2", "tag": "7", "note": "true", "count": 4}
 PARIS = call("get_weather", {"city": "Paris", "days": "3", "metric": "true"})
 TOKYO_TIME = call("get_time", {"tz": "Asia/Tokyo"})
 
@@ -55,9 +65,10 @@ def client(server) -> openai.OpenAI:
     # a call written without its <tool_call> block
     ("Sure.\n<function=get_time>\n<parameter=tz>\nUTC\n</parameter>\n</function>", "Sure.",
      [("get_time", {"tz": "UTC"})]),
+    (call("mail", MAIL_TEXT), None, [("mail", MAIL_ARGS)]),
 ])
 def test_qwen3_coder_calls(server, client, text: str, content, calls: list) -> None:
-    body = echo_body(server, text, tools=TOOLS)
+    body = echo_body(server, text, tools=TOOLS + [MAIL])
     choice = ask(client, body).choices[0]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls or []] == calls
     assert choice.message.content == content
@@ -99,3 +110,12 @@ def test_a_strict_tools_parameters_are_held_to_its_schema(server, client) -> Non
     loose = {"type": "function", "function": {k: v for k, v in STRICT_FORECAST["function"].items() if k != "strict"}}
     choice = ask(client, echo_body(server, text, tools=[loose, TIME])).choices[0]
     assert json.loads(choice.message.tool_calls[0].function.arguments) == {"city": "Paris", "days": "three"}
+
+
+def test_a_strict_tools_referenced_types_are_kept(server, client) -> None:
+    """The grammar holds "zip" to the string its `$ref` names; the parser must not read it back as
+    the number 75001 (strict promises arguments valid against the schema)."""
+    strict = {"type": "function", "function": {**MAIL["function"], "strict": True}}
+    choice = ask(client, echo_body(server, call("mail", MAIL_TEXT), tools=[strict])).choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert json.loads(choice.message.tool_calls[0].function.arguments) == MAIL_ARGS

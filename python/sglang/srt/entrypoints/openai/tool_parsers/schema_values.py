@@ -3,8 +3,10 @@ by the type the request's tool schema gives the parameter.
 
 The model writes `3`, `true`, `[1, 2]` or `Paris` alike, without quotes; only the schema says
 whether `3` is the number or the string. A value that does not read as its type stays the string
-it is (the tool gets what the model wrote rather than nothing). Without a type (no schema for the
-parameter, or one without `type`), a value that is JSON is taken as JSON, any other as a string.
+it is (the tool gets what the model wrote rather than nothing). The type is the schema's `type`,
+else that of its `enum` / `const` values, else its anyOf / oneOf / allOf branches', local `$ref`s
+followed. Without one (no schema for the parameter, or one that does not say), a value that is JSON
+is taken as JSON, any other as a string.
 """
 
 from __future__ import annotations
@@ -16,8 +18,13 @@ from sglang.srt.entrypoints.openai.tool_parsers.base import strict_json
 _NOT = object()  # "does not read as this type"
 
 
+# How many `$ref`s deep a parameter's type is looked for (a recursive schema refers to itself).
+_MAX_REF_DEPTH = 16
+
+
 def parameter_schemas(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str, Any]]:
-    """{function name: {parameter name: its JSON schema}} of (checked) OpenAI tool definitions."""
+    """{function name: {parameter name: its JSON schema}} of (checked) OpenAI tool definitions,
+    each parameter's local `$ref`s that say its type resolved (see _typing_schema)."""
     out: dict[str, dict[str, Any]] = {}
     for tool in tools:
         fn = tool.get("function") if isinstance(tool, Mapping) else None
@@ -25,13 +32,66 @@ def parameter_schemas(tools: Sequence[Mapping[str, Any]]) -> dict[str, dict[str,
             continue
         params = fn.get("parameters") or {}
         props = params.get("properties") if isinstance(params, Mapping) else None
-        out[fn["name"]] = {k: v for k, v in props.items() if isinstance(v, Mapping)} if isinstance(props, Mapping) else {}
+        out[fn["name"]] = ({k: _typing_schema(v, params) for k, v in props.items() if isinstance(v, Mapping)}
+                           if isinstance(props, Mapping) else {})
     return out
 
 
+def _pointer(root: Mapping[str, Any], ref: str) -> Optional[Mapping[str, Any]]:
+    """The schema a local `$ref` ("#", "#/$defs/X", ...) points at within `root`; None if it
+    points elsewhere (another document) or at nothing."""
+    if ref != "#" and not ref.startswith("#/"):
+        return None
+    node: Any = root
+    for part in ref[2:].split("/") if ref != "#" else []:
+        part = part.replace("~1", "/").replace("~0", "~")
+        if isinstance(node, Mapping):
+            node = node.get(part)
+        elif isinstance(node, list) and part.isdigit() and int(part) < len(node):
+            node = node[int(part)]
+        else:
+            return None
+    return node if isinstance(node, Mapping) else None
+
+
+def _typing_schema(schema: Mapping[str, Any], root: Mapping[str, Any], depth: int = 0) -> Mapping[str, Any]:
+    """`schema` with the `$ref`s that say its type (its own, its anyOf / oneOf / allOf branches')
+    replaced by the schemas they point at in `root` (the tool's `parameters`). Generated schemas
+    (pydantic's) refer to every enum and nested model: unresolved, a string parameter would have no
+    type and `75001` would become a number, against the schema (and a strict tool's grammar)."""
+    if depth > _MAX_REF_DEPTH:
+        return schema
+    ref = schema.get("$ref")
+    if isinstance(ref, str):
+        target = _pointer(root, ref)
+        if target is not None:  # the keywords beside the $ref (a description, ...) apply too
+            merged = {**target, **{k: v for k, v in schema.items() if k != "$ref"}}
+            if "$ref" in target:
+                merged["$ref"] = target["$ref"]
+            return _typing_schema(merged, root, depth + 1)
+    out = dict(schema)
+    for key in ("anyOf", "oneOf", "allOf"):
+        if isinstance(out.get(key), list):
+            out[key] = [_typing_schema(b, root, depth + 1) if isinstance(b, Mapping) else b for b in out[key]]
+    return out
+
+
+def _json_type(value: Any) -> str:
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if value is None:
+        return "null"
+    return {str: "string", list: "array", dict: "object"}.get(type(value), "string")
+
+
 def schema_types(schema: Optional[Mapping[str, Any]]) -> list[str]:
-    """The JSON types a schema allows, in its order: `type` (a name or a list), else the types of
-    its anyOf / oneOf branches; [] when it does not say."""
+    """The JSON types a schema allows, in its order: `type` (a name or a list), else those of its
+    `const` or `enum` values, else the types of its anyOf / oneOf / allOf branches; [] when it does
+    not say."""
     if not isinstance(schema, Mapping):
         return []
     kind = schema.get("type")
@@ -40,7 +100,13 @@ def schema_types(schema: Optional[Mapping[str, Any]]) -> list[str]:
     if isinstance(kind, list):
         return [k for k in kind if isinstance(k, str)]
     out: list[str] = []
-    for key in ("anyOf", "oneOf"):
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    if isinstance(values, list):
+        for v in values:
+            if _json_type(v) not in out:
+                out.append(_json_type(v))
+        return out
+    for key in ("anyOf", "oneOf", "allOf"):
         for branch in schema.get(key) or []:
             out += [k for k in schema_types(branch) if k not in out]
     return out
