@@ -11,6 +11,7 @@ import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -89,7 +90,7 @@ def server(ckpt, tmp_path_factory):
                 "b": write_adapter(ckpt, str(root / "b"), r=4, seed=62)}
     proc, url = popen_launch_server(ckpt, [
         "--device", "cpu", "--dtype", "float32", "--tp-size", "2", "--enable-test-hooks",
-        "--lora-backend", "torch_native", "--lora-paths", f"a={adapters['a']}", "--max-loras-per-batch", "3",
+        "--lora-paths", f"a={adapters['a']}", "--max-loras-per-batch", "3",
         "--max-lora-rank", "8", "--lora-target-modules", "all",
     ], env=server_env())
     yield proc, url, adapters
@@ -146,11 +147,32 @@ def test_ranks_serve_in_lockstep_and_stop_on_sigint(server) -> None:
     assert check["ok"] and check["tp_ranks_agree"], check
     assert server_info(url)["lora"]["loaded_adapters"] == {"b": adapters["b"]}
 
-    # Ctrl-C: the server shuts down cleanly and takes every rank with it.
+    # Ctrl-C with an adapter's reply streaming: the reply ends with the shutdown's 503, the server
+    # shuts down cleanly and takes every rank with it.
+    events: list[str] = []
+    streaming = threading.Event()
+
+    def stream() -> None:
+        r = requests.post(f"{url}/generate", stream=True, timeout=120, json={
+            "input_ids": PROMPTS[0], "lora_path": "b", "stream": True,
+            "sampling_params": {"max_new_tokens": 2000, "temperature": 0, "ignore_eos": True}})
+        for line in r.iter_lines(decode_unicode=True):
+            if line.startswith("data: "):
+                events.append(line[6:])
+                streaming.set()
+
+    reader = threading.Thread(target=stream)
+    reader.start()
+    assert streaming.wait(60), "the stream did not start"
     proc.send_signal(signal.SIGINT)
     assert proc.wait(60) == 0, read_log(proc)[-3000:]
+    reader.join(30)
     assert all_gone(pids), "a TP rank outlived the server"
+    assert events[-1] == "[DONE]" and "shutting down" in events[-2], events[-2:]
     log = read_log(proc)
+    # rank 0 kept sending news of that request until it was stopped, after the HTTP server's
+    # event loop had closed: that news is dropped, not a traceback per message.
+    assert "Traceback" not in log, log[-3000:]
     assert "Joined the tensor-parallel group: rank 1 of 2 (gloo)" in log
     assert "The scheduler has exited" in log
     # The ranks leave by os._exit: nothing of theirs may be left to the resource tracker.

@@ -135,6 +135,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
         logger.info("The server is ready: http://%s:%d (model %s)", server_args.host, server_args.port,
                     tm.served_model_name)
         yield
+        # Every connection has ended and the loop is about to close: the scheduler's news of the
+        # requests it still runs until the shutdown reaches it has nowhere to go.
+        tm.client.stop_delivery()
 
     app = FastAPI(title="sglang", lifespan=lifespan, default_response_class=JSONBody)
     install_error_handlers(app)

@@ -41,6 +41,10 @@ class SchedulerClient:
         self._reader: Optional[threading.Thread] = None
         self._closed = False
         self.exit_reason: Optional[str] = None
+        # Whether rank 0's news still goes to the callbacks of start_reader; the lock makes
+        # stop_delivery wait for a hand-over in progress.
+        self._delivering = True
+        self._delivery_lock = threading.Lock()
 
     @property
     def proc(self) -> Optional[mp.process.BaseProcess]:
@@ -82,19 +86,33 @@ class SchedulerClient:
                 if isinstance(msg, SchedulerFailed):  # rank 0's crash report, just before it exits
                     self.ranks.note_crash(0, msg.error, msg.failed_at)
                     continue
-                try:
-                    on_message(msg)
-                except Exception:  # a bug in a handler must not kill the reader
-                    logger.exception("error while handling a scheduler message")
+                with self._delivery_lock:
+                    if not self._delivering:
+                        continue  # nobody left to tell: drain the pipe until rank 0 exits
+                    try:
+                        on_message(msg)
+                    except Exception:  # a bug in a handler must not kill the reader
+                        logger.exception("error while handling a scheduler message")
 
         def on_failure(reason: str) -> None:
             if not self._closed:
                 self.exit_reason = reason
-                on_exit(reason)
+                with self._delivery_lock:
+                    if self._delivering:
+                        on_exit(reason)
 
         self._reader = threading.Thread(target=read_loop, name="sglang-sched-reader", daemon=True)
         self._reader.start()
         self.ranks.watch(on_failure, rank0_reader=self._reader)
+
+    def stop_delivery(self) -> None:
+        """Stop handing rank 0's messages (and a rank's exit) to start_reader's callbacks, for a
+        receiver that is going away: the HTTP server calls it before its event loop closes. Rank 0
+        keeps sending news of the requests it was running until the shutdown that follows reaches
+        it, and each such message would otherwise fail on the closed loop with a traceback in the
+        log. Returns once no callback is running; idempotent."""
+        with self._delivery_lock:
+            self._delivering = False
 
     # ------------------------------------------------------------------ messages
     def send(self, msg: Any) -> None:
