@@ -12,6 +12,10 @@ Each case launches `python -m sglang.launch_server` (CPU) with real PEFT adapter
 and expects it to exit with status 2 and an "error: ..." line, no traceback; the failures happen
 before any model is loaded, so each launch takes a few seconds.
 
+With --max-loras-per-batch unset, startup adapters that are all pinned are served: the pool sized
+for them keeps the one slot pinning must leave free (it used to take exactly 8 slots for 8 pinned
+adapters and then refuse the 8th pin, a flag the user never gave).
+
 And the offline `Engine(lora_paths={name: path})` (the Python API's mapping form, as in SGLang),
 which used to be refused as one malformed spec, serves those adapters under those names.
 """
@@ -94,6 +98,29 @@ def test_startup_json_entry_with_a_non_boolean_pinned_is_refused(lora_ckpt, adap
     entry = json.dumps({"lora_name": "p", "lora_path": adapter, "pinned": pinned})
     log = launch_expecting_refusal(lora_ckpt, ["--lora-paths", entry])
     assert "error: --lora-paths" in log and "'pinned' must be true or false" in log, log[-3000:]
+
+
+def test_startup_adapters_all_pinned_fit_an_unset_slot_count(lora_ckpt, adapter) -> None:
+    from lora_server_testlib import generate, load_adapter, lora_info
+    from server_helpers import kill_server, popen_launch_server, read_log
+
+    names = [f"p{i}" for i in range(8)]  # DEFAULT_SLOTS of them
+    specs = [json.dumps({"lora_name": n, "lora_path": adapter, "pinned": True}) for n in names]
+    proc, url = popen_launch_server(lora_ckpt, [
+        "--device", "cpu", "--dtype", "float32", "--lora-backend", "torch_native", "--max-total-tokens", "1024",
+        "--lora-paths", *specs,
+    ])
+    try:
+        info = lora_info(url)
+        assert sorted(info["pinned_adapters"]) == names and info["max_loras_per_batch"] == 9, info
+        # An adapter loaded later runs in one batch with every pinned one: all nine hold slots.
+        assert load_adapter(url, "free", adapter).status_code == 200
+        outs = generate(url, {"input_ids": [[5, 6, 7, 8]] * 9, "lora_path": [*names, "free"],
+                              "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+        assert all(out["output_ids"] == outs[0]["output_ids"] for out in outs)  # one adapter, nine names
+        assert set(lora_info(url)["pool_slots"]) == {*names, "free"}
+    finally:
+        assert kill_server(proc) == 0, read_log(proc)[-3000:]
 
 
 def test_engine_takes_lora_paths_as_a_name_to_path_mapping(lora_ckpt, adapter) -> None:

@@ -157,6 +157,9 @@ def test_the_slot_budget_follows_device_memory(monkeypatch) -> None:
     assert count(shapes, ["qkv_proj"], 8, torch.bfloat16, cpu, 3) == pool_sizing.DEFAULT_SLOTS
     assert count(shapes, ["qkv_proj"], 8, torch.bfloat16, cpu, 40) == 40
     assert count(shapes, ["qkv_proj"], 8, torch.bfloat16, cpu, 40, max_loaded_loras=20) == 20
+    # All startup adapters pinned: one more slot, the one pinning must leave free.
+    assert count(shapes, ["qkv_proj"], 8, torch.bfloat16, cpu, 8, num_startup_pinned=8) == 9
+    assert count(shapes, ["qkv_proj"], 8, torch.bfloat16, cpu, 40, num_startup_pinned=3) == 40
     assert count(shapes, ["qkv_proj"], 8, torch.bfloat16, cpu, 1000) == pool_sizing.AUTO_MAX_SLOTS
     assert count(shapes, ["qkv_proj"], 8, torch.bfloat16, cpu, 40, agree=lambda n: n - 1) == 39  # TP: the min
     total = 30 * per_slot / pool_sizing.AUTO_POOL_MEMORY_FRACTION  # room for 30 slots

@@ -128,7 +128,7 @@ class LoRAManager:
             )
         self.max_loras_per_batch = config.max_loras_per_batch or auto_slot_count(
             self.shapes, target_modules, max_rank, dtype, self.device, len(config.refs), config.max_loaded_loras,
-            tp_group.min_over_ranks,
+            tp_group.min_over_ranks, num_startup_pinned=sum(1 for ref in config.refs if ref.pinned),
         )
 
         if config.backend != config.requested_backend:

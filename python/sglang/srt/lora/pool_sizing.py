@@ -1,6 +1,7 @@
 """How many adapter slots the pool gets when `--max-loras-per-batch` is not given.
 
-Enough for every startup adapter (at least DEFAULT_SLOTS, SGLang's default), so that a server
+Enough for every startup adapter (at least DEFAULT_SLOTS, SGLang's default, and one more than the
+pinned ones: pinning must leave a slot free for unpinned adapters), so that a server
 started with 64 adapters can batch all 64 at once, within a memory budget: at most
 AUTO_POOL_MEMORY_FRACTION of the device's memory, so the CUDA graphs and the KV pool keep their
 share (the KV pool is sized after the LoRA pool, from what is left), and at most AUTO_MAX_SLOTS.
@@ -53,9 +54,12 @@ def auto_slot_count(
     num_startup_adapters: int,
     max_loaded_loras: Optional[int] = None,
     agree: Callable[[int], int] = lambda n: n,
+    num_startup_pinned: int = 0,
 ) -> int:
     """The slot count for an unset --max-loras-per-batch (see the module doc); logged."""
-    wanted = max(DEFAULT_SLOTS, num_startup_adapters)
+    # pinned + 1: with every startup adapter pinned, a pool of exactly their count would refuse the
+    # last pin (at most slots - 1 may be pinned) on a slot count the user never chose.
+    wanted = max(DEFAULT_SLOTS, num_startup_adapters, num_startup_pinned + 1)
     if max_loaded_loras is not None:
         wanted = min(wanted, max_loaded_loras)  # more slots than loadable adapters would sit empty
     per_slot = slot_bytes(shapes, target_modules, max_rank, dtype)
