@@ -309,15 +309,17 @@ def request_plan(req: Any, tool_call_parser: Optional[str], reasoning_parser: Op
 
 
 def output_spec(req: Any, tool_call_parser: Optional[str], reasoning_parser: Optional[str],
-                plan: Optional[ToolPlan] = None) -> OutputSpec:
+                plan: Optional[ToolPlan] = None, constraint: Optional[Constraint] = None) -> OutputSpec:
     """What a chat request's reply text is parsed for (its tools and tool_choice checked: a 400
-    for what is malformed or refused; `plan`: request_plan's, when the caller has it)."""
+    for what is malformed or refused; `plan`: request_plan's, when the caller has it;
+    `constraint`: the one the request's output is held to, if any)."""
     plan = plan if plan is not None else request_plan(req, tool_call_parser, reasoning_parser)
     reasoning = request_reasoning(req, reasoning_parser)
-    if plan.forced is not None:
-        # The constraint holds from the first output token: the reply is the calls' JSON, with no
-        # room to think first, and a reasoning parser would only misread it (deepseek-r1's takes a
-        # reply without </think> for reasoning).
+    if plan.forced is not None or (constraint is not None and constraint.spec.kind != "structural_tag"):
+        # The constraint holds from the first output token (forced calls' JSON, a JSON schema, regex
+        # or grammar): the reply is the answer, with no room to think first, and a reasoning parser
+        # would only misread it (deepseek-r1's takes a reply without </think> for reasoning). A
+        # structural tag's text is free until a trigger: the model may reason first.
         reasoning = None
     return OutputSpec(
         reasoning=reasoning,

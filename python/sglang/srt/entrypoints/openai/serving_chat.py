@@ -3,7 +3,6 @@ calls and reasoning (chat_tools.py checks the request's side, chat_output.py par
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
@@ -162,7 +161,6 @@ class OpenAIServingChat:
     async def _build(self, req: ChatCompletionRequest) -> tuple[GenerateReqInput, OutputSpec]:
         reject_unsupported(req)
         plan = request_plan(req, self.tool_call_parser, self.reasoning_parser)  # checks tools, tool_choice
-        spec = output_spec(req, self.tool_call_parser, self.reasoning_parser, plan)
         if req.top_logprobs is not None and req.top_logprobs > 0 and not req.logprobs:
             raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
         if req.top_logprobs is not None and req.top_logprobs > self.tm.config.max_top_logprobs:
@@ -175,12 +173,7 @@ class OpenAIServingChat:
         max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
         sampling_params = req.sampling_params(max_tokens)
         constraint = await add_constraint(self.tm, req, sampling_params, plan.constraint)  # the tools', or the request's
-        if spec.reasoning is not None and constraint is not None and constraint.spec.kind != "structural_tag":
-            # A JSON schema, regex or grammar holds the output from its first token: it is the answer,
-            # with no room for a reasoning block, so it is the content. A parser that starts inside
-            # the block (deepseek-r1) would otherwise read all of it as reasoning and leave the
-            # content empty. A structural tag's text is free until a trigger: the model may reason.
-            spec = dataclasses.replace(spec, reasoning=None)
+        spec = output_spec(req, self.tool_call_parser, self.reasoning_parser, plan, constraint)
         input_ids = await chat_prompt_ids(self.tm, req)
         return GenerateReqInput(
             input_ids=input_ids,
