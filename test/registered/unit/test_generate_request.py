@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from sglang.srt.managers.generate_request import GenerateReqInput, InvalidRequestError
+from sglang.srt.sampling.sampling_params import SamplingParams
 
 
 def test_single_and_batch() -> None:
@@ -21,6 +22,17 @@ def test_n_expands_with_distinct_seeds() -> None:
     assert is_batch and [r.rid for r in reqs] == ["x-0", "x-1", "x-2"]
     assert [r.sampling_params["seed"] for r in reqs] == [7, 8, 9]
     assert all("n" not in r.sampling_params for r in reqs)
+
+
+def test_n_seeds_near_the_int64_edge_wrap_and_stay_valid() -> None:
+    """Sample j draws with seed + j wrapped into int64: 2**63 - 1 with n = 2 was refused, naming a
+    seed (2**63) the client never sent."""
+    top = 2**63 - 1
+    reqs, _ = GenerateReqInput(text="hi", sampling_params={"n": 3, "seed": top - 1}).normalize()
+    seeds = [r.sampling_params["seed"] for r in reqs]
+    assert seeds == [top - 1, top, -(2**63)]
+    for r in reqs:
+        SamplingParams.from_dict(r.sampling_params)  # each sample's params pass validation
 
 
 @pytest.mark.parametrize(

@@ -227,7 +227,8 @@ class GenerateReqInput:
                 sp_j = dict(sp)
                 if j > 0 and isinstance(sp.get("seed"), int):
                     # Distinct yet reproducible samples for n > 1 with a seed.
-                    sp_j["seed"] = sp["seed"] + j
+                    # Wrapped into int64, so a valid seed near 2**63 stays valid for every sample.
+                    sp_j["seed"] = (sp["seed"] + j + 2**63) % 2**64 - 2**63
                 out.append(
                     SingleGenerateReq(
                         rid=rids[i] if n == 1 else f"{rids[i]}-{j}",
