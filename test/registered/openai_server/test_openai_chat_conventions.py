@@ -107,3 +107,59 @@ def test_neutral_echo_on_chat_is_accepted(url) -> None:
     assert r.status_code == 400 and "echo is not supported on chat completions" in r.json()["error"]["message"]
     r = requests.post(f"{url}/v1/chat/completions", json={**body, "echo": "no"}, timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "echo", r.text
+
+
+def test_chat_without_max_tokens_runs_to_the_context(url, client) -> None:
+    """OpenAI's chat (and vLLM's, SGLang's) has no output cap when max_tokens is unset: the reply
+    ends at EOS, a stop or the context. It was cut at 128 tokens with finish_reason "length"."""
+    info = requests.get(f"{url}/get_server_info", timeout=30).json()
+    limit = min(info["context_len"], info["max_total_num_tokens"])
+    room = 160  # more than the old cap of 128, little decode work on the CPU
+
+    def prompt_len(words: int) -> int:
+        msgs = [{"role": "user", "content": "hi " * words}]
+        return len(requests.post(f"{url}/tokenize", json={"messages": msgs}, timeout=30).json()["tokens"])
+
+    # A message whose rendered prompt leaves about `room` tokens.
+    base, per_word = prompt_len(0), (prompt_len(100) - prompt_len(0)) / 100
+    words = int((limit - room - base) / per_word)
+    msgs = [{"role": "user", "content": "hi " * words}]
+    n_prompt = prompt_len(words)
+    assert 128 < limit - n_prompt < room + 40, (limit, n_prompt)
+    for extra in ({}, {"max_tokens": None}):  # unset, and the explicit null the official client sends
+        reply = client.chat.completions.create(model="demo", messages=msgs, extra_body={"ignore_eos": True}, **extra)
+        assert reply.choices[0].finish_reason == "length"
+        assert reply.usage.completion_tokens == limit - n_prompt > 128
+    # /generate keeps SGLang's default of 128 when the field is left out; its null fills the context.
+    ids = requests.post(f"{url}/tokenize", json={"messages": msgs}, timeout=30).json()["tokens"]
+    for params, expected in (({}, 128), ({"max_new_tokens": None}, limit - n_prompt)):
+        r = requests.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": {"ignore_eos": True, **params}},
+                          timeout=120)
+        assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == expected, r.text[:300]
+    # min_tokens past that room: a 400 that says why, not a cap it never asked for.
+    r = requests.post(f"{url}/v1/chat/completions", json={"model": "demo", "messages": msgs, "min_tokens": room + 100},
+                      timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
+    assert "leaves after the input" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_null_means_the_default(client, route) -> None:
+    """The official client sends null for an argument passed as None; OpenAI types these fields
+    "X or null" and vLLM reads null as the default. They were 400s ("n: Input should be a valid
+    integer")."""
+    nulls = dict(n=None, stream=None, seed=None, stop=None, temperature=None, top_p=None, user=None,
+                 extra_body={"ignore_eos": None, "skip_special_tokens": None, "no_stop_trim": None})
+    if "chat" in route:
+        reply = client.chat.completions.create(model="demo", messages=[{"role": "user", "content": "hi"}],
+                                               max_tokens=3, logprobs=None, stream_options=None, **nulls)
+        assert len(reply.choices) == 1 and reply.choices[0].logprobs is None
+    else:
+        reply = client.completions.create(model="demo", prompt="hi", max_tokens=3, echo=None, logprobs=None,
+                                          best_of=None, **nulls)
+        assert len(reply.choices) == 1 and reply.choices[0].logprobs is None
+    assert reply.usage.completion_tokens == 3
+    # A required field keeps its null, and its error names it.
+    body = {"model": "demo", "max_tokens": 1, **({"messages": None} if "chat" in route else {"prompt": None})}
+    r = requests.post(f"{client.base_url}{route.removeprefix('/v1/')}", json=body, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["param"] in ("messages", "prompt"), r.text

@@ -348,6 +348,14 @@ class TokenizerManager(TokenizerLoRAMixin):
                 f"The input ({n} tokens) does not fit in {what} ({limit} tokens).",
                 param="prompt",
             )
+        if params.max_new_tokens is None:
+            params.max_new_tokens = limit - n  # "until the context": the room the prompt leaves
+            if params.min_new_tokens > params.max_new_tokens:
+                raise InvalidRequestError(
+                    f"min_new_tokens ({params.min_new_tokens}) exceeds the {params.max_new_tokens} tokens that "
+                    f"{what} ({limit} tokens) leaves after the input ({n} tokens).",
+                    param="min_new_tokens",
+                )
         if n + params.max_new_tokens > limit:
             if raw.get("max_new_tokens") is not None:
                 raise InvalidRequestError(

@@ -39,7 +39,7 @@ _FIELDS = {
 PENALTY_RANGE = 2.0
 LOGIT_BIAS_RANGE = 100.0
 REPETITION_MAX = 2.0
-DEFAULT_MAX_NEW_TOKENS = 128
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's /generate default when the field is left out
 
 
 def _is_number(x: Any) -> bool:
@@ -74,7 +74,10 @@ def _parse_logit_bias(raw: Any, vocab_size: Optional[int]) -> dict[int, float]:
 
 @dataclass
 class SamplingParams:
-    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS
+    # None (an explicit null, or an OpenAI chat request without max_tokens) is SGLang's and vLLM's
+    # "until EOS, a stop or the context": the tokenizer manager turns it into the room the prompt
+    # leaves, so that past validation it is always an int.
+    max_new_tokens: Optional[int] = DEFAULT_MAX_NEW_TOKENS
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -119,6 +122,9 @@ class SamplingParams:
             raise ValueError(f"sampling_params: unknown field(s) {sorted(unknown)}")
         kwargs: dict[str, Any] = {}
         for key, value in data.items():
+            if key == "max_new_tokens" and value is None:
+                kwargs[key] = None  # fill the context (see the field)
+                continue
             if value is None or key == "spaces_between_special_tokens":
                 continue  # accepted for compatibility: detokenisation joins tokens as the tokenizer does
             kwargs[key] = value
@@ -127,7 +133,7 @@ class SamplingParams:
         return params
 
     def verify(self, vocab_size: Optional[int] = None) -> None:
-        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 0:
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 0):
             raise ValueError(f"max_new_tokens must be a non-negative integer, got {self.max_new_tokens!r}")
         if not _is_number(self.temperature) or self.temperature < 0:
             raise ValueError(f"temperature must be a number >= 0, got {self.temperature!r}")
@@ -172,7 +178,7 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be in (0, {REPETITION_MAX:g}] (1 = none), got {rp!r}")
         if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
             raise ValueError(f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
-        if self.min_new_tokens > self.max_new_tokens:
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             default = ", the default when not set" if self.max_new_tokens == DEFAULT_MAX_NEW_TOKENS else ""
             raise ValueError(f"min_new_tokens ({self.min_new_tokens}) must not exceed "
                              f"max_new_tokens ({self.max_new_tokens}{default})")

@@ -13,7 +13,7 @@ import time
 import uuid
 from typing import Annotated, Any, Literal, Optional, Union
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from sglang.srt.entrypoints.openai.protocol_tools import DeltaToolCall, ToolCall
 from sglang.srt.managers.generate_request import MAX_CACHE_SALT_CHARS
@@ -48,12 +48,29 @@ def _id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-class StreamOptions(BaseModel):
+class _NullMeansDefault(BaseModel):
+    """An explicit JSON null on an optional field means its default, as OpenAI's spec types these
+    fields ("boolean or null") and as vLLM reads them: the official client sends null for an
+    argument passed as None. A required field keeps its null, so its error names it, and so does
+    `max_tokens`, whose null means "until the context" (vLLM's reading)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_is_default(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        fields = cls.model_fields
+        return {k: v for k, v in data.items()
+                if not (v is None and k in fields and k != "max_tokens" and not fields[k].is_required()
+                        and fields[k].get_default(call_default_factory=True) is not None)}
+
+
+class StreamOptions(_NullMeansDefault):
     include_usage: Bool = False
     continuous_usage_stats: Bool = False
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_NullMeansDefault):
     """Fields shared by completions and chat, including SGLang's extensions."""
 
     model_config = ConfigDict(extra="allow")
@@ -99,9 +116,9 @@ class _SamplingFields(BaseModel):
             "no_stop_trim": self.no_stop_trim,
             "include_stop_str_in_output": bool(self.include_stop_str_in_output),
             "n": self.n,
+            # None: until EOS, a stop or the context (chat without max_tokens; an explicit null).
+            "max_new_tokens": max_new_tokens,
         }
-        if max_new_tokens is not None:
-            params["max_new_tokens"] = max_new_tokens
         for key in ("top_k", "min_p", "stop_token_ids", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "logit_bias"):
             value = getattr(self, key)
