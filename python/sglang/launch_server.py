@@ -24,7 +24,7 @@ def main(argv: list[str] | None = None) -> None:
         from sglang.srt.tools.demo import print_demo_banner
 
         # The demo serves its adapters unless LoRA was configured by hand (server_configs.resolve_model).
-        print_demo_banner(with_adapters=not server_args.enable_lora)
+        print_demo_banner(with_adapters=server_args.demo_serves_its_adapters)
     from sglang.srt.entrypoints.http_server import launch_server
     from sglang.srt.entrypoints.worker_node import run_worker_node
     from sglang.srt.managers.scheduler_ranks import StartupError

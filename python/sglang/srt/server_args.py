@@ -174,6 +174,14 @@ class ServerArgs:
         self._handle_cuda_graph_config()
         self._warn_flags_without_effect()
 
+    @property
+    def demo_serves_its_adapters(self) -> bool:
+        """Whether the demo model (`--model-path demo`) comes with its two adapters: unless the user
+        chose the adapters (--lora-paths) or the pool's shape (--max-lora-rank, --lora-target-modules).
+        A bare --enable-lora changes nothing."""
+        return (self.model_path == "demo" and not self.lora_paths
+                and self.max_lora_rank is None and self.lora_target_modules is None)
+
     # ------------------------------------------------------------------ validation
     def _normalize_lora_args(self) -> None:
         if self.lora_paths:
@@ -283,7 +291,7 @@ class ServerArgs:
                 choice("--lora-target-modules", m, LORA_TARGET_MODULES)
             if "all" in self.lora_target_modules and len(self.lora_target_modules) > 1:
                 raise ValueError("--lora-target-modules: 'all' must be given alone")
-        if self.enable_lora:
+        if self.enable_lora and not self.demo_serves_its_adapters:
             if not self.lora_paths and (self.max_lora_rank is None or not self.lora_target_modules):
                 raise ValueError(
                     "--enable-lora (or --lora-resolver-dir) without --lora-paths requires both --max-lora-rank "
