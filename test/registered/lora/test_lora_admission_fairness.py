@@ -23,7 +23,11 @@ B_ARRIVES = 20
 
 
 def fits_with_pinned(ids: set) -> bool:
-    return len(set(ids) | {"P"}) <= 2
+    return len((set(ids) - {None}) | {"P"}) <= 2  # the base model (None) has a slot of its own
+
+
+def needs_slot(lora_id: Optional[str]) -> bool:
+    return lora_id not in (None, "P")  # what LoRAManager.needs_slot says of the base and a pinned adapter
 
 
 class EarlierRule(LoRAAdmission):
@@ -42,15 +46,20 @@ def make_req(arrival: int, lora: str, max_new: int) -> Req:
     return Req(msg, arrival)
 
 
-def turns_until_b_runs(admission: LoRAAdmission, turns: int = 400) -> Optional[int]:
+def turns_until_b_runs(admission: LoRAAdmission, turns: int = 400, base_every: int = 0,
+                       admitted: Optional[list] = None) -> Optional[int]:
     """Each turn: arrivals, then a prefill batch if admission allows one, else a decode step of
-    everything running (like Scheduler.get_next_batch). Returns B's wait in turns, or None."""
+    everything running (like Scheduler.get_next_batch). Returns B's wait in turns, or None.
+    `base_every` > 0 adds a base-model request every that many turns; `admitted` collects
+    (turn, lora) of every admission."""
     waiting: list[Req] = []
     running: list[Req] = []
     b = None
     for t in range(turns):
         if t % 4 == 0:  # a new A request every 4 turns, each decoding 10..16 tokens: always overlapping
             waiting.append(make_req(t, "A", 10 + t % 7))
+        if base_every and t % base_every == 1:
+            waiting.append(make_req(t, None, 12))
         if t == B_ARRIVES:
             b = make_req(t, "B", 3)
             waiting.append(b)
@@ -60,6 +69,8 @@ def turns_until_b_runs(admission: LoRAAdmission, turns: int = 400) -> Optional[i
         plan = plan_prefill(waiting, None, running, budget, admission)
         if plan.reqs:
             for r in plan.reqs:
+                if admitted is not None:
+                    admitted.append((t, r.lora_id))
                 waiting.remove(r)
                 r.kv_len += r.extend_len
                 r.output_ids.append(7)  # the token sampled at the end of prefill
@@ -93,5 +104,31 @@ def test_a_starving_adapter_that_fits_keeps_new_adapters_out() -> None:
     assert admission.fits("A") and admission.fits("B") and not admission.fits("C")
     admission.begin({"A", None}, [b, c])  # {A, None, B} fits too
     assert admission.fits("B") and admission.fits(None)
-    admission.begin({"A", "D", None}, [b, c])  # B does not fit: drain, only B may enter
-    assert not admission.fits("A") and not admission.fits(None) and not admission.fits("B")
+    admission.begin({"A", "D", None}, [b, c])  # B does not fit: drain, only B (and the base) may enter
+    assert not admission.fits("A") and admission.fits(None) and not admission.fits("B")
+
+
+def test_the_drain_still_admits_what_takes_no_slot() -> None:
+    """While B drains the slots, requests that cannot take the slot B waits for still run: the base
+    model's and a pinned adapter's. They were held back too, so base traffic stalled behind a
+    waiting adapter for as long as the longest running adapter request."""
+    admission = LoRAAdmission(fits_with_pinned, MAX_WAIT, needs_slot)
+    b = make_req(1, "B", 3)
+    b.lora_wait_turns = MAX_WAIT
+    admission.begin({"A", "P"}, [b])  # {A, P, B} does not fit: drain A
+    assert admission.fits(None) and admission.fits("P")
+    assert not admission.fits("A") and not admission.fits("B") and not admission.fits("C")
+    # The default needs_slot exempts the base model only.
+    plain = LoRAAdmission(fits_with_pinned, MAX_WAIT)
+    plain.begin({"A", "P"}, [b])
+    assert plain.fits(None) and not plain.fits("P")
+
+
+def test_base_traffic_runs_while_an_adapter_waits_and_the_adapter_still_gets_in() -> None:
+    admitted: list = []
+    waited = turns_until_b_runs(LoRAAdmission(fits_with_pinned, MAX_WAIT, needs_slot), base_every=3,
+                                admitted=admitted)
+    assert waited is not None and waited <= MAX_WAIT + LONGEST_A + 2, waited
+    drain_start = B_ARRIVES + MAX_WAIT
+    during = [lora for t, lora in admitted if drain_start < t < B_ARRIVES + waited]
+    assert None in during and "A" not in during, during

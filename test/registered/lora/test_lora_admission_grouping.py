@@ -16,7 +16,7 @@ import random
 import statistics
 from typing import Optional
 
-from test_lora_admission_fairness import MAX_WAIT, LONGEST_A, turns_until_b_runs
+from test_lora_admission_fairness import LONGEST_A, MAX_WAIT, fits_with_pinned, needs_slot, turns_until_b_runs
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.req import Req
@@ -105,6 +105,12 @@ def test_order_puts_active_adapters_and_base_first_then_demand() -> None:
     assert [r.arrival for r in adm.order(reqs)] == [2, 3, 0, 5, 1, 4, 6]
     assert adm.wanted_adapters(reqs, {"A"}) == ["C", "B"]
     assert GroupedLoRAAdmission(None, 64).order(reqs) == reqs  # LoRA off: FCFS
+    # A starving request's adapter goes before everything, the base model included: base traffic,
+    # admitted while the slots drain for it, must not keep taking the rows it waits for.
+    reqs[1].lora_wait_turns = MAX_WAIT
+    starving = GroupedLoRAAdmission(fits(2), MAX_WAIT)
+    starving.begin({"A"}, reqs)
+    assert [r.arrival for r in starving.order(reqs)][:4] == [1, 4, 6, 2]
 
 
 def test_a_retiring_adapter_drains_before_it_takes_requests_again() -> None:
@@ -126,5 +132,8 @@ def test_a_retiring_adapter_drains_before_it_takes_requests_again() -> None:
 
 
 def test_the_wait_bound_holds_with_grouping() -> None:
-    waited = turns_until_b_runs(GroupedLoRAAdmission(lambda ids: len(set(ids) | {"P"}) <= 2, MAX_WAIT))
+    waited = turns_until_b_runs(GroupedLoRAAdmission(fits_with_pinned, MAX_WAIT))
+    assert waited is not None and waited <= MAX_WAIT + LONGEST_A + 2, waited
+    # With base traffic too, which now runs during the drain.
+    waited = turns_until_b_runs(GroupedLoRAAdmission(fits_with_pinned, MAX_WAIT, needs_slot), base_every=3)
     assert waited is not None and waited <= MAX_WAIT + LONGEST_A + 2, waited

@@ -18,6 +18,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
+import requests
 
 from lora_server_testlib import PROMPTS, load_adapter, lora_info, post, tiny_lora_checkpoint, unload_adapter, write_adapters
 from server_helpers import kill_server, popen_launch_server, read_log
@@ -178,3 +179,50 @@ def test_unloading_an_adapter_whose_request_waits_for_a_slot(server) -> None:
     assert "c" not in lora_info(url)["loaded_adapters"]
     assert load_adapter(url, "c", paths["c"]).status_code == 200  # as the other tests expect
     assert run(url, "c", PROMPTS[1], n=4) == results["c"]  # the waiting request got c's own answer
+
+
+def test_requests_that_need_no_slot_run_while_an_adapter_drains_the_slots(server) -> None:
+    """a holds the only free slot with a long request and c waits past MAX_WAIT_TURNS, so the slots
+    drain for c. Base-model requests and the pinned adapter's need no slot c could take: they must
+    still run, not wait behind a's whole request (they did, for as long as a's longest request ran)."""
+    url = server[1]
+    progress: list[int] = []
+    results: dict[str, object] = {}
+
+    def stream_a() -> None:
+        body = {"input_ids": PROMPTS[0], "lora_path": "a", "stream": True,
+                "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+        with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as r:
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data: {"):
+                    progress.append(json.loads(line[6:])["meta_info"]["completion_tokens"])
+        results["a"] = progress[-1] if progress else None
+
+    def call_c() -> None:
+        results["c"] = run(url, "c", PROMPTS[1], n=4)
+
+    long_a = threading.Thread(target=stream_a)
+    long_a.start()
+    deadline = time.monotonic() + 60
+    while not progress and time.monotonic() < deadline:
+        time.sleep(0.02)
+    waiting_c = threading.Thread(target=call_c)
+    waiting_c.start()
+    deadline = time.monotonic() + 60
+    while "c" not in lora_info(url)["waiting_adapters"] and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert "c" in lora_info(url)["waiting_adapters"]
+    # Each of a's decode steps is a turn c is turned away: past MAX_WAIT_TURNS of them, c starves.
+    seen = progress[-1]
+    deadline = time.monotonic() + 60
+    while progress[-1] < seen + 3 * MAX_WAIT_TURNS and time.monotonic() < deadline:
+        time.sleep(0.02)
+    base = run(url, None, PROMPTS[2], n=4, timeout=120)
+    pinned = run(url, "p", PROMPTS[2], n=4, timeout=120)
+    still_running = long_a.is_alive() and progress[-1] < 400
+    a_tokens_then = progress[-1]
+    long_a.join(300)
+    waiting_c.join(300)
+    assert len(base) == 4 and len(pinned) == 4
+    assert still_running, f"the base and pinned requests finished only after a's 400 tokens ({a_tokens_then})"
+    assert results["a"] == 400 and results["c"] is not None and len(results["c"]) == 4

@@ -377,6 +377,11 @@ class LoRAManager:
         """
         return len((set(lora_ids) - {None}) | self.pinned_ids) <= self.max_loras_per_batch
 
+    def needs_slot(self, lora_id: Optional[str]) -> bool:
+        """Whether admitting `lora_id` can take a slot another adapter waits for: not the base
+        model's (it has its own) nor a pinned adapter's (validate_lora_batch counts it always)."""
+        return lora_id is not None and lora_id not in self.pinned_ids
+
     def make_resident(self, lora_ids: set[Optional[str]]) -> None:
         """Give every adapter of `lora_ids` a slot (evicting adapters outside them); the current
         stream waits for their slots' copies."""

@@ -35,6 +35,9 @@ def reserved_tokens(req: Req, ratio: float) -> int:
     return math.ceil(min(req.remaining_new_tokens, RESERVE_CLIP_TOKENS) * ratio)
 
 
+_NOBODY = object()  # no adapter (None is the base model)
+
+
 class LoRAAdmission:
     """Do the distinct adapters of a batch fit the LoRA memory pool?
 
@@ -43,20 +46,28 @@ class LoRAAdmission:
     (None) included: a prefill batch is admitted only if they and its own adapters fit together.
 
     Anti-starvation: once a waiting request has been turned away for `max_wait_turns` turns, the
-    oldest such request gets priority:
+    oldest such request (the target) gets priority, and its requests are considered first:
       * if its adapter fits next to the active ones now, it is admitted along with requests of
         already-active adapters, and no *new* adapter may take the free slot first;
       * otherwise the slots are drained: no request is admitted except ones for its adapter, so the
         running requests finish (each within its bounded `max_new_tokens`), their adapters leave
         the active set, and it fits. Without the drain, a steady stream of requests for adapters
         that are already running would keep every slot busy and the request would wait forever.
+    Either way requests that take no slot the target could get (the base model's, and a pinned
+    adapter's: `needs_slot` False) are still admitted: holding them back would not free a slot.
+
+    `needs_slot(lora_id)` tells whether an adapter competes for the pool's slots (default: every
+    adapter but the base model; the scheduler's also exempts pinned ones, whose slots are theirs).
     """
 
-    def __init__(self, validate: Optional[Callable[[set], bool]], max_wait_turns: int) -> None:
+    def __init__(self, validate: Optional[Callable[[set], bool]], max_wait_turns: int,
+                 needs_slot: Optional[Callable[[Optional[str]], bool]] = None) -> None:
         self.validate = validate
         self.max_wait_turns = max_wait_turns
+        self.needs_slot = needs_slot if needs_slot is not None else (lambda lora_id: lora_id is not None)
         self.active: set[Optional[str]] = set()
         self.allowed: Optional[set[Optional[str]]] = None
+        self.target: object = _NOBODY  # the starving request's adapter, while one starves
 
     @property
     def enabled(self) -> bool:
@@ -65,11 +76,12 @@ class LoRAAdmission:
     def begin(self, active: Iterable[Optional[str]], waiting: Iterable[Req]) -> None:
         self.active = set(active)
         self.allowed = None
+        self.target = _NOBODY
         if not self.enabled:
             return
         starving = [r for r in waiting if r.lora_wait_turns >= self.max_wait_turns]
         if starving:
-            target = min(starving, key=lambda r: r.arrival).lora_id
+            target = self.target = min(starving, key=lambda r: r.arrival).lora_id
             if target in self.active or self.validate(self.active | {target}):
                 self.allowed = self.active | {target}
             else:
@@ -78,7 +90,7 @@ class LoRAAdmission:
     def fits(self, lora_id: Optional[str]) -> bool:
         if not self.enabled:
             return True
-        if self.allowed is not None and lora_id not in self.allowed:
+        if self.allowed is not None and lora_id not in self.allowed and self.needs_slot(lora_id):
             return False
         if lora_id in self.active:
             return True
@@ -86,9 +98,6 @@ class LoRAAdmission:
 
     def add(self, lora_id: Optional[str]) -> None:
         self.active.add(lora_id)
-
-
-_NOBODY = object()  # no adapter is retiring (None is the base model, which never retires)
 
 
 class GroupedLoRAAdmission(LoRAAdmission):
@@ -110,8 +119,9 @@ class GroupedLoRAAdmission(LoRAAdmission):
     `wanted_adapters` gives the order in which adapters will want slots (for prefetching them).
     """
 
-    def __init__(self, validate: Optional[Callable[[set], bool]], max_wait_turns: int) -> None:
-        super().__init__(validate, max_wait_turns)
+    def __init__(self, validate: Optional[Callable[[set], bool]], max_wait_turns: int,
+                 needs_slot: Optional[Callable[[Optional[str]], bool]] = None) -> None:
+        super().__init__(validate, max_wait_turns, needs_slot)
         self.retiring: object = _NOBODY
         self._demand: dict[Optional[str], float] = {}
 
@@ -163,6 +173,8 @@ class GroupedLoRAAdmission(LoRAAdmission):
         position = {id(r): i for i, r in enumerate(waiting)}  # the incoming order breaks ties
 
         def key(r: Req) -> tuple:
+            if r.lora_id == self.target:  # a request starves: its adapter's requests go first
+                return (-1, 0.0, "", position[id(r)])
             if r.lora_id is None or r.lora_id in self.active:
                 return (0, 0.0, "", position[id(r)])
             return (1, -demand[r.lora_id], r.lora_id, position[id(r)])

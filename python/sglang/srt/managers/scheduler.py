@@ -104,8 +104,10 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             eos.add(int(tokenizer.eos_token_id))
         self.stop_checker = StopChecker(eos, tokenizer, mr.context_len)
         self.logit_ctx = LogitContext(eos, mr.model_config.vocab_size, mr.device)
-        validate = mr.lora_manager.validate_lora_batch if mr.lora_manager is not None else None
-        self.lora_admission = GroupedLoRAAdmission(validate, config.lora_max_wait_turns)
+        lm = mr.lora_manager
+        self.lora_admission = GroupedLoRAAdmission(lm.validate_lora_batch if lm is not None else None,
+                                                   config.lora_max_wait_turns,
+                                                   lm.needs_slot if lm is not None else None)
         self.prefix_cache: Optional[PrefixCache] = None if config.disable_radix_cache else PrefixCache(mr)
         # --schedule-policy lpm ranks by cached prefix; without a cache there is nothing to rank.
         self.longest_prefix_first = config.schedule_policy == "lpm" and self.prefix_cache is not None
