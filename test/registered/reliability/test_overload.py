@@ -114,7 +114,14 @@ def test_no_request_waits_unboundedly(server) -> None:
     whole run; every request must instead finish within a quarter of it, and the client on the
     adapter nobody else uses must get a fair share of the completions."""
     url = server[1]
-    duration = 10.0
+    # The run is long against one request's time on this machine, so that "under a quarter of the
+    # run" tells starvation apart from a slow (or shared) CPU: at least 30 times the largest job alone.
+    solo = []
+    for k in range(3):
+        t0 = time.monotonic()
+        run(url, "c", prompt(90, k), 32)
+        solo.append(time.monotonic() - t0)
+    duration = max(10.0, 30 * max(solo))
     stop_at = time.monotonic() + duration
     latencies: dict[str, list[float]] = {}
     errors: list[BaseException] = []
