@@ -111,6 +111,29 @@ def test_regex_target_modules_of_one_layer_load(tmp_path):
     assert load(path).modules == {"qkv_proj"}
 
 
+def test_layers_to_transform_limits_the_adapter_to_those_layers(adapters, tmp_path):
+    """PEFT adapts only the layers in `layers_to_transform` and ignores the file's tensors for
+    others; they were applied to every layer (prompt logprobs off PEFT's by up to 7)."""
+    path = write_peft_adapter(str(tmp_path / "peft_l1"), r=4, layers_to_transform=[1], seed=9)
+    assert {k.split(".layers.")[1].split(".")[0] for k in peft_tensors(path)} == {"1"}  # PEFT wrote layer 1 only
+    ad = load(path)
+    assert not ad.layers[0] and set(ad.layers[1]) == {"qkv_proj", "o_proj", "gate_up_proj", "down_proj"}
+    # A file with every layer's tensors and a config that names layer 0 only (one int, as PEFT allows).
+    path = copy_adapter(adapters["r4"], tmp_path, "hand_l0")
+    edit_adapter_config(path, layers_to_transform=0)
+    ad, full = load(path), load(adapters["r4"])
+    assert not ad.layers[1] and set(ad.layers[0]) == set(full.layers[0])
+    for module, (a, b) in ad.layers[0].items():
+        torch.testing.assert_close(a, full.layers[0][module][0], rtol=0, atol=0)
+        torch.testing.assert_close(b, full.layers[0][module][1], rtol=0, atol=0)
+    for bad in ([-1], ["0"], [True], "all"):
+        edit_adapter_config(path, layers_to_transform=bad)
+        _refused(path, "layers_to_transform must be a layer index")
+    edit_adapter_config(path, layers_to_transform=[5])  # the tiny model has 2 layers
+    with pytest.raises(ValueError, match="no weights for its layers_to_transform"):
+        load(path)
+
+
 def test_bin_checkpoint_loads(adapters):
     assert not os.path.exists(os.path.join(adapters["bin"], "adapter_model.safetensors"))
     ad = load(adapters["bin"])

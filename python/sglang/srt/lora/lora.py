@@ -279,6 +279,7 @@ class LoRAAdapter:
         if not tensors:
             raise ValueError(f"LoRA weights of adapter at {path!r} are empty")
         targets = self.config.target_projections()
+        layers = self.config.layers_to_transform
         # (layer, projection) -> {"A": (name, tensor), "B": (name, tensor)}
         parts: dict[tuple[int, str], dict[str, tuple[str, torch.Tensor]]] = {}
         for name, tensor in tensors.items():
@@ -289,6 +290,8 @@ class LoRAAdapter:
                     "lora_A/lora_B weight of a supported module; this engine cannot serve it"
                 )
             layer, proj, ab = int(m.group(1)), m.group(2), m.group(3)
+            if layers is not None and layer not in layers:
+                continue  # outside layers_to_transform: PEFT builds no module there, nor do we
             fused = PROJ_TO_FUSED.get(proj)
             if fused is None:
                 raise ValueError(
@@ -313,6 +316,9 @@ class LoRAAdapter:
                 raise ValueError(f"LoRA adapter at {path!r}: tensors {slot[ab][0]!r} and {name!r} collide")
             slot[ab] = (name, tensor)
 
+        if not parts:
+            raise ValueError(f"LoRA adapter at {path!r} holds no weights for its layers_to_transform "
+                             f"{self.config.layers_to_transform}")
         for (layer, proj), ab in parts.items():
             missing = {"A", "B"} - set(ab)
             if missing:

@@ -129,6 +129,9 @@ class LoRAConfig:
     peft_type: str = "LORA"
     bias: str = "none"
     lora_bias: bool = False
+    # PEFT's layer selection: the adapter adapts these layers only (None: every layer). Tensors of
+    # other layers in its file are ignored, as PEFT ignores them.
+    layers_to_transform: Optional[list[int]] = None
     # Options from _UNSUPPORTED_OPTIONS the adapter sets: option -> feature name.
     unsupported_options: dict[str, str] = field(default_factory=dict)
     # From an optional added_tokens.json next to the config: token -> id.
@@ -177,11 +180,23 @@ class LoRAConfig:
             peft_type=str(raw.get("peft_type") or "LORA"),
             bias=str(raw.get("bias") or "none"),
             lora_bias=bool(raw.get("lora_bias", False)),
+            layers_to_transform=cls._read_layers(raw.get("layers_to_transform"), cfg_file),
             unsupported_options={k: v for k, v in _UNSUPPORTED_OPTIONS.items() if raw.get(k)},
             added_tokens=cls._read_added_tokens(path),
         )
         cfg.validate(base_vocab_size)
         return cfg
+
+    @staticmethod
+    def _read_layers(value: Any, cfg_file: str) -> Optional[list[int]]:
+        """PEFT's `layers_to_transform`: null, one layer index or a list of them."""
+        if value is None:
+            return None
+        items = value if isinstance(value, list) else [value]
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):
+            raise ValueError(f"{cfg_file!r}: layers_to_transform must be a layer index or a list of them, "
+                             f"got {value!r}")
+        return sorted(set(items))
 
     @staticmethod
     def _read_added_tokens(path: str) -> dict[str, int]:
