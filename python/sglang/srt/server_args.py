@@ -177,10 +177,10 @@ class ServerArgs:
     @property
     def demo_serves_its_adapters(self) -> bool:
         """Whether the demo model (`--model-path demo`) comes with its two adapters: unless the user
-        chose the adapters (--lora-paths) or the pool's shape (--max-lora-rank, --lora-target-modules).
-        A bare --enable-lora changes nothing."""
-        return (self.model_path == "demo" and not self.lora_paths
-                and self.max_lora_rank is None and self.lora_target_modules is None)
+        chose the adapters (--lora-paths) or an empty pool of their own shape (--enable-lora with
+        --max-lora-rank and --lora-target-modules). A bare --enable-lora changes nothing."""
+        own_pool = bool(self.enable_lora and self.max_lora_rank is not None and self.lora_target_modules)
+        return self.model_path == "demo" and not self.lora_paths and not own_pool
 
     # ------------------------------------------------------------------ validation
     def _normalize_lora_args(self) -> None:

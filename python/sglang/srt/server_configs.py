@@ -43,7 +43,7 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
     changes: dict = {"model_path": demo.model_path, "served_model_name": server_args.served_model_name or "demo"}
     if server_args.demo_serves_its_adapters:
         # The zero-setup run shows multi-LoRA serving too. (With --lora-paths the user chose the
-        # adapters, with --max-lora-rank / --lora-target-modules the pool's shape: their choice stands.)
+        # adapters, with --enable-lora and a pool shape an empty pool: their choice stands.)
         changes.update(lora_paths=[LoRAPathSpec.parse(entry) for entry in demo_lora_paths(demo)], enable_lora=True)
     return dataclasses.replace(server_args, **changes)
 

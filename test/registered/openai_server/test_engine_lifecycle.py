@@ -232,8 +232,9 @@ def test_resolve_model_serves_the_demo_adapters_and_a_runnable_lora_backend(monk
     # A bare --enable-lora changes nothing (it was refused for want of --max-lora-rank).
     from sglang.srt.server_args import prepare_server_args
 
-    bare = resolve_model(prepare_server_args(["--device", "cpu", "--enable-lora"]))
-    assert [s.lora_name for s in bare.lora_paths] == ["demo-qv-r8", "demo-all-r16"]
+    for flags in (["--enable-lora"], ["--enable-lora", "--max-lora-rank", "32"], ["--max-lora-rank", "32"]):
+        args = resolve_model(prepare_server_args(["--device", "cpu", *flags]))
+        assert args.enable_lora and [s.lora_name for s in args.lora_paths] == ["demo-qv-r8", "demo-all-r16"], flags
     # LoRA configured by hand: the user's pool, no demo adapters.
     own = resolve_model(ServerArgs(device="cpu", enable_lora=True, max_lora_rank=4, lora_target_modules=["all"]))
     assert own.enable_lora and not own.lora_paths
