@@ -487,6 +487,9 @@ class ServerArgs:
             elif isinstance(value, list):
                 value = [dataclasses.asdict(v) if isinstance(v, LoRAPathSpec) else v for v in value]
             out[f.name] = value
+        # The backend that runs, not the one asked for (a CPU without the Triton interpreter falls
+        # back to torch_native): a reader of /get_server_info should not have to know that rule.
+        out["lora_backend"] = self.resolved_lora_backend()
         return out
 
 

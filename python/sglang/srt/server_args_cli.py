@@ -210,9 +210,9 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
     g.add_argument("--lora-fuse-norm", nargs="?", const="on", default=default("lora_fuse_norm"),
                    choices=LORA_FUSE_NORM_MODES,
                    help="triton/csgmv, decode: the RMSNorm before qkv_proj / gate_up_proj also computes "
-                        "their LoRA shrink, one kernel fewer per module. auto (default): before folded "
-                        "modules, whose output stays the same; on (or the bare flag): before unfolded "
-                        "ones too (their shrink sums in another order); off: never.")
+                        "their LoRA shrink, one kernel fewer per module. auto (default) and on (or the "
+                        "bare flag): before folded and unfolded modules alike (on warns where nothing "
+                        "can fuse); off: never.")
     g.add_argument("--lora-max-wait-turns", type=int, default=default("lora_max_wait_turns"),
                    help="Scheduler turns a request may wait for an adapter slot before requests "
                         "for other adapters are held back until it fits.")

@@ -244,3 +244,5 @@ def test_resolve_model_serves_the_demo_adapters_and_a_runnable_lora_backend(monk
     monkeypatch.delenv("TRITON_INTERPRET")
     assert resolve_model(ServerArgs(device="cpu")).resolved_lora_backend() == "torch_native"
     assert ServerArgs(device="cpu", lora_backend="triton").resolved_lora_backend() == "torch_native"
+    # /get_server_info's top level reports the backend that runs, as its "lora" section does.
+    assert ServerArgs(device="cpu", lora_backend="triton").to_public_dict()["lora_backend"] == "torch_native"

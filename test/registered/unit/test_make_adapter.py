@@ -3,6 +3,7 @@ load, with non-zero B, reproducible bytes, and `NAME=PATH` lines ready for --lor
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -27,6 +28,8 @@ def test_cli_writes_adapters_peft_and_the_engine_load(tmp_path) -> None:
     )
     assert out.returncode == 0, out.stderr[-2000:]
     assert out.stdout.split() == [f"lora{i}={tmp_path / f'lora{i}'}" for i in range(2)]
+    with open(tmp_path / "lora0" / "adapter_config.json") as f:  # names its base, as PEFT does
+        assert json.load(f)["base_model_name_or_path"] == os.path.abspath(ckpt)
     from peft import PeftModel
 
     peft_model = PeftModel.from_pretrained(hf_model(ckpt), str(tmp_path / "lora0"))

@@ -101,7 +101,8 @@ def _module_shapes(config: dict) -> dict[str, tuple[str, int, int]]:
     }
 
 
-def write_peft_adapter(out_dir: str, base_config: dict, spec: DemoAdapterSpec) -> None:
+def write_peft_adapter(out_dir: str, base_config: dict, spec: DemoAdapterSpec,
+                       base_model: str = "sglang-demo") -> None:
     """Write `adapter_config.json` + `adapter_model.safetensors` in PEFT's layout.
 
     A is N(0, 1/in) like a trained down-projection; B is non-zero (PEFT initialises it to zero,
@@ -126,7 +127,7 @@ def write_peft_adapter(out_dir: str, base_config: dict, spec: DemoAdapterSpec) -
     config = {
         "peft_type": "LORA",
         "task_type": "CAUSAL_LM",
-        "base_model_name_or_path": "sglang-demo",
+        "base_model_name_or_path": base_model,
         "r": spec.rank,
         "lora_alpha": spec.alpha,
         "lora_dropout": 0.0,

@@ -47,7 +47,7 @@ def make_adapters(
         path = os.path.join(out_dir, name)
         os.makedirs(path, exist_ok=True)
         spec = DemoAdapterSpec(name, rank, alpha if alpha is not None else 2 * rank, modules, seed + i)
-        write_peft_adapter(path, base_config, spec)
+        write_peft_adapter(path, base_config, spec, base_model=os.path.abspath(model_path))
         paths[name] = path
     return paths
 
@@ -60,9 +60,9 @@ def main(argv: Optional[list[str]] = None) -> None:
     p.add_argument("--rank", type=int, default=16, help="LoRA rank r (default 16)")
     p.add_argument("--alpha", type=int, default=None, help="lora_alpha (default 2 x rank)")
     p.add_argument("--target-modules", nargs="+", default=["all"],
-                   help=f"PEFT projections ({' '.join(PEFT_PROJECTIONS)}) or 'all'")
+                   help=f"PEFT projections ({' '.join(PEFT_PROJECTIONS)}) or 'all' (default all)")
     p.add_argument("--seed", type=int, default=0, help="adapter i uses seed + i (default 0)")
-    p.add_argument("--prefix", default="lora", help="adapter i is named <prefix><i>")
+    p.add_argument("--prefix", default="lora", help="adapter i is named <prefix><i> (default lora)")
     args = p.parse_args(argv)
     paths = make_adapters(args.model_path, args.out, args.num, args.rank, args.alpha, args.target_modules,
                           args.seed, args.prefix)
