@@ -7,6 +7,7 @@ demo model when no model is given, the device and backends that can run, the mod
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
 from typing import Optional
 
@@ -22,9 +23,12 @@ from sglang.srt.configs.run_configs import (
 )
 from sglang.srt.configs.tokenizer import TokenizerSpec
 from sglang.srt.configs.tp_split import TPSplit, tp_split
+from sglang.srt.lora.lora_config import normalize_target_modules
 from sglang.srt.lora.lora_registry import make_lora_ref
 from sglang.srt.models.registry import get_model_class
 from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
 
 
 def resolve_model(server_args: ServerArgs) -> ServerArgs:
@@ -44,8 +48,27 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
     if server_args.demo_serves_its_adapters:
         # The zero-setup run shows multi-LoRA serving too. (With --lora-paths the user chose the
         # adapters, with --enable-lora and a pool shape an empty pool: their choice stands.)
-        changes.update(lora_paths=[LoRAPathSpec.parse(entry) for entry in demo_lora_paths(demo)], enable_lora=True)
+        entries = _demo_adapters_that_fit(demo_lora_paths(demo), server_args)
+        if entries:
+            changes.update(lora_paths=[LoRAPathSpec.parse(entry) for entry in entries], enable_lora=True)
     return dataclasses.replace(server_args, **changes)
+
+
+def _demo_adapters_that_fit(entries: list[str], args: ServerArgs) -> list[str]:
+    """The demo's `NAME=PATH` entries whose rank and modules fit a pool the user sized in part
+    (--max-lora-rank, or --lora-target-modules, alone): an adapter they never asked for must not
+    stop the server at start."""
+    from sglang.srt.tools.demo import DEMO_ADAPTERS
+
+    pool = normalize_target_modules(args.lora_target_modules) if args.lora_target_modules else None
+    fitting = {spec.name for spec in DEMO_ADAPTERS
+               if (args.max_lora_rank is None or spec.rank <= args.max_lora_rank)
+               and (pool is None or normalize_target_modules(spec.target_modules) <= pool)}
+    kept = [entry for entry in entries if entry.split("=", 1)[0] in fitting]
+    if len(kept) < len(entries):
+        logger.info("demo: serving %s; the other demo adapters do not fit --max-lora-rank / --lora-target-modules",
+                    ", ".join(e.split("=", 1)[0] for e in kept) or "no adapter")
+    return kept
 
 
 def check_tensor_parallel(model: ModelConfig, tp_size: int) -> TPSplit:

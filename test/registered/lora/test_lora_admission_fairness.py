@@ -14,7 +14,7 @@ from typing import Optional
 
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.managers.req import Req
-from sglang.srt.managers.schedule_policy import LoRAAdmission, PrefillBudget, plan_prefill
+from sglang.srt.managers.schedule_policy import GroupedLoRAAdmission, LoRAAdmission, PrefillBudget, plan_prefill
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 MAX_WAIT = 8
@@ -47,11 +47,11 @@ def make_req(arrival: int, lora: str, max_new: int) -> Req:
 
 
 def turns_until_b_runs(admission: LoRAAdmission, turns: int = 400, base_every: int = 0,
-                       admitted: Optional[list] = None) -> Optional[int]:
+                       admitted: Optional[list] = None, rows: int = 1000) -> Optional[int]:
     """Each turn: arrivals, then a prefill batch if admission allows one, else a decode step of
     everything running (like Scheduler.get_next_batch). Returns B's wait in turns, or None.
     `base_every` > 0 adds a base-model request every that many turns; `admitted` collects
-    (turn, lora) of every admission."""
+    (turn, lora) of every admission; `rows` is the running-request limit."""
     waiting: list[Req] = []
     running: list[Req] = []
     b = None
@@ -64,9 +64,11 @@ def turns_until_b_runs(admission: LoRAAdmission, turns: int = 400, base_every: i
             b = make_req(t, "B", 3)
             waiting.append(b)
         admission.begin({r.lora_id for r in running}, waiting)
-        budget = PrefillBudget(kv_free=10**6, rows_free=1000, max_new_reqs=1000, max_prefill_tokens=10**6,
+        free_rows = max(rows - len(running), 0)
+        budget = PrefillBudget(kv_free=10**6, rows_free=free_rows, max_new_reqs=free_rows, max_prefill_tokens=10**6,
                                chunk_size=None, new_token_ratio=1.0)
-        plan = plan_prefill(waiting, None, running, budget, admission)
+        order = admission.order(waiting) if hasattr(admission, "order") else waiting
+        plan = plan_prefill(order, None, running, budget, admission)
         if plan.reqs:
             for r in plan.reqs:
                 if admitted is not None:
@@ -122,6 +124,19 @@ def test_the_drain_still_admits_what_takes_no_slot() -> None:
     plain = LoRAAdmission(fits_with_pinned, MAX_WAIT)
     plain.begin({"A", "P"}, [b])
     assert plain.fits(None) and not plain.fits("P")
+
+
+def test_an_adapter_behind_full_rows_still_starts_the_drain() -> None:
+    """Four rows, kept full by A's and the base model's requests (which go first, needing no new
+    slot): the loop stops at the full rows before it reaches B, and B's turns were counted only
+    where it was reached, so B never starved officially and waited for good. Every turn its adapter
+    does not fit now counts."""
+    for adm in (LoRAAdmission(fits_with_pinned, MAX_WAIT, needs_slot),
+                GroupedLoRAAdmission(fits_with_pinned, MAX_WAIT, needs_slot)):
+        waited = turns_until_b_runs(adm, base_every=3, rows=4, turns=3000)
+        # The drain: B starves after MAX_WAIT turns, then A's requests (up to 16 tokens) and the
+        # rows' base requests (12 tokens) finish, with prefill turns between their decode turns.
+        assert waited is not None and waited <= MAX_WAIT + 2 * (LONGEST_A + 12), (type(adm).__name__, waited)
 
 
 def test_base_traffic_runs_while_an_adapter_waits_and_the_adapter_still_gets_in() -> None:

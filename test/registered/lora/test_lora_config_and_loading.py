@@ -126,6 +126,8 @@ def test_layers_to_transform_limits_the_adapter_to_those_layers(adapters, tmp_pa
     for module, (a, b) in ad.layers[0].items():
         torch.testing.assert_close(a, full.layers[0][module][0], rtol=0, atol=0)
         torch.testing.assert_close(b, full.layers[0][module][1], rtol=0, atol=0)
+    edit_adapter_config(path, layers_to_transform=[])  # PEFT: an empty list restricts nothing
+    assert set(load(path).layers[1]) == set(full.layers[1])
     for bad in ([-1], ["0"], [True], "all"):
         edit_adapter_config(path, layers_to_transform=bad)
         _refused(path, "layers_to_transform must be a layer index")

@@ -235,6 +235,11 @@ def test_resolve_model_serves_the_demo_adapters_and_a_runnable_lora_backend(monk
     for flags in (["--enable-lora"], ["--enable-lora", "--max-lora-rank", "32"], ["--max-lora-rank", "32"]):
         args = resolve_model(prepare_server_args(["--device", "cpu", *flags]))
         assert args.enable_lora and [s.lora_name for s in args.lora_paths] == ["demo-qv-r8", "demo-all-r16"], flags
+    # A pool sized in part serves the demo adapters that fit it (demo-all-r16 stopped the start).
+    for flags in (["--max-lora-rank", "8"], ["--enable-lora", "--lora-target-modules", "q_proj", "v_proj"]):
+        args = resolve_model(prepare_server_args(["--device", "cpu", *flags]))
+        assert [s.lora_name for s in args.lora_paths] == ["demo-qv-r8"], flags
+    assert not resolve_model(prepare_server_args(["--device", "cpu", "--max-lora-rank", "4"])).enable_lora
     # LoRA configured by hand: the user's pool, no demo adapters.
     own = resolve_model(ServerArgs(device="cpu", enable_lora=True, max_lora_rank=4, lora_target_modules=["all"]))
     assert own.enable_lora and not own.lora_paths

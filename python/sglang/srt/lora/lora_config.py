@@ -189,8 +189,9 @@ class LoRAConfig:
 
     @staticmethod
     def _read_layers(value: Any, cfg_file: str) -> Optional[list[int]]:
-        """PEFT's `layers_to_transform`: null, one layer index or a list of them."""
-        if value is None:
+        """PEFT's `layers_to_transform`: null, one layer index or a list of them (an empty list, as
+        null, restricts nothing: PEFT reads it so)."""
+        if value is None or value == []:
             return None
         items = value if isinstance(value, list) else [value]
         if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in items):

@@ -271,8 +271,10 @@ def plan_prefill(
         nothing_running = False
 
     rows_left = min(budget.rows_free, budget.max_new_reqs)
-    for req in waiting:
+    stop = len(waiting)  # where the loop stopped: the requests from there on were not reached
+    for i, req in enumerate(waiting):
         if rows_left <= 0 or tokens_left <= 0 or chunk_left <= 0:
+            stop = i
             break
         if not lora.fits(req.lora_id):
             req.lora_wait_turns += 1
@@ -295,6 +297,7 @@ def plan_prefill(
             # Chunk it: this request ends the batch and continues next turn.
             piece = int(min(chunk_left, tokens_left, room))
             if piece <= 0:
+                stop = i
                 break
             if hit is not None:
                 prefix.admit(req, hit)
@@ -302,8 +305,10 @@ def plan_prefill(
             plan.reqs.append(req)
             plan.chunked = req
             lora.add(req.lora_id)
+            stop = i + 1
             break
         if need > room or (need > tokens_left and plan.reqs):
+            stop = i
             break  # FCFS: nobody overtakes a request that waits for KV or for the next batch
         if hit is not None:
             prefix.admit(req, hit)
@@ -315,4 +320,11 @@ def plan_prefill(
         tokens_left -= need
         chunk_left -= need
         rows_left -= 1
+    # A request the loop did not reach, whose adapter does not fit either, waited for its adapter
+    # this turn all the same. Counted only where it was reached, it never starved while requests
+    # that need no new slot (the base model's, running adapters') kept the rows or KV full: the
+    # drain never began and it waited for good.
+    for req in waiting[stop:]:
+        if lora.enabled and not lora.fits(req.lora_id):
+            req.lora_wait_turns += 1
     return plan
