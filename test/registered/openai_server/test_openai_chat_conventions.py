@@ -136,6 +136,12 @@ def test_chat_without_max_tokens_runs_to_the_context(url, client) -> None:
         r = requests.post(f"{url}/generate", json={"input_ids": ids, "sampling_params": {"ignore_eos": True, **params}},
                           timeout=120)
         assert r.status_code == 200 and r.json()["meta_info"]["completion_tokens"] == expected, r.text[:300]
+    # /generate's default budget shrinks to that room too, and min_new_tokens past it is a 400 (it
+    # was accepted, and the request stopped short of its minimum with "length").
+    longer = ids + ids[-100:]  # leaves fewer than the default 128
+    r = requests.post(f"{url}/generate", json={"input_ids": longer, "sampling_params": {"min_new_tokens": 100}},
+                      timeout=60)
+    assert r.status_code == 400 and "leaves after the input" in r.json()["error"]["message"], r.text
     # min_tokens past that room: a 400 that says why, not a cap it never asked for.
     r = requests.post(f"{url}/v1/chat/completions", json={"model": "demo", "messages": msgs, "min_tokens": room + 100},
                       timeout=30)

@@ -350,12 +350,6 @@ class TokenizerManager(TokenizerLoRAMixin):
             )
         if params.max_new_tokens is None:
             params.max_new_tokens = limit - n  # "until the context": the room the prompt leaves
-            if params.min_new_tokens > params.max_new_tokens:
-                raise InvalidRequestError(
-                    f"min_new_tokens ({params.min_new_tokens}) exceeds the {params.max_new_tokens} tokens that "
-                    f"{what} ({limit} tokens) leaves after the input ({n} tokens).",
-                    param="min_new_tokens",
-                )
         if n + params.max_new_tokens > limit:
             if raw.get("max_new_tokens") is not None:
                 raise InvalidRequestError(
@@ -366,6 +360,13 @@ class TokenizerManager(TokenizerLoRAMixin):
                     param="max_new_tokens",
                 )
             params.max_new_tokens = limit - n  # the default budget shrinks to what fits
+        if params.min_new_tokens > params.max_new_tokens:
+            # Only a budget the server chose can be short here (SamplingParams checked a given one).
+            raise InvalidRequestError(
+                f"min_new_tokens ({params.min_new_tokens}) exceeds the {params.max_new_tokens} tokens that "
+                f"{what} ({limit} tokens) leaves after the input ({n} tokens).",
+                param="min_new_tokens",
+            )
         if req.top_logprobs_num > self.config.max_top_logprobs:
             raise InvalidRequestError(
                 f"top_logprobs_num must be at most {self.config.max_top_logprobs}, got {req.top_logprobs_num}",
