@@ -271,11 +271,11 @@ def plan_prefill(
         nothing_running = False
 
     rows_left = min(budget.rows_free, budget.max_new_reqs)
-    stop = len(waiting)  # where the loop stopped: the requests from there on were not reached
+    examined = 0  # waiting[:examined] went through the adapter check this turn
     for i, req in enumerate(waiting):
         if rows_left <= 0 or tokens_left <= 0 or chunk_left <= 0:
-            stop = i
             break
+        examined = i + 1
         if not lora.fits(req.lora_id):
             req.lora_wait_turns += 1
             plan.lora_blocked.append(req)
@@ -297,7 +297,6 @@ def plan_prefill(
             # Chunk it: this request ends the batch and continues next turn.
             piece = int(min(chunk_left, tokens_left, room))
             if piece <= 0:
-                stop = i
                 break
             if hit is not None:
                 prefix.admit(req, hit)
@@ -305,10 +304,8 @@ def plan_prefill(
             plan.reqs.append(req)
             plan.chunked = req
             lora.add(req.lora_id)
-            stop = i + 1
             break
         if need > room or (need > tokens_left and plan.reqs):
-            stop = i
             break  # FCFS: nobody overtakes a request that waits for KV or for the next batch
         if hit is not None:
             prefix.admit(req, hit)
@@ -323,8 +320,13 @@ def plan_prefill(
     # A request the loop did not reach, whose adapter does not fit either, waited for its adapter
     # this turn all the same. Counted only where it was reached, it never starved while requests
     # that need no new slot (the base model's, running adapters') kept the rows or KV full: the
-    # drain never began and it waited for good.
-    for req in waiting[stop:]:
-        if lora.enabled and not lora.fits(req.lora_id):
-            req.lora_wait_turns += 1
+    # drain never began and it waited for good. One check per adapter, not per request: this runs
+    # every turn, over the whole queue.
+    rest = waiting[examined:]
+    if lora.enabled and rest:
+        blocked = {u for u in {r.lora_id for r in rest} if not lora.fits(u)}
+        if blocked:
+            for req in rest:
+                if req.lora_id in blocked:
+                    req.lora_wait_turns += 1
     return plan
