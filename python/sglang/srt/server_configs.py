@@ -41,34 +41,33 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
                 "checkpoint folder, or leave --model-path out to serve the built-in demo model."
             )
         return server_args
-    from sglang.srt.tools.demo import demo_lora_paths, ensure_demo_model  # writes files: only for the demo
+    from sglang.srt.tools.demo import ensure_demo_model  # writes files: only for the demo
 
     demo = ensure_demo_model()
     changes: dict = {"model_path": demo.model_path, "served_model_name": server_args.served_model_name or "demo"}
     if server_args.demo_serves_its_adapters:
         # The zero-setup run shows multi-LoRA serving too. (With --lora-paths the user chose the
         # adapters, with --enable-lora and a pool shape an empty pool: their choice stands.)
-        entries = _demo_adapters_that_fit(demo_lora_paths(demo), server_args)
-        if entries:
-            changes.update(lora_paths=[LoRAPathSpec.parse(entry) for entry in entries], enable_lora=True)
+        names = _demo_adapters_that_fit(server_args)
+        if names:
+            changes.update(lora_paths=[LoRAPathSpec(name, demo.adapters[name]) for name in names], enable_lora=True)
     return dataclasses.replace(server_args, **changes)
 
 
-def _demo_adapters_that_fit(entries: list[str], args: ServerArgs) -> list[str]:
-    """The demo's `NAME=PATH` entries whose rank and modules fit a pool the user sized in part
+def _demo_adapters_that_fit(args: ServerArgs) -> list[str]:
+    """The demo adapters whose rank and modules fit a pool the user sized in part
     (--max-lora-rank, or --lora-target-modules, alone): an adapter they never asked for must not
     stop the server at start."""
     from sglang.srt.tools.demo import DEMO_ADAPTERS
 
     pool = normalize_target_modules(args.lora_target_modules) if args.lora_target_modules else None
-    fitting = {spec.name for spec in DEMO_ADAPTERS
-               if (args.max_lora_rank is None or spec.rank <= args.max_lora_rank)
-               and (pool is None or normalize_target_modules(spec.target_modules) <= pool)}
-    kept = [entry for entry in entries if entry.split("=", 1)[0] in fitting]
-    if len(kept) < len(entries):
+    names = [spec.name for spec in DEMO_ADAPTERS
+             if (args.max_lora_rank is None or spec.rank <= args.max_lora_rank)
+             and (pool is None or normalize_target_modules(spec.target_modules) <= pool)]
+    if len(names) < len(DEMO_ADAPTERS):
         logger.info("demo: serving %s; the other demo adapters do not fit --max-lora-rank / --lora-target-modules",
-                    ", ".join(e.split("=", 1)[0] for e in kept) or "no adapter")
-    return kept
+                    ", ".join(names) or "no adapter")
+    return names
 
 
 def check_tensor_parallel(model: ModelConfig, tp_size: int) -> TPSplit:

@@ -85,6 +85,6 @@ def test_banner_and_lora_paths(demo) -> None:
     demo_mod.print_demo_banner(cache_dir_for_tests(), file=buf)
     text = buf.getvalue()
     assert "RANDOM weights" in text and "--model-path" in text
-    entries = demo_mod.demo_lora_paths(demo)
-    assert [e.split("=", 1)[0] for e in entries] == [s.name for s in demo_mod.DEMO_ADAPTERS]
-    assert all(os.path.isdir(e.split("=", 1)[1]) for e in entries)
+    # The adapters resolve_model serves: every demo adapter, each in its folder.
+    assert list(demo.adapters) == [s.name for s in demo_mod.DEMO_ADAPTERS]
+    assert all(os.path.isdir(path) for path in demo.adapters.values())

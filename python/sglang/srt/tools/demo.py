@@ -167,13 +167,6 @@ def ensure_demo_model(cache_dir: Optional[str] = None) -> DemoModel:
     return demo
 
 
-def demo_lora_paths(demo: Optional[DemoModel] = None) -> list[str]:
-    """The demo adapters as `--lora-paths` entries (`NAME=PATH`); the demo server serves them
-    unless the user configured LoRA (server_configs.py `resolve_model`)."""
-    demo = demo or ensure_demo_model()
-    return [f"{name}={path}" for name, path in demo.adapters.items()]
-
-
 def print_demo_banner(cache_dir: Optional[str] = None, file: TextIO = sys.stderr, with_adapters: bool = True) -> None:
     line = "=" * 78
     names = ", ".join(spec.name for spec in DEMO_ADAPTERS)
