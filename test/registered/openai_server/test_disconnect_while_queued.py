@@ -67,11 +67,18 @@ def test_a_queued_stream_whose_client_leaves_ends_quietly(server, route) -> None
     assert "internal error" not in new, new[-3000:]
 
 
-def test_prime_of_an_empty_stream_is_a_499() -> None:
-    async def nothing():
-        return
-        yield  # an async generator that ends before its first item
+def test_prime_passes_a_disconnect_before_the_first_item_on_as_its_499() -> None:
+    """The tokenizer manager ends a call whose client left with RequestFailedError(499), streamed
+    or not; before the first item, prime raises it (the route's quiet handler) and closes the call."""
+    closed = []
+
+    async def gone():
+        try:
+            raise RequestFailedError("the client disconnected", status_code=499)
+            yield  # an async generator that fails before its first item
+        finally:
+            closed.append(True)
 
     with pytest.raises(RequestFailedError) as e:
-        asyncio.run(prime(nothing()))
-    assert e.value.status_code == 499
+        asyncio.run(prime(gone()))
+    assert e.value.status_code == 499 and closed

@@ -501,6 +501,11 @@ class TokenizerManager(TokenizerLoRAMixin):
                 self.client.send(TokenizedBatchReqInput(outgoing))
             async for out in iterate_states(states, is_batch, obj.stream, request, self.token_text):
                 yield out
+            if not all(state.finished for state in states):
+                # The wait ended early: the client disconnected. Nobody reads what follows; 499
+                # (nginx's "client closed request") goes through the quiet RequestFailedError
+                # handlers, streamed or not, instead of an ASGI traceback per disconnect.
+                raise RequestFailedError("the client disconnected", status_code=499)
         finally:
             for state in states:
                 self.rid_to_state.pop(state.req.rid, None)
@@ -524,10 +529,7 @@ class TokenizerManager(TokenizerLoRAMixin):
         result: Union[dict, list, None] = None
         async for out in self.generate(obj, request):
             result = out
-        if result is None:
-            # Nobody reads this reply. 499 (nginx's "client closed request") goes through the
-            # quiet RequestFailedError handler instead of an ASGI traceback per disconnect.
-            raise RequestFailedError("the client disconnected", status_code=499)
+        assert result is not None  # a call ends with its reply, or raises (a disconnect: 499)
         return result
 
     # ------------------------------------------------------------------ control

@@ -55,11 +55,6 @@ async def prime(agen: Any) -> tuple[Any, AsyncIterator[Any]]:
         failure = server_failure(first) if isinstance(first, dict) else None
         if failure is not None:
             raise failure
-    except StopAsyncIteration:
-        # Nothing came: the client left while the request waited (the tokenizer manager ends such
-        # a stream empty). The quiet 499 the non-streaming path gives, not an ASGI traceback.
-        await agen.aclose()
-        raise RequestFailedError("the client disconnected", status_code=499) from None
     except BaseException:
         await agen.aclose()
         raise
