@@ -140,7 +140,17 @@ def test_engine_async_generate(engine) -> None:
         got = await asyncio.gather(*(engine.async_generate(p, params) for p in prompts))
         assert [g["output_ids"] for g in got] == [w["output_ids"] for w in want]
         chunks = [c async for c in await engine.async_generate(prompts[0], params, stream=True)]
-        assert chunks[-1]["output_ids"] == want[0]["output_ids"] and len(chunks) > 1
+        # Cumulative dicts; news that arrives while the reader is away is merged into one chunk (as
+        # upstream's), so how many chunks a 6-token stream gives depends on timing: not asserted.
+        ids = [c["output_ids"] for c in chunks]
+        assert all(a == b[:len(a)] for a, b in zip(ids, ids[1:])) and ids[-1] == want[0]["output_ids"]
+        # A stream delivers before its request ends: the first chunk of a long one is unfinished.
+        # Closing the stream early aborts the request (the KV check below sees it freed).
+        endless = await engine.async_generate("Tell a long story", {"max_new_tokens": 1000, "ignore_eos": True},
+                                              stream=True)
+        first = await endless.__anext__()
+        assert first["meta_info"]["finish_reason"] is None and len(first["output_ids"]) < 1000
+        await endless.aclose()
         with pytest.raises(InvalidRequestError, match="not loaded"):
             await engine.async_generate("x", params, lora_path="no-such-adapter")
         long = asyncio.ensure_future(engine.async_generate("Tell a long story", {"max_new_tokens": 1000,
