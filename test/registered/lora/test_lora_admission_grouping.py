@@ -111,6 +111,13 @@ def test_order_puts_active_adapters_and_base_first_then_demand() -> None:
     starving = GroupedLoRAAdmission(fits(2), MAX_WAIT)
     starving.begin({"A"}, reqs)
     assert [r.arrival for r in starving.order(reqs)][:4] == [1, 4, 6, 2]
+    # ... and its adapter is the one prefetched first, though C is in more demand.
+    reqs[1].lora_wait_turns = reqs[4].lora_wait_turns = reqs[6].lora_wait_turns = 0
+    reqs[0].lora_wait_turns = MAX_WAIT + 5
+    reqs[1].lora_wait_turns = MAX_WAIT
+    assert adm.wanted_adapters(reqs, {"A"})[0] == "C"
+    starving.begin({"A"}, reqs[1:])  # only B starves now (C's requests are not waiting)
+    assert starving.wanted_adapters(reqs, {"A"}) == ["B", "C"]
 
 
 def test_a_retiring_adapter_drains_before_it_takes_requests_again() -> None:

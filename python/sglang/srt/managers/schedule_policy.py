@@ -182,10 +182,13 @@ class GroupedLoRAAdmission(LoRAAdmission):
         return sorted(waiting, key=key)
 
     def wanted_adapters(self, waiting: Iterable[Req], active: Iterable[Optional[str]]) -> list[str]:
-        """Adapters that waiting requests want and that are not active, most wanted first."""
+        """Adapters that waiting requests want and that are not active, most wanted first; a
+        starving request's adapter before all (the drain's first free slot is for it, so its copy
+        should be the one under way)."""
         demand = self.demand(waiting)
         active = set(active)
-        return sorted((u for u in demand if u is not None and u not in active), key=lambda u: (-demand[u], u))
+        return sorted((u for u in demand if u is not None and u not in active),
+                      key=lambda u: (u != self.target, -demand[u], u))
 
 
 # `--schedule-policy lpm` ranks at most this many waiting requests by their cached prefix; a longer
