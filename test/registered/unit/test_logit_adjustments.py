@@ -180,6 +180,10 @@ def test_requests_without_adjustments_build_nothing() -> None:
     ({"min_new_tokens": 9, "max_new_tokens": 8}, "min_new_tokens (9) must not exceed max_new_tokens (8)"),
     ({"logit_bias": [1, 2]}, "logit_bias must be an object"),
     ({"logit_bias": {"x": 1}}, "logit_bias: key 'x' is not a token id"),
+    ({"logit_bias": {"1_0": 1}}, "logit_bias: key '1_0' is not a token id"),  # int() would read 10
+    ({"logit_bias": {"+5": 1}}, "logit_bias: key '+5' is not a token id"),
+    ({"logit_bias": {"\u0663": 1}}, "is not a token id"),  # an Arabic-Indic 3: int() reads it
+    ({"logit_bias": {"1": 1, "01": 2}}, "logit_bias: token id 1 is given twice"),
     ({"logit_bias": {"50": 1}}, "outside the vocabulary [0, 50)"),
     ({"logit_bias": {"-1": 1}}, "outside the vocabulary"),
     ({"logit_bias": {"1": 101}}, "must be a number in [-100, 100]"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass, field
 from typing import Any, Optional, Union
 
@@ -50,6 +51,9 @@ def _is_int(x: Any) -> bool:
     return isinstance(x, int) and not isinstance(x, bool)
 
 
+_TOKEN_KEY = re.compile(r"-?[0-9]+")  # a minus is let through to be told "outside the vocabulary"
+
+
 def _parse_logit_bias(raw: Any, vocab_size: Optional[int]) -> dict[int, float]:
     """{token id: bias}; the ids may be strings of integers, as JSON objects (and OpenAI) send them."""
     if not isinstance(raw, dict):
@@ -58,16 +62,18 @@ def _parse_logit_bias(raw: Any, vocab_size: Optional[int]) -> dict[int, float]:
     for key, bias in raw.items():
         token: Any = key
         if isinstance(key, str):
-            try:
-                token = int(key.strip())
-            except ValueError:
-                raise ValueError(f"logit_bias: key {key!r} is not a token id") from None
+            # Decimal ASCII digits only: int() would also take "1_0", "+5" or other scripts' digits.
+            if not _TOKEN_KEY.fullmatch(key):
+                raise ValueError(f"logit_bias: key {key!r} is not a token id")
+            token = int(key)
         if not _is_int(token) or token < 0 or (vocab_size is not None and token >= vocab_size):
             where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "the vocabulary"
             raise ValueError(f"logit_bias: token id {key!r} is outside {where}")
         if not _is_number(bias) or not math.isfinite(bias) or abs(bias) > LOGIT_BIAS_RANGE:
             raise ValueError(f"logit_bias: the bias of token {token} must be a number in "
                              f"[-{LOGIT_BIAS_RANGE:g}, {LOGIT_BIAS_RANGE:g}], got {bias!r}")
+        if token in out:
+            raise ValueError(f"logit_bias: token id {token} is given twice (as {key!r} and another key)")
         out[token] = float(bias)
     return out
 
