@@ -169,6 +169,26 @@ def test_counters_and_histograms_follow_the_traffic(server):
     assert after["sglang:lora_slot_load_seconds_count", ()] == after["sglang:lora_slot_loads_total", ()]
 
 
+def test_health_probes_and_log_metrics_false_are_not_counted(server):
+    """/health_generate runs a one-token request: a probe every few seconds must not show up as
+    traffic. Upstream's `log_metrics: false` leaves any request out the same way."""
+    url = server[1]
+    before = scrape(url)
+    for _ in range(3):
+        assert requests.get(f"{url}/health_generate", timeout=60).status_code == 200
+    out = generate(url, {"text": "not counted", "log_metrics": False, "sampling_params": {"max_new_tokens": 2}})
+    assert out["meta_info"]["completion_tokens"] == 2
+    counted = generate(url, {"text": "counted", "sampling_params": {"max_new_tokens": 2}})
+    after = scrape(url)
+    for name in ("sglang:num_requests_total", "sglang:e2e_request_latency_seconds_count"):
+        assert after.get((name, ()), 0.0) - before.get((name, ()), 0.0) == 1, name
+    assert (after[("sglang:generation_tokens_total", ())] - before.get(("sglang:generation_tokens_total", ()), 0.0)
+            == counted["meta_info"]["completion_tokens"])
+    r = requests.post(f"{url}/generate", headers=AUTH, timeout=60,
+                      json={"text": "x", "log_metrics": "no", "sampling_params": {"max_new_tokens": 1}})
+    assert r.status_code == 400 and "log_metrics" in r.json()["error"]["message"]
+
+
 def test_metrics_are_scraped_without_the_api_key(server):
     """As in SGLang: Prometheus and the health probes need no key; the API does."""
     r = requests.get(f"{server[1]}/metrics", timeout=30)

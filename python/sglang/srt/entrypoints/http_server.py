@@ -156,7 +156,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     async def health_generate() -> Response:
         if not tm.is_healthy():
             return error_response(tm.dead_reason or "the scheduler is not running", 503)
-        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0})
+        # A probe, not traffic: kept out of /metrics' request counts (as upstream's).
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+                               log_metrics=False)
         try:
             result = await asyncio.wait_for(tm.generate_one(obj), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:

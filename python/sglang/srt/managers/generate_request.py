@@ -78,6 +78,7 @@ class SingleGenerateReq:
     # The rid the caller gave for the prompt or the call this request came from (None: none given).
     # /abort_request with it aborts every sample (`n` > 1) and prompt expanded from it.
     group_rid: Optional[str] = None
+    log_metrics: bool = True  # False: left out of /metrics' request counts (/health_generate's probe)
 
 
 def valid_cache_salt(x: Any) -> bool:
@@ -111,6 +112,8 @@ class GenerateReqInput:
     rid: Optional[Union[str, list[str]]] = None
     # KV is reused only between requests with the same salt (str or one per prompt; None = none).
     cache_salt: Optional[Union[str, list[Optional[str]]]] = None
+    # As upstream's: False leaves the request out of /metrics' counts and histograms.
+    log_metrics: bool = True
     extra: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -119,7 +122,7 @@ class GenerateReqInput:
             raise InvalidRequestError(f"the request body must be a JSON object, got {type(data).__name__}")
         known = {f for f in cls.__dataclass_fields__ if f != "extra"}
         # Accepted for compatibility with SGLang clients; they change nothing here.
-        ignored = {"image_data", "modalities", "custom_logit_processor", "bootstrap_host", "log_metrics"}
+        ignored = {"image_data", "modalities", "custom_logit_processor", "bootstrap_host"}
         unknown = sorted(set(data) - known - ignored)
         if unknown:
             raise InvalidRequestError(f"unknown field(s) {unknown} in the request", param=unknown[0])
@@ -158,6 +161,8 @@ class GenerateReqInput:
             raise InvalidRequestError("'stream' must be a boolean", param="stream")
         if not isinstance(self.return_text_in_logprobs, bool):
             raise InvalidRequestError("'return_text_in_logprobs' must be a boolean", param="return_text_in_logprobs")
+        if not isinstance(self.log_metrics, bool):
+            raise InvalidRequestError("'log_metrics' must be a boolean", param="log_metrics")
 
         def per_prompt(name: str, value: Any, ok: Any, default: Any, error: Any = None) -> list[Any]:
             if value is None:
@@ -243,6 +248,7 @@ class GenerateReqInput:
                         stream=self.stream,
                         cache_salt=salts[i],
                         group_rid=groups[i],
+                        log_metrics=self.log_metrics,
                     )
                 )
         if self.rid is not None and len({r.rid for r in out}) != len(out):

@@ -162,7 +162,7 @@ class TokenizerManager(TokenizerLoRAMixin):
                     if self.local_faults and self._take_local_fault("detokenize", rid):
                         raise RuntimeError(f"injected detokenizer fault for request {rid!r}")
                     state.apply(msg, i)
-                    if self.metrics is not None:
+                    if self.metrics is not None and state.req.log_metrics:
                         first = msg.first_token_times[i] if msg.first_token_times else None
                         self.metrics.on_tokens(state, len(msg.output_ids[i]), time.time(), first)
                 except Exception as e:  # fails this request only: the others of the message go on
@@ -198,7 +198,7 @@ class TokenizerManager(TokenizerLoRAMixin):
 
     def _account(self, state: ReqState) -> None:
         """Every request's life ends here (finished, failed or abandoned): counted and logged once."""
-        if self.metrics is not None:
+        if self.metrics is not None and state.req.log_metrics:
             self.metrics.on_finished(state, time.time())
         if self.config.log_requests:
             logger.info(request_log_line(state, self.config.log_requests_level))
