@@ -108,6 +108,19 @@ def get_available_gpu_memory(device: int = 0) -> float:
     return free / (1 << 30)
 
 
+def get_available_host_memory() -> Optional[int]:
+    """Bytes of host memory a new allocation can take without swapping (Linux's MemAvailable), or
+    None where the system does not say."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

@@ -40,7 +40,7 @@ from sglang.srt.model_executor.model_loading import get_model
 from sglang.srt.model_executor.runner.cuda_graph_runner import CudaGraphRunner
 from sglang.srt.model_executor.runner.graph_sets import agree_on_graph_plans, plan_graph_sets
 from sglang.srt.model_executor.runner.prefill_cuda_graph_runner import PrefillCudaGraphRunner
-from sglang.srt.utils import get_available_gpu_memory, set_random_seed
+from sglang.srt.utils import get_available_gpu_memory, get_available_host_memory, set_random_seed
 
 logger = logging.getLogger(__name__)
 
@@ -156,6 +156,23 @@ class ModelRunner:
     def _default_max_running_requests(self, tokens: int) -> int:
         return self.config.max_running_requests or max(1, min(MAX_RUNNING_REQUESTS_CAP, tokens // 2))
 
+    def _check_host_memory(self, tokens: int) -> None:
+        """On the CPU the pools come out of host memory: a size that cannot fit is the user's
+        flag, named, not the allocator's traceback (or the machine swapping to death)."""
+        available = get_available_host_memory()
+        if available is None:
+            return
+        rows = self._default_max_running_requests(tokens) + 1
+        kv = tokens * self._kv_bytes_per_token()
+        table = rows * (self.context_len + REQ_TO_TOKEN_PAD) * 4
+        gib = 1 << 30
+        if kv + table > available:
+            raise ValueError(
+                f"the KV cache of --max-total-tokens {tokens} ({kv / gib:.1f} GiB) and the request table of "
+                f"{rows - 1} running requests (--max-running-requests; {table / gib:.1f} GiB) do not fit in "
+                f"the {available / gib:.1f} GiB of memory available; lower them"
+            )
+
     def init_memory_pool(self) -> None:
         args = self.config
         if self.device.type == "cuda":
@@ -174,6 +191,7 @@ class ModelRunner:
             tokens = min(args.max_total_tokens or budget, budget)
         else:
             tokens = args.max_total_tokens or CPU_DEFAULT_MAX_TOTAL_TOKENS
+            self._check_host_memory(tokens)
         # Every TP rank must admit the same requests: all take the smallest rank's capacity.
         self.max_total_num_tokens = self.tp_group.min_over_ranks(int(tokens))
         self.max_running_requests = self._default_max_running_requests(self.max_total_num_tokens)

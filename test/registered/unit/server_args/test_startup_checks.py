@@ -6,10 +6,12 @@ from __future__ import annotations
 import os
 import shutil
 import socket
+import subprocess
+import sys
 
 import pytest
 
-from server_helpers import tiny_checkpoint
+from server_helpers import PYTHON_DIR, free_port, tiny_checkpoint
 from sglang.srt.configs.chat_templates import resolve_chat_template
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.configs.tokenizer import TokenizerSpec, load_tokenizer
@@ -74,3 +76,17 @@ def test_a_truncated_checkpoint_names_its_file(tmp_path) -> None:
         f.truncate(100)
     with pytest.raises(ValueError, match=f"cannot read the checkpoint file .*{weights}.*truncated or corrupt"):
         list(safetensors_weights_iterator([str(broken)], progress=False))
+
+
+@pytest.mark.parametrize("flag, value", [("--max-total-tokens", 10**12), ("--max-running-requests", 10**9)])
+def test_pools_larger_than_host_memory_are_refused_naming_the_flag(flag: str, value: int) -> None:
+    """On the CPU the KV cache and the request table come out of host memory: a size that cannot
+    fit was the allocator's traceback, printed twice, the flag never named."""
+    cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", tiny_checkpoint("qwen3"), "--device", "cpu",
+           "--port", str(free_port()), flag, str(value)]
+    env = {**os.environ, "PYTHONPATH": PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+    log = out.stdout + out.stderr
+    assert out.returncode == 2, log[-3000:]
+    assert f"error: the KV cache of --max-total-tokens" in log and flag in log and str(value) in log, log[-3000:]
+    assert "of memory available" in log and "Traceback" not in log, log[-3000:]
