@@ -23,7 +23,7 @@ from sglang.srt.configs.run_configs import (
 )
 from sglang.srt.configs.tokenizer import TokenizerSpec
 from sglang.srt.configs.tp_split import TPSplit, tp_split
-from sglang.srt.lora.lora_config import normalize_target_modules
+from sglang.srt.lora.lora_config import LoRAConfig, normalize_target_modules
 from sglang.srt.lora.lora_registry import make_lora_ref
 from sglang.srt.models.registry import get_model_class
 from sglang.srt.server_args import ServerArgs
@@ -116,6 +116,29 @@ def _check_startup_adapter_names(lora: Optional[LoRARunConfig], tm: TokenizerMan
         )
 
 
+def _check_startup_adapter_configs(lora: Optional[LoRARunConfig]) -> None:
+    """Read every `--lora-paths` adapter's adapter_config.json before any process starts: a typo in
+    a path, or an adapter the flags cannot hold, is told in a second, not after the weights load
+    (minutes for a real model). The checks that need the model's shapes run at load."""
+    if lora is None:
+        return
+    covered = None if not lora.target_modules or "all" in lora.target_modules else \
+        normalize_target_modules(lora.target_modules)
+    for ref in lora.refs:
+        try:
+            config = LoRAConfig.from_path(ref.lora_path)
+            if lora.max_lora_rank is not None and config.r > lora.max_lora_rank:
+                raise ValueError(f"its rank {config.r} is above --max-lora-rank {lora.max_lora_rank}; give "
+                                 f"--max-lora-rank {config.r} (or higher) to serve it")
+            outside = [] if covered is None else sorted(
+                p for p in config.target_projections() if not normalize_target_modules([p]) <= covered)
+            if outside:
+                raise ValueError(f"it targets module(s) {outside} outside --lora-target-modules "
+                                 f"{' '.join(lora.target_modules)}; add them (or give 'all') to serve it")
+        except ValueError as e:
+            raise ValueError(f"Failed to load LoRA adapter {ref.lora_name!r} at startup (--lora-paths): {e}") from None
+
+
 def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = None) -> RunConfigs:
     """Everything the engine runs on. `model`: the model's config when the caller read it already
     (tests); else it is read here, once."""
@@ -154,6 +177,7 @@ def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = No
         grammar_backend=args.grammar_backend, public_args=args.to_public_dict(),
     )
     _check_startup_adapter_names(lora, tokenizer_manager)
+    _check_startup_adapter_configs(lora)
     tp = TPLayout(size=args.tp_size, nnodes=args.nnodes, node_rank=args.node_rank, device=device, split=split,
                   dist_init_addr=args.dist_init_addr, dist_timeout=args.dist_timeout)
     return RunConfigs(tp=tp, scheduler=scheduler, tokenizer_manager=tokenizer_manager)

@@ -93,6 +93,22 @@ def test_startup_adapter_named_like_the_model_path_is_refused(lora_ckpt, adapter
     assert "error: --lora-paths" in log and "base model" in log and repr(lora_ckpt) in log, log[-3000:]
 
 
+@pytest.mark.parametrize("flags, says", [
+    (["--lora-paths", "a=/no/such/adapter"], "path '/no/such/adapter' does not exist"),
+    (["--max-lora-rank", "4"], "its rank 8 is above --max-lora-rank 4; give --max-lora-rank 8"),
+    (["--lora-target-modules", "o_proj", "--max-lora-rank", "8"], "['q_proj', 'v_proj'] outside --lora-target-modules"),
+])
+def test_a_startup_adapter_the_flags_cannot_serve_is_refused_before_the_model_loads(lora_ckpt, adapter, flags,
+                                                                                   says) -> None:
+    """Read from adapter_config.json in the launcher: no scheduler process starts (a typo in a path
+    used to cost a whole weight load before the server said so)."""
+    if flags[0] != "--lora-paths":
+        flags = ["--lora-paths", f"a={adapter}", *flags]
+    log = launch_expecting_refusal(lora_ckpt, flags)
+    assert "Failed to load LoRA adapter 'a' at startup (--lora-paths)" in log and says in log, log[-3000:]
+    assert "Scheduler]" not in log, log[-3000:]  # the scheduler's log lines carry its name
+
+
 @pytest.mark.parametrize("pinned", ["false", None])
 def test_startup_json_entry_with_a_non_boolean_pinned_is_refused(lora_ckpt, adapter, pinned) -> None:
     entry = json.dumps({"lora_name": "p", "lora_path": adapter, "pinned": pinned})
