@@ -20,7 +20,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import requests
 
-from lora_server_testlib import PROMPTS, load_adapter, lora_info, post, tiny_lora_checkpoint, unload_adapter, write_adapters
+from lora_server_testlib import (PROMPTS, load_adapter, lora_info, post, server_info, tiny_lora_checkpoint, unload_adapter,
+                                 write_adapters)
 from server_helpers import kill_server, popen_launch_server, read_log
 
 SPECS = {
@@ -147,10 +148,15 @@ def test_unloading_an_adapter_whose_request_waits_for_a_slot(server) -> None:
         except BaseException as e:  # noqa: BLE001 - reported below
             results[key] = e
 
-    long_a = threading.Thread(target=call, args=("a", run, url, "a", PROMPTS[0]), kwargs={"n": 200})
+    # a's request must still hold the slot when c's arrives: it is seen running before c is sent
+    # (a may be resident from an earlier test, before its request arrives), and it is long (its
+    # 1,000 tokens take seconds, against the milliseconds c's request takes to arrive).
+    n_a = 1000
+    long_a = threading.Thread(target=call, args=("a", run, url, "a", PROMPTS[0]), kwargs={"n": n_a})
     long_a.start()
     deadline = time.monotonic() + 60
-    while "a" not in lora_info(url)["resident_adapters"] and time.monotonic() < deadline:
+    while not (server_info(url)["num_running_reqs"] and "a" in lora_info(url)["resident_adapters"]):
+        assert time.monotonic() < deadline, "a's request never started"
         time.sleep(0.02)
     waiting_c = threading.Thread(target=call, args=("c", run, url, "c", PROMPTS[1]), kwargs={"n": 4})
     waiting_c.start()
@@ -174,7 +180,7 @@ def test_unloading_an_adapter_whose_request_waits_for_a_slot(server) -> None:
     assert "c" in refused.json()["error"]["message"] and "not loaded" in refused.json()["error"]["message"]
     # Unloaded while it waited for a slot, c's request was still served in full: the unload waited.
     assert isinstance(results["c"], list) and len(results["c"]) == 4, results["c"]
-    assert len(results["a"]) == 200, results["a"]
+    assert len(results["a"]) == n_a, results["a"]
     assert results["unload"].status_code == 200 and results["unload"].json()["success"] is True
     assert "c" not in lora_info(url)["loaded_adapters"]
     assert load_adapter(url, "c", paths["c"]).status_code == 200  # as the other tests expect
@@ -188,10 +194,13 @@ def test_requests_that_need_no_slot_run_while_an_adapter_drains_the_slots(server
     url = server[1]
     progress: list[int] = []
     results: dict[str, object] = {}
+    # a's request must outlast c's arrival, MAX_WAIT_TURNS * 3 of its steps and the base and pinned
+    # requests (milliseconds each): its 1,000 tokens take seconds.
+    n_a = 1000
 
     def stream_a() -> None:
         body = {"input_ids": PROMPTS[0], "lora_path": "a", "stream": True,
-                "sampling_params": {"max_new_tokens": 400, "temperature": 0, "ignore_eos": True}}
+                "sampling_params": {"max_new_tokens": n_a, "temperature": 0, "ignore_eos": True}}
         with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as r:
             for line in r.iter_lines(decode_unicode=True):
                 if line.startswith("data: {"):
@@ -219,10 +228,10 @@ def test_requests_that_need_no_slot_run_while_an_adapter_drains_the_slots(server
         time.sleep(0.02)
     base = run(url, None, PROMPTS[2], n=4, timeout=120)
     pinned = run(url, "p", PROMPTS[2], n=4, timeout=120)
-    still_running = long_a.is_alive() and progress[-1] < 400
+    still_running = long_a.is_alive() and progress[-1] < n_a
     a_tokens_then = progress[-1]
     long_a.join(300)
     waiting_c.join(300)
     assert len(base) == 4 and len(pinned) == 4
-    assert still_running, f"the base and pinned requests finished only after a's 400 tokens ({a_tokens_then})"
-    assert results["a"] == 400 and results["c"] is not None and len(results["c"]) == 4
+    assert still_running, f"the base and pinned requests finished only after a's {n_a} tokens ({a_tokens_then})"
+    assert results["a"] == n_a and results["c"] is not None and len(results["c"]) == 4

@@ -53,8 +53,10 @@ def test_abort_request_ends_every_sample_of_an_openai_rid(url, route) -> None:
     body.update({"messages": [{"role": "user", "content": "Go on"}]} if "chat" in route else {"prompt": "Go on"})
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(requests.post, f"{url}{route}", json=body, timeout=120)
-        deadline = time.monotonic() + 20
-        while _running(url) < 2 and time.monotonic() < deadline:
+        # An abort that arrives before its requests is dropped: wait until both samples run.
+        deadline = time.monotonic() + 60
+        while _running(url) < 2:
+            assert time.monotonic() < deadline, "the samples never both ran"
             time.sleep(0.05)
         assert requests.post(f"{url}/abort_request", json={"rid": "qa-abort-n"}, timeout=30).status_code == 200
         r = fut.result(timeout=60)

@@ -17,7 +17,6 @@ a third name for the first one's files), the native API and the official `openai
 from __future__ import annotations
 
 import re
-import threading
 
 import pytest
 import requests
@@ -160,26 +159,19 @@ def test_unloading_an_adapter_drops_its_entries(server, adapters):
 
 def test_flush_cache_refuses_while_a_request_runs(server):
     proc, url = server
-    started, done = threading.Event(), {}
-
-    def long_request() -> None:
-        body = {"input_ids": PROMPT, "stream": True,
-                "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
-        with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as r:
-            for line in r.iter_lines():
-                if line.startswith(b"data: {"):
-                    started.set()
-            done["status"] = r.status_code
-
-    t = threading.Thread(target=long_request)
-    t.start()
-    assert started.wait(120)
-    r = post(url, "/flush_cache", {})
-    t.join(300)
-    assert r.status_code == 400, r.text
+    # The flush is sent once the stream's first event arrived; the request then still runs for
+    # seconds (1,500 tokens), and ends when the test closes its stream (an abort), not on its own.
+    body = {"input_ids": PROMPT, "stream": True,
+            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
+    with requests.post(f"{url}/generate", json=body, stream=True, timeout=300) as stream:
+        assert stream.status_code == 200, stream.text
+        lines = stream.iter_lines()  # kept: a dropped generator closes the connection (an abort)
+        first = next(line for line in lines if line.startswith(b"data: {"))
+        r = post(url, "/flush_cache", {})
+    assert r.status_code == 400, (r.text, first[:300])
     body = r.json()
     assert body["error"]["type"] == "invalid_request_error" and "running or waiting" in body["error"]["message"]
-    assert body["success"] is False and done["status"] == 200
+    assert body["success"] is False and first
     wait_idle(url)
     out = flush(url)
     assert out["success"] is True and "flushed" in out["message"]

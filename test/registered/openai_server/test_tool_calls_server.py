@@ -126,16 +126,30 @@ def test_streamed_reply_adds_up_to_the_reply(server, client, script: str) -> Non
 
 
 def test_text_before_a_call_streams_before_it(server, client) -> None:
-    _, chunks = ask_streamed(client, echo_body(server, "Let me check that for you.\n" + PARIS, tools=TOOLS))
-    kinds = []
+    """The text is sent as it is written, not held until the call is read. Measured in tokens, not
+    in chunks: news that arrives while the server's reader is away is merged into one chunk (as
+    upstream's), so how many chunks a reply gives is timing. With continuous usage stats every
+    chunk carries the completion tokens written when it was sent: text must go out before half of
+    the long text (~150 tokens) is written, which only a server that holds it back, or a reader
+    stalled for that whole time, would miss."""
+    text = " ".join(["Let me check that for you."] * 16)
+    body = echo_body(server, text + "\n" + PARIS, tools=TOOLS,
+                     stream_options={"include_usage": True, "continuous_usage_stats": True})
+    streamed, chunks = ask_streamed(client, body)
+    assert streamed[0]["content"] == text and [c["name"] for c in streamed[0]["calls"].values()] == ["get_weather"]
+    kinds, sent_at = [], {}
     for chunk in chunks:
         delta = chunk.choices[0].delta if chunk.choices else None
         if delta is not None and delta.content:
             kinds.append("content")
+            sent_at.setdefault("content", chunk.usage.completion_tokens)
         if delta is not None and delta.tool_calls:
             kinds.append("call")
-    # Token by token (the echo model writes a few characters a token), and all before the call.
-    assert kinds.count("content") > 5 and kinds[-2:] == ["call", "call"] and "call" not in kinds[:-2]
+            sent_at.setdefault("call", chunk.usage.completion_tokens)
+    # All of the text before the call (its id and name, then its arguments) ...
+    assert kinds[-2:] == ["call", "call"] and "call" not in kinds[:-2] and "content" in kinds
+    # ... and the first of it while the model was still writing the text.
+    assert sent_at["content"] <= sent_at["call"] // 2, sent_at
 
 
 def test_choices_of_n_parse_apart(server, client) -> None:

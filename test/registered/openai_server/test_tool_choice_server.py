@@ -6,7 +6,7 @@ reasoning: forced calls bypass it), through the official `openai` client on the 
 
 Checked: a scripted valid call becomes message.tool_calls with null content and finish_reason
 "tool_calls" (for "required"; "stop" for a named function, as OpenAI's API answers), whole and streamed (the stream adds up to the same call; a named call's arguments stream
-in pieces); the grammar holds when the model writes something else (the echo model's script is
+as they are written); the grammar holds when the model writes something else (the echo model's script is
 plain text or a wrong value, and the reply is still one schema-valid call); `strict: true` tools
 are taken there, and under "auto" need the parser like any tools (strict under "auto" itself:
 test_strict_tools_server.py); a second constraint beside the tool choice is a 400.
@@ -66,10 +66,29 @@ def test_a_named_function_call(server, client) -> None:
     same_reply(streamed[0], choice)
     assert streamed[0]["calls"][0]["arguments"] == args
     deltas = call_deltas(chunks)
-    # The call's id, type and name first; then its arguments, token by token as they are written.
+    # The call's id, type and name first; then its arguments, in as many pieces as the stream gave
+    # (that they stream as they are written: the next test).
     assert deltas[0].id and deltas[0].type == "function" and deltas[0].function.name == "get_weather"
-    assert all(d.index == 0 and d.id is None for d in deltas[1:]) and len(deltas) > 3
+    assert all(d.index == 0 and d.id is None for d in deltas[1:]) and len(deltas) > 1
     assert not any(choice.delta.content for chunk in chunks for choice in chunk.choices)
+
+
+def test_a_named_calls_arguments_stream_as_they_are_written(server, client) -> None:
+    """A named call's arguments are sent while the model writes them, not held until the call
+    closes. Measured in tokens, not in chunks: news that arrives while the server's reader is away
+    is merged into one chunk (as upstream's), so how many chunks a reply gives is timing. With
+    continuous usage stats every chunk carries the completion tokens written when it was sent: a
+    piece of the arguments must go out before half of them (~180 tokens of a long argument) are
+    written, which only a server that holds them back, or a reader stalled for that whole time,
+    would miss."""
+    args = json.dumps({"city": "Paris " * 90})
+    body = echo_body(server, args, tools=TOOLS, tool_choice=named("get_weather"),
+                     stream_options={"include_usage": True, "continuous_usage_stats": True})
+    streamed, chunks = ask_streamed(client, body)
+    assert streamed[0]["calls"][0]["arguments"] == args and streamed[0]["finish"] == "stop"
+    total = chunks[-1].usage.completion_tokens
+    first = next(c for c in chunks if any(tc.function.arguments for tc in call_deltas([c])))
+    assert first.usage.completion_tokens <= total // 2, (first.usage.completion_tokens, total)
 
 
 def test_required_calls(server, client) -> None:

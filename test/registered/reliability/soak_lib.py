@@ -66,16 +66,30 @@ class SoakStats:
     counts: Counter = field(default_factory=Counter)
     failures: list[str] = field(default_factory=list)
     latencies: list[float] = field(default_factory=list)
+    # How long each completed request waited, counted in the soak's own progress: the requests
+    # (of every outcome) that ended while it ran. A loaded machine slows every request alike, so
+    # this count stays put where a wall-clock latency grows; a starved request, waiting until the
+    # load stops, sees most of the run's requests end.
+    ended: int = 0  # requests ended so far
+    ended_meanwhile: list[int] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, outcome: str, kind: str, latency: Optional[float] = None, detail: str = "") -> None:
+    def add(self, outcome: str, kind: str, latency: Optional[float] = None, detail: str = "",
+            since: Optional[int] = None) -> None:
+        """`since`: `ended` when the request began (completed requests)."""
         with self.lock:
             self.counts[outcome] += 1
             self.counts[f"{outcome}:{kind}"] += 1
             if latency is not None:
                 self.latencies.append(latency)
+            if since is not None:
+                self.ended_meanwhile.append(self.ended - since)
             if outcome == "failed" and len(self.failures) < 50:
                 self.failures.append(f"{kind}: {detail[:400]}")
+
+    def request_ended(self) -> None:
+        with self.lock:
+            self.ended += 1
 
 
 class Soak:
@@ -150,7 +164,7 @@ class Soak:
             body["sampling_params"]["max_new_tokens"] = max(body["sampling_params"]["max_new_tokens"], 24)
         timeout = 0.3 + rng.random() if mode == "plain_timeout" else self.cfg.request_timeout
         label = f"{kind}/{mode}"
-        t0 = time.monotonic()
+        t0, since = time.monotonic(), self.stats.ended
         try:
             r = requests.post(f"{self.cfg.url}{path}", json=body, stream=stream, timeout=timeout)
         except requests.exceptions.ReadTimeout:
@@ -162,9 +176,9 @@ class Soak:
         if r.status_code != 200:
             return self._refused(r, label, lora)
         if not stream:
-            return self._check_reply(r, label, kind, t0, body)
+            return self._check_reply(r, label, kind, t0, body, since)
         try:
-            self._consume_stream(r, label, mode, rid, rng, t0, body)
+            self._consume_stream(r, label, mode, rid, rng, t0, body, since)
         finally:
             r.close()
 
@@ -177,7 +191,7 @@ class Soak:
             return self.stats.add("refused_unloaded_adapter", label)
         self.stats.add("failed", label, detail=f"HTTP {r.status_code}: {message}")
 
-    def _check_reply(self, r: requests.Response, label: str, kind: str, t0: float, body: dict) -> None:
+    def _check_reply(self, r: requests.Response, label: str, kind: str, t0: float, body: dict, since: int) -> None:
         out = r.json()
         if kind == "generate":
             outs = out if isinstance(out, list) else [out]  # n=2 gives a list
@@ -188,14 +202,14 @@ class Soak:
             return self.stats.add("failed", label, detail=f"unfinished reply {str(out)[:300]}")
         if kind == "generate":
             self._remember(body, outs[0]["output_ids"])
-        self.stats.add("ok", label, time.monotonic() - t0)
+        self.stats.add("ok", label, time.monotonic() - t0, since=since)
 
     def _remember(self, body: dict, output_ids: list[int]) -> None:
         if body["lora_path"] not in self.cfg.cycling:  # the cycling adapter may be gone next turn
             self.conversation = (body["input_ids"] + output_ids, body["lora_path"], body["cache_salt"])
 
     def _consume_stream(self, r: requests.Response, label: str, mode: str, rid: str, rng: random.Random,
-                        t0: float, body: dict) -> None:
+                        t0: float, body: dict, since: int) -> None:
         close_after = rng.randint(1, 6) if mode == "stream_close" else None
         abort_after = rng.randint(1, 4) if mode == "rid_abort" else None
         events, done, finish, last = 0, False, None, {}
@@ -226,7 +240,7 @@ class Soak:
             return self.stats.add("rid_abort" if mode == "rid_abort" else "failed", label, detail="aborted")
         if "output_ids" in last:  # a native /generate stream: its last event holds every token
             self._remember(body, last["output_ids"])
-        self.stats.add("ok", label, time.monotonic() - t0)
+        self.stats.add("ok", label, time.monotonic() - t0, since=since)
 
     # ------------------------------------------------------------------ threads
     def worker(self, k: int) -> None:
@@ -236,6 +250,8 @@ class Soak:
                 self.one_request(rng)
             except Exception as e:  # noqa: BLE001 - a bug of the soak itself, or a reply not JSON
                 self.stats.add("failed", "worker", detail=repr(e))
+            finally:
+                self.stats.request_ended()
 
     def cycler(self) -> None:
         rng = random.Random(self.cfg.seed + 7)
@@ -266,10 +282,14 @@ class Soak:
         if hung:
             self.stats.add("failed", "thread", detail=f"{hung} client thread(s) never returned")
         lat = sorted(self.stats.latencies)
+        meanwhile = sorted(self.stats.ended_meanwhile)
         return {
             "load_seconds": round(time.monotonic() - t0, 1),
             "counts": dict(sorted(self.stats.counts.items())),
             "latency_s": {"p50": _pct(lat, 0.5), "p99": _pct(lat, 0.99), "max": lat[-1] if lat else None},
+            "requests_ended": self.stats.ended,
+            "ended_meanwhile": {"p50": _pct(meanwhile, 0.5), "p99": _pct(meanwhile, 0.99),
+                                "max": meanwhile[-1] if meanwhile else None},
             "failures": list(self.stats.failures),
         }
 

@@ -136,14 +136,21 @@ def test_forward_fault(server, reference) -> None:
     assert "Forward failed" in log and "Traceback" in log and "injected fault" in log
 
 
+# Where the mid-stream faults fire: far enough in that the stream's first chunk has long left. News
+# that arrives while the server's reader is away is merged into one chunk, so a fault a few tokens
+# in could reach a reader that had not yet taken the first token, in the same chunk: the request
+# would fail before its stream began (a plain 500), not mid-stream.
+FAULT_AFTER = 200
+
+
 def test_decode_fault_mid_stream(server, reference) -> None:
     url = server[1]
-    # A streaming /generate request fails at a decode step, after its first tokens were sent
-    # (16 tokens in: the first chunk has long left by then).
-    inject(url, "boom-stream", "decode", after_tokens=16)
+    # A streaming /generate request fails at a decode step, after its first tokens were sent.
+    inject(url, "boom-stream", "decode", after_tokens=FAULT_AFTER)
     r = requests.post(f"{url}/generate", json={"input_ids": PROMPTS[2], "rid": "boom-stream-1", "stream": True,
                                                "lora_path": "keep",
-                                               "sampling_params": {"max_new_tokens": 30, "ignore_eos": True}},
+                                               "sampling_params": {"max_new_tokens": FAULT_AFTER + 30,
+                                                                   "ignore_eos": True}},
                       stream=True, timeout=60)
     assert r.status_code == 200
     events = sse_events(r)
@@ -151,9 +158,9 @@ def test_decode_fault_mid_stream(server, reference) -> None:
     assert events[-2]["error"]["code"] == 500 and "injected fault" in events[-2]["error"]["message"]
     assert all("error" not in e for e in events[:-2])
     # The same for an OpenAI streaming completion.
-    inject(url, "boom-oai", "decode", after_tokens=16)
+    inject(url, "boom-oai", "decode", after_tokens=FAULT_AFTER)
     r = requests.post(f"{url}/v1/completions", json={"model": "default:keep", "prompt": "Once", "rid": "boom-oai-1",
-                                                     "max_tokens": 30, "ignore_eos": True, "stream": True},
+                                                     "max_tokens": FAULT_AFTER + 30, "ignore_eos": True, "stream": True},
                       stream=True, timeout=60)
     events = sse_events(r)
     assert r.status_code == 200 and events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500, events[-3:]

@@ -7,7 +7,8 @@ adapter slots (the base model needs none) for 4 adapters. Checked:
     evicted and loaded again, and every greedy output (tokens and their logprobs) equals the same
     request run alone;
   * under steady closed-loop load from several clients, including one whose adapter nobody else
-    uses, no request waits unboundedly: each one's latency stays under a quarter of the run;
+    uses, no request waits unboundedly: fewer than a quarter of the run's requests end while any
+    one of them runs;
   * the round that crashed upstream (sglang#23141): N adapters plus the base model arriving
     together while a chunked prefill is staged. In process, every turn's batch together with
     the running and chunked requests uses at most --max-loras-per-batch distinct adapters.
@@ -111,11 +112,13 @@ def test_burst_beyond_every_limit_completes_with_the_outputs_of_requests_alone(s
 def test_no_request_waits_unboundedly(server) -> None:
     """Six closed-loop clients for `duration` seconds: four on mixed adapters, one on the base model
     and one on adapter d alone. A starved client would wait until the others stop, i.e. about the
-    whole run; every request must instead finish within a quarter of it, and the client on the
-    adapter nobody else uses must get a fair share of the completions."""
+    whole run; every request must instead finish while fewer than a quarter of the run's requests
+    end, and the client on the adapter nobody else uses must get a fair share of the completions.
+    The wait is counted in requests that ended meanwhile, not in seconds: a loaded machine slows
+    every request alike, which leaves that count where it was but stretches a latency."""
     url = server[1]
     # The run is long against one request's time on this machine, so that "under a quarter of the
-    # run" tells starvation apart from a slow (or shared) CPU: at least 30 times the largest job alone.
+    # run's requests" tells starvation apart from a busy server: at least 30 times the largest job alone.
     solo = []
     for k in range(3):
         t0 = time.monotonic()
@@ -124,6 +127,9 @@ def test_no_request_waits_unboundedly(server) -> None:
     duration = max(10.0, 30 * max(solo))
     stop_at = time.monotonic() + duration
     latencies: dict[str, list[float]] = {}
+    waits: dict[str, list[int]] = {}  # per client: the requests (of any client) that ended while each ran
+    ended = [0]
+    lock = threading.Lock()
     errors: list[BaseException] = []
 
     def client(name: str, loras: list[Optional[str]], seed: int) -> None:
@@ -132,9 +138,12 @@ def test_no_request_waits_unboundedly(server) -> None:
             while time.monotonic() < stop_at:
                 lora = rng.choice(loras)
                 ids = prompt(rng.choice([6, 20, 90]), rng.randrange(1000))
-                t0 = time.monotonic()
+                t0, since = time.monotonic(), ended[0]
                 run(url, lora, ids, rng.choice([4, 16, 32]))
-                latencies.setdefault(name, []).append(time.monotonic() - t0)
+                with lock:
+                    latencies.setdefault(name, []).append(time.monotonic() - t0)
+                    waits.setdefault(name, []).append(ended[0] - since)
+                    ended[0] += 1
         except BaseException as e:  # noqa: BLE001 - reported below
             errors.append(e)
 
@@ -149,11 +158,13 @@ def test_no_request_waits_unboundedly(server) -> None:
     assert not errors, errors
     worst = {name: max(v) for name, v in latencies.items()}
     assert set(worst) == {c[0] for c in clients}, f"some client never completed a request: {latencies.keys()}"
-    assert max(worst.values()) < run_time / 4, f"worst latency per client {worst} in a {run_time:.1f} s run"
+    longest = {name: max(v) for name, v in waits.items()}
+    assert max(longest.values()) < ended[0] / 4, \
+        f"requests ended meanwhile, worst per client {longest}, of {ended[0]} (latencies {worst}, {run_time:.1f} s run)"
     mixed = [len(latencies[f"mixed{k}"]) for k in range(4)]
     assert len(latencies["d-only"]) >= 0.25 * sum(mixed) / len(mixed), {k: len(v) for k, v in latencies.items()}
     print(f"[overload] {sum(map(len, latencies.values()))} requests in {run_time:.1f} s; worst latency per client "
-          + ", ".join(f"{k} {v:.2f}s/{len(latencies[k])} reqs" for k, v in worst.items()))
+          + ", ".join(f"{k} {v:.2f}s/{len(latencies[k])} reqs ({longest[k]} ended meanwhile)" for k, v in worst.items()))
     assert_no_leaks(wait_idle(url))
 
 

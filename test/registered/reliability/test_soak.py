@@ -10,8 +10,8 @@ locked, and the soak must have hit and evicted cached prefixes.
     `SGLANG_SOAK_SECONDS` (default 30: ~700 requests, ~30 retractions, ~20 adapter loads and
     unloads, ~170 prefix-cache hits on the CI machine; the CPU suite stays near 15 minutes).
   * `test_soak_overlap_schedule` (CPU CI): the same through `--enable-overlap-schedule` for half
-    of `SGLANG_SOAK_SECONDS`, 22.5 s by default (the latency bound below is a quarter of the
-    load: shorter would leave it less than twice the slowest request seen on that machine).
+    of `SGLANG_SOAK_SECONDS`, 22.5 s by default (the wait bound below is a quarter of the run's
+    requests: a shorter run leaves it less room).
   * `test_soak_long` (`-m slow`, runs only with SGLANG_SOAK_LONG=1): the same for
     `SGLANG_SOAK_SECONDS` (default 900).
   * `test_soak_gpu` (`-m gpu`, runs only with SGLANG_SOAK_GPU=1, i.e. `GPU_SUITE_PARTS=soak
@@ -55,7 +55,9 @@ def run_soak(proc, cfg: SoakConfig, report_path: str, capsys) -> dict:
               f"overlapped decode steps / prefills {report['server_info'].get('overlapped_decode_steps')} / "
               f"{report['server_info'].get('overlapped_prefills')}, "
               f"pool loads/evictions {report['lora']['num_adapter_loads']}/{report['lora']['num_evictions']}, "
-              f"latency {report['latency_s']}; prefix cache {report['prefix_cache']}; integrity: scheduler {report['scheduler_integrity']['ok']} "
+              f"latency {report['latency_s']}, requests ended meanwhile {report['ended_meanwhile']} "
+              f"of {report['requests_ended']}; prefix cache {report['prefix_cache']}; "
+              f"integrity: scheduler {report['scheduler_integrity']['ok']} "
               f"(runs {report['scheduler_integrity']['runs']}), tokenizer {report['tokenizer_integrity']['ok']} "
               f"(runs {report['tokenizer_integrity']['runs']}); report {path}")
     return report
@@ -72,8 +74,13 @@ def check_report(proc, url: str, report: dict) -> None:
         assert c.get(outcome, 0) > 0, f"the soak never produced {outcome!r}: {c}"
     cache = report["prefix_cache"]
     assert cache["enabled"] and cache["hits"] > 0 and cache["evicted_tokens"] > 0, cache
-    # Nobody waited unboundedly (a starved request would wait for most of the run).
-    assert report["latency_s"]["max"] < report["load_seconds"] / 4, report["latency_s"]
+    # Nobody waited unboundedly: a starved request waits until the load stops, while most of the
+    # run's requests end. Counted in requests that ended while it ran, not in seconds: a loaded
+    # machine (a neighbour's burst, a stall) slows every request alike, which leaves that count
+    # where it was but stretches a wall-clock latency (on the CI machine the slowest request took
+    # about half of a bound of a quarter of the run's seconds).
+    waits = report["ended_meanwhile"]
+    assert waits["max"] < report["requests_ended"] / 4, (waits, report["requests_ended"], report["latency_s"])
 
 
 # ---------------------------------------------------------------------------- CPU

@@ -26,15 +26,25 @@ def ckpt() -> str:
     return tiny_checkpoint("qwen3", seed=0)
 
 
+# How long a test waits for a grammar compile in the scheduler's thread (~0.3 s for the slowest
+# here): a generous deadline, not a count of idle turns, which a loaded machine could use up.
+COMPILE_DEADLINE_S = 120.0
+
+
 class GrammarHarness(Harness):
     def run(self, max_steps: int = 5000) -> None:
-        """Turns until nothing runs, waits or compiles."""
+        """Turns until nothing runs, waits or compiles: at most `max_steps` turns that ran a batch,
+        and idle turns (a compile is running in its thread) until COMPILE_DEADLINE_S."""
         s = self.sched
-        for _ in range(max_steps):
+        deadline = time.monotonic() + COMPILE_DEADLINE_S
+        ran_steps = 0
+        while ran_steps < max_steps and time.monotonic() < deadline:
             ran = self.step()
             if not ran and not (s.waiting or s.grammar_queue or s.inflight or s.running):
                 return
-            if not ran:
+            if ran:
+                ran_steps += 1
+            else:
                 time.sleep(0.001)  # a compile is running in its thread
         raise AssertionError("the scheduler did not finish in time")
 
@@ -97,11 +107,13 @@ def test_abort_while_compiling_and_mid_generation_leaves_nothing(ckpt: str) -> N
     compile_of_slow = h.sched._grammar_compiles[h.sched.grammar_queue[0].sampling_params.grammar]
     h.to_w.send(AbortReq(rid="slow"))
     assert not compile_of_slow.done()  # the abort reaches it in the queue
-    for _ in range(2000):  # "long" decodes a few tokens, then is aborted mid-grammar
-        h.step()
-        if len(h.out["long"]["ids"]) >= 5:
-            break
-        time.sleep(0.001)
+    # "long" decodes a few tokens (once its grammar compiled, after the slow one that nobody waits
+    # for: one compile thread), then is aborted mid-grammar.
+    deadline = time.monotonic() + COMPILE_DEADLINE_S
+    while len(h.out["long"]["ids"]) < 5:
+        assert time.monotonic() < deadline, "the long request never decoded"
+        if not h.step():
+            time.sleep(0.001)
     assert h.finish_of("slow")["type"] == "abort" and not h.out["slow"]["ids"]
     assert h.sched.grammar_matchers == 1
     h.to_w.send(AbortReq(rid="long"))

@@ -88,5 +88,5 @@ def test_pools_larger_than_host_memory_are_refused_naming_the_flag(flag: str, va
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
     log = out.stdout + out.stderr
     assert out.returncode == 2, log[-3000:]
-    assert f"error: the KV cache of --max-total-tokens" in log and flag in log and str(value) in log, log[-3000:]
+    assert "error: the KV cache of --max-total-tokens" in log and flag in log and str(value) in log, log[-3000:]
     assert "of memory available" in log and "Traceback" not in log, log[-3000:]
