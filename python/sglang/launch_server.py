@@ -40,6 +40,9 @@ def main(argv: list[str] | None = None) -> None:
     except StartupError as e:  # a scheduler rank failed to start: its own traceback is the story
         print(f"error: {e}", file=sys.stderr)
         sys.exit(1)
+    except KeyboardInterrupt:  # Ctrl-C before the HTTP server ran (it handles SIGINT itself after)
+        print("Interrupted during start-up; the scheduler was stopped.", file=sys.stderr)
+        sys.exit(130)
 
 
 if __name__ == "__main__":

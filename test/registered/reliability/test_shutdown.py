@@ -11,13 +11,15 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import pytest
 import requests
 
-from server_helpers import group_alive, kill_server, read_log, server_env, servers_for_tests
+from server_helpers import PYTHON_DIR, free_port, group_alive, kill_server, read_log, server_env, servers_for_tests
 from server_helpers import started as started_server  # `started` is a test's event below
 
 LONG = {"max_new_tokens": 1900, "ignore_eos": True}
@@ -120,5 +122,37 @@ def test_sigterm_to_the_scheduler_alone_stops_the_server_in_seconds(servers, req
         code = proc.wait(30)
         log = read_log(proc)
         assert code != 0 and "the scheduler process exited unexpectedly (exit code 143)" in log, log[-3000:]
+    finally:
+        kill_server(proc)
+
+
+def test_ctrl_c_during_start_up_stops_at_once(tmp_path) -> None:
+    """Ctrl-C (SIGINT to the process group) while the scheduler loads: a loading rank reads no
+    shutdown request, so asking it used to cost 10 s and end in a KeyboardInterrupt traceback. It
+    is stopped at once, with one line and status 130 (the shell's for SIGINT), nothing left."""
+    log_path = tmp_path / "server.log"
+    env = {**os.environ, **server_env(), "SGLANG_TEST_STALL_AT_START_S": "600",
+           "PYTHONPATH": PYTHON_DIR + os.pathsep + os.environ.get("PYTHONPATH", "")}
+    with open(log_path, "w") as log_file:
+        proc = subprocess.Popen([sys.executable, "-m", "sglang.launch_server", "--device", "cpu", "--port",
+                                 str(free_port()), "--enable-test-hooks"], stdout=log_file,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while "Start-up stalls for 600 s" not in log_path.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log_path.read_text()[-3000:]
+            time.sleep(0.1)
+        t0 = time.monotonic()
+        os.killpg(proc.pid, signal.SIGINT)
+        code = proc.wait(60)
+        took = time.monotonic() - t0
+        log = log_path.read_text()
+        assert code == 130 and "Interrupted during start-up" in log, (code, log[-3000:])
+        assert "Traceback" not in log and "did not exit in time" not in log, log[-3000:]
+        assert took < 9, f"stopping took {took:.1f} s (asking a loading rank to exit waits 10 s)"
+        deadline = time.monotonic() + 10
+        while group_alive(proc) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not group_alive(proc), "a process of the server outlived it"
     finally:
         kill_server(proc)

@@ -132,8 +132,6 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         tm.start(asyncio.get_running_loop())
-        logger.info("The server is ready: http://%s:%d (model %s)", server_args.host, server_args.port,
-                    tm.served_model_name)
         yield
         # Every connection has ended and the loop is about to close: the scheduler's news of the
         # requests it still runs until the shutdown reaches it has nowhere to go.
@@ -316,31 +314,41 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
     return app
 
 
-def check_address(host: str, port: int) -> None:
-    """Fail before anything loads (minutes with a real model) if uvicorn could not listen on
-    host:port: a host that does not resolve, or a port another process holds."""
+def reserve_address(host: str, port: int) -> socket.socket:
+    """host:port bound (not yet listening) before anything loads, for uvicorn to serve on once the
+    model is ready: a host that does not resolve or a port another process holds fails now, not
+    after minutes of loading, and no process can take the port in between. Connections are
+    refused until then, as upstream's."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
         raise ValueError(f"--host {host!r} does not resolve: {e.strerror}") from None
-    with socket.socket(family, kind, proto) as probe:
-        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
-        try:
-            probe.bind(address)
-        except OSError as e:
-            raise ValueError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+    try:
+        sock.bind(address)
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"cannot listen on --host {host} --port {port}: {e.strerror}") from None
+    return sock
 
 
 def launch_server(server_args: ServerArgs) -> None:
     """Start the scheduler, then serve HTTP until SIGINT/SIGTERM; always reaps the scheduler."""
     import uvicorn
 
-    check_address(server_args.host, server_args.port)
+    listener = reserve_address(server_args.host, server_args.port)
 
     class Server(uvicorn.Server):
         """uvicorn's server, which also tells the tokenizer manager that the server is stopping."""
 
         signalled = False
+
+        async def startup(self, sockets: Optional[list] = None) -> None:
+            await super().startup(sockets)
+            if self.started:  # listening: a client may connect from now on
+                logger.info("The server is ready: http://%s:%d (model %s)", server_args.host, server_args.port,
+                            tm.served_model_name)
 
         def handle_exit(self, sig: int, frame: Any) -> None:
             self.signalled = True
@@ -349,7 +357,11 @@ def launch_server(server_args: ServerArgs) -> None:
             super().handle_exit(sig, frame)
 
     t0 = time.time()
-    tm = launch_runtime(server_args)
+    try:
+        tm = launch_runtime(server_args)
+    except BaseException:
+        listener.close()
+        raise
     signalled = False
     try:
         app = create_app(tm, server_args)
@@ -370,9 +382,15 @@ def launch_server(server_args: ServerArgs) -> None:
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda *_: None)
         logger.info("Start-up took %.1f s; starting the HTTP server.", time.time() - t0)
-        server.run()
+        try:
+            listener.listen(config.backlog)  # connections wait in the backlog until uvicorn serves them
+        except OSError as e:  # another server reserved the port beside ours and listens already
+            raise ValueError(f"cannot listen on --host {server_args.host} --port {server_args.port}: "
+                             f"{e.strerror or e}") from None
+        server.run(sockets=[listener])
         signalled = server.signalled
     finally:
+        listener.close()
         tm.client.shutdown()
         logger.info("The scheduler has exited; bye.")
     if tm.dead_reason is not None:

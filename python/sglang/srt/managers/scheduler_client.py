@@ -68,7 +68,9 @@ class SchedulerClient:
         try:
             self.ranks.wait_ready(timeout)
         except BaseException:
-            self.shutdown()
+            # A rank that is still loading reads no ShutdownReq: asking would only wait 10 s (Ctrl-C
+            # during start-up). There is nothing to finish: stop them now.
+            self.shutdown(ask_first=False)
             raise
         self._writer = threading.Thread(target=self._write_loop, name="sglang-sched-writer", daemon=True)
         self._writer.start()
@@ -134,16 +136,16 @@ class SchedulerClient:
     def is_alive(self) -> bool:
         return self.ranks is not None and self.ranks.alive() and self.exit_reason is None
 
-    def shutdown(self, timeout: float = 10.0) -> None:
+    def shutdown(self, timeout: float = 10.0, ask_first: bool = True) -> None:
         """Ask the scheduler to exit (rank 0 passes it on to every rank), then make sure every rank
-        does (terminate, kill). Idempotent."""
+        does (terminate, kill); `ask_first` False kills them at once. Idempotent."""
         if self._closed:
             return
         self._closed = True
         ranks = self.ranks
         if ranks is not None:
             ranks.stopping = True
-            if ranks.alive() and self._send_conn is not None:
+            if ask_first and ranks.alive() and self._send_conn is not None:
                 try:
                     if self._writer is not None:
                         self._outbox.put(ShutdownReq())
@@ -155,7 +157,8 @@ class SchedulerClient:
                     pass
                 ranks.join(timeout)
             if any(r.proc.is_alive() for r in ranks.ranks):
-                logger.warning("The scheduler did not exit in time; terminating it.")
+                if ask_first:
+                    logger.warning("The scheduler did not exit in time; terminating it.")
                 ranks.terminate()
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=2.0)  # it sees EOF once the child is gone

@@ -30,8 +30,10 @@ from sglang.srt.utils import configure_logger
 
 logger = logging.getLogger(__name__)
 
-# Test hook (with --enable-test-hooks only): the TP rank named here fails during start-up.
+# Test hooks (with --enable-test-hooks only): the TP rank named here fails during start-up; every
+# rank stalls this many seconds during start-up (a long weight load, to interrupt).
 FAIL_AT_START_TEST_ENV = "SGLANG_TEST_TP_FAIL_AT_START"
+STALL_AT_START_TEST_ENV = "SGLANG_TEST_STALL_AT_START_S"
 
 
 def _watch_parent(parent_pid: int) -> None:
@@ -114,6 +116,9 @@ def _start_rank(config: SchedulerConfig, rank: RankSpec, recv_conn: Any, status_
 
     if config.enable_test_hooks and os.environ.get(FAIL_AT_START_TEST_ENV) == str(rank.tp_rank):
         raise RuntimeError(f"injected start-up failure of TP rank {rank.tp_rank} ({FAIL_AT_START_TEST_ENV})")
+    if config.enable_test_hooks and os.environ.get(STALL_AT_START_TEST_ENV):
+        logger.info("Start-up stalls for %s s (%s)", os.environ[STALL_AT_START_TEST_ENV], STALL_AT_START_TEST_ENV)
+        time.sleep(float(os.environ[STALL_AT_START_TEST_ENV]))
     if rank.backend == "gloo" and rank.tp_size > 1:
         # The ranks of one CPU share its cores: without this each would start a thread per core.
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // rank.tp_size))

@@ -15,7 +15,7 @@ from server_helpers import PYTHON_DIR, free_port, tiny_checkpoint
 from sglang.srt.configs.chat_templates import resolve_chat_template
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.configs.tokenizer import TokenizerSpec, load_tokenizer
-from sglang.srt.entrypoints.http_server import check_address
+from sglang.srt.entrypoints.http_server import reserve_address
 from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
 from sglang.srt.server_args import ServerArgs
 
@@ -46,10 +46,21 @@ def test_a_busy_port_or_an_unknown_host_is_refused_before_loading() -> None:
         held.listen()
         port = held.getsockname()[1]
         with pytest.raises(ValueError, match=f"cannot listen on --host 127.0.0.1 --port {port}"):
-            check_address("127.0.0.1", port)
-    check_address("127.0.0.1", port)  # free again
+            reserve_address("127.0.0.1", port)
     with pytest.raises(ValueError, match="--host 'no-such-host.invalid' does not resolve"):
-        check_address("no-such-host.invalid", 30000)
+        reserve_address("no-such-host.invalid", 30000)
+    # Free again: reserved while the model loads, no other process can take it (the server used to
+    # say it was ready and then fail to listen); connections are refused until the server listens.
+    reserved = reserve_address("127.0.0.1", port)
+    try:
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))
+        with socket.socket() as client, pytest.raises(ConnectionRefusedError):
+            client.connect(("127.0.0.1", port))
+    finally:
+        reserved.close()
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", port))
 
 
 def test_a_chat_template_that_does_not_parse_is_refused(tmp_path) -> None:
