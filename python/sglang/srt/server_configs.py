@@ -36,9 +36,14 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
     its two adapters) materialised into the cache folder. A new ServerArgs, validated again."""
     if server_args.model_path != "demo":
         if not os.path.isdir(server_args.model_path):
+            path = server_args.model_path
+            # "org/name" that is no folder here is most likely a Hub id: say that nothing downloads.
+            hub = (" It looks like a Hugging Face Hub id: this server downloads nothing; download the "
+                   "checkpoint first (e.g. `huggingface-cli download`) and pass its folder.")
             raise ValueError(
-                f"--model-path {server_args.model_path!r} is not a directory. Pass a Hugging Face "
+                f"--model-path {path!r} is not a directory. Pass a Hugging Face "
                 "checkpoint folder, or leave --model-path out to serve the built-in demo model."
+                + (hub if path.count("/") == 1 and not path.startswith((".", "/", "~")) else "")
             )
         return server_args
     from sglang.srt.tools.demo import ensure_demo_model  # writes files: only for the demo

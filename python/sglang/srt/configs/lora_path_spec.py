@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from typing import Union
 
@@ -30,7 +31,7 @@ class LoRAPathSpec:
                     data = json.loads(text)
                 except json.JSONDecodeError as e:
                     raise ValueError(f"--lora-paths: invalid JSON entry {text!r}: {e}") from None
-            elif "=" in text:
+            elif "=" in text and not os.path.isdir(text):  # a folder whose name holds "=" is a bare path
                 name, path = text.split("=", 1)
                 data = {"lora_name": name.strip(), "lora_path": path.strip()}
             else:
@@ -39,7 +40,7 @@ class LoRAPathSpec:
             raise ValueError(
                 f"--lora-paths: entry {item!r} must be PATH, NAME=PATH or JSON with 'lora_path'"
             )
-        name = str(data.get("lora_name") or data["lora_path"])
+        name = str(data["lora_path"] if data.get("lora_name") is None else data["lora_name"])
         path = str(data["lora_path"])
         if not name or not path:
             raise ValueError(f"--lora-paths: entry {item!r} has an empty name or path")

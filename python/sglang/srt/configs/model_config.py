@@ -145,7 +145,7 @@ class ModelConfig:
             raise ValueError(f"model path {model_path!r} is not a directory")
         cfg = _read_json(os.path.join(model_path, "config.json"))
         if cfg is None:
-            raise ValueError(f"no config.json in {model_path!r}: not a Hugging Face checkpoint")
+            raise ValueError(f"no config.json in {model_path!r} (--model-path): not a Hugging Face checkpoint")
         return cls.from_dict(
             cfg,
             model_path=model_path,

@@ -236,7 +236,7 @@ class SchedulerRanks:
             if first.crash:
                 reason += f": {last_line(first.crash)}"
             self.failure = reason
-        logger.error("%s; stopping the other ranks.", reason[0].upper() + reason[1:])
+        logger.error("%s%s", reason[0].upper() + reason[1:], "; stopping the other ranks." if self.tp_size > 1 else ".")
         self.terminate()
         on_failure(reason)
 

@@ -1,6 +1,8 @@
 """ServerArgs: CLI parsing, validation errors, and the CUDA-graph resolution rules (DESIGN §6)."""
 
 import json
+import os
+import tempfile
 import unittest
 from types import SimpleNamespace
 from unittest import mock
@@ -268,6 +270,29 @@ class TestCli(unittest.TestCase):
                 LoRAPathSpec("chat", "/adapters/chat", True),
             ],
         )
+
+    def test_lora_paths_entries_with_an_empty_name_or_an_equals_sign_in_a_folder(self):
+        # "=PATH" and an empty JSON name were served under the path as the name, while "x=" was
+        # refused: an empty name is refused in every form.
+        for entry in ("=/adapters/a", '{"lora_name": "", "lora_path": "/adapters/a"}', "x="):
+            with self.assertRaisesRegex(ValueError, "empty name or path"):
+                LoRAPathSpec.parse(entry)
+        self.assertEqual(LoRAPathSpec.parse('{"lora_name": null, "lora_path": "/a"}'), LoRAPathSpec("/a", "/a"))
+        # A bare path whose folder name holds "=" (which exists) is that folder, not NAME=PATH.
+        with tempfile.TemporaryDirectory() as tmp:
+            folder = os.path.join(tmp, "lr=1e-4")
+            os.mkdir(folder)
+            self.assertEqual(LoRAPathSpec.parse(folder), LoRAPathSpec(folder, folder))
+            self.assertEqual(LoRAPathSpec.parse(f"n={folder}"), LoRAPathSpec("n", folder))
+
+    def test_a_hub_id_as_model_path_is_told_that_nothing_downloads(self):
+        from sglang.srt.server_configs import resolve_model
+
+        with self.assertRaisesRegex(ValueError, "Hub id: this server downloads nothing"):
+            resolve_model(prepare_server_args(["--model-path", "Qwen/Qwen3-4B"]))
+        with self.assertRaises(ValueError) as e:
+            resolve_model(prepare_server_args(["--model-path", "/no/such/folder"]))
+        self.assertNotIn("Hub id", str(e.exception))
 
     def test_defaults_match_the_design(self):
         args = prepare_server_args([])
