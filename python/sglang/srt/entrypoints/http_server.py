@@ -161,6 +161,8 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             result = await asyncio.wait_for(tm.generate_one(obj), HEALTH_GENERATE_TIMEOUT_S)
         except asyncio.TimeoutError:
             return error_response("generation did not finish in time", 503)
+        except InvalidRequestError as e:  # the probe asks nothing a server could refuse: its own fault
+            return error_response(f"the server cannot run a one-token request: {e}", 503)
         err = _abort_error(result)
         return err if err is not None else Response(status_code=200)
 

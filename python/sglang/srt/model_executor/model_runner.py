@@ -217,6 +217,12 @@ class ModelRunner:
             self.max_total_num_tokens, kv_gib, str(self.dtype).replace("torch.", ""),
             self.max_running_requests, self.context_len,
         )
+        if self.max_total_num_tokens < self.context_len:
+            logger.warning(
+                "The KV cache holds %d tokens, fewer than the context length (%d): a request's prompt and "
+                "output together are limited to %d tokens.",
+                self.max_total_num_tokens, self.context_len, self.max_total_num_tokens,
+            )
 
     def _create_attn_backend(self):
         name = self.config.attention_backend

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from server_helpers import PYTHON_DIR, free_port, tiny_checkpoint
+from server_helpers import PYTHON_DIR, free_port, kill_server, popen_launch_server, read_log, tiny_checkpoint
 from sglang.srt.configs.chat_templates import resolve_chat_template
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.configs.tokenizer import TokenizerSpec, load_tokenizer
@@ -101,3 +101,19 @@ def test_pools_larger_than_host_memory_are_refused_naming_the_flag(flag: str, va
     assert out.returncode == 2, log[-3000:]
     assert "error: the KV cache of --max-total-tokens" in log and flag in log and str(value) in log, log[-3000:]
     assert "of memory available" in log and "Traceback" not in log, log[-3000:]
+
+
+def test_a_kv_cache_too_small_for_any_request_is_said_at_start_and_by_the_probe() -> None:
+    """--max-total-tokens 1 holds no request (a prompt token and an output token): the start-up log
+    says what the KV cache limits, and /health_generate answers 503 (the server's fault), not the
+    400 of a client error."""
+    import requests
+
+    proc, url = popen_launch_server(tiny_checkpoint("qwen3"), other_args=["--device", "cpu", "--max-total-tokens", "1"])
+    try:
+        r = requests.get(f"{url}/health_generate", timeout=60)
+        assert r.status_code == 503 and "cannot run a one-token request" in r.json()["error"]["message"], r.text
+        assert requests.get(f"{url}/health", timeout=60).status_code == 200
+        assert "fewer than the context length" in read_log(proc)
+    finally:
+        kill_server(proc)
