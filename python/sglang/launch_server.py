@@ -7,6 +7,7 @@ download.
 
 from __future__ import annotations
 
+import signal
 import sys
 
 from sglang.srt.server_args import prepare_server_args
@@ -20,6 +21,9 @@ def main(argv: list[str] | None = None) -> None:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
     configure_logger(server_args.log_level)
+    # Ctrl-C stops start-up as it stops the server once uvicorn serves (uvicorn takes SIGINT
+    # whatever the disposition this process inherited: a script's `&` job starts with it ignored).
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if server_args.model_path == "demo":
         from sglang.srt.tools.demo import print_demo_banner
 

@@ -147,6 +147,9 @@ class ServerArgs:
     host: str = "127.0.0.1"
     port: int = 30000
     api_key: Optional[str] = None
+    # On SIGINT/SIGTERM, seconds the requests in flight get to finish before they end with a 503
+    # (vLLM's flag; a rolling restart that must not cut long replies gives it minutes).
+    shutdown_timeout: float = 2.0
     log_level: str = "info"
     # One log line per finished request (its adapter and token counts; level 1 adds the sampling
     # parameters, 2 the first and last characters of the prompt and output).
@@ -349,6 +352,9 @@ class ServerArgs:
         if (isinstance(self.watchdog_timeout, bool) or not isinstance(self.watchdog_timeout, (int, float))
                 or not 0 <= self.watchdog_timeout < float("inf")):
             raise ValueError(f"--watchdog-timeout must be a number of seconds >= 0 (0: off), got {self.watchdog_timeout!r}")
+        if (isinstance(self.shutdown_timeout, bool) or not isinstance(self.shutdown_timeout, (int, float))
+                or not 0 <= self.shutdown_timeout < float("inf")):
+            raise ValueError(f"--shutdown-timeout must be a number of seconds >= 0, got {self.shutdown_timeout!r}")
         if not isinstance(self.node_rank, int) or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in 0..{self.nnodes - 1} (--nnodes {self.nnodes}), "
                              f"got {self.node_rank!r}")

@@ -243,6 +243,10 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
     g.add_argument("--host", default=default("host"), help="Address the HTTP server listens on.")
     g.add_argument("--port", type=int, default=default("port"), help="Port the HTTP server listens on.")
     g.add_argument("--api-key", default=None, help="Require 'Authorization: Bearer <key>'.")
+    g.add_argument("--shutdown-timeout", type=float, default=default("shutdown_timeout"),
+                   help="On SIGINT/SIGTERM, seconds the requests in flight get to finish (new ones get a "
+                        "503 at once); those still running then end with a 503. The server exits as soon "
+                        "as they are all done.")
     g.add_argument("--log-level", default=default("log_level"), choices=LOG_LEVELS, help="Logging level.")
     g.add_argument("--log-requests", action="store_true",
                    help="Log one line per finished request: id, adapter, token counts, finish reason, latency.")

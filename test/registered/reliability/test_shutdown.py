@@ -55,7 +55,10 @@ def servers(request):
     names = ["test_sigterm_under_load_ends_every_reply_cleanly[server]",
              "test_sigterm_under_load_ends_every_reply_cleanly[process-group]",
              "test_sigterm_to_the_scheduler_alone_stops_the_server_in_seconds"]
-    with servers_for_tests(request, {name: demo for name in names}) as started_servers:
+    specs = {name: demo for name in names}
+    specs["test_a_longer_shutdown_timeout_lets_replies_finish"] = dict(
+        demo, other_args=["--device", "cpu", "--shutdown-timeout", "300"])
+    with servers_for_tests(request, specs) as started_servers:
         yield started_servers
 
 
@@ -122,6 +125,51 @@ def test_sigterm_to_the_scheduler_alone_stops_the_server_in_seconds(servers, req
         code = proc.wait(30)
         log = read_log(proc)
         assert code != 0 and "the scheduler process exited unexpectedly (exit code 143)" in log, log[-3000:]
+    finally:
+        kill_server(proc)
+
+
+def test_a_longer_shutdown_timeout_lets_replies_finish(servers, request) -> None:
+    """--shutdown-timeout 300 (vLLM's flag): a SIGTERM stops new requests at once, but the ones in
+    flight, streamed and not, run to their end (well past the default 2 s), and the server exits
+    as soon as they are done, not after the timeout."""
+    proc, url = started_server(servers[request.node.name])
+    try:
+        tokens = 1800  # seconds of decoding on the CPU: well past the default 2 s
+        body = {"max_new_tokens": tokens, "ignore_eos": True}
+        out: dict = {}
+        started = threading.Event()
+
+        def stream() -> None:
+            r = requests.post(f"{url}/generate", json={"text": "A long stream", "stream": True, "sampling_params": body},
+                              stream=True, timeout=300)
+            events = []
+            for line in r.iter_lines(decode_unicode=True):
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    started.set()
+            out["stream"] = events
+
+        def plain() -> None:
+            out["plain"] = requests.post(f"{url}/generate", json={"text": "A long reply", "sampling_params": body},
+                                         timeout=300)
+
+        threads = [threading.Thread(target=stream), threading.Thread(target=plain)]
+        for t in threads:
+            t.start()
+        assert started.wait(60), "the stream never started"
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(300)
+        for t in threads:
+            t.join(60)
+        log = read_log(proc)
+        assert code == 0, log[-3000:]
+        last = json.loads(out["stream"][-2])
+        assert out["stream"][-1] == "[DONE]" and last["meta_info"]["completion_tokens"] == tokens, last
+        assert out["plain"].status_code == 200, out["plain"].text
+        assert out["plain"].json()["meta_info"]["completion_tokens"] == tokens
+        assert time.monotonic() - t0 < 200, "the server waited for the timeout, not for the replies"
     finally:
         kill_server(proc)
 

@@ -53,8 +53,6 @@ logger = logging.getLogger(__name__)
 # upstream SGLang and vLLM leave them open).
 PUBLIC_PATHS = ("/health", "/health_generate", "/metrics")
 HEALTH_GENERATE_TIMEOUT_S = 30.0
-# On SIGINT/SIGTERM, requests in flight get this long to finish before they end with a 503.
-SHUTDOWN_GRACE_S = 2.0
 
 
 async def _json_body(request: Request) -> Any:
@@ -355,7 +353,7 @@ def launch_server(server_args: ServerArgs) -> None:
         def handle_exit(self, sig: int, frame: Any) -> None:
             self.signalled = True
             if tm.loop is not None:
-                tm.loop.call_soon_threadsafe(tm.begin_shutdown, SHUTDOWN_GRACE_S)
+                tm.loop.call_soon_threadsafe(tm.begin_shutdown, server_args.shutdown_timeout)
             super().handle_exit(sig, frame)
 
     t0 = time.time()
@@ -370,7 +368,7 @@ def launch_server(server_args: ServerArgs) -> None:
         config = uvicorn.Config(
             app, host=server_args.host, port=server_args.port, log_level=server_args.log_level,
             # Longer than the grace the requests get: every reply ends before uvicorn cancels it.
-            timeout_keep_alive=5, timeout_graceful_shutdown=SHUTDOWN_GRACE_S + 1.5, lifespan="on",
+            timeout_keep_alive=5, timeout_graceful_shutdown=server_args.shutdown_timeout + 1.5, lifespan="on",
         )
         server = Server(config)
 
