@@ -47,6 +47,18 @@ def _plain(url: str, out: dict) -> None:
         out["plain"] = e
 
 
+def _stop(proc, threads: list, send_signal, wait_s: float) -> str:
+    """Signal the server, wait for it to exit with status 0 and for the client threads to end;
+    returns its log."""
+    send_signal()
+    code = proc.wait(wait_s)
+    for t in threads:
+        t.join(60)
+    log = read_log(proc)
+    assert code == 0, log[-3000:]
+    return log
+
+
 @pytest.fixture(scope="module")
 def servers(request):
     """A fresh demo server for each test (each stops its own), all started side by side up front
@@ -74,15 +86,8 @@ def test_sigterm_under_load_ends_every_reply_cleanly(whole_group: bool, servers,
             t.start()
         assert started.wait(60), "no stream started"
         time.sleep(0.5)
-        if whole_group:
-            os.killpg(proc.pid, signal.SIGTERM)
-        else:
-            proc.send_signal(signal.SIGTERM)
-        code = proc.wait(30)
-        for t in threads:
-            t.join(30)
-        log = read_log(proc)
-        assert code == 0, log[-3000:]
+        log = _stop(proc, threads, lambda: os.killpg(proc.pid, signal.SIGTERM) if whole_group
+                    else proc.send_signal(signal.SIGTERM), wait_s=30)
         deadline = time.monotonic() + 10
         while group_alive(proc) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -159,12 +164,7 @@ def test_a_longer_shutdown_timeout_lets_replies_finish(servers, request) -> None
             t.start()
         assert started.wait(60), "the stream never started"
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(300)
-        for t in threads:
-            t.join(60)
-        log = read_log(proc)
-        assert code == 0, log[-3000:]
+        _stop(proc, threads, lambda: proc.send_signal(signal.SIGTERM), wait_s=300)
         last = json.loads(out["stream"][-2])
         assert out["stream"][-1] == "[DONE]" and last["meta_info"]["completion_tokens"] == tokens, last
         assert out["plain"].status_code == 200, out["plain"].text

@@ -317,8 +317,9 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
 def reserve_address(host: str, port: int) -> socket.socket:
     """host:port bound (not yet listening) before anything loads, for uvicorn to serve on once the
     model is ready: a host that does not resolve or a port another process holds fails now, not
-    after minutes of loading, and no process can take the port in between. Connections are
-    refused until then, as upstream's."""
+    after minutes of loading, and a process that binds without SO_REUSEADDR cannot take the port
+    in between (one that sets it can, as a second server on the port does: then whichever listens
+    last fails, with the same message). Connections are refused until then, as upstream's."""
     try:
         family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
     except socket.gaierror as e:
@@ -335,9 +336,12 @@ def reserve_address(host: str, port: int) -> socket.socket:
 
 def launch_server(server_args: ServerArgs) -> None:
     """Start the scheduler, then serve HTTP until SIGINT/SIGTERM; always reaps the scheduler."""
-    import uvicorn
+    with reserve_address(server_args.host, server_args.port) as listener:
+        _serve(server_args, listener)
 
-    listener = reserve_address(server_args.host, server_args.port)
+
+def _serve(server_args: ServerArgs, listener: socket.socket) -> None:
+    import uvicorn
 
     class Server(uvicorn.Server):
         """uvicorn's server, which also tells the tokenizer manager that the server is stopping."""
@@ -357,11 +361,7 @@ def launch_server(server_args: ServerArgs) -> None:
             super().handle_exit(sig, frame)
 
     t0 = time.time()
-    try:
-        tm = launch_runtime(server_args)
-    except BaseException:
-        listener.close()
-        raise
+    tm = launch_runtime(server_args)
     signalled = False
     try:
         app = create_app(tm, server_args)
@@ -390,7 +390,6 @@ def launch_server(server_args: ServerArgs) -> None:
         server.run(sockets=[listener])
         signalled = server.signalled
     finally:
-        listener.close()
         tm.client.shutdown()
         logger.info("The scheduler has exited; bye.")
     if tm.dead_reason is not None:
