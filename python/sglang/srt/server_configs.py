@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
-from typing import Optional
+from typing import Optional, Sequence
 
 from sglang.srt.configs.lora_path_spec import LoRAPathSpec
 from sglang.srt.configs.model_config import ModelConfig
@@ -59,13 +59,18 @@ def resolve_model(server_args: ServerArgs) -> ServerArgs:
     return dataclasses.replace(server_args, **changes)
 
 
+def _flag_modules(target_modules: Optional[Sequence[str]]) -> Optional[set[str]]:
+    """The fused modules --lora-target-modules covers ("all": every one); None when not given."""
+    return normalize_target_modules(target_modules) if target_modules else None
+
+
 def _demo_adapters_that_fit(args: ServerArgs) -> list[str]:
     """The demo adapters whose rank and modules fit a pool the user sized in part
     (--max-lora-rank, or --lora-target-modules, alone): an adapter they never asked for must not
     stop the server at start."""
     from sglang.srt.tools.demo import DEMO_ADAPTERS
 
-    pool = normalize_target_modules(args.lora_target_modules) if args.lora_target_modules else None
+    pool = _flag_modules(args.lora_target_modules)
     names = [spec.name for spec in DEMO_ADAPTERS
              if (args.max_lora_rank is None or spec.rank <= args.max_lora_rank)
              and (pool is None or normalize_target_modules(spec.target_modules) <= pool)]
@@ -127,8 +132,7 @@ def _check_startup_adapter_configs(lora: Optional[LoRARunConfig]) -> None:
     (minutes for a real model). The checks that need the model's shapes run at load."""
     if lora is None:
         return
-    covered = None if not lora.target_modules or "all" in lora.target_modules else \
-        normalize_target_modules(lora.target_modules)
+    covered = _flag_modules(lora.target_modules)
     for ref in lora.refs:
         try:
             config = LoRAConfig.from_path(ref.lora_path)

@@ -156,6 +156,10 @@ class ModelRunner:
     def _default_max_running_requests(self, tokens: int) -> int:
         return self.config.max_running_requests or max(1, min(MAX_RUNNING_REQUESTS_CAP, tokens // 2))
 
+    def _request_table_bytes(self, rows: int) -> int:
+        """ReqToTokenPool's int32 table of `rows` requests."""
+        return rows * (self.context_len + REQ_TO_TOKEN_PAD) * 4
+
     def _check_host_memory(self, tokens: int) -> None:
         """On the CPU the pools come out of host memory: a size that cannot fit is the user's
         flag, named, not the allocator's traceback (or the machine swapping to death)."""
@@ -164,7 +168,7 @@ class ModelRunner:
             return
         rows = self._default_max_running_requests(tokens) + 1
         kv = tokens * self._kv_bytes_per_token()
-        table = rows * (self.context_len + REQ_TO_TOKEN_PAD) * 4
+        table = self._request_table_bytes(rows)
         gib = 1 << 30
         if kv + table > available:
             raise ValueError(
@@ -179,7 +183,7 @@ class ModelRunner:
             budget = self.profile_max_num_tokens()
             # The request table comes out of the same budget as the KV cache.
             rows = self._default_max_running_requests(args.max_total_tokens or budget) + 1
-            table_bytes = rows * (self.context_len + REQ_TO_TOKEN_PAD) * 4
+            table_bytes = self._request_table_bytes(rows)
             budget -= -(-table_bytes // self._kv_bytes_per_token())
             if budget <= 0:
                 raise ValueError("no GPU memory left for the KV cache; lower --max-running-requests")
