@@ -1,7 +1,7 @@
 """Chat-route conventions a client of OpenAI, vLLM or SGLang relies on, against a real CPU server
 (the demo model, with a Qwen-style chat template that, like Qwen's own, renders only the roles it
 knows): an rid with n > 1 that /abort_request ends, "developer" messages that reach the model,
-errors naming max_completion_tokens, and vLLM's neutral "echo": false."""
+errors naming max_completion_tokens, vLLM's neutral "echo": false, and /generate's max_new_tokens refused."""
 
 from __future__ import annotations
 
@@ -149,6 +149,22 @@ def test_chat_without_max_tokens_runs_to_the_context(url, client) -> None:
                       timeout=30)
     assert r.status_code == 400 and r.json()["error"]["param"] == "min_tokens", r.text
     assert "leaves after the input" in r.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_generate_budget_name_on_an_openai_route_is_a_400(url, route) -> None:
+    """/generate's `max_new_tokens` sent to an OpenAI route (a client reusing its sampling_params)
+    is refused as its `min_new_tokens` is. It was ignored: completions kept their 16 tokens and chat
+    ran to the context (47 tokens instead of 3 on a 64-token context)."""
+    body = {"model": "demo", "max_new_tokens": 3}
+    body.update({"messages": [{"role": "user", "content": "hi"}]} if "chat" in route else {"prompt": "hi"})
+    r = requests.post(f"{url}{route}", json=body, timeout=30)
+    assert r.status_code == 400, r.text[:300]
+    err = r.json()["error"]
+    assert err["param"] == "max_new_tokens" and "take max_tokens" in err["message"], err
+    # Its null asks for nothing: accepted, as the other extensions' neutral values are.
+    r = requests.post(f"{url}{route}", json={**body, "max_new_tokens": None, "max_tokens": 1}, timeout=30)
+    assert r.status_code == 200, r.text[:300]
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])

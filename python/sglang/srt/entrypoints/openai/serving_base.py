@@ -110,6 +110,10 @@ def stop_list(stop: Any) -> Optional[list[str]]:
 # models accept unknown fields (clients send many this server has no use for), so these would be
 # ignored silently without this list.
 UNSUPPORTED_EXTENSIONS = {
+    # /generate's names, sent by clients that reuse their sampling_params: ignored, max_new_tokens
+    # would leave the route's own budget (16 tokens, or chat's "until the context") in force.
+    "max_new_tokens": "max_new_tokens is the name on /generate; the OpenAI routes take max_tokens "
+                      "(chat also max_completion_tokens)",
     "min_new_tokens": "min_new_tokens is the name on /generate; the OpenAI routes take min_tokens",
     # vLLM's sampling extensions this server does not implement.
     "allowed_token_ids": "allowed_token_ids is not supported (logit_bias can ban tokens)",
