@@ -6,7 +6,6 @@ Generic on purpose: other suites (LoRA, CUDA graphs, scheduler) may import it.
 
 from __future__ import annotations
 
-import copy
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
@@ -64,15 +63,16 @@ def hf_prompt_logprobs(model, ids: list[int]) -> torch.Tensor:
 
 @torch.no_grad()
 def hf_greedy(model, ids: list[int], max_new_tokens: int) -> list[int]:
-    """HF `generate` without sampling and without stopping at EOS (the engine driver never stops)."""
-    gen_config = copy.deepcopy(model.generation_config)
-    gen_config.update(eos_token_id=None, do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=0)
-    out = model.generate(
-        torch.tensor([ids]),
-        attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-        generation_config=gen_config,
-    )
-    return out[0, len(ids) :].tolist()
+    """HF's greedy decode with its KV cache, without stopping at EOS (the engine driver never
+    stops). A loop over the model's forward, not `generate`: transformers 5 fills an
+    `eos_token_id=None` back in from the checkpoint's generation config and stops there."""
+    out = model(input_ids=torch.tensor([ids]), use_cache=True)
+    generated: list[int] = []
+    for _ in range(max_new_tokens):
+        token = int(out.logits[0, -1].argmax())
+        generated.append(token)
+        out = model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
+    return generated
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 from dataclasses import dataclass, field
@@ -62,6 +63,9 @@ class ServerArgs:
     load_format: str = "auto"
     dtype: str = "auto"
     context_length: Optional[int] = None
+    # A JSON object whose keys replace config.json's (SGLang's flag; vLLM's --hf-overrides), e.g.
+    # '{"rope_scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}}'.
+    json_model_override_args: str = "{}"
     device: str = "auto"
     random_seed: int = 42
     served_model_name: Optional[str] = None
@@ -265,6 +269,7 @@ class ServerArgs:
                 f"--mem-fraction-static must be in (0, 1], got {self.mem_fraction_static!r}"
             )
         positive("--context-length", self.context_length)
+        self.model_override_args()  # a typo is refused here, before anything loads
         positive("--max-total-tokens", self.max_total_tokens)
         positive("--max-running-requests", self.max_running_requests)
         positive("--max-prefill-tokens", self.max_prefill_tokens, allow_none=False)
@@ -368,6 +373,19 @@ class ServerArgs:
             utils.parse_dist_init_addr(self.dist_init_addr)
 
     # ------------------------------------------------------------------ derived settings
+    def model_override_args(self) -> dict:
+        """--json-model-override-args, parsed: the keys that replace config.json's."""
+        if not isinstance(self.json_model_override_args, str):
+            raise ValueError("--json-model-override-args must be a JSON string, got "
+                             f"{type(self.json_model_override_args).__name__}")
+        try:
+            value = json.loads(self.json_model_override_args or "{}")
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--json-model-override-args is not valid JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"--json-model-override-args must be a JSON object, got {self.json_model_override_args!r}")
+        return value
+
     def resolved_device(self) -> str:
         if self.device != "auto":
             return self.device

@@ -49,6 +49,7 @@ VLLM_FLAGS = {
     "--lora-modules": "use --lora-paths NAME=PATH ...",
     "--max-cpu-loras": "use --max-loaded-loras",
     "--max-model-len": "use --context-length",
+    "--hf-overrides": "use --json-model-override-args '{...}'",
     "--gpu-memory-utilization": "use --mem-fraction-static",
     "--max-num-seqs": "use --max-running-requests",
     "--max-num-batched-tokens": "use --chunked-prefill-size (and --max-prefill-tokens)",
@@ -101,7 +102,12 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
                    help="Weight and activation dtype; auto: the checkpoint's (float32 on a CPU for float16).")
     g.add_argument("--context-length", type=int, default=None,
                    help="Longest prompt + output in tokens. Default: the model's max_position_embeddings; "
-                        "more needs SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1.")
+                        "more needs SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1. With YaRN RoPE scaling: "
+                        "original_max_position_embeddings x factor.")
+    g.add_argument("--json-model-override-args", default=default("json_model_override_args"),
+                   help="A JSON object whose keys replace those of the checkpoint's config.json, e.g. "
+                        "'{\"rope_scaling\": {\"rope_type\": \"yarn\", \"factor\": 4.0, "
+                        "\"original_max_position_embeddings\": 32768}}' to turn on YaRN.")
     g.add_argument("--device", default=default("device"), choices=DEVICES,
                    help="auto: cuda when a CUDA device is available, else cpu.")
     g.add_argument("--random-seed", type=int, default=default("random_seed"),

@@ -155,7 +155,7 @@ def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = No
     device = args.resolved_device()
     if model is None:
         model = ModelConfig.from_pretrained(args.model_path, context_length=args.context_length, dtype=args.dtype,
-                                            device=device)
+                                            device=device, overrides=args.model_override_args())
     split = check_tensor_parallel(model, args.tp_size)
     lora = _lora_config(args)
     tokenizer = None if args.skip_tokenizer_init else TokenizerSpec(

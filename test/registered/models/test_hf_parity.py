@@ -3,7 +3,8 @@
 Checkpoints are written by transformers' own save_pretrained with peaked next-token distributions
 (mean top-1 probability ~0.7), so a logprob tolerance of 1e-4 is meaningful. Each architecture
 also exercises one feature: llama (llama3 RoPE scaling, q/k/v/o and MLP biases), mistral (linear
-RoPE scaling), qwen2 (q/k/v bias, tied embeddings), qwen3 (q/k norm, head_dim != hidden/heads).
+RoPE scaling), qwen2 (q/k/v bias, tied embeddings), qwen3 (q/k norm, head_dim != hidden/heads, YaRN
+RoPE scaling with its attention factor).
 """
 
 from __future__ import annotations
@@ -38,7 +39,9 @@ ARCH_OVERRIDES = {
     ),
     "mistral": dict(rope_scaling=dict(rope_type="linear", factor=2.0)),
     "qwen2": dict(tie_word_embeddings=True),
-    "qwen3": dict(),
+    # Qwen3's model card turns YaRN on this way; 256 puts the ramp between extrapolated and
+    # interpolated pairs inside the tiny head (pairs 0-7), so every branch of the formula counts.
+    "qwen3": dict(rope_scaling=dict(rope_type="yarn", factor=4.0, original_max_position_embeddings=256)),
 }
 TEXTS = (
     "The engine reads a prompt, splits it into tokens, and runs the model one step at a time.",
@@ -271,11 +274,54 @@ def test_model_config_reads_old_and_new_rope_keys() -> None:
     assert ModelConfig.from_dict(base, device="cpu").dtype == torch.float32  # auto on CPU
     assert ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "default"}}).rope_scaling is None
     with pytest.raises(ValueError, match="rope scaling"):
-        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 4.0}})
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "longrope", "factor": 4.0}})
     # Sliding windows are not implemented: the context is capped at the window.
     capped = ModelConfig.from_dict({**base, "sliding_window": 64, "max_position_embeddings": 4096})
     assert capped.context_len == 64
     assert ModelConfig.from_dict(base, context_length=100).context_len == 100
+
+
+@pytest.mark.parametrize("extra", [
+    {},  # Qwen3's model card
+    {"attention_factor": 1.25, "beta_fast": 16.0, "beta_slow": 2.0},
+    {"mscale": 1.0, "mscale_all_dim": 0.5},  # DeepSeek's form of the attention factor
+    {"truncate": False},
+])
+def test_yarn_frequencies_and_scale_equal_transformers(extra: dict) -> None:
+    from transformers import Qwen3Config
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from sglang.srt.layers.rotary_embedding import rope_frequencies
+
+    rope = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768, **extra}
+    cfg = {"architectures": ["Qwen3ForCausalLM"], "hidden_size": 2560, "num_hidden_layers": 1,
+           "num_attention_heads": 32, "head_dim": 128, "intermediate_size": 9728, "vocab_size": 1000,
+           "max_position_embeddings": 40960, "rope_theta": 1e6, "rope_scaling": rope}
+    ours = ModelConfig.from_dict(cfg)
+    inv_freq, scale = rope_frequencies(128, ours.rope_theta, ours.rope_scaling)
+    hf_cfg = Qwen3Config(**{k: v for k, v in cfg.items() if k not in ("architectures", "rope_scaling")},
+                         rope_parameters={"rope_theta": 1e6, **rope})
+    ref_freq, ref_scale = ROPE_INIT_FUNCTIONS["yarn"](hf_cfg, "cpu")
+    assert torch.equal(inv_freq, ref_freq) and scale == pytest.approx(ref_scale, rel=1e-12)
+    assert scale != 1.0 or extra.get("mscale") == extra.get("mscale_all_dim")
+    # The context YaRN extends to is original x factor (vLLM's reading; 131,072 for Qwen3).
+    assert ours.context_len == 131072
+
+
+def test_yarn_context_rules() -> None:
+    base = dict(architectures=["Qwen3ForCausalLM"], hidden_size=64, num_hidden_layers=1,
+                num_attention_heads=4, intermediate_size=128, vocab_size=100, max_position_embeddings=4096)
+    plain = {**base, "rope_scaling": {"rope_type": "yarn", "factor": 2.0}}
+    c = ModelConfig.from_dict(plain)  # the old context defaults to max_position_embeddings
+    assert c.rope_scaling["original_max_position_embeddings"] == 4096 and c.context_len == 8192
+    # A missing factor is the ratio of the two contexts.
+    c = ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "original_max_position_embeddings": 1024}})
+    assert c.rope_scaling["factor"] == 4.0 and c.context_len == 4096
+    assert ModelConfig.from_dict(plain, context_length=8192).context_len == 8192
+    with pytest.raises(ValueError, match="YaRN context"):
+        ModelConfig.from_dict(plain, context_length=8193)
+    with pytest.raises(ValueError, match="factor must be at least 1"):
+        ModelConfig.from_dict({**base, "rope_scaling": {"rope_type": "yarn", "factor": 0.5}})
 
 
 @pytest.mark.parametrize("arch", ARCHS)

@@ -24,7 +24,7 @@ _DTYPE_NAMES = {
     "float16": torch.float16,
     "half": torch.float16,
 }
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 
 
 def _as_id_list(value: Any) -> list[int]:
@@ -58,6 +58,10 @@ def parse_rope(cfg: dict) -> tuple[float, Optional[dict]]:
     if isinstance(params, dict):
         theta = float(params.get("rope_theta", cfg.get("rope_theta", 10000.0)))
         scaling: Optional[dict] = {k: v for k, v in params.items() if k != "rope_theta"}
+        if scaling.get("rope_type", scaling.get("type", "default")) == "default" and cfg.get("rope_scaling"):
+            # The 4.x key beside a plain 5.x one: a scaling added by hand (the model card's way to
+            # turn YaRN on, or --json-model-override-args) to a config that transformers 5 wrote.
+            scaling = dict(cfg["rope_scaling"])
     else:
         theta = float(cfg.get("rope_theta", 10000.0))
         scaling = cfg.get("rope_scaling")
@@ -74,6 +78,28 @@ def parse_rope(cfg: dict) -> tuple[float, Optional[dict]]:
             scaling["rope_type"] = rope_type
             scaling.pop("type", None)
     return theta, scaling
+
+
+def _complete_yarn(scaling: dict, cfg: dict, max_pos: int) -> tuple[dict, int]:
+    """YaRN's parameters with transformers' defaults filled in, and the context they extend to.
+
+    `original_max_position_embeddings` (the pre-training context) defaults to the config's
+    top-level key of that name, else to max_position_embeddings; a missing `factor` is the ratio of
+    the two. The context is original x factor when that is longer than max_position_embeddings:
+    Qwen3's model card adds {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings":
+    32768} for 131,072 tokens while max_position_embeddings stays 40,960 (vLLM reads it the same way).
+    """
+    scaling = dict(scaling)
+    original = scaling.get("original_max_position_embeddings") or cfg.get("original_max_position_embeddings")
+    original = int(original or max_pos)
+    if original <= 0:
+        raise ValueError(f"rope scaling: original_max_position_embeddings must be positive, got {original}")
+    factor = scaling.get("factor")
+    factor = float(max_pos / original if factor is None else factor)
+    if factor < 1.0:
+        raise ValueError(f"rope scaling: yarn's factor must be at least 1, got {factor}")
+    scaling.update(factor=factor, original_max_position_embeddings=original)
+    return scaling, max(max_pos, int(original * factor))
 
 
 def resolve_dtype(requested: str, config_dtype: Optional[str], device: str) -> torch.dtype:
@@ -138,14 +164,19 @@ class ModelConfig:
         context_length: Optional[int] = None,
         dtype: str = "auto",
         device: str = "cpu",
+        overrides: Optional[dict] = None,
     ) -> "ModelConfig":
         """Read `model_path/config.json` (and `generation_config.json` for extra EOS ids);
-        `context_length`, `dtype` and `device` are `--context-length`, `--dtype` and the device."""
+        `context_length`, `dtype` and `device` are `--context-length`, `--dtype` and the device;
+        `overrides` (--json-model-override-args) replace config.json's top-level keys."""
         if not os.path.isdir(model_path):
             raise ValueError(f"model path {model_path!r} is not a directory")
         cfg = _read_json(os.path.join(model_path, "config.json"))
         if cfg is None:
             raise ValueError(f"no config.json in {model_path!r} (--model-path): not a Hugging Face checkpoint")
+        if overrides:
+            cfg = {**cfg, **overrides}
+            logger.info("config.json with --json-model-override-args: %s", json.dumps(overrides))
         return cls.from_dict(
             cfg,
             model_path=model_path,
@@ -187,6 +218,9 @@ class ModelConfig:
             raise ValueError(f"unsupported hidden_act {hidden_act!r}; only 'silu' is supported")
         rope_theta, rope_scaling = parse_rope(cfg)
         max_pos = int(cfg.get("max_position_embeddings", 2048))
+        rope_context = max_pos  # the longest context the positions are meant for
+        if rope_scaling is not None and rope_scaling["rope_type"] == "yarn":
+            rope_scaling, rope_context = _complete_yarn(rope_scaling, cfg, max_pos)
 
         eos = _as_id_list(cfg.get("eos_token_id"))
         if generation_config:
@@ -198,7 +232,7 @@ class ModelConfig:
         window = cfg.get("sliding_window")
         if cfg.get("use_sliding_window") is False:
             window = None
-        context_len = max_pos
+        context_len = rope_context
         if window:
             context_len = min(context_len, int(window))
         if context_length is not None:
@@ -207,19 +241,18 @@ class ModelConfig:
                     f"--context-length {context_length} exceeds the model's sliding window ({window}); "
                     "sliding-window attention is not supported"
                 )
-            if context_length > max_pos:
+            if context_length > rope_context:
                 # As upstream SGLang: a context past what the model was trained for is refused
                 # unless asked for (it also sizes the rotary tables and the request rows).
+                limit = f"max_position_embeddings ({max_pos})" if rope_context == max_pos else (
+                    f"YaRN context ({rope_context} = original_max_position_embeddings x factor)")
                 if os.environ.get("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN") != "1":
                     raise ValueError(
-                        f"--context-length {context_length} exceeds the model's max_position_embeddings "
-                        f"({max_pos}); set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to allow it"
+                        f"--context-length {context_length} exceeds the model's {limit}; "
+                        "set SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1 to allow it"
                     )
-                logger.warning(
-                    "--context-length %d exceeds max_position_embeddings %d; quality may degrade.",
-                    context_length,
-                    max_pos,
-                )
+                logger.warning("--context-length %d exceeds the model's %s; quality may degrade.",
+                               context_length, limit)
             context_len = int(context_length)
         elif window and window < max_pos:
             logger.warning(

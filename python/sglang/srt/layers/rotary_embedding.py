@@ -20,10 +20,15 @@ from sglang.srt.layers.triton_ops.dispatch import use_triton
 from sglang.srt.layers.triton_ops.rope import KVStore, QKNormWeights, qkv_rope_fwd
 
 
-def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+def _wavelength_powers(rotary_dim: int, base: float) -> torch.Tensor:
+    """base^(2i / rotary_dim) for each pair i: the inverse frequencies' denominators."""
     # On the host whatever the default device, so every device gets bit-identical frequencies.
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.int64, device="cpu").to(torch.float32) / rotary_dim
-    return 1.0 / (base**exponents)
+    return base**exponents
+
+
+def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    return 1.0 / _wavelength_powers(rotary_dim, base)
 
 
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
@@ -43,17 +48,64 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def compute_inv_freq(rotary_dim: int, base: float, rope_scaling: Optional[dict]) -> torch.Tensor:
+def _yarn_inv_freq(rotary_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071), as Qwen2.5/Qwen3 use it past their pre-training context: pairs that
+    turn many times within the old context keep their frequency (extrapolated), pairs that turn
+    less than once are divided by `factor` (interpolated), and a linear ramp over the pair index
+    blends the band in between. cos/sin are then scaled by the attention factor (0.1 ln(factor) + 1
+    unless the config gives it), which restores the attention entropy the stretch lowers."""
+    factor = float(scaling["factor"])
+    old_context = float(scaling["original_max_position_embeddings"])
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def pair_index(rotations: float) -> float:
+        # The pair whose wavelength fits `rotations` times into the old context.
+        return rotary_dim * math.log(old_context / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = pair_index(beta_fast), pair_index(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # a ramp of zero width would divide by zero
+    pairs = torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu")
+    ramp = ((pairs - low) / (high - low)).clamp(0, 1)  # 0: extrapolate, 1: interpolate
+    keep = 1 - ramp
+    powers = _wavelength_powers(rotary_dim, base)
+    inv_freq = 1.0 / (factor * powers) * (1 - keep) + 1.0 / powers * keep
+
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:  # DeepSeek's form: a ratio of two such factors
+            attention_factor = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    return inv_freq, float(attention_factor)
+
+
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 0.1 * mscale * math.log(factor) + 1.0 if factor > 1 else 1.0
+
+
+def rope_frequencies(rotary_dim: int, base: float, rope_scaling: Optional[dict]) -> tuple[torch.Tensor, float]:
+    """(inverse frequencies [rotary_dim / 2], the factor cos and sin are multiplied by).
+
+    `rope_scaling` is ModelConfig's: None or a dict with a supported `rope_type` (for yarn, with
+    `factor` and `original_max_position_embeddings` filled in)."""
     inv_freq = _base_inv_freq(rotary_dim, base)
     if rope_scaling is None:
-        return inv_freq
+        return inv_freq, 1.0
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
     if rope_type == "linear":
-        return inv_freq / float(rope_scaling["factor"])
+        return inv_freq / float(rope_scaling["factor"]), 1.0
     if rope_type == "llama3":
-        return _llama3_inv_freq(inv_freq, rope_scaling)
+        return _llama3_inv_freq(inv_freq, rope_scaling), 1.0
+    if rope_type == "yarn":
+        return _yarn_inv_freq(rotary_dim, base, rope_scaling)
     if rope_type == "default":
-        return inv_freq
+        return inv_freq, 1.0
     raise ValueError(f"unsupported rope scaling type {rope_type!r}")
 
 
@@ -72,11 +124,13 @@ class RotaryEmbedding(nn.Module):
         self.max_position = max_position
         if self.rotary_dim % 2 != 0 or self.rotary_dim > head_size:
             raise ValueError(f"invalid rotary_dim {self.rotary_dim} for head size {head_size}")
-        inv_freq = compute_inv_freq(self.rotary_dim, base, rope_scaling)
+        inv_freq, scale = rope_frequencies(self.rotary_dim, base, rope_scaling)
         # Built on the current default device (the loader builds models under the target device).
         positions = torch.arange(max_position, dtype=torch.float32)
         freqs = torch.outer(positions, inv_freq.to(positions.device))
         cos, sin = freqs.cos(), freqs.sin()
+        if scale != 1.0:  # yarn: scaled in float32 before any cast, as transformers does
+            cos, sin = cos * scale, sin * scale
         # [max_position, 2 * rotary_dim], float32 whatever the model dtype: [cos | cos] then
         # [-sin | sin], so that x * cos + swap_halves(x) * sin is the rotation in four kernels.
         self.register_buffer(

@@ -3,6 +3,7 @@ prints as one line (exit status 2) rather than a traceback or a server that fail
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import socket
@@ -29,6 +30,23 @@ def test_a_context_past_the_models_needs_the_upstream_opt_in(monkeypatch) -> Non
     assert ModelConfig.from_pretrained(path, context_length=max_pos // 2).context_len == max_pos // 2
     monkeypatch.setenv("SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN", "1")
     assert ModelConfig.from_pretrained(path, context_length=max_pos * 2).context_len == max_pos * 2
+
+
+def test_json_model_override_args_turn_on_yarn_from_the_command_line() -> None:
+    from sglang.srt.server_configs import build_run_configs
+    from sglang.srt.server_args import prepare_server_args
+
+    path = tiny_checkpoint("qwen3")  # max_position_embeddings 2048, plain RoPE
+    yarn = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    args = prepare_server_args(["--model-path", path, "--device", "cpu",
+                                "--json-model-override-args", json.dumps({"rope_scaling": yarn})])
+    model = build_run_configs(args).scheduler.runner.model
+    assert model.rope_scaling == yarn and model.context_len == 4096  # 1024 x 4, past the 2048
+    assert model.hf_config["rope_scaling"] == yarn  # what /get_server_info and the loader see
+    assert build_run_configs(prepare_server_args(["--model-path", path, "--device", "cpu"])).scheduler.runner.model.rope_scaling is None
+    for bad, match in (("{rope", "not valid JSON"), ('["rope_scaling"]', "must be a JSON object")):
+        with pytest.raises(ValueError, match=match):
+            ServerArgs(model_path=path, json_model_override_args=bad)
 
 
 def test_triton_attention_on_a_cpu_needs_the_interpreter(monkeypatch) -> None:
