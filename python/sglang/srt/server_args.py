@@ -83,6 +83,8 @@ class ServerArgs:
     mem_fraction_static: float = 0.85
     max_total_tokens: Optional[int] = None
     max_running_requests: Optional[int] = None
+    # Most requests waiting to run; a request past it gets a 503 at once (None: no limit).
+    max_queued_requests: Optional[int] = None
     max_prefill_tokens: int = 16384
     chunked_prefill_size: int = 8192
     disable_radix_cache: bool = False
@@ -272,6 +274,7 @@ class ServerArgs:
         self.model_override_args()  # a typo is refused here, before anything loads
         positive("--max-total-tokens", self.max_total_tokens)
         positive("--max-running-requests", self.max_running_requests)
+        positive("--max-queued-requests", self.max_queued_requests)
         positive("--max-prefill-tokens", self.max_prefill_tokens, allow_none=False)
         positive("--decode-log-interval", self.decode_log_interval, allow_none=False)
         positive("--max-top-logprobs", self.max_top_logprobs, allow_none=False)

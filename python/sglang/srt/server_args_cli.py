@@ -137,6 +137,9 @@ def add_cli_args(parser: argparse.ArgumentParser, defaults: Mapping[str, Any]) -
     g.add_argument("--max-total-tokens", type=int, default=None, help="KV cache size in tokens.")
     g.add_argument("--max-running-requests", type=int, default=None,
                    help="Most requests decoding at once. Default: from the KV cache size.")
+    g.add_argument("--max-queued-requests", type=int, default=None,
+                   help="Most requests waiting to run; one more gets a 503 at once, so that a load "
+                        "balancer can send it elsewhere. Default: no limit.")
     g.add_argument("--max-prefill-tokens", type=int, default=default("max_prefill_tokens"),
                    help="Most new prompt tokens one prefill batch takes.")
     g.add_argument("--chunked-prefill-size", type=int, default=default("chunked_prefill_size"),

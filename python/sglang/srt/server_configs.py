@@ -171,6 +171,7 @@ def build_run_configs(server_args: ServerArgs, model: Optional[ModelConfig] = No
         runner=runner, tokenizer=tokenizer, schedule_policy=args.schedule_policy,
         disable_radix_cache=args.disable_radix_cache, decode_log_interval=args.decode_log_interval,
         lora_max_wait_turns=args.lora_max_wait_turns, log_level=args.log_level,
+        max_queued_requests=args.max_queued_requests,
         enable_test_hooks=args.enable_test_hooks,
         overlap_schedule=args.resolved_overlap_schedule(), watchdog_timeout=args.watchdog_timeout,
         grammar_backend=args.grammar_backend,

@@ -25,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Optional
 
 import pytest
+import requests
 
 from lora_server_testlib import post, tiny_lora_checkpoint, write_adapters
 from reliability_lib import assert_no_leaks, server_info, wait_idle
@@ -227,3 +228,45 @@ def test_adapters_plus_base_around_a_chunked_prefill_in_process(adapters) -> Non
     for rid, _, _ in jobs:
         assert outputs[rid] == outputs[f"alone-{rid}"] and len(outputs[rid]) == 10, rid
     assert sched.check_integrity()["ok"]
+
+
+def test_a_full_queue_refuses_with_a_503_and_the_server_goes_on() -> None:
+    """--max-queued-requests: with one request running and one waiting, the next gets a 503 in the
+    OpenAI error envelope at once (a load balancer retries it elsewhere); both others complete."""
+    import openai
+
+    from server_helpers import tiny_checkpoint
+
+    proc, url = popen_launch_server(tiny_checkpoint("qwen3"), [
+        "--device", "cpu", "--max-running-requests", "1", "--max-queued-requests", "1", "--decode-log-interval", "1000",
+    ])
+    try:
+        long_params = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(2) as pool:
+            # Streamed so that its first chunk shows it running; the second then waits behind it.
+            running = requests.post(f"{url}/generate", json={"input_ids": prompt(8, 1), "stream": True,
+                                                              "sampling_params": long_params}, stream=True)
+            assert running.status_code == 200
+            lines = running.iter_lines()
+            assert next(line for line in lines if line).startswith(b"data:")
+            waiting = pool.submit(post, url, "/generate", {"input_ids": prompt(8, 2),
+                                                           "sampling_params": {"max_new_tokens": 3}})
+            deadline = time.monotonic() + 60
+            while server_info(url)["num_waiting_reqs"] < 1:
+                assert time.monotonic() < deadline and not waiting.done()
+                time.sleep(0.05)
+            client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
+            with pytest.raises(openai.APIStatusError) as e:
+                client.completions.create(model="default", prompt="one more", max_tokens=3)
+            assert e.value.status_code == 503
+            assert "request queue is full" in e.value.body["message"] and "--max-queued-requests 1" in e.value.body["message"]
+            refused = post(url, "/generate", {"input_ids": prompt(8, 3), "sampling_params": {"max_new_tokens": 3}})
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == 503
+            assert sum(1 for line in lines if line) > 0  # the running request streams on to its end
+            assert waiting.result(timeout=120).status_code == 200
+        assert server_info(url)["num_rejected_queue_full"] == 2
+        after = post(url, "/generate", {"input_ids": prompt(8, 4), "sampling_params": {"max_new_tokens": 3}})
+        assert after.status_code == 200 and after.json()["meta_info"]["completion_tokens"] == 3
+        assert_no_leaks(wait_idle(url))
+    finally:
+        assert kill_server(proc) == 0, read_log(proc)[-3000:]

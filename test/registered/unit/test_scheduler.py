@@ -214,6 +214,24 @@ def test_max_running_requests_is_respected(ckpt: str) -> None:
     assert stats["decode_steps"] >= 10 and stats["decode_reqs"] <= 2 * stats["decode_steps"]
 
 
+def test_max_queued_requests_refuses_arrivals_past_the_queue_with_a_503(ckpt: str) -> None:
+    h = Harness(ckpt, max_running_requests=1, max_queued_requests=2)
+    for i in range(5):  # one message turn: all five arrive before anything is admitted
+        h.submit(f"q{i}", prompt(8, 20 + i), max_new_tokens=4)
+    h.run()
+    refused = [f"q{i}" for i in range(5) if (h.finish_of(f"q{i}") or {}).get("status_code") == 503]
+    assert refused == ["q2", "q3", "q4"]
+    for rid in refused:
+        assert h.out[rid]["ids"] == [] and "--max-queued-requests 2" in h.finish_of(rid)["message"]
+    assert all(len(h.out[f"q{i}"]["ids"]) == 4 for i in (0, 1))
+    assert h.sched.stats["num_rejected_queue_full"] == 3
+    # Room again once the queue has drained; the refusals held nothing.
+    h.submit("later", prompt(8, 30), max_new_tokens=4)
+    h.run()
+    assert len(h.out["later"]["ids"]) == 4 and not h.sched.rid_to_req
+    assert h.kv_free() == h.sched.max_total_num_tokens
+
+
 def test_logprobs_are_strict_json():
     """-inf is floored and NaN reported as null, so a response always serialises."""
     assert json_logprob(-1.5) == -1.5

@@ -95,6 +95,7 @@ class SchedulerConfig:
     overlap_schedule: bool = False  # --enable-overlap-schedule (managers/scheduler_overlap.py)
     watchdog_timeout: float = 300.0  # --watchdog-timeout (scheduler_process._watch_progress); 0: off
     grammar_backend: str = "none"  # --grammar-backend, resolved: "xgrammar" or "none" (constrained/)
+    max_queued_requests: Optional[int] = None  # --max-queued-requests; None: no limit
 
 
 # Names that always mean the base model in a request's `model` (besides its served name and path).

@@ -130,7 +130,10 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
                       # prefills queued behind a step in flight (the overlap schedule)
                       "overlapped_decode_steps": 0, "overlapped_prefills": 0,
                       # tokens such steps computed for requests that had stopped (EOS, a stop string, an abort)
-                      "overlap_discarded_tokens": 0}
+                      "overlap_discarded_tokens": 0,
+                      # requests refused with a 503 because --max-queued-requests were waiting
+                      "num_rejected_queue_full": 0}
+        self.max_queued_requests = config.max_queued_requests
         self.decode_tokens_since_log = 0
         self.last_decode_log = time.monotonic()
         self.last_gen_throughput = 0.0
@@ -228,6 +231,15 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
         req = Req(msg, self.arrivals)
         self.arrivals += 1
         self.rid_to_req[req.rid] = req
+        queued = len(self.waiting) + len(self.grammar_queue)
+        if self.max_queued_requests is not None and queued >= self.max_queued_requests:
+            # Refused before it holds anything; 503, so that a client or load balancer retries
+            # (elsewhere, or later) instead of waiting behind a queue that only grows.
+            self.stats["num_rejected_queue_full"] += 1
+            self.finish(req, {"type": "abort", "status_code": 503,
+                              "message": f"the request queue is full ({queued} requests wait to run, "
+                                         f"--max-queued-requests {self.max_queued_requests}); retry later"})
+            return
         self.queue_request(req)
 
     def abort_request(self, rid: str) -> None:
