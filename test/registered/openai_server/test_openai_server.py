@@ -12,6 +12,7 @@ import time
 import pytest
 import requests
 
+import sglang
 from server_helpers import kill_server, popen_launch_server, read_log, server_env
 
 openai = pytest.importorskip("openai")  # the GPU machine lacks it; CI installs it (the test extra)
@@ -190,6 +191,7 @@ def test_models_and_info(url, client) -> None:
     assert [getattr(m, "parent", None) for m in models.data] == [None, "demo", "demo"]
     info = requests.get(f"{url}/get_model_info", headers=AUTH, timeout=10).json()
     assert info["served_model_name"] == "demo" and info["context_length"] > 0
+    assert requests.get(f"{url}/version", headers=AUTH, timeout=10).json() == {"version": sglang.__version__}
     assert requests.get(f"{url}/health", timeout=10).status_code == 200  # no key needed
     assert requests.get(f"{url}/health_generate", headers=AUTH, timeout=30).status_code == 200
     s = server_info(url)

@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import Response
 from pydantic import BaseModel, ValidationError
 
+import sglang
 from sglang.srt.entrypoints.engine import launch_runtime
 from sglang.srt.entrypoints.json_text import JSONBody
 from sglang.srt.entrypoints.openai.errors import (
@@ -163,6 +164,10 @@ def create_app(tm: TokenizerManager, server_args: ServerArgs) -> FastAPI:
             return error_response(f"the server cannot run a one-token request: {e}", 503)
         err = _abort_error(result)
         return err if err is not None else Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": sglang.__version__}  # as SGLang's and vLLM's /version
 
     @app.get("/get_model_info")
     async def get_model_info() -> dict:
