@@ -267,6 +267,21 @@ def test_a_full_queue_refuses_with_a_503_and_the_server_goes_on() -> None:
         assert server_info(url)["num_rejected_queue_full"] == 2
         after = post(url, "/generate", {"input_ids": prompt(8, 4), "sampling_params": {"max_new_tokens": 3}})
         assert after.status_code == 200 and after.json()["meta_info"]["completion_tokens"] == 3
-        assert_no_leaks(wait_idle(url))
+        # A batch the queue takes only in part: one request is admitted, the other two refused.
+        # The reply is the 503 at once, and the admitted one is aborted, not run to its end.
+        before = wait_idle(url)
+        batch = post(url, "/generate", {"input_ids": [prompt(8, 5), prompt(8, 6), prompt(8, 7)],
+                                        "sampling_params": long_params})
+        assert batch.status_code == 503 and "request queue is full" in batch.json()["error"]["message"]
+        deadline = time.monotonic() + 60
+        while True:  # until the scheduler has ended all three and checked itself idle after that
+            info = wait_idle(url)
+            if (info["num_finished"] == before["num_finished"] + 3
+                    and info["last_integrity_check"]["runs"] > before["last_integrity_check"]["runs"]):
+                break
+            assert time.monotonic() < deadline, info
+            time.sleep(0.1)
+        assert_no_leaks(info)
+        assert info["num_rejected_queue_full"] == 4 and info["decode_reqs"] - before["decode_reqs"] < long_params["max_new_tokens"] - 1
     finally:
         assert kill_server(proc) == 0, read_log(proc)[-3000:]

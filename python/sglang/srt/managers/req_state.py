@@ -56,6 +56,12 @@ class ReqState:
     def finished(self) -> bool:
         return self.finished_reason is not None
 
+    @property
+    def failed(self) -> bool:
+        """Ended by a failure with an error status (not an /abort_request abort)."""
+        reason = self.finished_reason
+        return reason is not None and reason.get("type") == "abort" and bool(reason.get("status_code"))
+
     # ------------------------------------------------------------------ incoming news
     def apply(self, msg: BatchTokenIDOut, i: int) -> None:
         new_ids = list(msg.output_ids[i])
@@ -154,7 +160,9 @@ async def iterate_states(states: list[ReqState], is_batch: bool, stream: bool, r
                          token_text: Callable[[int], str]) -> AsyncIterator[Union[dict, list]]:
     """Wait for the news of `states` (which share one event). Streaming yields a cumulative dict
     per update (with `index` in a batch); otherwise yields once at the end (a dict, or a list for
-    a batch). Returns early, yielding nothing more, if `request`'s client disconnects."""
+    a batch). Returns early, yielding nothing more, if `request`'s client disconnects; unstreamed,
+    also as soon as one request of a batch failed, since the reply is then that error: the others
+    are left unfinished, for the caller to abort."""
     event = states[0].event
     while True:
         if not any(s.dirty for s in states):
@@ -180,6 +188,8 @@ async def iterate_states(states: list[ReqState], is_batch: bool, stream: bool, r
         # News may arrive while we are suspended at a `yield` (the final one included): stop only
         # once the finished state has been delivered.
         if all(s.finished and not s.dirty for s in states):
+            break
+        if not stream and any(s.failed for s in states):
             break
     if not stream:
         outs = [s.to_dict(token_text) for s in states]

@@ -501,18 +501,20 @@ class TokenizerManager(TokenizerLoRAMixin):
                 self.client.send(TokenizedBatchReqInput(outgoing))
             async for out in iterate_states(states, is_batch, obj.stream, request, self.token_text):
                 yield out
-            if not all(state.finished for state in states):
+            if not all(state.finished for state in states) and not any(state.failed for state in states):
                 # The wait ended early: the client disconnected. Nobody reads what follows; 499
                 # (nginx's "client closed request") goes through the quiet RequestFailedError
                 # handlers, streamed or not, instead of an ASGI traceback per disconnect.
                 raise RequestFailedError("the client disconnected", status_code=499)
         finally:
+            sibling_failed = any(state.failed for state in states)
             for state in states:
                 self.rid_to_state.pop(state.req.rid, None)
                 if not state.finished:
-                    # The caller went away (disconnect, cancellation): free its KV at once.
+                    # The caller went away (disconnect, cancellation), or another request of the
+                    # batch failed, which fails the reply: free its KV at once.
                     self.client.send(AbortReq(rid=state.req.rid))
-                    state.fail("the client went away", 499)
+                    state.fail("another request of its batch failed" if sibling_failed else "the client went away", 499)
                     if self.dead_reason is None:
                         # Counted when the scheduler's news of its end arrives (with its tokens);
                         # until then its rid is still taken there.
