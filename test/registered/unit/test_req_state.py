@@ -88,6 +88,27 @@ def test_batch_non_stream_yields_one_list(tokenizer) -> None:
     assert len(outs) == 1 and [o["output_ids"] for o in outs[0]] == [[6], [5]]
 
 
+def test_a_failed_batch_replies_at_once_with_the_others_shown_aborted(tokenizer) -> None:
+    """Unstreamed, a batch whose request failed ends its wait at once; the others, which the caller
+    then aborts, read as aborted without a status of their own (an Engine caller read
+    finish_reason None, "still running"; a status would compete with the failure's)."""
+    async def scenario():
+        event = asyncio.Event()
+        a, b, c = (make_state(tokenizer, event, rid) for rid in "abc")
+        a.apply(news("a", [6], 1, {"type": "length", "length": 1}), 0)
+        asyncio.get_running_loop().call_later(
+            0.01, c.apply, news("c", [], 0, {"type": "abort", "message": "queue full", "status_code": 503}), 0)
+        return [o async for o in rs.iterate_states([a, b, c], True, False, None, tokenizer.decode)], b
+
+    outs, b = asyncio.run(scenario())
+    assert len(outs) == 1 and not b.finished
+    reasons = [o["meta_info"]["finish_reason"] for o in outs[0]]
+    assert reasons == [{"type": "length", "length": 1}, rs.SIBLING_FAILED_ABORT,
+                       {"type": "abort", "message": "queue full", "status_code": 503}]
+    b.abort_for_failed_sibling()  # what the tokenizer manager then records, beside its AbortReq
+    assert b.finished_reason == rs.SIBLING_FAILED_ABORT and not b.failed
+
+
 class _GoneClient:
     """The part of a Starlette request the wait loop uses."""
 

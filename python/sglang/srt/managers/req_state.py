@@ -24,6 +24,11 @@ logger = logging.getLogger(__name__)
 # How often a waiting request checks whether its client has gone away.
 DISCONNECT_POLL_S = 1.0
 
+# How a request of a batch (or n > 1) ends when another request of it failed: aborted unfinished,
+# since the reply is that failure. No status code of its own: the reply's error is the failure's,
+# whatever the failed request's place in the batch (the routes report the first failure they meet).
+SIBLING_FAILED_ABORT = {"type": "abort", "message": "another request of its batch failed"}
+
 
 @dataclass
 class ReqState:
@@ -101,6 +106,10 @@ class ReqState:
     def fail(self, message: str, status_code: int = 500) -> None:
         self._finish({"type": "abort", "message": message, "status_code": status_code})
 
+    def abort_for_failed_sibling(self) -> None:
+        """End a request whose batch's reply is another request's failure (SIBLING_FAILED_ABORT)."""
+        self._finish(dict(SIBLING_FAILED_ABORT))
+
     def abort_unsent(self) -> None:
         """End a request /abort_request named before it reached the scheduler (while its adapter
         loaded): the same reply as an abort there, with no token generated."""
@@ -162,7 +171,7 @@ async def iterate_states(states: list[ReqState], is_batch: bool, stream: bool, r
     per update (with `index` in a batch); otherwise yields once at the end (a dict, or a list for
     a batch). Returns early, yielding nothing more, if `request`'s client disconnects; unstreamed,
     also as soon as one request of a batch failed, since the reply is then that error: the others
-    are left unfinished, for the caller to abort."""
+    are left unfinished, for the caller to abort, and the reply shows them so aborted."""
     event = states[0].event
     while True:
         if not any(s.dirty for s in states):
@@ -193,4 +202,9 @@ async def iterate_states(states: list[ReqState], is_batch: bool, stream: bool, r
             break
     if not stream:
         outs = [s.to_dict(token_text) for s in states]
+        for state, out in zip(states, outs):
+            if not state.finished:
+                # The wait ended at a failure: the caller aborts this one. An Engine caller reads
+                # the list itself, and must not be told it still runs (finish_reason None).
+                out["meta_info"]["finish_reason"] = dict(SIBLING_FAILED_ABORT)
         yield outs if is_batch else outs[0]

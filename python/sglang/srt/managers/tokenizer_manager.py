@@ -514,7 +514,10 @@ class TokenizerManager(TokenizerLoRAMixin):
                     # The caller went away (disconnect, cancellation), or another request of the
                     # batch failed, which fails the reply: free its KV at once.
                     self.client.send(AbortReq(rid=state.req.rid))
-                    state.fail("another request of its batch failed" if sibling_failed else "the client went away", 499)
+                    if sibling_failed:
+                        state.abort_for_failed_sibling()  # as the reply showed it
+                    else:
+                        state.fail("the client went away", 499)
                     if self.dead_reason is None:
                         # Counted when the scheduler's news of its end arrives (with its tokens);
                         # until then its rid is still taken there.
