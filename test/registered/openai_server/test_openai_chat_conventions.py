@@ -66,6 +66,31 @@ def test_abort_request_ends_every_sample_of_an_openai_rid(url, route) -> None:
     assert reply["usage"]["completion_tokens"] < 2 * 1900
 
 
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_abort_request_of_one_sample_ends_that_sample_only(url, route) -> None:
+    """Sample j of n > 1 runs as R-j on both routes: /abort_request R-1 ends sample 1, and the other
+    runs on. /v1/completions ran a string prompt as a batch of one (R-0-0, R-0-1), so R-1 (and R-0)
+    named nothing and both samples ran to their end."""
+    body = {"model": "demo", "n": 2, "max_tokens": 1900, "ignore_eos": True, "rid": "qa-abort-one"}
+    body.update({"messages": [{"role": "user", "content": "Go on"}]} if "chat" in route else {"prompt": "Go on"})
+    with ThreadPoolExecutor(1) as pool:
+        fut = pool.submit(requests.post, f"{url}{route}", json=body, timeout=120)
+        deadline = time.monotonic() + 60
+        while _running(url) < 2:
+            assert time.monotonic() < deadline, "the samples never both ran"
+            time.sleep(0.05)
+        assert requests.post(f"{url}/abort_request", json={"rid": "qa-abort-one-1"}, timeout=30).status_code == 200
+        while _running(url) > 1:  # sample 1 ends (before the fix both ran on to 1900 tokens, then 0)
+            assert time.monotonic() < deadline + 60, "sample 1 was not aborted"
+            time.sleep(0.05)
+        assert requests.post(f"{url}/abort_request", json={"rid": "qa-abort-one-0"}, timeout=30).status_code == 200
+        r = fut.result(timeout=60)
+    assert r.status_code == 200, r.text
+    reply = r.json()
+    assert [c["finish_reason"] for c in reply["choices"]] == ["abort", "abort"]
+    assert reply["usage"]["completion_tokens"] < 2 * 1900
+
+
 def test_developer_messages_reach_a_template_without_the_role(url, client) -> None:
     """OpenAI's "developer" role is the newer "system": a template that knows only "system" (Qwen's
     drop other roles) must still get the instructions, as vLLM maps the role (sglang#40082)."""

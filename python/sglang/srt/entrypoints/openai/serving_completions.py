@@ -57,6 +57,10 @@ class OpenAIServingCompletion:
         prompt = req.prompt
         text: Optional[list[str]] = None
         ids: Optional[list[list[int]]] = None
+        # One prompt (a string, or one list of token ids) is not a batch: its rid R runs as R, and
+        # its n > 1 samples as, ... (as /generate and chat run them), so that
+        # /abort_request R-1 finds sample 1. As a batch of one they ran as R-0-0, R-0-1.
+        single = isinstance(prompt, str) or bool(prompt) and all(isinstance(p, int) for p in prompt)
         if isinstance(prompt, str):
             text = [prompt]
         elif all(isinstance(p, str) for p in prompt):
@@ -74,8 +78,8 @@ class OpenAIServingCompletion:
             )
         want_lp = req.logprobs is not None
         obj = GenerateReqInput(
-            text=text,
-            input_ids=ids,
+            text=text[0] if single and text is not None else text,
+            input_ids=ids[0] if single and ids is not None else ids,
             sampling_params=req.sampling_params(req.max_tokens),
             return_logprob=want_lp,
             logprob_start_len=0 if (want_lp and req.echo) else -1,
