@@ -273,14 +273,8 @@ def test_a_full_queue_refuses_with_a_503_and_the_server_goes_on() -> None:
         batch = post(url, "/generate", {"input_ids": [prompt(8, 5), prompt(8, 6), prompt(8, 7)],
                                         "sampling_params": long_params})
         assert batch.status_code == 503 and "request queue is full" in batch.json()["error"]["message"]
-        deadline = time.monotonic() + 60
-        while True:  # until the scheduler has ended all three and checked itself idle after that
-            info = wait_idle(url)
-            if (info["num_finished"] == before["num_finished"] + 3
-                    and info["last_integrity_check"]["runs"] > before["last_integrity_check"]["runs"]):
-                break
-            assert time.monotonic() < deadline, info
-            time.sleep(0.1)
+        info = wait_idle(url)  # the abort of the admitted one was sent before the reply
+        assert info["num_finished"] == before["num_finished"] + 3
         assert_no_leaks(info)
         assert info["num_rejected_queue_full"] == 4 and info["decode_reqs"] - before["decode_reqs"] < long_params["max_new_tokens"] - 1
     finally:

@@ -15,7 +15,14 @@ from typing import Any, Optional
 import pytest
 
 from server_helpers import tiny_checkpoint
-from sglang.srt.managers.io_struct import AbortReq, BatchTokenIDOut, FaultInjectionReq, TokenizedGenerateReqInput
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOut,
+    FaultInjectionReq,
+    GetServerInfoOut,
+    GetServerInfoReq,
+    TokenizedGenerateReqInput,
+)
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.managers.scheduler_output import LOGPROB_FLOOR, json_logprob
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -230,6 +237,23 @@ def test_max_queued_requests_refuses_arrivals_past_the_queue_with_a_503(ckpt: st
     h.run()
     assert len(h.out["later"]["ids"]) == 4 and not h.sched.rid_to_req
     assert h.kv_free() == h.sched.max_total_num_tokens
+
+
+def test_server_info_while_idle_reports_a_current_integrity_check(ckpt: str) -> None:
+    """A request that arrives and is aborted within one message turn never makes the scheduler
+    busy for a turn; the info asked right after must still describe the pools as they are."""
+    h = Harness(ckpt)
+    h.submit("warm", prompt(12, 40), max_new_tokens=3)
+    h.run()  # cached now: the aborted request below takes a cached prefix and gives it back
+    runs = h.sched.last_integrity_check["runs"]
+    h.submit("gone", prompt(12, 40) + [7, 8], max_new_tokens=3)
+    h.to_w.send(AbortReq(rid="gone"))
+    h.to_w.send(GetServerInfoReq())
+    h.sched.process_messages(block=False)
+    info = next(m.info for m in iter(h.from_r.recv, None) if isinstance(m, GetServerInfoOut))
+    check = info["last_integrity_check"]
+    assert check["runs"] > runs and check["ok"] and check["idle"], check
+    assert info["kv_free_tokens"] == check["kv_free"] and info["kv_evictable_tokens"] == check["kv_evictable"]
 
 
 def test_logprobs_are_strict_json():

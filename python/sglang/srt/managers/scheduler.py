@@ -158,7 +158,7 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             # A turn ends within IDLE_POLL_S when idle (every rank's message poll returns): a
             # heartbeat this old means a turn is stuck (scheduler_process._watch_progress).
             self.heartbeat = time.monotonic()
-            idle = not (self.waiting or self.running or self.chunked_req or self.inflight or self.grammar_queue)
+            idle = self.is_idle()
             if idle and not self.was_idle:
                 self.check_integrity()
                 self.last_decode_log = time.monotonic()
@@ -169,6 +169,10 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             # Nothing runnable (e.g. every waiting request waits for an adapter slot): only a
             # message can change that, so wait for one instead of spinning.
             stalled = not self.schedule_turn()
+
+    def is_idle(self) -> bool:
+        """Nothing runs, waits or is in flight."""
+        return not (self.waiting or self.running or self.chunked_req or self.inflight or self.grammar_queue)
 
     def schedule_turn(self) -> bool:
         """Run the next batch (overlapped: launch the next decode step and finish the one in
@@ -209,6 +213,11 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg.rid)
             elif isinstance(msg, GetServerInfoReq):
+                if self.is_idle():
+                    # Requests may have come and gone within these messages (an arrival refused,
+                    # or aborted at once) without a turn of their own: the reported check then
+                    # described the pools before them, beside live counters of after.
+                    self.check_integrity()
                 self.send(GetServerInfoOut(info=self.live_info()))
             elif isinstance(msg, FaultInjectionReq):
                 # A fault may target one TP rank only: the case of a failure the others never see.
