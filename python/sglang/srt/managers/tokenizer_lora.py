@@ -87,11 +87,12 @@ class TokenizerLoRAMixin:
         unknown = sorted({n for n in names if isinstance(n, str) and self.lora_registry.get(n) is None
                           and self.resolver_path(n) is None})
         if unknown:
-            raise ModelNotFoundError(
-                model if ":" in model or not isinstance(adapter, str) else f"{model}:{adapter}",
-                f"The following requested LoRA adapters are not loaded: {', '.join(unknown)}. "
-                f"{self._loaded_adapters_hint()}",
-            )
+            hint = (f"The following requested LoRA adapters are not loaded: {', '.join(unknown)}. "
+                    f"{self._loaded_adapters_hint()}")
+            if ":" in model:  # named in `model` ("base:adapter"): an unknown model, as vLLM has it
+                raise ModelNotFoundError(model, hint)
+            # Named in `lora_path` beside the base model: the model exists; the field is what is wrong.
+            raise InvalidRequestError(hint, param="lora_path", status_code=404)
         return adapter
 
     def _loaded_adapters_hint(self) -> str:
