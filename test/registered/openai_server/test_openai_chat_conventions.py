@@ -6,7 +6,9 @@ errors naming max_completion_tokens, vLLM's neutral "echo": false, and /generate
 from __future__ import annotations
 
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
+from typing import Iterator
 
 import pytest
 import requests
@@ -45,25 +47,35 @@ def _running(url: str) -> int:
     return requests.get(f"{url}/get_server_info", timeout=30).json()["num_running_reqs"]
 
 
-@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
-def test_abort_request_ends_every_sample_of_an_openai_rid(url, route) -> None:
-    """n > 1 runs rid R as R-0, R-1 on both routes (as /generate does): /abort_request R ends them
-    all. Chat used to drop the rid when n > 1."""
-    body = {"model": "demo", "n": 2, "max_tokens": 1900, "ignore_eos": True, "rid": "qa-abort-n"}
+@contextmanager
+def _two_running_samples(url: str, route: str, rid: str) -> Iterator[Future]:
+    """An n=2 request of rid `rid` on `route`, posted in the background; yields its future once both
+    samples run (an abort that arrives before its requests is dropped)."""
+    body = {"model": "demo", "n": 2, "max_tokens": 1900, "ignore_eos": True, "rid": rid}
     body.update({"messages": [{"role": "user", "content": "Go on"}]} if "chat" in route else {"prompt": "Go on"})
     with ThreadPoolExecutor(1) as pool:
         fut = pool.submit(requests.post, f"{url}{route}", json=body, timeout=120)
-        # An abort that arrives before its requests is dropped: wait until both samples run.
         deadline = time.monotonic() + 60
         while _running(url) < 2:
             assert time.monotonic() < deadline, "the samples never both ran"
             time.sleep(0.05)
-        assert requests.post(f"{url}/abort_request", json={"rid": "qa-abort-n"}, timeout=30).status_code == 200
-        r = fut.result(timeout=60)
+        yield fut
+
+
+def _assert_both_aborted(r: requests.Response) -> None:
     assert r.status_code == 200, r.text
     reply = r.json()
     assert [c["finish_reason"] for c in reply["choices"]] == ["abort", "abort"]
     assert reply["usage"]["completion_tokens"] < 2 * 1900
+
+
+@pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
+def test_abort_request_ends_every_sample_of_an_openai_rid(url, route) -> None:
+    """n > 1 runs rid R as R-0, R-1 on both routes (as /generate does): /abort_request R ends them
+    all. Chat used to drop the rid when n > 1."""
+    with _two_running_samples(url, route, "qa-abort-n") as fut:
+        assert requests.post(f"{url}/abort_request", json={"rid": "qa-abort-n"}, timeout=30).status_code == 200
+        _assert_both_aborted(fut.result(timeout=60))
 
 
 @pytest.mark.parametrize("route", ["/v1/chat/completions", "/v1/completions"])
@@ -71,24 +83,14 @@ def test_abort_request_of_one_sample_ends_that_sample_only(url, route) -> None:
     """Sample j of n > 1 runs as R-j on both routes: /abort_request R-1 ends sample 1, and the other
     runs on. /v1/completions ran a string prompt as a batch of one (R-0-0, R-0-1), so R-1 (and R-0)
     named nothing and both samples ran to their end."""
-    body = {"model": "demo", "n": 2, "max_tokens": 1900, "ignore_eos": True, "rid": "qa-abort-one"}
-    body.update({"messages": [{"role": "user", "content": "Go on"}]} if "chat" in route else {"prompt": "Go on"})
-    with ThreadPoolExecutor(1) as pool:
-        fut = pool.submit(requests.post, f"{url}{route}", json=body, timeout=120)
-        deadline = time.monotonic() + 60
-        while _running(url) < 2:
-            assert time.monotonic() < deadline, "the samples never both ran"
-            time.sleep(0.05)
+    with _two_running_samples(url, route, "qa-abort-one") as fut:
         assert requests.post(f"{url}/abort_request", json={"rid": "qa-abort-one-1"}, timeout=30).status_code == 200
+        deadline = time.monotonic() + 60
         while _running(url) > 1:  # sample 1 ends (before the fix both ran on to 1900 tokens, then 0)
-            assert time.monotonic() < deadline + 60, "sample 1 was not aborted"
+            assert time.monotonic() < deadline, "sample 1 was not aborted"
             time.sleep(0.05)
         assert requests.post(f"{url}/abort_request", json={"rid": "qa-abort-one-0"}, timeout=30).status_code == 200
-        r = fut.result(timeout=60)
-    assert r.status_code == 200, r.text
-    reply = r.json()
-    assert [c["finish_reason"] for c in reply["choices"]] == ["abort", "abort"]
-    assert reply["usage"]["completion_tokens"] < 2 * 1900
+        _assert_both_aborted(fut.result(timeout=60))
 
 
 def test_developer_messages_reach_a_template_without_the_role(url, client) -> None:

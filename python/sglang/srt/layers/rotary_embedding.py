@@ -27,10 +27,6 @@ def _wavelength_powers(rotary_dim: int, base: float) -> torch.Tensor:
     return base**exponents
 
 
-def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
-    return 1.0 / _wavelength_powers(rotary_dim, base)
-
-
 def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     """Llama 3.1 frequency scaling: long wavelengths are divided by `factor`, short ones kept, and
     the band in between is interpolated smoothly between the two."""
@@ -48,12 +44,13 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_inv_freq(rotary_dim: int, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
+def _yarn_inv_freq(powers: torch.Tensor, base: float, scaling: dict) -> tuple[torch.Tensor, float]:
     """YaRN (arXiv 2309.00071), as Qwen2.5/Qwen3 use it past their pre-training context: pairs that
     turn many times within the old context keep their frequency (extrapolated), pairs that turn
     less than once are divided by `factor` (interpolated), and a linear ramp over the pair index
     blends the band in between. cos/sin are then scaled by the attention factor (0.1 ln(factor) + 1
     unless the config gives it), which restores the attention entropy the stretch lowers."""
+    rotary_dim = 2 * powers.numel()
     factor = float(scaling["factor"])
     old_context = float(scaling["original_max_position_embeddings"])
     beta_fast = float(scaling.get("beta_fast") or 32)
@@ -72,7 +69,6 @@ def _yarn_inv_freq(rotary_dim: int, base: float, scaling: dict) -> tuple[torch.T
     pairs = torch.arange(rotary_dim // 2, dtype=torch.float32, device="cpu")
     ramp = ((pairs - low) / (high - low)).clamp(0, 1)  # 0: extrapolate, 1: interpolate
     keep = 1 - ramp
-    powers = _wavelength_powers(rotary_dim, base)
     inv_freq = 1.0 / (factor * powers) * (1 - keep) + 1.0 / powers * keep
 
     attention_factor = scaling.get("attention_factor")
@@ -94,7 +90,8 @@ def rope_frequencies(rotary_dim: int, base: float, rope_scaling: Optional[dict])
 
     `rope_scaling` is ModelConfig's: None or a dict with a supported `rope_type` (for yarn, with
     `factor` and `original_max_position_embeddings` filled in)."""
-    inv_freq = _base_inv_freq(rotary_dim, base)
+    powers = _wavelength_powers(rotary_dim, base)
+    inv_freq = 1.0 / powers
     if rope_scaling is None:
         return inv_freq, 1.0
     rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
@@ -103,7 +100,7 @@ def rope_frequencies(rotary_dim: int, base: float, rope_scaling: Optional[dict])
     if rope_type == "llama3":
         return _llama3_inv_freq(inv_freq, rope_scaling), 1.0
     if rope_type == "yarn":
-        return _yarn_inv_freq(rotary_dim, base, rope_scaling)
+        return _yarn_inv_freq(powers, base, rope_scaling)
     if rope_type == "default":
         return inv_freq, 1.0
     raise ValueError(f"unsupported rope scaling type {rope_type!r}")

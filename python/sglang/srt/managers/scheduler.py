@@ -213,11 +213,10 @@ class Scheduler(SchedulerAdmissionMixin, SchedulerOutputMixin, SchedulerLoRAMixi
             elif isinstance(msg, AbortReq):
                 self.abort_request(msg.rid)
             elif isinstance(msg, GetServerInfoReq):
-                if self.is_idle():
-                    # Requests may have come and gone within these messages (an arrival refused,
-                    # or aborted at once) without a turn of their own: the reported check then
-                    # described the pools before them, beside live counters of after.
-                    self.check_integrity()
+                # Requests may have come and gone within these messages (an arrival refused, or
+                # aborted at once) without a turn of their own: the reported check then described
+                # the pools before them, beside live counters of after.
+                self._recheck_if_idle()
                 self.send(GetServerInfoOut(info=self.live_info()))
             elif isinstance(msg, FaultInjectionReq):
                 # A fault may target one TP rank only: the case of a failure the others never see.

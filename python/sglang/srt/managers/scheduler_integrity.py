@@ -27,7 +27,7 @@ class SchedulerIntegrityMixin:
 
     def _recheck_if_idle(self) -> None:
         """Keep the reported idle-time check current after memory moved while idle."""
-        if not (self.waiting or self.running or self.chunked_req or self.grammar_queue):
+        if self.is_idle():
             self.check_integrity()
 
     def integrity_problems(self) -> tuple[list[Problem], dict[str, Any]]:
